@@ -1,0 +1,134 @@
+//! The fabric: what RDMA gives, on hardware that has none (DESIGN.md, Fabric).
+//!
+//! Protocols talk to other machines only through [`Fabric`]:
+//! - one-sided reads of registered memory ([`Fabric::remote`] resolves a handle once, as FaRM
+//!   threads cache RDMA references, §3);
+//! - one-sided writes that complete asynchronously; completion is the "hardware ack": the bytes
+//!   are in the target's memory. Writes from one endpoint to one target land in order, and one
+//!   write lands in increasing address order, so a crash can leave any prefix;
+//! - unreliable datagrams, for leases.
+//!
+//! A dead or unreachable target makes operations fail, never hang.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::ids::{MachineId, RegionId, ThreadId};
+use crate::nvram::Nvram;
+
+/// A registered memory area of a machine (an RDMA memory region).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub enum MemKey {
+    /// A region replica stored at the machine.
+    Region(RegionId),
+    /// The machine's inbound transaction logs and message queues.
+    Rings,
+    /// Truncation feedback slots: receivers tell this machine, as a sender, how far they freed.
+    Feedback,
+}
+
+/// The sending side of a queue pair: one per (machine, thread).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct Endpoint {
+    /// Sending machine.
+    pub machine: MachineId,
+    /// Sending thread.
+    pub thread: ThreadId,
+}
+
+/// Sequence number of a posted write on its (endpoint, target) link.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+pub struct WriteTicket(pub u64);
+
+/// Where a posted write stands.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum WriteStatus {
+    /// Not acknowledged yet.
+    Pending,
+    /// Acknowledged: the bytes are in the target's memory.
+    Done,
+    /// The target or the sender died first; the write may have landed partly or not at all.
+    Failed,
+}
+
+/// Why a fabric operation failed.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum FabricError {
+    /// The target machine does not answer (dead, or partitioned away).
+    #[error("machine {0} is unreachable")]
+    Unreachable(MachineId),
+    /// The sending machine's own NIC is down (the machine was killed).
+    #[error("machine {0} is down and cannot send")]
+    SenderDown(MachineId),
+    /// The target has no such registered memory.
+    #[error("machine {machine} has no registered memory {key:?}")]
+    NotRegistered {
+        /// Target machine.
+        machine: MachineId,
+        /// Missing area.
+        key: MemKey,
+    },
+    /// The access falls outside the registered area.
+    #[error("access {offset}+{len} outside {key:?} ({size} bytes) at machine {machine}")]
+    OutOfBounds {
+        /// Target machine.
+        machine: MachineId,
+        /// Target area.
+        key: MemKey,
+        /// Start of the access.
+        offset: u64,
+        /// Length of the access.
+        len: usize,
+        /// Size of the area.
+        size: usize,
+    },
+}
+
+/// A resolved one-sided read handle to one registered area of one machine.
+pub trait RemoteMemory: Send + Sync + fmt::Debug {
+    /// One-sided read of `buf.len()` bytes at `offset` (word aligned).
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError>;
+    /// The machine this handle reads from.
+    fn machine(&self) -> MachineId;
+}
+
+impl crate::object::ObjectSource for dyn RemoteMemory {
+    type Error = FabricError;
+    fn read_bytes(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
+        self.read(offset, buf)
+    }
+}
+
+/// The RDMA-like network of the cluster. See the module docs for its guarantees.
+pub trait Fabric: Send + Sync + fmt::Debug {
+    /// Registers `mem` as `key` of `machine` so that peers can read and write it.
+    fn register(&self, machine: MachineId, key: MemKey, mem: Arc<Nvram>);
+
+    /// A handle for one-sided reads of `key` at `dst`, issued by `src`.
+    fn remote(
+        &self,
+        src: MachineId,
+        dst: MachineId,
+        key: MemKey,
+    ) -> Result<Arc<dyn RemoteMemory>, FabricError>;
+
+    /// Posts a one-sided write of `data` to `offset` (word aligned) of `key` at `dst`. The returned
+    /// ticket completes when the bytes are in the target's memory.
+    fn write(
+        &self,
+        src: Endpoint,
+        dst: MachineId,
+        key: MemKey,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<WriteTicket, FabricError>;
+
+    /// Where the write `ticket` from `src` to `dst` stands.
+    fn write_status(&self, src: Endpoint, dst: MachineId, ticket: WriteTicket) -> WriteStatus;
+
+    /// Sends an unreliable datagram; it may be lost or delayed, and sending never blocks.
+    fn send_datagram(&self, src: MachineId, dst: MachineId, data: &[u8], now: u64);
+
+    /// Takes one datagram for `dst` that is due at `now` into `buf`, returning its sender.
+    fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId>;
+}

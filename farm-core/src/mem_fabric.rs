@@ -1,0 +1,493 @@
+//! The `mem` fabric backend: machines live in one process and "remote" memory is the other
+//! machine's mapped NVRAM (DESIGN.md, Fabric, backend 1).
+//!
+//! Besides the normal path (writes land and complete at once), it gives a driver the failures a
+//! real network has:
+//! - [`MemFabric::kill`]: a machine's NIC stops (operations from and to it fail), its memory is
+//!   kept, as NVRAM is;
+//! - datagram loss and delay by a seeded policy;
+//! - held writes: with [`MemFabric::set_hold_writes`], writes queue on their link until the driver
+//!   delivers them one by one ([`MemFabric::deliver_next`]), and a crash of the sender can land
+//!   any prefix of them ([`MemFabric::crash`]), the last one possibly cut at any byte.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::fabric::{
+    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+};
+use crate::ids::{MachineId, ThreadId};
+use crate::nvram::Nvram;
+use crate::rng::Rng;
+
+/// Limits of a [`MemFabric`].
+#[derive(Clone, Copy, Debug)]
+pub struct MemFabricConfig {
+    /// Machines ids are `0..machines_max`.
+    pub machines_max: u16,
+    /// Thread ids are `0..threads_max`.
+    pub threads_max: u16,
+    /// Seed of the datagram loss and delay choices.
+    pub seed: u64,
+    /// Datagrams queued per target before new ones are dropped.
+    pub datagrams_queued_max: usize,
+}
+
+/// Datagram loss and delay.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DatagramPolicy {
+    /// Probability of loss, per million datagrams.
+    pub drop_per_million: u32,
+    /// Each datagram is delayed by a uniform number of ticks in `0..=delay_ticks_max`.
+    pub delay_ticks_max: u64,
+}
+
+#[derive(Debug)]
+struct Machine {
+    alive: Arc<AtomicBool>,
+    areas: RwLock<BTreeMap<MemKey, Arc<Nvram>>>,
+    datagrams: Mutex<VecDeque<Datagram>>,
+}
+
+#[derive(Debug)]
+struct Datagram {
+    src: MachineId,
+    due: u64,
+    data: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct HeldWrite {
+    seq: u64,
+    mem: Arc<Nvram>,
+    offset: u64,
+    data: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct Link {
+    issued: AtomicU64,
+    landed: AtomicU64,
+    /// Writes with a sequence number above this failed (0: none failed).
+    failed_after: AtomicU64,
+    failed: AtomicBool,
+    held: Mutex<VecDeque<HeldWrite>>,
+}
+
+/// The in-process fabric. See the module docs.
+#[derive(Debug)]
+pub struct MemFabric {
+    config: MemFabricConfig,
+    machines: Vec<Machine>,
+    links: Vec<Link>,
+    hold_writes: AtomicBool,
+    policy: Mutex<(DatagramPolicy, Rng)>,
+}
+
+#[derive(Debug)]
+struct MemRemote {
+    dst: MachineId,
+    key: MemKey,
+    mem: Arc<Nvram>,
+    src_alive: Arc<AtomicBool>,
+    dst_alive: Arc<AtomicBool>,
+    src: MachineId,
+}
+
+impl RemoteMemory for MemRemote {
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
+        if !self.src_alive.load(Ordering::Relaxed) {
+            return Err(FabricError::SenderDown(self.src));
+        }
+        if !self.dst_alive.load(Ordering::Relaxed) {
+            return Err(FabricError::Unreachable(self.dst));
+        }
+        check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
+        self.mem.read(offset as usize, buf);
+        Ok(())
+    }
+
+    fn machine(&self) -> MachineId {
+        self.dst
+    }
+}
+
+fn check_bounds(
+    machine: MachineId,
+    key: MemKey,
+    mem: &Nvram,
+    offset: u64,
+    len: usize,
+) -> Result<(), FabricError> {
+    let in_bounds = offset % 8 == 0
+        && offset
+            .checked_add(len as u64)
+            .is_some_and(|end| end <= mem.len() as u64);
+    if in_bounds {
+        Ok(())
+    } else {
+        Err(FabricError::OutOfBounds { machine, key, offset, len, size: mem.len() })
+    }
+}
+
+impl MemFabric {
+    /// A fabric where every machine is alive and nothing is registered yet.
+    pub fn new(config: MemFabricConfig) -> Self {
+        let machines = (0..config.machines_max)
+            .map(|_| Machine {
+                alive: Arc::new(AtomicBool::new(true)),
+                areas: RwLock::new(BTreeMap::new()),
+                datagrams: Mutex::new(VecDeque::new()),
+            })
+            .collect();
+        let n_links =
+            config.machines_max as usize * config.threads_max as usize * config.machines_max as usize;
+        Self {
+            config,
+            machines,
+            links: (0..n_links).map(|_| Link::default()).collect(),
+            hold_writes: AtomicBool::new(false),
+            policy: Mutex::new((DatagramPolicy::default(), Rng::new(config.seed))),
+        }
+    }
+
+    fn machine(&self, id: MachineId) -> Result<&Machine, FabricError> {
+        self.machines.get(id.0 as usize).ok_or(FabricError::Unreachable(id))
+    }
+
+    fn link(&self, src: Endpoint, dst: MachineId) -> &Link {
+        let c = &self.config;
+        assert!(
+            src.machine.0 < c.machines_max && src.thread.0 < c.threads_max && dst.0 < c.machines_max,
+            "link {src:?} -> {dst} outside the fabric's limits"
+        );
+        let idx = (src.machine.0 as usize * c.threads_max as usize + src.thread.0 as usize)
+            * c.machines_max as usize
+            + dst.0 as usize;
+        &self.links[idx]
+    }
+
+    fn area(&self, machine: MachineId, key: MemKey) -> Result<Arc<Nvram>, FabricError> {
+        let m = self.machine(machine)?;
+        let areas = m.areas.read().expect("fabric lock poisoned");
+        areas.get(&key).cloned().ok_or(FabricError::NotRegistered { machine, key })
+    }
+
+    /// Stops `machine`'s NIC: its operations and operations to it fail from now on. Writes held
+    /// on links from or to it fail without landing; use [`MemFabric::crash`] to land a prefix first.
+    pub fn kill(&self, machine: MachineId) {
+        self.machines[machine.0 as usize].alive.store(false, Ordering::SeqCst);
+        for src_m in 0..self.config.machines_max {
+            for t in 0..self.config.threads_max {
+                let src = Endpoint { machine: MachineId(src_m), thread: ThreadId(t) };
+                for dst in 0..self.config.machines_max {
+                    if src_m == machine.0 || dst == machine.0 {
+                        self.fail_link(src, MachineId(dst));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether `machine`'s NIC is up.
+    pub fn is_alive(&self, machine: MachineId) -> bool {
+        self.machines[machine.0 as usize].alive.load(Ordering::SeqCst)
+    }
+
+    fn fail_link(&self, src: Endpoint, dst: MachineId) {
+        let link = self.link(src, dst);
+        let mut held = link.held.lock().expect("fabric lock poisoned");
+        if held.is_empty() && link.landed.load(Ordering::SeqCst) == link.issued.load(Ordering::SeqCst)
+        {
+            return;
+        }
+        held.clear();
+        link.failed_after.store(link.landed.load(Ordering::SeqCst), Ordering::SeqCst);
+        link.failed.store(true, Ordering::SeqCst);
+    }
+
+    /// Crashes `machine` the way a power failure mid-transfer does: on every link from it, a
+    /// prefix of the held writes lands (chosen by `rng`), the next one possibly cut at any byte;
+    /// then the machine is killed.
+    pub fn crash(&self, machine: MachineId, rng: &mut Rng) {
+        for t in 0..self.config.threads_max {
+            let src = Endpoint { machine, thread: ThreadId(t) };
+            for dst in 0..self.config.machines_max {
+                let link = self.link(src, MachineId(dst));
+                let mut held = link.held.lock().expect("fabric lock poisoned");
+                let land = rng.below(held.len() as u64 + 1) as usize;
+                for _ in 0..land {
+                    let w = held.pop_front().expect("counted");
+                    w.mem.write(w.offset as usize, &w.data);
+                    link.landed.store(w.seq, Ordering::SeqCst);
+                }
+                if let Some(w) = held.front() {
+                    let cut = rng.below(w.data.len() as u64 + 1) as usize;
+                    if cut > 0 {
+                        w.mem.write(w.offset as usize, &w.data[..cut]);
+                    }
+                }
+            }
+        }
+        self.kill(machine);
+    }
+
+    /// Holds every later write on its link until [`MemFabric::deliver_next`] (the simulator's
+    /// mode), or, when `false`, lets writes land at once (held ones must be delivered first).
+    pub fn set_hold_writes(&self, hold: bool) {
+        self.hold_writes.store(hold, Ordering::SeqCst);
+    }
+
+    /// Links that have held writes, as (sender, target, count), in a fixed order.
+    pub fn held_links(&self) -> Vec<(Endpoint, MachineId, usize)> {
+        let mut out = Vec::new();
+        for m in 0..self.config.machines_max {
+            for t in 0..self.config.threads_max {
+                let src = Endpoint { machine: MachineId(m), thread: ThreadId(t) };
+                for dst in 0..self.config.machines_max {
+                    let n = self.link(src, MachineId(dst)).held.lock().expect("poisoned").len();
+                    if n > 0 {
+                        out.push((src, MachineId(dst), n));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Lands the oldest held write from `src` to `dst`; returns whether there was one.
+    pub fn deliver_next(&self, src: Endpoint, dst: MachineId) -> bool {
+        let link = self.link(src, dst);
+        let mut held = link.held.lock().expect("fabric lock poisoned");
+        match held.pop_front() {
+            Some(w) => {
+                w.mem.write(w.offset as usize, &w.data);
+                link.landed.store(w.seq, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Lands every held write, in order.
+    pub fn deliver_all(&self) {
+        for (src, dst, _) in self.held_links() {
+            while self.deliver_next(src, dst) {}
+        }
+    }
+
+    /// Sets datagram loss and delay.
+    pub fn set_datagram_policy(&self, policy: DatagramPolicy) {
+        self.policy.lock().expect("poisoned").0 = policy;
+    }
+}
+
+impl Fabric for MemFabric {
+    fn register(&self, machine: MachineId, key: MemKey, mem: Arc<Nvram>) {
+        let m = &self.machines[machine.0 as usize];
+        m.areas.write().expect("fabric lock poisoned").insert(key, mem);
+    }
+
+    fn remote(
+        &self,
+        src: MachineId,
+        dst: MachineId,
+        key: MemKey,
+    ) -> Result<Arc<dyn RemoteMemory>, FabricError> {
+        let mem = self.area(dst, key)?;
+        Ok(Arc::new(MemRemote {
+            dst,
+            key,
+            mem,
+            src_alive: self.machine(src)?.alive.clone(),
+            dst_alive: self.machine(dst)?.alive.clone(),
+            src,
+        }))
+    }
+
+    fn write(
+        &self,
+        src: Endpoint,
+        dst: MachineId,
+        key: MemKey,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<WriteTicket, FabricError> {
+        if !self.machine(src.machine)?.alive.load(Ordering::SeqCst) {
+            return Err(FabricError::SenderDown(src.machine));
+        }
+        if !self.machine(dst)?.alive.load(Ordering::SeqCst) {
+            return Err(FabricError::Unreachable(dst));
+        }
+        let mem = self.area(dst, key)?;
+        check_bounds(dst, key, &mem, offset, data.len())?;
+        let link = self.link(src, dst);
+        let seq = link.issued.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.hold_writes.load(Ordering::SeqCst) {
+            let mut held = link.held.lock().expect("fabric lock poisoned");
+            held.push_back(HeldWrite { seq, mem, offset, data: data.to_vec() });
+        } else {
+            mem.write(offset as usize, data);
+            link.landed.store(seq, Ordering::SeqCst);
+        }
+        Ok(WriteTicket(seq))
+    }
+
+    fn write_status(&self, src: Endpoint, dst: MachineId, ticket: WriteTicket) -> WriteStatus {
+        let link = self.link(src, dst);
+        if link.landed.load(Ordering::SeqCst) >= ticket.0 {
+            WriteStatus::Done
+        } else if link.failed.load(Ordering::SeqCst)
+            && ticket.0 > link.failed_after.load(Ordering::SeqCst)
+        {
+            WriteStatus::Failed
+        } else {
+            WriteStatus::Pending
+        }
+    }
+
+    fn send_datagram(&self, src: MachineId, dst: MachineId, data: &[u8], now: u64) {
+        let (Ok(s), Ok(d)) = (self.machine(src), self.machine(dst)) else { return };
+        if !s.alive.load(Ordering::SeqCst) || !d.alive.load(Ordering::SeqCst) {
+            return;
+        }
+        let delay = {
+            let mut guard = self.policy.lock().expect("poisoned");
+            let (policy, rng) = &mut *guard;
+            if rng.chance(policy.drop_per_million) {
+                return;
+            }
+            if policy.delay_ticks_max > 0 { rng.below(policy.delay_ticks_max + 1) } else { 0 }
+        };
+        let mut q = d.datagrams.lock().expect("poisoned");
+        if q.len() < self.config.datagrams_queued_max {
+            q.push_back(Datagram { src, due: now + delay, data: data.to_vec() });
+        }
+    }
+
+    fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let d = self.machine(dst).ok()?;
+        if !d.alive.load(Ordering::SeqCst) {
+            return None;
+        }
+        let mut q = d.datagrams.lock().expect("poisoned");
+        let at = q.iter().position(|g| g.due <= now)?;
+        let g = q.remove(at).expect("found");
+        buf.clear();
+        buf.extend_from_slice(&g.data);
+        Some(g.src)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fabric() -> MemFabric {
+        MemFabric::new(MemFabricConfig { machines_max: 3, threads_max: 2, seed: 1, datagrams_queued_max: 16 })
+    }
+
+    fn ep(m: u16) -> Endpoint {
+        Endpoint { machine: MachineId(m), thread: ThreadId(0) }
+    }
+
+    #[test]
+    fn one_sided_write_then_read() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let t = f.write(ep(0), MachineId(1), MemKey::Rings, 8, b"abcdefgh").unwrap();
+        assert_eq!(f.write_status(ep(0), MachineId(1), t), WriteStatus::Done);
+        let r = f.remote(MachineId(2), MachineId(1), MemKey::Rings).unwrap();
+        let mut buf = [0u8; 8];
+        r.read(8, &mut buf).unwrap();
+        assert_eq!(&buf, b"abcdefgh");
+        assert!(matches!(r.read(64, &mut buf), Err(FabricError::OutOfBounds { .. })));
+        assert!(matches!(
+            f.remote(MachineId(0), MachineId(1), MemKey::Feedback),
+            Err(FabricError::NotRegistered { .. })
+        ));
+    }
+
+    #[test]
+    fn dead_machines_fail_operations_instead_of_hanging() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
+        f.kill(MachineId(1));
+        let mut buf = [0u8; 8];
+        assert_eq!(r.read(0, &mut buf), Err(FabricError::Unreachable(MachineId(1))));
+        assert_eq!(
+            f.write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8]),
+            Err(FabricError::Unreachable(MachineId(1)))
+        );
+        assert_eq!(
+            f.write(ep(1), MachineId(0), MemKey::Rings, 0, &[1; 8]),
+            Err(FabricError::SenderDown(MachineId(1)))
+        );
+    }
+
+    #[test]
+    fn held_writes_land_in_order_and_fail_when_target_dies() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        f.set_hold_writes(true);
+        let a = f.write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8]).unwrap();
+        let b = f.write(ep(0), MachineId(1), MemKey::Rings, 8, &[2; 8]).unwrap();
+        assert_eq!(f.write_status(ep(0), MachineId(1), a), WriteStatus::Pending);
+        assert_eq!(mem.load_u64(0, Ordering::SeqCst), 0);
+        assert!(f.deliver_next(ep(0), MachineId(1)));
+        assert_eq!(f.write_status(ep(0), MachineId(1), a), WriteStatus::Done);
+        assert_eq!(f.write_status(ep(0), MachineId(1), b), WriteStatus::Pending);
+        f.kill(MachineId(1));
+        assert_eq!(f.write_status(ep(0), MachineId(1), b), WriteStatus::Failed);
+        assert_eq!(mem.load_u64(8, Ordering::SeqCst), 0, "a failed write never lands");
+    }
+
+    #[test]
+    fn crash_lands_a_prefix_of_held_writes() {
+        for seed in 0..50 {
+            let f = fabric();
+            let mem = Arc::new(Nvram::anonymous(64).unwrap());
+            f.register(MachineId(1), MemKey::Rings, mem.clone());
+            f.set_hold_writes(true);
+            for i in 0..4u8 {
+                f.write(ep(0), MachineId(1), MemKey::Rings, i as u64 * 8, &[i + 1; 8]).unwrap();
+            }
+            f.crash(MachineId(0), &mut Rng::new(seed));
+            let mut bytes = [0u8; 32];
+            mem.read(0, &mut bytes);
+            // Landed bytes form a prefix of the concatenated writes.
+            let expected: Vec<u8> = (0..4u8).flat_map(|i| [i + 1; 8]).collect();
+            let landed = bytes.iter().take_while(|b| **b != 0).count();
+            assert_eq!(&bytes[..landed], &expected[..landed], "seed {seed}");
+            assert!(bytes[landed..].iter().all(|b| *b == 0), "seed {seed}: not a prefix");
+        }
+    }
+
+    #[test]
+    fn datagrams_can_be_dropped_and_delayed() {
+        let f = fabric();
+        f.send_datagram(MachineId(0), MachineId(1), b"hi", 0);
+        let mut buf = Vec::new();
+        assert_eq!(f.recv_datagram(MachineId(1), 0, &mut buf), Some(MachineId(0)));
+        assert_eq!(buf, b"hi");
+        f.set_datagram_policy(DatagramPolicy { drop_per_million: 1_000_000, delay_ticks_max: 0 });
+        f.send_datagram(MachineId(0), MachineId(1), b"lost", 0);
+        assert_eq!(f.recv_datagram(MachineId(1), 100, &mut buf), None);
+        f.set_datagram_policy(DatagramPolicy { drop_per_million: 0, delay_ticks_max: 10 });
+        for _ in 0..20 {
+            f.send_datagram(MachineId(0), MachineId(1), b"late", 5);
+        }
+        let mut got = 0;
+        for now in 5..=15 {
+            while f.recv_datagram(MachineId(1), now, &mut buf).is_some() {
+                got += 1;
+            }
+        }
+        assert_eq!(got, 16, "the queue holds datagrams_queued_max, later ones are dropped");
+    }
+}

@@ -1,0 +1,246 @@
+//! Non-volatile memory: the one module of the workspace that touches raw memory.
+//!
+//! An [`Nvram`] is a word-aligned area backed by a memory-mapped file under an NVRAM directory
+//! (sparse; it survives the process, as battery-backed DRAM survives a power loss in FaRM §2) or by
+//! anonymous memory when no directory is given. Other machines write into it through the fabric
+//! while local workers read it, so nothing here ever hands out `&[u8]` or `&mut [u8]` to its
+//! contents: every access is a copy through atomic words, and callers check versions and
+//! checksums on what they copied out (STYLE.md, "Memory and unsafe").
+//!
+//! Ordering contract, which the object layer's seqlock reads and the ring buffers' trailers rely
+//! on:
+//! - [`Nvram::read`] loads every word with `Acquire`;
+//! - [`Nvram::write`] stores words in increasing address order, `Relaxed` except the last word,
+//!   which is stored with `Release`, so a reader that sees the last word of a write also sees the
+//!   rest of it.
+
+use std::fs::OpenOptions;
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::{MmapMut, MmapOptions};
+
+/// Word size of every NVRAM access.
+pub const WORD_BYTES: usize = 8;
+
+/// A mapped NVRAM area. Cloning is by `Arc`; the mapping lives as long as its last holder.
+pub struct Nvram {
+    // Kept for its `Drop` (unmap); all access goes through `base`.
+    _map: MmapMut,
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is only accessed through atomic operations on aligned words (see `word`),
+// so concurrent access from many threads is free of data races; the pointer stays valid as long
+// as `_map` lives, which is as long as `self`.
+unsafe impl Send for Nvram {}
+// SAFETY: as for `Send`: shared access is only ever atomic.
+unsafe impl Sync for Nvram {}
+
+impl std::fmt::Debug for Nvram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nvram").field("len", &self.len).finish()
+    }
+}
+
+impl Nvram {
+    /// Zeroed anonymous memory of `len` bytes (rounded up to a word). Pages are allocated lazily,
+    /// so a large region costs only what is touched.
+    pub fn anonymous(len: usize) -> io::Result<Self> {
+        let len = round_up(len.max(WORD_BYTES), WORD_BYTES);
+        let mut map = MmapOptions::new().len(len).map_anon()?;
+        let base = map.as_mut_ptr();
+        Ok(Self { _map: map, base, len })
+    }
+
+    /// Maps `path` as `len` bytes, creating a sparse zeroed file if it does not exist. An existing
+    /// file keeps its contents (this is how a restarted machine finds its NVRAM again); it must
+    /// have exactly `len` bytes.
+    pub fn file(path: &Path, len: usize) -> io::Result<Self> {
+        let len = round_up(len.max(WORD_BYTES), WORD_BYTES);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        let existing = file.metadata()?.len();
+        if existing == 0 {
+            file.set_len(len as u64)?;
+        } else if existing != len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "NVRAM file {} has {existing} bytes, expected {len}",
+                    path.display()
+                ),
+            ));
+        }
+        // SAFETY: the file is ours (created under the NVRAM directory of this machine); other
+        // processes that map it follow the same atomic-access discipline, so the usual hazard of
+        // a file changing under a mapping is the intended shared-memory semantics here.
+        let mut map = unsafe { MmapOptions::new().len(len).map_mut(&file)? };
+        let base = map.as_mut_ptr();
+        Ok(Self { _map: map, base, len })
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the area is empty (never, by construction; for clippy's sake).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The atomic word at `offset`.
+    ///
+    /// Panics when `offset` is unaligned or the word is out of bounds: a caller that computes a
+    /// bad offset has a bug.
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        assert!(
+            offset % WORD_BYTES == 0 && offset + WORD_BYTES <= self.len,
+            "NVRAM access at {offset} outside 0..{} or unaligned",
+            self.len
+        );
+        // SAFETY: `offset` is in bounds and 8-aligned (checked above; the mapping is page
+        // aligned), the mapping lives as long as `&self`, and every access to this memory is
+        // atomic, so creating a shared reference to an `AtomicU64` there is sound.
+        unsafe { &*(self.base.add(offset) as *const AtomicU64) }
+    }
+
+    /// Loads the word at `offset`.
+    pub fn load_u64(&self, offset: usize, order: Ordering) -> u64 {
+        self.word(offset).load(order)
+    }
+
+    /// Stores the word at `offset`.
+    pub fn store_u64(&self, offset: usize, value: u64, order: Ordering) {
+        self.word(offset).store(value, order)
+    }
+
+    /// Compare-and-swap of the word at `offset` (`AcqRel`). Returns the previous value in `Ok` on
+    /// success and the current value in `Err` on failure.
+    pub fn cas_u64(&self, offset: usize, current: u64, new: u64) -> Result<u64, u64> {
+        self.word(offset)
+            .compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+    }
+
+    /// Copies `buf.len()` bytes starting at the word-aligned `offset` into `buf`, loading whole
+    /// words with `Acquire`.
+    pub fn read(&self, offset: usize, buf: &mut [u8]) {
+        self.check_range(offset, buf.len());
+        let mut chunks = buf.chunks_mut(WORD_BYTES);
+        let mut at = offset;
+        for chunk in &mut chunks {
+            let word = self.word(at).load(Ordering::Acquire).to_le_bytes();
+            chunk.copy_from_slice(&word[..chunk.len()]);
+            at += WORD_BYTES;
+        }
+    }
+
+    /// Copies `data` to the word-aligned `offset`, in increasing address order; the last word is
+    /// stored with `Release`. A partial last word is merged with a compare-and-swap so that the
+    /// bytes after the write keep their value.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        self.check_range(offset, data.len());
+        let n = data.len().div_ceil(WORD_BYTES);
+        for (i, chunk) in data.chunks(WORD_BYTES).enumerate() {
+            let order = if i + 1 == n { Ordering::Release } else { Ordering::Relaxed };
+            let word = self.word(offset + i * WORD_BYTES);
+            if chunk.len() == WORD_BYTES {
+                word.store(u64::from_le_bytes(chunk.try_into().expect("8 bytes")), order);
+            } else {
+                let mask = (1u64 << (8 * chunk.len())) - 1;
+                let mut bytes = [0u8; WORD_BYTES];
+                bytes[..chunk.len()].copy_from_slice(chunk);
+                let value = u64::from_le_bytes(bytes);
+                let _ = word.fetch_update(order, Ordering::Relaxed, |old| {
+                    Some((old & !mask) | value)
+                });
+            }
+        }
+    }
+
+    /// Zeroes `len` bytes (a whole number of words) at the word-aligned `offset`.
+    pub fn zero(&self, offset: usize, len: usize) {
+        self.check_range(offset, len);
+        assert!(len % WORD_BYTES == 0, "zeroing a partial word ({len} bytes)");
+        for at in (offset..offset + len).step_by(WORD_BYTES) {
+            self.word(at).store(0, Ordering::Relaxed);
+        }
+        std::sync::atomic::fence(Ordering::Release);
+    }
+
+    fn check_range(&self, offset: usize, len: usize) {
+        assert!(
+            offset % WORD_BYTES == 0 && offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "NVRAM range {offset}+{len} outside 0..{} or unaligned",
+            self.len
+        );
+    }
+}
+
+/// Rounds `n` up to a multiple of `to` (a power of two).
+pub const fn round_up(n: usize, to: usize) -> usize {
+    (n + to - 1) & !(to - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anonymous_memory_starts_zeroed_and_round_trips() {
+        let nv = Nvram::anonymous(100).unwrap();
+        assert_eq!(nv.len(), 104);
+        let mut buf = [0xffu8; 13];
+        nv.read(8, &mut buf);
+        assert_eq!(buf, [0u8; 13]);
+        let data: Vec<u8> = (1..=13).collect();
+        nv.write(8, &data);
+        nv.read(8, &mut buf);
+        assert_eq!(&buf[..], &data[..]);
+    }
+
+    #[test]
+    fn partial_word_write_keeps_following_bytes() {
+        let nv = Nvram::anonymous(64).unwrap();
+        nv.store_u64(0, u64::MAX, Ordering::Relaxed);
+        nv.write(0, &[1, 2, 3]);
+        assert_eq!(nv.load_u64(0, Ordering::Relaxed), u64::from_le_bytes([1, 2, 3, 255, 255, 255, 255, 255]));
+    }
+
+    #[test]
+    fn cas_reports_current_value_on_failure() {
+        let nv = Nvram::anonymous(64).unwrap();
+        assert_eq!(nv.cas_u64(16, 0, 5), Ok(0));
+        assert_eq!(nv.cas_u64(16, 0, 6), Err(5));
+    }
+
+    #[test]
+    #[should_panic(expected = "outside")]
+    fn out_of_bounds_access_panics() {
+        let nv = Nvram::anonymous(64).unwrap();
+        nv.write(60, &[0; 8]);
+    }
+
+    #[test]
+    fn file_backed_memory_survives_remapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        {
+            let nv = Nvram::file(&path, 4096).unwrap();
+            nv.write(64, b"persist!");
+        }
+        let nv = Nvram::file(&path, 4096).unwrap();
+        let mut buf = [0u8; 8];
+        nv.read(64, &mut buf);
+        assert_eq!(&buf, b"persist!");
+        let err = Nvram::file(&path, 8192).unwrap_err();
+        assert!(err.to_string().contains("expected 8192"), "{err}");
+    }
+}

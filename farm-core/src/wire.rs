@@ -1,0 +1,522 @@
+//! Wire records of the normal-case protocol (FaRM Tables 1 and 2) in a versioned encoding.
+//!
+//! Log records (LOCK, COMMIT-BACKUP, COMMIT-PRIMARY, ABORT, TRUNCATE) go to transaction logs and
+//! carry the piggybacked truncation state of their sender: a low bound below which all of the
+//! sender thread's transactions are truncated, and explicit ids above it. Messages (LOCK-REPLY,
+//! VALIDATE, VALIDATE-REPLY) go to message queues.
+//!
+//! Every record starts with [`WIRE_VERSION`] and a kind byte; all integers are little-endian.
+//! Decoding bytes that came from elsewhere returns a [`WireError`] on malformed input and never
+//! panics.
+
+use crate::ids::{Addr, ConfigId, MachineId, RegionId, ThreadId, TxnId};
+use crate::object::Header;
+
+/// Encoding version written first in every record.
+pub const WIRE_VERSION: u8 = 1;
+/// Largest encoded record (payload before framing).
+pub const RECORD_BYTES_MAX: usize = 60 * 1024;
+/// Most explicit truncation ids piggybacked on one record.
+pub const TRUNCATED_IDS_MAX: usize = 64;
+/// Most object bytes in one write entry.
+pub const OBJECT_BYTES_MAX: usize = 16 * 1024;
+
+/// Why bytes did not decode.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum WireError {
+    /// Fewer bytes than the record needs.
+    #[error("record truncated: needed {needed} bytes at offset {at}, have {have}")]
+    Truncated {
+        /// Offset of the field.
+        at: usize,
+        /// Bytes the field needs.
+        needed: usize,
+        /// Bytes available.
+        have: usize,
+    },
+    /// A version this build does not speak.
+    #[error("unsupported wire version {0} (this build speaks {WIRE_VERSION})")]
+    Version(u8),
+    /// An unknown record kind.
+    #[error("unknown {what} kind {kind}")]
+    Kind {
+        /// Log record or message.
+        what: &'static str,
+        /// The kind byte.
+        kind: u8,
+    },
+    /// A field out of its allowed range.
+    #[error("invalid {field}: {value}")]
+    Invalid {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+    },
+}
+
+/// One written object: where, the header the transaction read (the lock is taken at it), whether
+/// the object is allocated after the commit (allocation sets the bit, free clears it, §5.5), and
+/// the new payload.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct WriteEntry {
+    /// The object.
+    pub addr: Addr,
+    /// Header read during execution.
+    pub read: Header,
+    /// Allocated bit after commit.
+    pub allocated: bool,
+    /// New payload (empty for a free).
+    pub data: Vec<u8>,
+}
+
+/// Payload of LOCK and COMMIT-BACKUP (Table 1): all regions written by the transaction, and the
+/// writes the destination is primary (or backup) for.
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub struct WriteSet {
+    /// Every region with objects written by the transaction (for recovery, §5.3).
+    pub regions: Vec<RegionId>,
+    /// Written objects at the destination.
+    pub writes: Vec<WriteEntry>,
+}
+
+/// The body of a log record.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum LogBody {
+    /// Lock the writes at the primary and answer with LOCK-REPLY.
+    Lock(WriteSet),
+    /// Keep the writes at a backup until truncation.
+    CommitBackup(WriteSet),
+    /// Apply the locked writes in place and unlock.
+    CommitPrimary,
+    /// Release the locks taken for the transaction.
+    Abort,
+    /// Only the piggybacked truncation state.
+    Truncate,
+}
+
+/// A transaction log record.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct LogRecord {
+    /// The transaction the body is about (for TRUNCATE, the sender's newest).
+    pub txn: TxnId,
+    /// Every transaction of the sender thread with a local counter below this is truncated.
+    pub truncate_below: u64,
+    /// Further truncated transactions (local counters) of the sender thread.
+    pub truncated: Vec<u64>,
+    /// What to do.
+    pub body: LogBody,
+}
+
+/// A message-queue record.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Message {
+    /// Whether all locks of a LOCK record were taken.
+    LockReply {
+        /// The transaction.
+        txn: TxnId,
+        /// All locks taken.
+        ok: bool,
+    },
+    /// Read validation over RPC, for a primary holding more than `tr` read objects (§4).
+    Validate {
+        /// The transaction.
+        txn: TxnId,
+        /// Objects read from the destination and the headers seen.
+        reads: Vec<(Addr, Header)>,
+    },
+    /// Whether every object of a VALIDATE still has the header read.
+    ValidateReply {
+        /// The transaction.
+        txn: TxnId,
+        /// Validation succeeded.
+        ok: bool,
+    },
+}
+
+const LOG_LOCK: u8 = 1;
+const LOG_COMMIT_BACKUP: u8 = 2;
+const LOG_COMMIT_PRIMARY: u8 = 3;
+const LOG_ABORT: u8 = 4;
+const LOG_TRUNCATE: u8 = 5;
+const MSG_LOCK_REPLY: u8 = 16;
+const MSG_VALIDATE: u8 = 17;
+const MSG_VALIDATE_REPLY: u8 = 18;
+
+fn put_txn(out: &mut Vec<u8>, t: TxnId) {
+    out.extend_from_slice(&t.config.0.to_le_bytes());
+    out.extend_from_slice(&t.machine.0.to_le_bytes());
+    out.extend_from_slice(&t.thread.0.to_le_bytes());
+    out.extend_from_slice(&t.local.to_le_bytes());
+}
+
+fn put_addr(out: &mut Vec<u8>, a: Addr) {
+    out.extend_from_slice(&a.region.0.to_le_bytes());
+    out.extend_from_slice(&a.offset.to_le_bytes());
+}
+
+fn put_write_set(out: &mut Vec<u8>, ws: &WriteSet) {
+    out.extend_from_slice(&(ws.regions.len() as u32).to_le_bytes());
+    for r in &ws.regions {
+        out.extend_from_slice(&r.0.to_le_bytes());
+    }
+    out.extend_from_slice(&(ws.writes.len() as u32).to_le_bytes());
+    for w in &ws.writes {
+        put_addr(out, w.addr);
+        out.extend_from_slice(&w.read.0.to_le_bytes());
+        out.push(w.allocated as u8);
+        out.extend_from_slice(&(w.data.len() as u32).to_le_bytes());
+        out.extend_from_slice(&w.data);
+    }
+}
+
+/// Encoded size of a write set, for reservations before encoding.
+pub fn write_set_bytes(regions: usize, writes: impl Iterator<Item = usize>) -> usize {
+    8 + 4 * regions + writes.map(|data| 8 + 8 + 1 + 4 + data).sum::<usize>()
+}
+
+/// Encoded size of a log record header with `truncated` explicit ids.
+pub const fn log_header_bytes(truncated: usize) -> usize {
+    2 + 20 + 8 + 2 + 8 * truncated
+}
+
+impl LogRecord {
+    /// Appends the encoding to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        assert!(self.truncated.len() <= TRUNCATED_IDS_MAX, "too many piggybacked truncations");
+        out.push(WIRE_VERSION);
+        out.push(match self.body {
+            LogBody::Lock(_) => LOG_LOCK,
+            LogBody::CommitBackup(_) => LOG_COMMIT_BACKUP,
+            LogBody::CommitPrimary => LOG_COMMIT_PRIMARY,
+            LogBody::Abort => LOG_ABORT,
+            LogBody::Truncate => LOG_TRUNCATE,
+        });
+        put_txn(out, self.txn);
+        out.extend_from_slice(&self.truncate_below.to_le_bytes());
+        out.extend_from_slice(&(self.truncated.len() as u16).to_le_bytes());
+        for t in &self.truncated {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+        if let LogBody::Lock(ws) | LogBody::CommitBackup(ws) = &self.body {
+            put_write_set(out, ws);
+        }
+    }
+
+    /// Decodes one record; trailing zero padding is allowed, anything else left over is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader { bytes, at: 0 };
+        let kind = r.header()?;
+        let txn = r.txn()?;
+        let truncate_below = r.u64()?;
+        let n = r.u16()? as usize;
+        if n > TRUNCATED_IDS_MAX {
+            return Err(WireError::Invalid { field: "truncated id count", value: n as u64 });
+        }
+        let mut truncated = Vec::with_capacity(n);
+        for _ in 0..n {
+            truncated.push(r.u64()?);
+        }
+        let body = match kind {
+            LOG_LOCK => LogBody::Lock(r.write_set()?),
+            LOG_COMMIT_BACKUP => LogBody::CommitBackup(r.write_set()?),
+            LOG_COMMIT_PRIMARY => LogBody::CommitPrimary,
+            LOG_ABORT => LogBody::Abort,
+            LOG_TRUNCATE => LogBody::Truncate,
+            kind => return Err(WireError::Kind { what: "log record", kind }),
+        };
+        r.finish()?;
+        Ok(Self { txn, truncate_below, truncated, body })
+    }
+}
+
+impl Message {
+    /// Appends the encoding to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.push(WIRE_VERSION);
+        match self {
+            Message::LockReply { txn, ok } | Message::ValidateReply { txn, ok } => {
+                out.push(if matches!(self, Message::LockReply { .. }) {
+                    MSG_LOCK_REPLY
+                } else {
+                    MSG_VALIDATE_REPLY
+                });
+                put_txn(out, *txn);
+                out.push(*ok as u8);
+            }
+            Message::Validate { txn, reads } => {
+                out.push(MSG_VALIDATE);
+                put_txn(out, *txn);
+                out.extend_from_slice(&(reads.len() as u32).to_le_bytes());
+                for (a, h) in reads {
+                    put_addr(out, *a);
+                    out.extend_from_slice(&h.0.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Decodes one message; see [`LogRecord::decode`].
+    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader { bytes, at: 0 };
+        let kind = r.header()?;
+        let msg = match kind {
+            MSG_LOCK_REPLY | MSG_VALIDATE_REPLY => {
+                let txn = r.txn()?;
+                let ok = r.bool("ok")?;
+                if kind == MSG_LOCK_REPLY {
+                    Message::LockReply { txn, ok }
+                } else {
+                    Message::ValidateReply { txn, ok }
+                }
+            }
+            MSG_VALIDATE => {
+                let txn = r.txn()?;
+                let n = r.count(16, "validate count")?;
+                let mut reads = Vec::with_capacity(n);
+                for _ in 0..n {
+                    reads.push((r.addr()?, Header(r.u64()?)));
+                }
+                Message::Validate { txn, reads }
+            }
+            kind => return Err(WireError::Kind { what: "message", kind }),
+        };
+        r.finish()?;
+        Ok(msg)
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        let have = self.bytes.len() - self.at;
+        if n > have {
+            return Err(WireError::Truncated { at: self.at, needed: n, have });
+        }
+        let s = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+    }
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+
+    fn bool(&mut self, field: &'static str) -> Result<bool, WireError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(WireError::Invalid { field, value: v as u64 }),
+        }
+    }
+
+    /// A count of items of at least `item_bytes` each, checked against what is left so that a
+    /// hostile count cannot make us allocate.
+    fn count(&mut self, item_bytes: usize, field: &'static str) -> Result<usize, WireError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(item_bytes) > self.bytes.len() - self.at {
+            return Err(WireError::Invalid { field, value: n as u64 });
+        }
+        Ok(n)
+    }
+
+    fn header(&mut self) -> Result<u8, WireError> {
+        let v = self.u8()?;
+        if v != WIRE_VERSION {
+            return Err(WireError::Version(v));
+        }
+        self.u8()
+    }
+
+    fn txn(&mut self) -> Result<TxnId, WireError> {
+        Ok(TxnId {
+            config: ConfigId(self.u64()?),
+            machine: MachineId(self.u16()?),
+            thread: ThreadId(self.u16()?),
+            local: self.u64()?,
+        })
+    }
+
+    fn addr(&mut self) -> Result<Addr, WireError> {
+        Ok(Addr { region: RegionId(self.u32()?), offset: self.u32()? })
+    }
+
+    fn write_set(&mut self) -> Result<WriteSet, WireError> {
+        let n = self.count(4, "region count")?;
+        let mut regions = Vec::with_capacity(n);
+        for _ in 0..n {
+            regions.push(RegionId(self.u32()?));
+        }
+        let n = self.count(21, "write count")?;
+        let mut writes = Vec::with_capacity(n);
+        for _ in 0..n {
+            let addr = self.addr()?;
+            let read = Header(self.u64()?);
+            if read.locked() {
+                return Err(WireError::Invalid { field: "read header (locked)", value: read.0 });
+            }
+            let allocated = self.bool("allocated")?;
+            let len = self.u32()? as usize;
+            if len > OBJECT_BYTES_MAX {
+                return Err(WireError::Invalid { field: "object length", value: len as u64 });
+            }
+            let data = self.take(len)?.to_vec();
+            writes.push(WriteEntry { addr, read, allocated, data });
+        }
+        Ok(WriteSet { regions, writes })
+    }
+
+    fn finish(&self) -> Result<(), WireError> {
+        match self.bytes[self.at..].iter().position(|b| *b != 0) {
+            None => Ok(()),
+            Some(i) => Err(WireError::Invalid {
+                field: "trailing byte offset",
+                value: (self.at + i) as u64,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::Version;
+    use crate::rng::Rng;
+
+    fn txn() -> TxnId {
+        TxnId { config: ConfigId(3), machine: MachineId(1), thread: ThreadId(2), local: 77 }
+    }
+
+    fn lock_record() -> LogRecord {
+        LogRecord {
+            txn: txn(),
+            truncate_below: 70,
+            truncated: vec![72, 75],
+            body: LogBody::Lock(WriteSet {
+                regions: vec![RegionId(1), RegionId(4)],
+                writes: vec![
+                    WriteEntry {
+                        addr: Addr::new(RegionId(1), 64),
+                        read: Header::new(Version(5), true),
+                        allocated: true,
+                        data: vec![1, 2, 3],
+                    },
+                    WriteEntry {
+                        addr: Addr::new(RegionId(4), 128),
+                        read: Header::new(Version(0), false),
+                        allocated: false,
+                        data: vec![],
+                    },
+                ],
+            }),
+        }
+    }
+
+    #[test]
+    fn every_record_round_trips() {
+        let mut records = vec![lock_record()];
+        let mut cb = lock_record();
+        if let LogBody::Lock(ws) = cb.body {
+            cb.body = LogBody::CommitBackup(ws);
+        }
+        records.push(cb);
+        for body in [LogBody::CommitPrimary, LogBody::Abort, LogBody::Truncate] {
+            records.push(LogRecord { txn: txn(), truncate_below: 0, truncated: vec![], body });
+        }
+        for rec in records {
+            let mut buf = Vec::new();
+            rec.encode(&mut buf);
+            buf.extend_from_slice(&[0, 0, 0]); // ring padding
+            assert_eq!(LogRecord::decode(&buf).unwrap(), rec);
+        }
+        let msgs = [
+            Message::LockReply { txn: txn(), ok: true },
+            Message::ValidateReply { txn: txn(), ok: false },
+            Message::Validate {
+                txn: txn(),
+                reads: vec![(Addr::new(RegionId(9), 8), Header::new(Version(1), true))],
+            },
+        ];
+        for m in msgs {
+            let mut buf = Vec::new();
+            m.encode(&mut buf);
+            assert_eq!(Message::decode(&buf).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn header_size_estimate_matches_encoding() {
+        let rec = LogRecord { txn: txn(), truncate_below: 1, truncated: vec![2, 3], body: LogBody::Abort };
+        let mut buf = Vec::new();
+        rec.encode(&mut buf);
+        assert_eq!(buf.len(), log_header_bytes(2));
+        let rec = lock_record();
+        let mut buf = Vec::new();
+        rec.encode(&mut buf);
+        let LogBody::Lock(ws) = &rec.body else { unreachable!() };
+        assert_eq!(
+            buf.len(),
+            log_header_bytes(2) + write_set_bytes(ws.regions.len(), ws.writes.iter().map(|w| w.data.len()))
+        );
+    }
+
+    #[test]
+    fn malformed_input_is_an_error_not_a_panic() {
+        let mut buf = Vec::new();
+        lock_record().encode(&mut buf);
+        // Every truncation of a valid record fails cleanly.
+        for cut in 0..buf.len() {
+            assert!(LogRecord::decode(&buf[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut bad = buf.clone();
+        bad[0] = 9;
+        assert_eq!(LogRecord::decode(&bad), Err(WireError::Version(9)));
+        let mut bad = buf.clone();
+        bad[1] = 99;
+        assert!(matches!(LogRecord::decode(&bad), Err(WireError::Kind { kind: 99, .. })));
+        let mut bad = buf.clone();
+        bad.push(7);
+        assert!(matches!(LogRecord::decode(&bad), Err(WireError::Invalid { .. })));
+        // A huge count does not allocate.
+        let mut bad = Vec::new();
+        Message::Validate { txn: txn(), reads: vec![] }.encode(&mut bad);
+        let n = bad.len() - 4;
+        bad[n..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(Message::decode(&bad), Err(WireError::Invalid { .. })));
+    }
+
+    #[test]
+    fn random_bytes_never_panic_the_decoders() {
+        let mut rng = Rng::new(0xfa12);
+        let mut valid = Vec::new();
+        lock_record().encode(&mut valid);
+        for i in 0..20_000 {
+            let mut bytes = if i % 2 == 0 {
+                valid.clone()
+            } else {
+                (0..rng.below(96)).map(|_| rng.next_u64() as u8).collect()
+            };
+            if !bytes.is_empty() {
+                for _ in 0..=rng.below(4) {
+                    let at = rng.below(bytes.len() as u64) as usize;
+                    bytes[at] = rng.next_u64() as u8;
+                }
+            }
+            let _ = LogRecord::decode(&bytes);
+            let _ = Message::decode(&bytes);
+        }
+    }
+}
