@@ -66,12 +66,24 @@ impl RegionMap {
     /// Static striped placement: `per_machine` regions with each machine as primary, backups on
     /// the next `f` machines (so replicas are on distinct machines). Panics if `f + 1 > machines`.
     pub fn striped(machines: u16, per_machine: u32, f: u16) -> Self {
-        assert!(machines > f, "replication needs {} machines, have {machines}", f + 1);
+        assert!(
+            machines > f,
+            "replication needs {} machines, have {machines}",
+            f + 1
+        );
         let mut map = RegionMap::default();
         for i in 0..machines as u32 * per_machine {
             let primary = (i % machines as u32) as u16;
-            let backups = (1..=f).map(|k| MachineId((primary + k) % machines)).collect();
-            map.insert(RegionId(i), Placement { primary: MachineId(primary), backups });
+            let backups = (1..=f)
+                .map(|k| MachineId((primary + k) % machines))
+                .collect();
+            map.insert(
+                RegionId(i),
+                Placement {
+                    primary: MachineId(primary),
+                    backups,
+                },
+            );
         }
         map
     }
@@ -104,7 +116,9 @@ impl RegionMap {
 
     /// Regions whose primary is `m`.
     pub fn primary_of(&self, m: MachineId) -> impl Iterator<Item = RegionId> + '_ {
-        self.iter().filter(move |(_, p)| p.primary == m).map(|(r, _)| r)
+        self.iter()
+            .filter(move |(_, p)| p.primary == m)
+            .map(|(r, _)| r)
     }
 }
 

@@ -103,8 +103,18 @@ mod tests {
 
     #[test]
     fn txn_ids_order_by_config_first() {
-        let a = TxnId { config: ConfigId(1), machine: MachineId(9), thread: ThreadId(9), local: 9 };
-        let b = TxnId { config: ConfigId(2), machine: MachineId(0), thread: ThreadId(0), local: 0 };
+        let a = TxnId {
+            config: ConfigId(1),
+            machine: MachineId(9),
+            thread: ThreadId(9),
+            local: 9,
+        };
+        let b = TxnId {
+            config: ConfigId(2),
+            machine: MachineId(0),
+            thread: ThreadId(0),
+            local: 0,
+        };
         assert!(a < b);
     }
 }

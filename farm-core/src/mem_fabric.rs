@@ -127,7 +127,13 @@ fn check_bounds(
     if in_bounds {
         Ok(())
     } else {
-        Err(FabricError::OutOfBounds { machine, key, offset, len, size: mem.len() })
+        Err(FabricError::OutOfBounds {
+            machine,
+            key,
+            offset,
+            len,
+            size: mem.len(),
+        })
     }
 }
 
@@ -141,8 +147,9 @@ impl MemFabric {
                 datagrams: Mutex::new(VecDeque::new()),
             })
             .collect();
-        let n_links =
-            config.machines_max as usize * config.threads_max as usize * config.machines_max as usize;
+        let n_links = config.machines_max as usize
+            * config.threads_max as usize
+            * config.machines_max as usize;
         Self {
             config,
             machines,
@@ -153,13 +160,17 @@ impl MemFabric {
     }
 
     fn machine(&self, id: MachineId) -> Result<&Machine, FabricError> {
-        self.machines.get(id.0 as usize).ok_or(FabricError::Unreachable(id))
+        self.machines
+            .get(id.0 as usize)
+            .ok_or(FabricError::Unreachable(id))
     }
 
     fn link(&self, src: Endpoint, dst: MachineId) -> &Link {
         let c = &self.config;
         assert!(
-            src.machine.0 < c.machines_max && src.thread.0 < c.threads_max && dst.0 < c.machines_max,
+            src.machine.0 < c.machines_max
+                && src.thread.0 < c.threads_max
+                && dst.0 < c.machines_max,
             "link {src:?} -> {dst} outside the fabric's limits"
         );
         let idx = (src.machine.0 as usize * c.threads_max as usize + src.thread.0 as usize)
@@ -171,16 +182,24 @@ impl MemFabric {
     fn area(&self, machine: MachineId, key: MemKey) -> Result<Arc<Nvram>, FabricError> {
         let m = self.machine(machine)?;
         let areas = m.areas.read().expect("fabric lock poisoned");
-        areas.get(&key).cloned().ok_or(FabricError::NotRegistered { machine, key })
+        areas
+            .get(&key)
+            .cloned()
+            .ok_or(FabricError::NotRegistered { machine, key })
     }
 
     /// Stops `machine`'s NIC: its operations and operations to it fail from now on. Writes held
     /// on links from or to it fail without landing; use [`MemFabric::crash`] to land a prefix first.
     pub fn kill(&self, machine: MachineId) {
-        self.machines[machine.0 as usize].alive.store(false, Ordering::SeqCst);
+        self.machines[machine.0 as usize]
+            .alive
+            .store(false, Ordering::SeqCst);
         for src_m in 0..self.config.machines_max {
             for t in 0..self.config.threads_max {
-                let src = Endpoint { machine: MachineId(src_m), thread: ThreadId(t) };
+                let src = Endpoint {
+                    machine: MachineId(src_m),
+                    thread: ThreadId(t),
+                };
                 for dst in 0..self.config.machines_max {
                     if src_m == machine.0 || dst == machine.0 {
                         self.fail_link(src, MachineId(dst));
@@ -192,18 +211,22 @@ impl MemFabric {
 
     /// Whether `machine`'s NIC is up.
     pub fn is_alive(&self, machine: MachineId) -> bool {
-        self.machines[machine.0 as usize].alive.load(Ordering::SeqCst)
+        self.machines[machine.0 as usize]
+            .alive
+            .load(Ordering::SeqCst)
     }
 
     fn fail_link(&self, src: Endpoint, dst: MachineId) {
         let link = self.link(src, dst);
         let mut held = link.held.lock().expect("fabric lock poisoned");
-        if held.is_empty() && link.landed.load(Ordering::SeqCst) == link.issued.load(Ordering::SeqCst)
+        if held.is_empty()
+            && link.landed.load(Ordering::SeqCst) == link.issued.load(Ordering::SeqCst)
         {
             return;
         }
         held.clear();
-        link.failed_after.store(link.landed.load(Ordering::SeqCst), Ordering::SeqCst);
+        link.failed_after
+            .store(link.landed.load(Ordering::SeqCst), Ordering::SeqCst);
         link.failed.store(true, Ordering::SeqCst);
     }
 
@@ -212,7 +235,10 @@ impl MemFabric {
     /// then the machine is killed.
     pub fn crash(&self, machine: MachineId, rng: &mut Rng) {
         for t in 0..self.config.threads_max {
-            let src = Endpoint { machine, thread: ThreadId(t) };
+            let src = Endpoint {
+                machine,
+                thread: ThreadId(t),
+            };
             for dst in 0..self.config.machines_max {
                 let link = self.link(src, MachineId(dst));
                 let mut held = link.held.lock().expect("fabric lock poisoned");
@@ -244,9 +270,17 @@ impl MemFabric {
         let mut out = Vec::new();
         for m in 0..self.config.machines_max {
             for t in 0..self.config.threads_max {
-                let src = Endpoint { machine: MachineId(m), thread: ThreadId(t) };
+                let src = Endpoint {
+                    machine: MachineId(m),
+                    thread: ThreadId(t),
+                };
                 for dst in 0..self.config.machines_max {
-                    let n = self.link(src, MachineId(dst)).held.lock().expect("poisoned").len();
+                    let n = self
+                        .link(src, MachineId(dst))
+                        .held
+                        .lock()
+                        .expect("poisoned")
+                        .len();
                     if n > 0 {
                         out.push((src, MachineId(dst), n));
                     }
@@ -286,7 +320,10 @@ impl MemFabric {
 impl Fabric for MemFabric {
     fn register(&self, machine: MachineId, key: MemKey, mem: Arc<Nvram>) {
         let m = &self.machines[machine.0 as usize];
-        m.areas.write().expect("fabric lock poisoned").insert(key, mem);
+        m.areas
+            .write()
+            .expect("fabric lock poisoned")
+            .insert(key, mem);
     }
 
     fn remote(
@@ -326,7 +363,12 @@ impl Fabric for MemFabric {
         let seq = link.issued.fetch_add(1, Ordering::SeqCst) + 1;
         if self.hold_writes.load(Ordering::SeqCst) {
             let mut held = link.held.lock().expect("fabric lock poisoned");
-            held.push_back(HeldWrite { seq, mem, offset, data: data.to_vec() });
+            held.push_back(HeldWrite {
+                seq,
+                mem,
+                offset,
+                data: data.to_vec(),
+            });
         } else {
             mem.write(offset as usize, data);
             link.landed.store(seq, Ordering::SeqCst);
@@ -348,7 +390,9 @@ impl Fabric for MemFabric {
     }
 
     fn send_datagram(&self, src: MachineId, dst: MachineId, data: &[u8], now: u64) {
-        let (Ok(s), Ok(d)) = (self.machine(src), self.machine(dst)) else { return };
+        let (Ok(s), Ok(d)) = (self.machine(src), self.machine(dst)) else {
+            return;
+        };
         if !s.alive.load(Ordering::SeqCst) || !d.alive.load(Ordering::SeqCst) {
             return;
         }
@@ -358,11 +402,19 @@ impl Fabric for MemFabric {
             if rng.chance(policy.drop_per_million) {
                 return;
             }
-            if policy.delay_ticks_max > 0 { rng.below(policy.delay_ticks_max + 1) } else { 0 }
+            if policy.delay_ticks_max > 0 {
+                rng.below(policy.delay_ticks_max + 1)
+            } else {
+                0
+            }
         };
         let mut q = d.datagrams.lock().expect("poisoned");
         if q.len() < self.config.datagrams_queued_max {
-            q.push_back(Datagram { src, due: now + delay, data: data.to_vec() });
+            q.push_back(Datagram {
+                src,
+                due: now + delay,
+                data: data.to_vec(),
+            });
         }
     }
 
@@ -385,11 +437,19 @@ mod tests {
     use super::*;
 
     fn fabric() -> MemFabric {
-        MemFabric::new(MemFabricConfig { machines_max: 3, threads_max: 2, seed: 1, datagrams_queued_max: 16 })
+        MemFabric::new(MemFabricConfig {
+            machines_max: 3,
+            threads_max: 2,
+            seed: 1,
+            datagrams_queued_max: 16,
+        })
     }
 
     fn ep(m: u16) -> Endpoint {
-        Endpoint { machine: MachineId(m), thread: ThreadId(0) }
+        Endpoint {
+            machine: MachineId(m),
+            thread: ThreadId(0),
+        }
     }
 
     #[test]
@@ -397,13 +457,18 @@ mod tests {
         let f = fabric();
         let mem = Arc::new(Nvram::anonymous(64).unwrap());
         f.register(MachineId(1), MemKey::Rings, mem.clone());
-        let t = f.write(ep(0), MachineId(1), MemKey::Rings, 8, b"abcdefgh").unwrap();
+        let t = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 8, b"abcdefgh")
+            .unwrap();
         assert_eq!(f.write_status(ep(0), MachineId(1), t), WriteStatus::Done);
         let r = f.remote(MachineId(2), MachineId(1), MemKey::Rings).unwrap();
         let mut buf = [0u8; 8];
         r.read(8, &mut buf).unwrap();
         assert_eq!(&buf, b"abcdefgh");
-        assert!(matches!(r.read(64, &mut buf), Err(FabricError::OutOfBounds { .. })));
+        assert!(matches!(
+            r.read(64, &mut buf),
+            Err(FabricError::OutOfBounds { .. })
+        ));
         assert!(matches!(
             f.remote(MachineId(0), MachineId(1), MemKey::Feedback),
             Err(FabricError::NotRegistered { .. })
@@ -418,7 +483,10 @@ mod tests {
         let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
         f.kill(MachineId(1));
         let mut buf = [0u8; 8];
-        assert_eq!(r.read(0, &mut buf), Err(FabricError::Unreachable(MachineId(1))));
+        assert_eq!(
+            r.read(0, &mut buf),
+            Err(FabricError::Unreachable(MachineId(1)))
+        );
         assert_eq!(
             f.write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8]),
             Err(FabricError::Unreachable(MachineId(1)))
@@ -435,8 +503,12 @@ mod tests {
         let mem = Arc::new(Nvram::anonymous(64).unwrap());
         f.register(MachineId(1), MemKey::Rings, mem.clone());
         f.set_hold_writes(true);
-        let a = f.write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8]).unwrap();
-        let b = f.write(ep(0), MachineId(1), MemKey::Rings, 8, &[2; 8]).unwrap();
+        let a = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+            .unwrap();
+        let b = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 8, &[2; 8])
+            .unwrap();
         assert_eq!(f.write_status(ep(0), MachineId(1), a), WriteStatus::Pending);
         assert_eq!(mem.load_u64(0, Ordering::SeqCst), 0);
         assert!(f.deliver_next(ep(0), MachineId(1)));
@@ -444,7 +516,11 @@ mod tests {
         assert_eq!(f.write_status(ep(0), MachineId(1), b), WriteStatus::Pending);
         f.kill(MachineId(1));
         assert_eq!(f.write_status(ep(0), MachineId(1), b), WriteStatus::Failed);
-        assert_eq!(mem.load_u64(8, Ordering::SeqCst), 0, "a failed write never lands");
+        assert_eq!(
+            mem.load_u64(8, Ordering::SeqCst),
+            0,
+            "a failed write never lands"
+        );
     }
 
     #[test]
@@ -455,7 +531,14 @@ mod tests {
             f.register(MachineId(1), MemKey::Rings, mem.clone());
             f.set_hold_writes(true);
             for i in 0..4u8 {
-                f.write(ep(0), MachineId(1), MemKey::Rings, i as u64 * 8, &[i + 1; 8]).unwrap();
+                f.write(
+                    ep(0),
+                    MachineId(1),
+                    MemKey::Rings,
+                    i as u64 * 8,
+                    &[i + 1; 8],
+                )
+                .unwrap();
             }
             f.crash(MachineId(0), &mut Rng::new(seed));
             let mut bytes = [0u8; 32];
@@ -464,7 +547,10 @@ mod tests {
             let expected: Vec<u8> = (0..4u8).flat_map(|i| [i + 1; 8]).collect();
             let landed = bytes.iter().take_while(|b| **b != 0).count();
             assert_eq!(&bytes[..landed], &expected[..landed], "seed {seed}");
-            assert!(bytes[landed..].iter().all(|b| *b == 0), "seed {seed}: not a prefix");
+            assert!(
+                bytes[landed..].iter().all(|b| *b == 0),
+                "seed {seed}: not a prefix"
+            );
         }
     }
 
@@ -473,12 +559,21 @@ mod tests {
         let f = fabric();
         f.send_datagram(MachineId(0), MachineId(1), b"hi", 0);
         let mut buf = Vec::new();
-        assert_eq!(f.recv_datagram(MachineId(1), 0, &mut buf), Some(MachineId(0)));
+        assert_eq!(
+            f.recv_datagram(MachineId(1), 0, &mut buf),
+            Some(MachineId(0))
+        );
         assert_eq!(buf, b"hi");
-        f.set_datagram_policy(DatagramPolicy { drop_per_million: 1_000_000, delay_ticks_max: 0 });
+        f.set_datagram_policy(DatagramPolicy {
+            drop_per_million: 1_000_000,
+            delay_ticks_max: 0,
+        });
         f.send_datagram(MachineId(0), MachineId(1), b"lost", 0);
         assert_eq!(f.recv_datagram(MachineId(1), 100, &mut buf), None);
-        f.set_datagram_policy(DatagramPolicy { drop_per_million: 0, delay_ticks_max: 10 });
+        f.set_datagram_policy(DatagramPolicy {
+            drop_per_million: 0,
+            delay_ticks_max: 10,
+        });
         for _ in 0..20 {
             f.send_datagram(MachineId(0), MachineId(1), b"late", 5);
         }
@@ -488,6 +583,9 @@ mod tests {
                 got += 1;
             }
         }
-        assert_eq!(got, 16, "the queue holds datagrams_queued_max, later ones are dropped");
+        assert_eq!(
+            got, 16,
+            "the queue holds datagrams_queued_max, later ones are dropped"
+        );
     }
 }

@@ -52,7 +52,11 @@ impl Nvram {
         let len = round_up(len.max(WORD_BYTES), WORD_BYTES);
         let mut map = MmapOptions::new().len(len).map_anon()?;
         let base = map.as_mut_ptr();
-        Ok(Self { _map: map, base, len })
+        Ok(Self {
+            _map: map,
+            base,
+            len,
+        })
     }
 
     /// Maps `path` as `len` bytes, creating a sparse zeroed file if it does not exist. An existing
@@ -83,7 +87,11 @@ impl Nvram {
         // a file changing under a mapping is the intended shared-memory semantics here.
         let mut map = unsafe { MmapOptions::new().len(len).map_mut(&file)? };
         let base = map.as_mut_ptr();
-        Ok(Self { _map: map, base, len })
+        Ok(Self {
+            _map: map,
+            base,
+            len,
+        })
     }
 
     /// Size in bytes.
@@ -149,18 +157,24 @@ impl Nvram {
         self.check_range(offset, data.len());
         let n = data.len().div_ceil(WORD_BYTES);
         for (i, chunk) in data.chunks(WORD_BYTES).enumerate() {
-            let order = if i + 1 == n { Ordering::Release } else { Ordering::Relaxed };
+            let order = if i + 1 == n {
+                Ordering::Release
+            } else {
+                Ordering::Relaxed
+            };
             let word = self.word(offset + i * WORD_BYTES);
             if chunk.len() == WORD_BYTES {
-                word.store(u64::from_le_bytes(chunk.try_into().expect("8 bytes")), order);
+                word.store(
+                    u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
+                    order,
+                );
             } else {
                 let mask = (1u64 << (8 * chunk.len())) - 1;
                 let mut bytes = [0u8; WORD_BYTES];
                 bytes[..chunk.len()].copy_from_slice(chunk);
                 let value = u64::from_le_bytes(bytes);
-                let _ = word.fetch_update(order, Ordering::Relaxed, |old| {
-                    Some((old & !mask) | value)
-                });
+                let _ =
+                    word.fetch_update(order, Ordering::Relaxed, |old| Some((old & !mask) | value));
             }
         }
     }
@@ -168,7 +182,10 @@ impl Nvram {
     /// Zeroes `len` bytes (a whole number of words) at the word-aligned `offset`.
     pub fn zero(&self, offset: usize, len: usize) {
         self.check_range(offset, len);
-        assert!(len % WORD_BYTES == 0, "zeroing a partial word ({len} bytes)");
+        assert!(
+            len % WORD_BYTES == 0,
+            "zeroing a partial word ({len} bytes)"
+        );
         for at in (offset..offset + len).step_by(WORD_BYTES) {
             self.word(at).store(0, Ordering::Relaxed);
         }
@@ -211,7 +228,10 @@ mod tests {
         let nv = Nvram::anonymous(64).unwrap();
         nv.store_u64(0, u64::MAX, Ordering::Relaxed);
         nv.write(0, &[1, 2, 3]);
-        assert_eq!(nv.load_u64(0, Ordering::Relaxed), u64::from_le_bytes([1, 2, 3, 255, 255, 255, 255, 255]));
+        assert_eq!(
+            nv.load_u64(0, Ordering::Relaxed),
+            u64::from_le_bytes([1, 2, 3, 255, 255, 255, 255, 255])
+        );
     }
 
     #[test]

@@ -99,7 +99,10 @@ pub fn read_object<S: ObjectSource + ?Sized>(
     offset: u64,
     buf: &mut [u8],
 ) -> Result<ReadOutcome, S::Error> {
-    assert!(buf.len() >= HEADER_BYTES, "object buffer smaller than a header");
+    assert!(
+        buf.len() >= HEADER_BYTES,
+        "object buffer smaller than a header"
+    );
     src.read_bytes(offset, buf)?;
     let before = Header(u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")));
     if before.locked() {
@@ -135,7 +138,11 @@ pub fn try_lock(mem: &Nvram, offset: u64, expected: Header) -> Result<(), Header
 pub fn unlock(mem: &Nvram, offset: u64, unlocked: Header) {
     assert!(!unlocked.locked());
     let current = Header(mem.load_u64(offset as usize, Ordering::Acquire));
-    assert_eq!(current, unlocked.with_lock(), "unlocking an object this transaction did not lock");
+    assert_eq!(
+        current,
+        unlocked.with_lock(),
+        "unlocking an object this transaction did not lock"
+    );
     mem.store_u64(offset as usize, unlocked.0, Ordering::Release);
 }
 
@@ -143,7 +150,10 @@ pub fn unlock(mem: &Nvram, offset: u64, unlocked: Header) {
 /// unlocked header (COMMIT-PRIMARY, §4 step 4).
 pub fn apply_locked(mem: &Nvram, offset: u64, payload: &[u8], new: Header) {
     let current = Header(mem.load_u64(offset as usize, Ordering::Acquire));
-    assert!(current.locked(), "applying a write to {offset:#x} without its lock");
+    assert!(
+        current.locked(),
+        "applying a write to {offset:#x} without its lock"
+    );
     assert!(new.version() > current.version(), "version must grow");
     // Seqlock writer: the lock is visible before any payload byte changes.
     fence(Ordering::Release);
@@ -191,7 +201,10 @@ mod tests {
         assert_eq!(try_lock(&mem, 8, h), Ok(()));
         assert_eq!(try_lock(&mem, 8, h), Err(h.with_lock()));
         let mut buf = [0u8; 16];
-        assert_eq!(read_object(&mem, 8, &mut buf).unwrap(), ReadOutcome::Locked(h.with_lock()));
+        assert_eq!(
+            read_object(&mem, 8, &mut buf).unwrap(),
+            ReadOutcome::Locked(h.with_lock())
+        );
         apply_locked(&mem, 8, &7u64.to_le_bytes(), h.committed_successor(true));
         match read_object(&mem, 8, &mut buf).unwrap() {
             ReadOutcome::Consistent(got) => assert_eq!(got.version(), Version(4)),
@@ -203,10 +216,23 @@ mod tests {
     #[test]
     fn backup_installs_only_newer_versions() {
         let mem = Nvram::anonymous(64).unwrap();
-        assert!(install_at_backup(&mem, 0, &[1; 8], Header::new(Version(2), true)));
-        assert!(!install_at_backup(&mem, 0, &[9; 8], Header::new(Version(1), true)));
+        assert!(install_at_backup(
+            &mem,
+            0,
+            &[1; 8],
+            Header::new(Version(2), true)
+        ));
+        assert!(!install_at_backup(
+            &mem,
+            0,
+            &[9; 8],
+            Header::new(Version(1), true)
+        ));
         let mut buf = [0u8; 16];
-        assert!(matches!(read_object(&mem, 0, &mut buf).unwrap(), ReadOutcome::Consistent(_)));
+        assert!(matches!(
+            read_object(&mem, 0, &mut buf).unwrap(),
+            ReadOutcome::Consistent(_)
+        ));
         assert_eq!(&buf[8..], &[1; 8]);
     }
 }

@@ -78,7 +78,11 @@ impl RingLayout {
     pub fn ring_offset(&self, sender: MachineId, thread: ThreadId, kind: RingKind) -> usize {
         let pair = sender.0 as usize * self.threads as usize + thread.0 as usize;
         pair * (self.log_bytes + self.queue_bytes)
-            + if kind == RingKind::Queue { self.log_bytes } else { 0 }
+            + if kind == RingKind::Queue {
+                self.log_bytes
+            } else {
+                0
+            }
     }
 
     /// Capacity of a ring of `kind`.
@@ -150,13 +154,25 @@ pub struct RingWriter {
 impl RingWriter {
     /// A writer for an empty ring of `capacity` bytes.
     pub fn new(capacity: usize) -> Self {
-        assert!(capacity % 8 == 0 && capacity >= 64, "ring capacity {capacity}");
-        Self { capacity, tail: 0, head: 0, reserved: 0 }
+        assert!(
+            capacity % 8 == 0 && capacity >= 64,
+            "ring capacity {capacity}"
+        );
+        Self {
+            capacity,
+            tail: 0,
+            head: 0,
+            reserved: 0,
+        }
     }
 
     /// Records the receiver's feedback: it has freed everything before `head`.
     pub fn update_head(&mut self, head: u64) {
-        assert!(head <= self.tail, "receiver freed past the tail ({head} > {})", self.tail);
+        assert!(
+            head <= self.tail,
+            "receiver freed past the tail ({head} > {})",
+            self.tail
+        );
         self.head = self.head.max(head);
     }
 
@@ -190,9 +206,16 @@ impl RingWriter {
     /// free space). Returns `None` when it does not fit; a placement otherwise, whose bytes the
     /// caller must write in order (skip marker first).
     pub fn place(&mut self, len: usize, reserved: usize) -> Option<Placement> {
-        assert!(len % 8 == 0 && len >= FRAME_BYTES && len <= self.capacity / 2, "record length {len}");
+        assert!(
+            len % 8 == 0 && len >= FRAME_BYTES && len <= self.capacity / 2,
+            "record length {len}"
+        );
         let at = (self.tail % self.capacity as u64) as usize;
-        let waste = if at + len > self.capacity { self.capacity - at } else { 0 };
+        let waste = if at + len > self.capacity {
+            self.capacity - at
+        } else {
+            0
+        };
         self.unreserve(reserved);
         if waste + len > self.free_bytes() {
             self.reserved += reserved;
@@ -201,7 +224,10 @@ impl RingWriter {
         let skip = (waste > 0).then_some((at, waste));
         self.tail += (waste + len) as u64;
         // Whatever the reservation did not need goes back to free space.
-        Some(Placement { skip, offset: if waste > 0 { 0 } else { at } })
+        Some(Placement {
+            skip,
+            offset: if waste > 0 { 0 } else { at },
+        })
     }
 
     /// The tail position (monotonic byte count).
@@ -231,7 +257,14 @@ impl RingReader {
     /// A reader of the ring at `base..base + capacity` of `mem`, which must be zeroed.
     pub fn new(mem: Arc<Nvram>, base: usize, capacity: usize) -> Self {
         assert!(base % 8 == 0 && capacity % 8 == 0 && base + capacity <= mem.len());
-        Self { mem, base, capacity, next: 0, freed: 0, live: VecDeque::new() }
+        Self {
+            mem,
+            base,
+            capacity,
+            next: 0,
+            freed: 0,
+            live: VecDeque::new(),
+        }
     }
 
     /// Polls the head: copies the next complete record's payload (with its padding) into `buf`
@@ -239,7 +272,9 @@ impl RingReader {
     pub fn poll(&mut self, buf: &mut Vec<u8>) -> Option<RecordPos> {
         loop {
             let at = (self.next % self.capacity as u64) as usize;
-            let first = self.mem.load_u64(self.base + at, std::sync::atomic::Ordering::Acquire);
+            let first = self
+                .mem
+                .load_u64(self.base + at, std::sync::atomic::Ordering::Acquire);
             let len_word = first as u32;
             if len_word == 0 {
                 return None;
@@ -260,9 +295,10 @@ impl RingReader {
             if len % 8 != 0 || len < FRAME_BYTES || at + len > self.capacity {
                 return None;
             }
-            let last = self
-                .mem
-                .load_u64(self.base + at + len - 8, std::sync::atomic::Ordering::Acquire);
+            let last = self.mem.load_u64(
+                self.base + at + len - 8,
+                std::sync::atomic::Ordering::Acquire,
+            );
             let stored = (last >> 32) as u32;
             if stored == 0 {
                 return None;
@@ -322,7 +358,9 @@ mod tests {
     fn append(mem: &Nvram, base: usize, w: &mut RingWriter, payload: &[u8]) -> bool {
         let mut framed = Vec::new();
         frame(payload, &mut framed);
-        let Some(p) = w.place(framed.len(), 0) else { return false };
+        let Some(p) = w.place(framed.len(), 0) else {
+            return false;
+        };
         if let Some((at, len)) = p.skip {
             mem.write(base + at, &skip_marker(len));
         }
@@ -416,7 +454,12 @@ mod tests {
 
     #[test]
     fn layout_offsets_do_not_overlap() {
-        let l = RingLayout { machines_max: 3, threads: 2, log_bytes: 1024, queue_bytes: 512 };
+        let l = RingLayout {
+            machines_max: 3,
+            threads: 2,
+            log_bytes: 1024,
+            queue_bytes: 512,
+        };
         let mut spans = Vec::new();
         for m in 0..3 {
             for t in 0..2 {

@@ -183,7 +183,10 @@ pub const fn log_header_bytes(truncated: usize) -> usize {
 impl LogRecord {
     /// Appends the encoding to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        assert!(self.truncated.len() <= TRUNCATED_IDS_MAX, "too many piggybacked truncations");
+        assert!(
+            self.truncated.len() <= TRUNCATED_IDS_MAX,
+            "too many piggybacked truncations"
+        );
         out.push(WIRE_VERSION);
         out.push(match self.body {
             LogBody::Lock(_) => LOG_LOCK,
@@ -211,7 +214,10 @@ impl LogRecord {
         let truncate_below = r.u64()?;
         let n = r.u16()? as usize;
         if n > TRUNCATED_IDS_MAX {
-            return Err(WireError::Invalid { field: "truncated id count", value: n as u64 });
+            return Err(WireError::Invalid {
+                field: "truncated id count",
+                value: n as u64,
+            });
         }
         let mut truncated = Vec::with_capacity(n);
         for _ in 0..n {
@@ -223,10 +229,20 @@ impl LogRecord {
             LOG_COMMIT_PRIMARY => LogBody::CommitPrimary,
             LOG_ABORT => LogBody::Abort,
             LOG_TRUNCATE => LogBody::Truncate,
-            kind => return Err(WireError::Kind { what: "log record", kind }),
+            kind => {
+                return Err(WireError::Kind {
+                    what: "log record",
+                    kind,
+                })
+            }
         };
         r.finish()?;
-        Ok(Self { txn, truncate_below, truncated, body })
+        Ok(Self {
+            txn,
+            truncate_below,
+            truncated,
+            body,
+        })
     }
 }
 
@@ -279,7 +295,12 @@ impl Message {
                 }
                 Message::Validate { txn, reads }
             }
-            kind => return Err(WireError::Kind { what: "message", kind }),
+            kind => {
+                return Err(WireError::Kind {
+                    what: "message",
+                    kind,
+                })
+            }
         };
         r.finish()?;
         Ok(msg)
@@ -295,7 +316,11 @@ impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
         let have = self.bytes.len() - self.at;
         if n > have {
-            return Err(WireError::Truncated { at: self.at, needed: n, have });
+            return Err(WireError::Truncated {
+                at: self.at,
+                needed: n,
+                have,
+            });
         }
         let s = &self.bytes[self.at..self.at + n];
         self.at += n;
@@ -306,20 +331,29 @@ impl<'a> Reader<'a> {
         Ok(self.take(1)?[0])
     }
     fn u16(&mut self) -> Result<u16, WireError> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
     }
     fn u32(&mut self) -> Result<u32, WireError> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64, WireError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
 
     fn bool(&mut self, field: &'static str) -> Result<bool, WireError> {
         match self.u8()? {
             0 => Ok(false),
             1 => Ok(true),
-            v => Err(WireError::Invalid { field, value: v as u64 }),
+            v => Err(WireError::Invalid {
+                field,
+                value: v as u64,
+            }),
         }
     }
 
@@ -328,7 +362,10 @@ impl<'a> Reader<'a> {
     fn count(&mut self, item_bytes: usize, field: &'static str) -> Result<usize, WireError> {
         let n = self.u32()? as usize;
         if n.saturating_mul(item_bytes) > self.bytes.len() - self.at {
-            return Err(WireError::Invalid { field, value: n as u64 });
+            return Err(WireError::Invalid {
+                field,
+                value: n as u64,
+            });
         }
         Ok(n)
     }
@@ -351,7 +388,10 @@ impl<'a> Reader<'a> {
     }
 
     fn addr(&mut self) -> Result<Addr, WireError> {
-        Ok(Addr { region: RegionId(self.u32()?), offset: self.u32()? })
+        Ok(Addr {
+            region: RegionId(self.u32()?),
+            offset: self.u32()?,
+        })
     }
 
     fn write_set(&mut self) -> Result<WriteSet, WireError> {
@@ -366,15 +406,26 @@ impl<'a> Reader<'a> {
             let addr = self.addr()?;
             let read = Header(self.u64()?);
             if read.locked() {
-                return Err(WireError::Invalid { field: "read header (locked)", value: read.0 });
+                return Err(WireError::Invalid {
+                    field: "read header (locked)",
+                    value: read.0,
+                });
             }
             let allocated = self.bool("allocated")?;
             let len = self.u32()? as usize;
             if len > OBJECT_BYTES_MAX {
-                return Err(WireError::Invalid { field: "object length", value: len as u64 });
+                return Err(WireError::Invalid {
+                    field: "object length",
+                    value: len as u64,
+                });
             }
             let data = self.take(len)?.to_vec();
-            writes.push(WriteEntry { addr, read, allocated, data });
+            writes.push(WriteEntry {
+                addr,
+                read,
+                allocated,
+                data,
+            });
         }
         Ok(WriteSet { regions, writes })
     }
@@ -397,7 +448,12 @@ mod tests {
     use crate::rng::Rng;
 
     fn txn() -> TxnId {
-        TxnId { config: ConfigId(3), machine: MachineId(1), thread: ThreadId(2), local: 77 }
+        TxnId {
+            config: ConfigId(3),
+            machine: MachineId(1),
+            thread: ThreadId(2),
+            local: 77,
+        }
     }
 
     fn lock_record() -> LogRecord {
@@ -434,7 +490,12 @@ mod tests {
         }
         records.push(cb);
         for body in [LogBody::CommitPrimary, LogBody::Abort, LogBody::Truncate] {
-            records.push(LogRecord { txn: txn(), truncate_below: 0, truncated: vec![], body });
+            records.push(LogRecord {
+                txn: txn(),
+                truncate_below: 0,
+                truncated: vec![],
+                body,
+            });
         }
         for rec in records {
             let mut buf = Vec::new();
@@ -443,8 +504,14 @@ mod tests {
             assert_eq!(LogRecord::decode(&buf).unwrap(), rec);
         }
         let msgs = [
-            Message::LockReply { txn: txn(), ok: true },
-            Message::ValidateReply { txn: txn(), ok: false },
+            Message::LockReply {
+                txn: txn(),
+                ok: true,
+            },
+            Message::ValidateReply {
+                txn: txn(),
+                ok: false,
+            },
             Message::Validate {
                 txn: txn(),
                 reads: vec![(Addr::new(RegionId(9), 8), Header::new(Version(1), true))],
@@ -459,17 +526,25 @@ mod tests {
 
     #[test]
     fn header_size_estimate_matches_encoding() {
-        let rec = LogRecord { txn: txn(), truncate_below: 1, truncated: vec![2, 3], body: LogBody::Abort };
+        let rec = LogRecord {
+            txn: txn(),
+            truncate_below: 1,
+            truncated: vec![2, 3],
+            body: LogBody::Abort,
+        };
         let mut buf = Vec::new();
         rec.encode(&mut buf);
         assert_eq!(buf.len(), log_header_bytes(2));
         let rec = lock_record();
         let mut buf = Vec::new();
         rec.encode(&mut buf);
-        let LogBody::Lock(ws) = &rec.body else { unreachable!() };
+        let LogBody::Lock(ws) = &rec.body else {
+            unreachable!()
+        };
         assert_eq!(
             buf.len(),
-            log_header_bytes(2) + write_set_bytes(ws.regions.len(), ws.writes.iter().map(|w| w.data.len()))
+            log_header_bytes(2)
+                + write_set_bytes(ws.regions.len(), ws.writes.iter().map(|w| w.data.len()))
         );
     }
 
@@ -486,16 +561,29 @@ mod tests {
         assert_eq!(LogRecord::decode(&bad), Err(WireError::Version(9)));
         let mut bad = buf.clone();
         bad[1] = 99;
-        assert!(matches!(LogRecord::decode(&bad), Err(WireError::Kind { kind: 99, .. })));
+        assert!(matches!(
+            LogRecord::decode(&bad),
+            Err(WireError::Kind { kind: 99, .. })
+        ));
         let mut bad = buf.clone();
         bad.push(7);
-        assert!(matches!(LogRecord::decode(&bad), Err(WireError::Invalid { .. })));
+        assert!(matches!(
+            LogRecord::decode(&bad),
+            Err(WireError::Invalid { .. })
+        ));
         // A huge count does not allocate.
         let mut bad = Vec::new();
-        Message::Validate { txn: txn(), reads: vec![] }.encode(&mut bad);
+        Message::Validate {
+            txn: txn(),
+            reads: vec![],
+        }
+        .encode(&mut bad);
         let n = bad.len() - 4;
         bad[n..].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(Message::decode(&bad), Err(WireError::Invalid { .. })));
+        assert!(matches!(
+            Message::decode(&bad),
+            Err(WireError::Invalid { .. })
+        ));
     }
 
     #[test]

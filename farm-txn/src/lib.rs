@@ -1,1 +1,21 @@
-//! placeholder
+//! farm-txn: the FaRM transaction protocol (§4) as deterministic state machines.
+//!
+//! A [`Worker`] is one thread of one machine. It is both a participant (it processes LOCK,
+//! COMMIT-BACKUP, COMMIT-PRIMARY, ABORT and TRUNCATE records from its inbound logs and answers
+//! messages) and a coordinator (it executes [`Tx`]s and drives their commit). Nothing here
+//! blocks, reads a clock, spawns a thread or draws a random number: the runtime in `farm` and the
+//! simulator in `farm-sim` drive the same code by calling [`Worker::poll`] and
+//! [`Worker::poll_commit`] with the current tick.
+#![deny(missing_docs)]
+
+pub mod coordinator;
+pub mod error;
+pub mod machine;
+pub mod stats;
+pub mod worker;
+
+pub use coordinator::{Tx, TxState};
+pub use error::{Conflict, TxError};
+pub use machine::{MachineState, Params};
+pub use stats::Stats;
+pub use worker::Worker;

@@ -1,1 +1,29 @@
-//! placeholder
+//! farm-rs: FaRM-style distributed transactions over one-sided memory access.
+//!
+//! Start an in-process cluster, allocate objects and run strictly serializable transactions on
+//! them:
+//!
+//! ```
+//! use farm::{Cluster, MachineId};
+//! let cluster = Cluster::builder().machines(3).replicas(3).region_bytes(4 << 20).build().unwrap();
+//! let m = MachineId(0);
+//! let a = cluster.txn(m, |tx| tx.alloc(&100u64, None)).unwrap();
+//! let b = cluster.txn(MachineId(1), |tx| tx.alloc(&0u64, None)).unwrap();
+//! cluster.txn(m, |tx| {
+//!     let x: u64 = tx.read(a)?;
+//!     let y: u64 = tx.read(b)?;
+//!     tx.write(a, &(x - 10))?;
+//!     tx.write(b, &(y + 10))
+//! }).unwrap();
+//! assert_eq!(cluster.read::<u64>(MachineId(2), b).unwrap(), 10);
+//! ```
+#![deny(missing_docs)]
+
+mod backoff;
+mod cluster;
+mod txn;
+
+pub use cluster::{BuildError, Cluster, ClusterBuilder, TXN_ATTEMPTS_MAX};
+pub use farm_core::{Addr, MachineId, RegionId};
+pub use farm_txn::{Conflict, Stats, TxError};
+pub use txn::Txn;

@@ -1,0 +1,881 @@
+//! The coordinator: transaction execution and the commit protocol of FaRM §4, as a state machine
+//! that [`Worker::poll_commit`] advances.
+//!
+//! Execution ([`Tx`]) reads objects from their primaries (local memory or one-sided reads),
+//! records the header of every object read, and buffers writes, allocations and frees. Commit:
+//! 1. reserve log space at every participant for every record, truncation included;
+//! 2. LOCK to every primary of a written object; wait for every LOCK-REPLY;
+//! 3. validate read-only objects: one-sided header reads, or VALIDATE over RPC when a primary
+//!    holds more than `tr` of them;
+//! 4. COMMIT-BACKUP to every backup of every written region; wait for every hardware ack;
+//! 5. COMMIT-PRIMARY to every primary; success after the first ack (or a local write);
+//! 6. truncation later, piggybacked on records to the same participant or sent explicitly when
+//!    the coordinator is idle.
+//!
+//! A failed LOCK or validation sends ABORT to the primaries and leaves no lock behind.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering;
+
+use farm_alloc::{block_header_offset, class_for, Allocation, SLOT_BYTES};
+use farm_core::fabric::{MemKey, WriteStatus, WriteTicket};
+use farm_core::object::{self, Header, ReadOutcome, HEADER_BYTES};
+use farm_core::ring::{framed_len, RingKind, RingWriter};
+use farm_core::wire::{
+    log_header_bytes, write_set_bytes, LogBody, LogRecord, Message, WriteEntry, WriteSet,
+    RECORD_BYTES_MAX, TRUNCATED_IDS_MAX,
+};
+use farm_core::{Addr, MachineId, RegionId, TxnId};
+
+use crate::error::{Conflict, TxError};
+use crate::worker::Worker;
+
+/// Piggybacked truncation ids per record (bounded so reservations stay small).
+const PIGGYBACK_IDS_MAX: usize = 16;
+const _: () = assert!(PIGGYBACK_IDS_MAX <= TRUNCATED_IDS_MAX);
+/// Retries of a read that keeps being torn before the transaction gives up with a conflict.
+const TORN_RETRIES_MAX: usize = 64;
+/// Ticks a truncatable transaction waits for a piggyback before an explicit TRUNCATE is sent.
+pub const TRUNCATE_DELAY_TICKS: u64 = 200;
+/// Committed transactions whose truncation is pending before explicit TRUNCATEs are forced.
+const OUTSTANDING_MAX: usize = 256;
+
+/// Size of a record header with the most piggybacked ids.
+const fn header_bytes() -> usize {
+    log_header_bytes(PIGGYBACK_IDS_MAX)
+}
+
+/// Coordinator state of one worker that outlives single transactions.
+#[derive(Debug)]
+pub(crate) struct CoordinatorState {
+    pub(crate) next_local: u64,
+    /// Committed transactions still waiting for COMMIT-PRIMARY acks.
+    unacked: BTreeMap<u64, Vec<(MachineId, Option<WriteTicket>)>>,
+    /// Per participant: committed transactions with records there, not yet truncated.
+    outstanding: Vec<BTreeSet<u64>>,
+    /// Per participant: bytes reserved for explicit TRUNCATE records.
+    trunc_reserved: Vec<usize>,
+    /// When a truncatable transaction first waited, for the lazy explicit flush.
+    truncatable_since: Option<u64>,
+    active: Option<Commit>,
+}
+
+impl CoordinatorState {
+    pub(crate) fn new(peers: usize) -> Self {
+        Self {
+            next_local: 0,
+            unacked: BTreeMap::new(),
+            outstanding: vec![BTreeSet::new(); peers],
+            trunc_reserved: vec![0; peers],
+            truncatable_since: None,
+            active: None,
+        }
+    }
+}
+
+/// An object a transaction touched.
+#[derive(Clone, Debug)]
+struct Entry {
+    /// Header seen by the read (the lock is taken at it; validation compares with it).
+    read: Header,
+    /// Current value as seen by this transaction (its own writes included).
+    data: Vec<u8>,
+    written: bool,
+    /// Allocated bit after commit.
+    allocated: bool,
+    /// Slot size, when this transaction allocated the object (to give it back on abort).
+    fresh: Option<u32>,
+}
+
+/// The execution state of a transaction: its read set and buffered writes.
+#[derive(Debug, Default)]
+pub struct TxState {
+    objects: BTreeMap<Addr, Entry>,
+}
+
+impl TxState {
+    /// Whether the transaction wrote, allocated or freed anything.
+    pub fn is_read_only(&self) -> bool {
+        !self.objects.values().any(|e| e.written)
+    }
+}
+
+/// A transaction in its execution phase, bound to the worker that coordinates it.
+#[derive(Debug)]
+pub struct Tx<'w> {
+    worker: &'w mut Worker,
+    state: TxState,
+}
+
+impl<'w> Tx<'w> {
+    /// Starts executing a transaction coordinated by `worker`.
+    pub fn new(worker: &'w mut Worker) -> Self {
+        Self {
+            worker,
+            state: TxState::default(),
+        }
+    }
+
+    /// Ends execution, handing the state to [`Worker::start_commit`] (or dropping it: an
+    /// uncommitted transaction must still give back what it allocated; see [`Worker::discard`]).
+    pub fn into_state(self) -> TxState {
+        self.state
+    }
+
+    /// Reads `len` bytes of the object at `addr`: the transaction's own write if there is one,
+    /// else the value read before, else a consistent read at the primary.
+    pub fn read(&mut self, addr: Addr, len: usize) -> Result<&[u8], TxError> {
+        if !self.state.objects.contains_key(&addr) {
+            let (header, data) = self.worker.read_object(addr, len)?;
+            if !header.allocated() {
+                return Err(TxError::BadAddress {
+                    addr,
+                    why: "object is not allocated",
+                });
+            }
+            self.state.objects.insert(
+                addr,
+                Entry {
+                    read: header,
+                    data,
+                    written: false,
+                    allocated: true,
+                    fresh: None,
+                },
+            );
+        }
+        let e = &self.state.objects[&addr];
+        if !e.allocated {
+            return Err(TxError::BadAddress {
+                addr,
+                why: "object was freed by this transaction",
+            });
+        }
+        if e.data.len() < len {
+            return Err(TxError::BadAddress {
+                addr,
+                why: "read longer than the object's write",
+            });
+        }
+        Ok(&e.data[..len])
+    }
+
+    /// Buffers a write of `data` to the object at `addr` (read first if it was not).
+    pub fn write(&mut self, addr: Addr, data: &[u8]) -> Result<(), TxError> {
+        self.read(addr, 0)?;
+        let e = self.state.objects.get_mut(&addr).expect("just read");
+        e.written = true;
+        e.data.clear();
+        e.data.extend_from_slice(data);
+        Ok(())
+    }
+
+    /// Allocates an object with room for `len` bytes, zeroed, in a region this machine is
+    /// primary for: the region of `near` when it is one, else the first with space (§5.5).
+    pub fn alloc(&mut self, len: usize, near: Option<Addr>) -> Result<Addr, TxError> {
+        let (addr, slot) = self.worker.alloc_slot(len, near)?;
+        let mem = self
+            .worker
+            .machine
+            .region(addr.region)
+            .expect("local primary")
+            .clone();
+        let header = object::read_header(&*mem, addr.offset as u64).expect("local read");
+        assert!(
+            !header.allocated() && !header.locked(),
+            "allocator handed out {addr} whose header is {header:?}"
+        );
+        let prev = self.state.objects.insert(
+            addr,
+            Entry {
+                read: header,
+                data: vec![0; len],
+                written: true,
+                allocated: true,
+                fresh: Some(slot),
+            },
+        );
+        assert!(
+            prev.is_none(),
+            "slot {addr} allocated twice in one transaction"
+        );
+        Ok(addr)
+    }
+
+    /// Frees the object at `addr` when the transaction commits.
+    pub fn free(&mut self, addr: Addr) -> Result<(), TxError> {
+        self.read(addr, 0)?;
+        let e = self.state.objects.get_mut(&addr).expect("just read");
+        e.written = true;
+        e.allocated = false;
+        e.data.clear();
+        Ok(())
+    }
+}
+
+/// Where a commit stands.
+#[derive(Debug)]
+enum Phase {
+    Reserve,
+    Lock {
+        awaiting: BTreeSet<MachineId>,
+        failed: bool,
+    },
+    Validate {
+        awaiting: BTreeSet<MachineId>,
+        failed: bool,
+    },
+    Backup {
+        tickets: Vec<(MachineId, Option<WriteTicket>)>,
+    },
+    Primary {
+        tickets: Vec<(MachineId, Option<WriteTicket>)>,
+    },
+}
+
+/// A transaction in its commit phase.
+#[derive(Debug)]
+pub(crate) struct Commit {
+    txn: TxnId,
+    state: TxState,
+    /// Write sets per primary (LOCK payloads).
+    primaries: BTreeMap<MachineId, WriteSet>,
+    /// Write sets per backup (COMMIT-BACKUP payloads).
+    backups: BTreeMap<MachineId, WriteSet>,
+    /// Log bytes reserved per participant and not yet used.
+    reserved: BTreeMap<MachineId, usize>,
+    phase: Phase,
+}
+
+impl Worker {
+    /// A consistent read of `len` payload bytes at `addr` from its primary: local memory when
+    /// this machine is the primary, a one-sided read otherwise (§3). A locked object is a
+    /// conflict at once: waiting for it here could wait for this very thread (DESIGN.md).
+    pub fn read_object(&mut self, addr: Addr, len: usize) -> Result<(Header, Vec<u8>), TxError> {
+        let placement = self
+            .machine
+            .region_map
+            .get(addr.region)
+            .ok_or(TxError::BadAddress {
+                addr,
+                why: "no such region",
+            })?;
+        let end = addr.offset as usize + HEADER_BYTES + len;
+        if addr.offset % 8 != 0 || end > self.machine.params.region_bytes {
+            return Err(TxError::BadAddress {
+                addr,
+                why: "outside its region or unaligned",
+            });
+        }
+        let primary = placement.primary;
+        let mut buf = vec![0u8; HEADER_BYTES + len];
+        for _ in 0..TORN_RETRIES_MAX {
+            let outcome = if primary == self.machine.id {
+                let mem = self
+                    .machine
+                    .region(addr.region)
+                    .expect("primary holds its region");
+                object::read_object(&**mem, addr.offset as u64, &mut buf)
+                    .expect("local reads cannot fail")
+            } else {
+                let remote = self.remote(addr.region)?;
+                object::read_object(&*remote, addr.offset as u64, &mut buf)?
+            };
+            match outcome {
+                ReadOutcome::Consistent(h) => {
+                    self.stats.reads += 1;
+                    buf.drain(..HEADER_BYTES);
+                    return Ok((h, buf));
+                }
+                ReadOutcome::Locked(_) => {
+                    self.stats.reads_locked += 1;
+                    return Err(TxError::Conflict(Conflict::ReadLocked(addr)));
+                }
+                ReadOutcome::Torn => self.stats.reads_torn += 1,
+            }
+        }
+        Err(TxError::Conflict(Conflict::ReadTorn(addr)))
+    }
+
+    /// Takes a free slot for `len` bytes, near `near` when this machine is its region's primary.
+    fn alloc_slot(&mut self, len: usize, near: Option<Addr>) -> Result<(Addr, u32), TxError> {
+        class_for(len)?;
+        let mut candidates: Vec<RegionId> = Vec::new();
+        if let Some(n) = near {
+            if self.slabs.contains_key(&n.region) {
+                candidates.push(n.region);
+            }
+        }
+        candidates.extend(
+            self.slabs
+                .keys()
+                .copied()
+                .filter(|r| Some(*r) != near.map(|n| n.region)),
+        );
+        let mut last_err = None;
+        for region in candidates {
+            let pool = self.machine.pool(region).expect("primary has a pool");
+            match self
+                .slabs
+                .get_mut(&region)
+                .expect("listed")
+                .alloc(pool, len)
+            {
+                Ok(a) => {
+                    self.publish_block(region, &a)?;
+                    self.stats.allocs += 1;
+                    return Ok((Addr::new(region, a.offset), a.slot_bytes));
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        Err(TxError::Alloc(
+            last_err.unwrap_or(farm_alloc::AllocError::TooLarge(len)),
+        ))
+    }
+
+    /// Writes a new block's header locally and to every backup (§5.5). The backup writes go on
+    /// this thread's links, ahead of any COMMIT-BACKUP that uses the block, and writes on a link
+    /// land in order, so the header reaches a backup before any object of the block does.
+    fn publish_block(&mut self, region: RegionId, a: &Allocation) -> Result<(), TxError> {
+        let Some((block, word)) = a.new_block else {
+            return Ok(());
+        };
+        let at = block_header_offset(block);
+        self.machine
+            .region(region)
+            .expect("primary")
+            .store_u64(at, word, Ordering::Release);
+        let backups = self
+            .machine
+            .region_map
+            .get(region)
+            .expect("exists")
+            .backups
+            .clone();
+        for b in backups {
+            self.machine.fabric.write(
+                self.endpoint(),
+                b,
+                MemKey::Region(region),
+                at as u64,
+                &word.to_le_bytes(),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Gives back what an uncommitted transaction allocated.
+    pub fn discard(&mut self, state: TxState) {
+        for (addr, e) in state.objects {
+            if let Some(slot) = e.fresh {
+                self.slabs
+                    .get_mut(&addr.region)
+                    .expect("local primary")
+                    .free(addr.offset, slot);
+            }
+        }
+    }
+
+    /// Whether a commit is in progress on this worker.
+    pub fn committing(&self) -> bool {
+        self.coord.active.is_some()
+    }
+
+    /// Starts committing `state`. Read-only transactions with at most one object commit at once
+    /// (their read was consistent); the result is then available from the first
+    /// [`Worker::poll_commit`].
+    pub fn start_commit(&mut self, state: TxState) {
+        assert!(
+            self.coord.active.is_none(),
+            "one commit at a time per worker"
+        );
+        let txn = self.txn_id();
+        let mut regions = BTreeSet::new();
+        let mut primaries: BTreeMap<MachineId, WriteSet> = BTreeMap::new();
+        let mut backups: BTreeMap<MachineId, WriteSet> = BTreeMap::new();
+        for (addr, e) in state.objects.iter().filter(|(_, e)| e.written) {
+            regions.insert(addr.region);
+            let placement = self
+                .machine
+                .region_map
+                .get(addr.region)
+                .expect("read before");
+            let entry = WriteEntry {
+                addr: *addr,
+                read: e.read,
+                allocated: e.allocated,
+                data: e.data.clone(),
+            };
+            for b in &placement.backups {
+                backups.entry(*b).or_default().writes.push(entry.clone());
+            }
+            primaries
+                .entry(placement.primary)
+                .or_default()
+                .writes
+                .push(entry);
+        }
+        let regions: Vec<RegionId> = regions.into_iter().collect();
+        for ws in primaries.values_mut().chain(backups.values_mut()) {
+            ws.regions = regions.clone();
+        }
+        self.coord.active = Some(Commit {
+            txn,
+            state,
+            primaries,
+            backups,
+            reserved: BTreeMap::new(),
+            phase: Phase::Reserve,
+        });
+    }
+
+    /// Advances the commit in progress; `Some` with the outcome when it is decided. Call
+    /// [`Worker::poll`] (of every worker this thread hosts) between calls: replies arrive there.
+    pub fn poll_commit(&mut self, now: u64) -> Option<Result<(), TxError>> {
+        let mut commit = self.coord.active.take().expect("no commit in progress");
+        let result = self.advance(&mut commit, now);
+        match result {
+            Some(Ok(())) => {
+                self.stats.commits += 1;
+            }
+            Some(Err(ref e)) => {
+                self.stats.count_abort(e);
+                let state = std::mem::take(&mut commit.state);
+                self.discard(state);
+            }
+            None => self.coord.active = Some(commit),
+        }
+        result
+    }
+
+    fn advance(&mut self, c: &mut Commit, now: u64) -> Option<Result<(), TxError>> {
+        loop {
+            match &mut c.phase {
+                Phase::Reserve => {
+                    if c.primaries.is_empty() {
+                        // Read-only: no locks, no records (§4); validate when more than one
+                        // object was read, as a single consistent read is atomic by itself.
+                        if c.state.objects.len() <= 1 {
+                            return Some(Ok(()));
+                        }
+                        c.phase = self.start_validation(c);
+                        continue;
+                    }
+                    match self.reserve(c) {
+                        Ok(true) => {}
+                        Ok(false) => return None,
+                        Err(e) => return Some(Err(e)),
+                    }
+                    let mut awaiting = BTreeSet::new();
+                    for p in c.primaries.keys().copied().collect::<Vec<_>>() {
+                        let ws = c.primaries[&p].clone();
+                        if let Err(e) = self.send_log(c, p, LogBody::Lock(ws)) {
+                            self.abort(c, &awaiting);
+                            return Some(Err(e));
+                        }
+                        awaiting.insert(p);
+                    }
+                    c.phase = Phase::Lock {
+                        awaiting,
+                        failed: false,
+                    };
+                    // A local primary's LOCK is in this worker's own log: process it now.
+                    if c.primaries.contains_key(&self.machine.id) {
+                        let me = self.machine.id;
+                        self.poll_log(me);
+                    }
+                }
+                Phase::Lock { awaiting, failed } => {
+                    let txn = c.txn;
+                    self.replies.retain(|(from, m)| match m {
+                        Message::LockReply { txn: t, ok } if *t == txn => {
+                            if awaiting.remove(from) && !ok {
+                                *failed = true;
+                            }
+                            false
+                        }
+                        _ => true,
+                    });
+                    if !awaiting.is_empty() {
+                        return None;
+                    }
+                    if *failed {
+                        let all: BTreeSet<MachineId> = c.primaries.keys().copied().collect();
+                        self.abort(c, &all);
+                        return Some(Err(TxError::Conflict(Conflict::Lock)));
+                    }
+                    c.phase = self.start_validation(c);
+                }
+                Phase::Validate { awaiting, failed } => {
+                    let txn = c.txn;
+                    self.replies.retain(|(from, m)| match m {
+                        Message::ValidateReply { txn: t, ok } if *t == txn => {
+                            if awaiting.remove(from) && !ok {
+                                *failed = true;
+                            }
+                            false
+                        }
+                        _ => true,
+                    });
+                    if !awaiting.is_empty() {
+                        return None;
+                    }
+                    if *failed {
+                        let all: BTreeSet<MachineId> = c.primaries.keys().copied().collect();
+                        self.abort(c, &all);
+                        return Some(Err(TxError::Conflict(Conflict::Validate)));
+                    }
+                    if c.primaries.is_empty() {
+                        return Some(Ok(()));
+                    }
+                    let mut tickets = Vec::new();
+                    for b in c.backups.keys().copied().collect::<Vec<_>>() {
+                        let ws = c.backups[&b].clone();
+                        match self.send_log(c, b, LogBody::CommitBackup(ws)) {
+                            Ok(t) => tickets.push((b, t)),
+                            Err(e) => {
+                                let all: BTreeSet<MachineId> =
+                                    c.primaries.keys().copied().collect();
+                                self.abort(c, &all);
+                                return Some(Err(e));
+                            }
+                        }
+                    }
+                    c.phase = Phase::Backup { tickets };
+                }
+                Phase::Backup { tickets } => {
+                    // §4 step 3: every backup must hold the record before any primary exposes
+                    // the writes, or a failure could lose them.
+                    let mut failed = None;
+                    let mut pending = false;
+                    for (b, t) in tickets.iter() {
+                        match self.write_status(*b, *t) {
+                            WriteStatus::Done => {}
+                            WriteStatus::Pending => pending = true,
+                            WriteStatus::Failed => failed = Some(*b),
+                        }
+                    }
+                    if let Some(dead) = failed {
+                        let all: BTreeSet<MachineId> = c.primaries.keys().copied().collect();
+                        self.abort(c, &all);
+                        return Some(Err(TxError::Unavailable(
+                            farm_core::fabric::FabricError::Unreachable(dead),
+                        )));
+                    }
+                    if pending {
+                        return None;
+                    }
+                    let mut tickets = Vec::new();
+                    for p in c.primaries.keys().copied().collect::<Vec<_>>() {
+                        // A dead primary leaves the transaction to recovery; the others commit.
+                        if let Ok(t) = self.send_log(c, p, LogBody::CommitPrimary) {
+                            tickets.push((p, t));
+                        }
+                    }
+                    let abort_bytes = RingWriter::reservation(framed_len(header_bytes()));
+                    for p in c.primaries.keys().copied().collect::<Vec<_>>() {
+                        self.unreserve(c, p, abort_bytes);
+                    }
+                    c.phase = Phase::Primary { tickets };
+                    if c.primaries.contains_key(&self.machine.id) {
+                        let me = self.machine.id;
+                        self.poll_log(me);
+                    }
+                }
+                Phase::Primary { tickets } => {
+                    // §4 step 4: success once one COMMIT-PRIMARY is acked (or written locally).
+                    if !tickets
+                        .iter()
+                        .any(|(p, t)| self.write_status(*p, *t) == WriteStatus::Done)
+                    {
+                        return None;
+                    }
+                    let local = c.txn.local;
+                    for p in c.primaries.keys().chain(c.backups.keys()) {
+                        self.coord.outstanding[p.0 as usize].insert(local);
+                    }
+                    self.coord.unacked.insert(local, std::mem::take(tickets));
+                    let small = RingWriter::reservation(framed_len(header_bytes()));
+                    for (p, left) in std::mem::take(&mut c.reserved) {
+                        assert!(
+                            left == small,
+                            "commit of {} left {left} bytes reserved at {p}",
+                            c.txn
+                        );
+                        self.coord.trunc_reserved[p.0 as usize] += small;
+                    }
+                    self.coordinator_background(now);
+                    return Some(Ok(()));
+                }
+            }
+        }
+    }
+
+    /// §4 step 2: validate objects read but not written, by one-sided header reads or, above the
+    /// threshold of read objects at one primary, by VALIDATE messages.
+    fn start_validation(&mut self, c: &mut Commit) -> Phase {
+        let mut by_primary: BTreeMap<MachineId, Vec<(Addr, Header)>> = BTreeMap::new();
+        for (addr, e) in c.state.objects.iter().filter(|(_, e)| !e.written) {
+            let p = self
+                .machine
+                .region_map
+                .get(addr.region)
+                .expect("read before")
+                .primary;
+            by_primary.entry(p).or_default().push((*addr, e.read));
+        }
+        let mut awaiting = BTreeSet::new();
+        let mut failed = false;
+        for (p, reads) in by_primary {
+            if p != self.machine.id && reads.len() > self.machine.params.validate_rpc_threshold {
+                self.send_message(p, &Message::Validate { txn: c.txn, reads });
+                self.stats.validate_rpcs += 1;
+                awaiting.insert(p);
+                continue;
+            }
+            for (addr, seen) in reads {
+                let now = if p == self.machine.id {
+                    let mem = self.machine.region(addr.region).expect("primary");
+                    object::read_header(&**mem, addr.offset as u64).ok()
+                } else {
+                    match self.remote(addr.region) {
+                        Ok(r) => object::read_header(&*r, addr.offset as u64).ok(),
+                        Err(_) => None,
+                    }
+                };
+                if now != Some(seen) {
+                    failed = true;
+                }
+            }
+        }
+        Phase::Validate { awaiting, failed }
+    }
+
+    /// Reserves log space at every participant for the whole commit (§4, log reservations):
+    /// LOCK, COMMIT-PRIMARY and ABORT at primaries, COMMIT-BACKUP at backups, and one explicit
+    /// TRUNCATE at each. All or nothing; false when some log lacks space (retry later).
+    fn reserve(&mut self, c: &mut Commit) -> Result<bool, TxError> {
+        let small = RingWriter::reservation(framed_len(header_bytes()));
+        let mut need: BTreeMap<MachineId, usize> = BTreeMap::new();
+        for (sets, extra) in [(&c.primaries, 2 * small), (&c.backups, 0)] {
+            for (m, ws) in sets {
+                let bytes = header_bytes()
+                    + write_set_bytes(ws.regions.len(), ws.writes.iter().map(|w| w.data.len()));
+                if bytes > RECORD_BYTES_MAX {
+                    return Err(TxError::TooLarge {
+                        machine: *m,
+                        bytes,
+                        max: RECORD_BYTES_MAX,
+                    });
+                }
+                *need.entry(*m).or_default() += RingWriter::reservation(framed_len(bytes)) + extra;
+            }
+        }
+        let mut done: Vec<(MachineId, usize)> = Vec::new();
+        for (m, bytes) in &need {
+            self.refresh_head(*m, RingKind::Log);
+            if self.outbound[m.0 as usize].log.reserve(bytes + small) {
+                done.push((*m, *bytes));
+            } else {
+                for (m, b) in done {
+                    self.outbound[m.0 as usize].log.unreserve(b + small);
+                }
+                self.stats.reserve_waits += 1;
+                return Ok(false);
+            }
+        }
+        for (m, bytes) in done {
+            // The TRUNCATE unit stays with the commit until it succeeds, then moves to
+            // `trunc_reserved` together with the transaction's entry in `outstanding`.
+            c.reserved.insert(m, bytes + small);
+        }
+        Ok(true)
+    }
+
+    fn unreserve(&mut self, c: &mut Commit, m: MachineId, bytes: usize) {
+        let left = c.reserved.get_mut(&m).expect("reserved at participant");
+        *left -= bytes;
+        self.outbound[m.0 as usize].log.unreserve(bytes);
+    }
+
+    /// The piggybacked truncation state for a record to `dst`: the low bound of this thread's
+    /// non-truncated transactions and the truncatable ids above it.
+    fn piggyback(&mut self, dst: MachineId, active: Option<u64>) -> (u64, Vec<u64>) {
+        let below = self
+            .coord
+            .unacked
+            .keys()
+            .next()
+            .copied()
+            .into_iter()
+            .chain(active)
+            .min()
+            .unwrap_or(self.coord.next_local + 1);
+        let out = &mut self.coord.outstanding[dst.0 as usize];
+        let ids: Vec<u64> = out
+            .range(below..)
+            .filter(|l| !self.coord.unacked.contains_key(l))
+            .take(PIGGYBACK_IDS_MAX)
+            .copied()
+            .collect();
+        *out = out.split_off(&below);
+        for id in &ids {
+            out.remove(id);
+        }
+        if out.is_empty() {
+            let units = std::mem::take(&mut self.coord.trunc_reserved[dst.0 as usize]);
+            self.outbound[dst.0 as usize].log.unreserve(units);
+        }
+        (below, ids)
+    }
+
+    /// Encodes and appends a log record for `c` to `dst`, using its reservation.
+    fn send_log(
+        &mut self,
+        c: &mut Commit,
+        dst: MachineId,
+        body: LogBody,
+    ) -> Result<Option<WriteTicket>, TxError> {
+        // The active commit is `c`, held outside `coord` while it advances: count it.
+        let (below, ids) = self.piggyback(dst, Some(c.txn.local));
+        let rec = LogRecord {
+            txn: c.txn,
+            truncate_below: below,
+            truncated: ids,
+            body,
+        };
+        self.scratch.clear();
+        rec.encode(&mut self.scratch);
+        let reservation = RingWriter::reservation(framed_len(match &rec.body {
+            LogBody::Lock(ws) | LogBody::CommitBackup(ws) => {
+                header_bytes()
+                    + write_set_bytes(ws.regions.len(), ws.writes.iter().map(|w| w.data.len()))
+            }
+            _ => header_bytes(),
+        }));
+        assert!(self.scratch.len() <= RECORD_BYTES_MAX);
+        *c.reserved.get_mut(&dst).expect("reserved before sending") -= reservation;
+        match self.append(dst, RingKind::Log, true, reservation)? {
+            Some(ticket) => Ok(ticket),
+            None => panic!("log to {dst} full despite a reservation for {}", c.txn),
+        }
+    }
+
+    /// ABORT to `primaries` (those that got a LOCK); everything else reserved is returned.
+    fn abort(&mut self, c: &mut Commit, primaries: &BTreeSet<MachineId>) {
+        for p in primaries {
+            let _ = self.send_log(c, *p, LogBody::Abort);
+        }
+        if primaries.contains(&self.machine.id) {
+            let me = self.machine.id;
+            self.poll_log(me);
+        }
+        // Unused reservations, this transaction's TRUNCATE unit included, go back.
+        for (m, left) in std::mem::take(&mut c.reserved) {
+            self.outbound[m.0 as usize].log.unreserve(left);
+        }
+    }
+
+    /// Background work of the coordinator: collect COMMIT-PRIMARY acks and truncate lazily,
+    /// explicitly when idle for [`TRUNCATE_DELAY_TICKS`] or when too much is pending.
+    pub(crate) fn coordinator_background(&mut self, now: u64) -> bool {
+        let mut busy = false;
+        let acked: Vec<u64> = self
+            .coord
+            .unacked
+            .iter()
+            .filter(|(_, ts)| {
+                ts.iter()
+                    .all(|(p, t)| self.write_status(*p, *t) == WriteStatus::Done)
+            })
+            .map(|(l, _)| *l)
+            .collect();
+        for l in acked {
+            self.coord.unacked.remove(&l);
+            busy = true;
+        }
+        if self.coord.active.is_some() {
+            return busy;
+        }
+        let truncatable = self
+            .coord
+            .outstanding
+            .iter()
+            .any(|o| o.iter().any(|l| !self.coord.unacked.contains_key(l)));
+        if !truncatable {
+            self.coord.truncatable_since = None;
+            return busy;
+        }
+        let since = *self.coord.truncatable_since.get_or_insert(now);
+        let pending: usize = self.coord.outstanding.iter().map(BTreeSet::len).sum();
+        if now.saturating_sub(since) < TRUNCATE_DELAY_TICKS && pending < OUTSTANDING_MAX {
+            return busy;
+        }
+        self.flush_truncations();
+        self.coord.truncatable_since = None;
+        true
+    }
+
+    /// Sends an explicit TRUNCATE to every participant with truncatable transactions.
+    pub fn flush_truncations(&mut self) {
+        for p in 0..self.coord.outstanding.len() {
+            let dst = MachineId(p as u16);
+            let has = self.coord.outstanding[p]
+                .iter()
+                .any(|l| !self.coord.unacked.contains_key(l));
+            if !has {
+                continue;
+            }
+            let small = RingWriter::reservation(framed_len(header_bytes()));
+            assert!(
+                self.coord.trunc_reserved[p] >= small,
+                "no TRUNCATE reservation at {dst}"
+            );
+            self.coord.trunc_reserved[p] -= small;
+            let (below, ids) = self.piggyback(dst, None);
+            let txn = TxnId {
+                local: self.coord.next_local,
+                ..self.txn_template()
+            };
+            let rec = LogRecord {
+                txn,
+                truncate_below: below,
+                truncated: ids,
+                body: LogBody::Truncate,
+            };
+            self.scratch.clear();
+            rec.encode(&mut self.scratch);
+            match self.append(dst, RingKind::Log, true, small) {
+                Ok(Some(_)) => self.stats.truncates_sent += 1,
+                Ok(None) => panic!("log to {dst} full despite a TRUNCATE reservation"),
+                Err(_) => {} // Dead participant: recovery's business.
+            }
+            if dst == self.machine.id {
+                self.poll_log(dst);
+            }
+        }
+    }
+
+    fn txn_template(&self) -> TxnId {
+        TxnId {
+            config: self.machine.config.id,
+            machine: self.machine.id,
+            thread: self.thread,
+            local: 0,
+        }
+    }
+
+    /// Whether this coordinator has nothing in flight and nothing left to truncate.
+    pub fn coordinator_quiet(&self) -> bool {
+        self.coord.active.is_none()
+            && self.coord.unacked.is_empty()
+            && self.coord.outstanding.iter().all(BTreeSet::is_empty)
+    }
+}
+
+/// Payload bytes available in a slot of `slot_bytes`.
+pub fn payload_capacity(slot_bytes: u32) -> usize {
+    assert!(SLOT_BYTES.contains(&slot_bytes));
+    slot_bytes as usize - HEADER_BYTES
+}

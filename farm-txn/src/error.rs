@@ -1,0 +1,64 @@
+//! What can go wrong with a transaction, as outcomes a caller can act on.
+
+use farm_core::fabric::FabricError;
+use farm_core::{Addr, MachineId};
+
+/// Why a transaction did not commit. An abort is an outcome, not a failure of the library.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum TxError {
+    /// A conflicting transaction won: a read found a lock, a LOCK failed, or validation failed.
+    /// `txn()` retries these automatically.
+    #[error("conflict: {0}")]
+    Conflict(Conflict),
+    /// A machine the transaction needs does not answer.
+    #[error("unavailable: {0}")]
+    Unavailable(#[from] FabricError),
+    /// The address names no object (no such region, outside it, or not allocated).
+    #[error("bad address {addr}: {why}")]
+    BadAddress {
+        /// The address.
+        addr: Addr,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// Allocation failed.
+    #[error("allocation failed: {0}")]
+    Alloc(#[from] farm_alloc::AllocError),
+    /// The transaction writes more than one log record can carry.
+    #[error("transaction too large: {bytes} bytes of records for machine {machine} (max {max})")]
+    TooLarge {
+        /// Destination whose record is too large.
+        machine: MachineId,
+        /// Encoded size.
+        bytes: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// The application aborted the transaction with a reason.
+    #[error("aborted by the application: {0}")]
+    Aborted(String),
+}
+
+/// The kind of conflict, for counters and error messages.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum Conflict {
+    /// An object read during execution was locked by a committing transaction.
+    #[error("object {0} was locked when read")]
+    ReadLocked(Addr),
+    /// A consistent read of an object kept being torn by concurrent commits.
+    #[error("object {0} kept changing during the read")]
+    ReadTorn(Addr),
+    /// A primary could not lock a written object at the version read (§4 step 1).
+    #[error("lock failed at a primary")]
+    Lock,
+    /// A read-only object changed before commit (§4 step 2).
+    #[error("read validation failed")]
+    Validate,
+}
+
+impl TxError {
+    /// Whether `txn()` should retry after this error.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, TxError::Conflict(_))
+    }
+}

@@ -1,0 +1,87 @@
+//! Per-worker counters (DESIGN.md, Observability): commits, aborts by cause, protocol work.
+
+use crate::error::{Conflict, TxError};
+
+/// Counters of one worker. Plain integers: a worker is owned by one thread at a time.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Transactions committed (read-only included).
+    pub commits: u64,
+    /// Aborts: a read found a lock.
+    pub aborts_read_locked: u64,
+    /// Aborts: reads kept being torn.
+    pub aborts_read_torn: u64,
+    /// Aborts: a LOCK failed.
+    pub aborts_lock: u64,
+    /// Aborts: validation failed.
+    pub aborts_validate: u64,
+    /// Aborts for other reasons (unavailable machines, application aborts, bad input).
+    pub aborts_other: u64,
+    /// Consistent object reads.
+    pub reads: u64,
+    /// Reads that found a lock.
+    pub reads_locked: u64,
+    /// Reads that were torn and retried.
+    pub reads_torn: u64,
+    /// LOCK records processed as a primary.
+    pub locks_processed: u64,
+    /// COMMIT-BACKUP records applied at truncation.
+    pub backup_applied: u64,
+    /// Explicit TRUNCATE records sent.
+    pub truncates_sent: u64,
+    /// VALIDATE messages sent.
+    pub validate_rpcs: u64,
+    /// Commits that waited for log space before starting.
+    pub reserve_waits: u64,
+    /// Messages that waited for queue space.
+    pub queue_full_waits: u64,
+    /// Objects allocated.
+    pub allocs: u64,
+    /// Objects freed at this primary.
+    pub frees: u64,
+}
+
+impl Stats {
+    pub(crate) fn count_abort(&mut self, e: &TxError) {
+        match e {
+            TxError::Conflict(Conflict::ReadLocked(_)) => self.aborts_read_locked += 1,
+            TxError::Conflict(Conflict::ReadTorn(_)) => self.aborts_read_torn += 1,
+            TxError::Conflict(Conflict::Lock) => self.aborts_lock += 1,
+            TxError::Conflict(Conflict::Validate) => self.aborts_validate += 1,
+            _ => self.aborts_other += 1,
+        }
+    }
+
+    /// All aborts.
+    pub fn aborts(&self) -> u64 {
+        self.aborts_read_locked
+            + self.aborts_read_torn
+            + self.aborts_lock
+            + self.aborts_validate
+            + self.aborts_other
+    }
+
+    /// Adds `other` into `self`.
+    pub fn add(&mut self, o: &Stats) {
+        macro_rules! sum { ($($f:ident),*) => { $( self.$f += o.$f; )* } }
+        sum!(
+            commits,
+            aborts_read_locked,
+            aborts_read_torn,
+            aborts_lock,
+            aborts_validate,
+            aborts_other,
+            reads,
+            reads_locked,
+            reads_torn,
+            locks_processed,
+            backup_applied,
+            truncates_sent,
+            validate_rpcs,
+            reserve_waits,
+            queue_full_waits,
+            allocs,
+            frees
+        );
+    }
+}

@@ -1,0 +1,608 @@
+//! A worker: one thread's share of a machine, as a deterministic state machine (DESIGN.md,
+//! Machines, threads, event loop).
+//!
+//! [`Worker::poll`] processes the inbound transaction logs and message queues of this thread (one
+//! of each per peer machine), answers LOCK and VALIDATE, applies COMMIT-PRIMARY, keeps
+//! COMMIT-BACKUP records until truncation and applies them then (§4), reports freed log space to
+//! senders, and advances the coordinator's background work (acks of COMMIT-PRIMARY, truncation).
+//! It never blocks and reads no clock.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use farm_alloc::{block_header_offset, block_of, slot_bytes_of, Slabs};
+use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
+use farm_core::object;
+use farm_core::ring::{frame, skip_marker, RecordPos, RingKind, RingReader, RingWriter};
+use farm_core::wire::{LogBody, LogRecord, Message, WriteSet};
+use farm_core::{MachineId, RegionId, ThreadId, TxnId};
+
+use crate::coordinator::CoordinatorState;
+use crate::machine::MachineState;
+use crate::stats::Stats;
+
+/// Locks held at this primary for a transaction, from its LOCK record until COMMIT-PRIMARY or
+/// ABORT.
+#[derive(Debug)]
+struct HeldLocks {
+    record: RecordPos,
+    writes: WriteSet,
+    /// Whether every lock was taken (LOCK-REPLY ok).
+    ok: bool,
+}
+
+/// Records of one transaction of one sender kept until truncation.
+#[derive(Debug, Default)]
+struct Retained {
+    records: Vec<RecordPos>,
+    /// COMMIT-BACKUP writes to apply at truncation (backups apply then, §4 step 5).
+    backup_writes: Option<WriteSet>,
+}
+
+/// Inbound state for one peer (sender) machine on this thread.
+#[derive(Debug)]
+struct Inbound {
+    log: RingReader,
+    queue: RingReader,
+    /// Freed log position last reported to the sender.
+    log_reported: u64,
+    queue_reported: u64,
+    locks: BTreeMap<u64, HeldLocks>,
+    retained: BTreeMap<u64, Retained>,
+}
+
+/// Outbound state for one peer (receiver) machine on this thread.
+#[derive(Debug)]
+pub(crate) struct Outbound {
+    pub(crate) log: RingWriter,
+    pub(crate) queue: RingWriter,
+}
+
+/// One worker thread of one machine.
+#[derive(Debug)]
+pub struct Worker {
+    pub(crate) machine: Arc<MachineState>,
+    pub(crate) thread: ThreadId,
+    inbound: Vec<Inbound>,
+    pub(crate) outbound: Vec<Outbound>,
+    /// One-sided read handles to the primary of each region, resolved on first use (§3: threads
+    /// cache region mappings with their RDMA references).
+    remotes: Vec<Option<Arc<dyn RemoteMemory>>>,
+    /// Slabs of the regions this machine is primary for, owned by this thread (§5.5).
+    pub(crate) slabs: BTreeMap<RegionId, Slabs>,
+    pub(crate) coord: CoordinatorState,
+    /// Replies for this thread's coordinator, in arrival order.
+    pub(crate) replies: Vec<(MachineId, Message)>,
+    pub(crate) stats: Stats,
+    buf: Vec<u8>,
+    pub(crate) scratch: Vec<u8>,
+    pub(crate) framed: Vec<u8>,
+    /// Messages waiting for queue space, in order.
+    backlog: std::collections::VecDeque<(MachineId, Vec<u8>)>,
+}
+
+/// Most messages waiting for queue space: one reply per LOCK or VALIDATE in flight, and each
+/// peer thread has at most one commit in flight.
+const BACKLOG_MAX: usize = 4096;
+
+impl Worker {
+    /// Worker `thread` of `machine`.
+    pub fn new(machine: Arc<MachineState>, thread: ThreadId) -> Self {
+        let layout = machine.params.layout;
+        assert!(
+            thread.0 < layout.threads,
+            "thread {thread:?} beyond the layout"
+        );
+        let peers = layout.machines_max;
+        let inbound = (0..peers)
+            .map(|s| {
+                let ring = |kind| {
+                    RingReader::new(
+                        machine.rings.clone(),
+                        layout.ring_offset(MachineId(s), thread, kind),
+                        layout.ring_bytes(kind),
+                    )
+                };
+                Inbound {
+                    log: ring(RingKind::Log),
+                    queue: ring(RingKind::Queue),
+                    log_reported: 0,
+                    queue_reported: 0,
+                    locks: BTreeMap::new(),
+                    retained: BTreeMap::new(),
+                }
+            })
+            .collect();
+        let outbound = (0..peers)
+            .map(|_| Outbound {
+                log: RingWriter::new(layout.log_bytes),
+                queue: RingWriter::new(layout.queue_bytes),
+            })
+            .collect();
+        let slabs = machine
+            .primary_regions()
+            .map(|r| (r, Slabs::new(r)))
+            .collect();
+        let coord = CoordinatorState::new(peers as usize);
+        Self {
+            machine,
+            thread,
+            inbound,
+            outbound,
+            remotes: Vec::new(),
+            slabs,
+            coord,
+            replies: Vec::new(),
+            stats: Stats::default(),
+            buf: Vec::new(),
+            scratch: Vec::new(),
+            framed: Vec::new(),
+            backlog: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// This worker's machine.
+    pub fn machine(&self) -> &Arc<MachineState> {
+        &self.machine
+    }
+
+    /// This worker's thread index.
+    pub fn thread(&self) -> ThreadId {
+        self.thread
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    pub(crate) fn endpoint(&self) -> Endpoint {
+        Endpoint {
+            machine: self.machine.id,
+            thread: self.thread,
+        }
+    }
+
+    /// The read handle for the primary of `region` (never called for local primaries).
+    pub(crate) fn remote(
+        &mut self,
+        region: RegionId,
+    ) -> Result<Arc<dyn RemoteMemory>, FabricError> {
+        let idx = region.0 as usize;
+        if let Some(Some(r)) = self.remotes.get(idx) {
+            return Ok(r.clone());
+        }
+        let primary = self
+            .machine
+            .region_map
+            .get(region)
+            .expect("caller checked the region exists")
+            .primary;
+        let r = self
+            .machine
+            .fabric
+            .remote(self.machine.id, primary, MemKey::Region(region))?;
+        if self.remotes.len() <= idx {
+            self.remotes.resize(idx + 1, None);
+        }
+        self.remotes[idx] = Some(r.clone());
+        Ok(r)
+    }
+
+    /// Runs every handler that has work: inbound logs and queues of every peer, then the
+    /// coordinator's background work. Returns whether anything happened (for backoff).
+    pub fn poll(&mut self, now: u64) -> bool {
+        let mut busy = self.flush_backlog();
+        for peer in 0..self.inbound.len() {
+            busy |= self.poll_log(MachineId(peer as u16));
+            busy |= self.poll_queue(MachineId(peer as u16));
+        }
+        busy |= self.coordinator_background(now);
+        busy
+    }
+
+    pub(crate) fn poll_log(&mut self, sender: MachineId) -> bool {
+        let mut busy = false;
+        let mut buf = std::mem::take(&mut self.buf);
+        while let Some(pos) = self.inbound[sender.0 as usize].log.poll(&mut buf) {
+            busy = true;
+            match LogRecord::decode(&buf) {
+                Ok(rec) => self.on_log_record(sender, pos, rec),
+                Err(e) => panic!(
+                    "corrupt log record from {sender} at {} with a valid checksum: {e}",
+                    pos.0
+                ),
+            }
+        }
+        self.buf = buf;
+        if busy {
+            self.report_freed(sender, RingKind::Log, false);
+        }
+        busy
+    }
+
+    fn poll_queue(&mut self, sender: MachineId) -> bool {
+        let mut busy = false;
+        let mut buf = std::mem::take(&mut self.buf);
+        while let Some(pos) = self.inbound[sender.0 as usize].queue.poll(&mut buf) {
+            busy = true;
+            let msg = Message::decode(&buf);
+            self.inbound[sender.0 as usize].queue.release(pos);
+            match msg {
+                Ok(Message::Validate { txn, reads }) => {
+                    let ok = reads.iter().all(|(addr, seen)| {
+                        self.machine.region(addr.region).is_some_and(|mem| {
+                            object::read_header(&**mem, addr.offset as u64).ok() == Some(*seen)
+                        })
+                    });
+                    self.send_message(sender, &Message::ValidateReply { txn, ok });
+                }
+                Ok(reply) => self.replies.push((sender, reply)),
+                Err(e) => panic!("corrupt message from {sender} with a valid checksum: {e}"),
+            }
+        }
+        self.buf = buf;
+        if busy {
+            self.report_freed(sender, RingKind::Queue, false);
+        }
+        busy
+    }
+
+    fn on_log_record(&mut self, sender: MachineId, pos: RecordPos, rec: LogRecord) {
+        self.truncate_from(sender, rec.truncate_below, &rec.truncated);
+        let local = rec.txn.local;
+        match rec.body {
+            LogBody::Lock(writes) => {
+                let ok = self.lock_all(&writes);
+                self.stats.locks_processed += 1;
+                let inbound = &mut self.inbound[sender.0 as usize];
+                let prev = inbound.locks.insert(
+                    local,
+                    HeldLocks {
+                        record: pos,
+                        writes,
+                        ok,
+                    },
+                );
+                assert!(prev.is_none(), "two LOCK records for {}", rec.txn);
+                if sender == self.machine.id {
+                    // The coordinator is this very worker: no message, a direct reply.
+                    self.replies
+                        .push((sender, Message::LockReply { txn: rec.txn, ok }));
+                } else {
+                    self.send_message(sender, &Message::LockReply { txn: rec.txn, ok });
+                }
+            }
+            LogBody::CommitBackup(writes) => {
+                let r = self.inbound[sender.0 as usize]
+                    .retained
+                    .entry(local)
+                    .or_default();
+                r.records.push(pos);
+                r.backup_writes = Some(writes);
+            }
+            LogBody::CommitPrimary => {
+                let held = self.inbound[sender.0 as usize]
+                    .locks
+                    .remove(&local)
+                    .unwrap_or_else(|| panic!("COMMIT-PRIMARY for {} without a LOCK", rec.txn));
+                assert!(
+                    held.ok,
+                    "COMMIT-PRIMARY for {} whose locking failed",
+                    rec.txn
+                );
+                self.apply_at_primary(&held.writes);
+                let r = self.inbound[sender.0 as usize]
+                    .retained
+                    .entry(local)
+                    .or_default();
+                r.records.push(held.record);
+                r.records.push(pos);
+            }
+            LogBody::Abort => {
+                let inbound = &mut self.inbound[sender.0 as usize];
+                if let Some(held) = inbound.locks.remove(&local) {
+                    if held.ok {
+                        self.unlock_all(&held.writes);
+                    }
+                    self.inbound[sender.0 as usize].log.release(held.record);
+                }
+                self.inbound[sender.0 as usize].log.release(pos);
+            }
+            LogBody::Truncate => self.inbound[sender.0 as usize].log.release(pos),
+        }
+    }
+
+    /// §4 step 1 at the primary: CAS every written object's header at the version read. On the
+    /// first failure, the locks already taken are released and the LOCK fails.
+    fn lock_all(&mut self, writes: &WriteSet) -> bool {
+        for (i, w) in writes.writes.iter().enumerate() {
+            let mem = self.primary_mem(w.addr.region);
+            if object::try_lock(&mem, w.addr.offset as u64, w.read).is_err() {
+                for taken in &writes.writes[..i] {
+                    object::unlock(
+                        &self.primary_mem(taken.addr.region),
+                        taken.addr.offset as u64,
+                        taken.read,
+                    );
+                }
+                return false;
+            }
+        }
+        true
+    }
+
+    fn unlock_all(&mut self, writes: &WriteSet) {
+        for w in &writes.writes {
+            object::unlock(
+                &self.primary_mem(w.addr.region),
+                w.addr.offset as u64,
+                w.read,
+            );
+        }
+    }
+
+    fn primary_mem(&self, region: RegionId) -> Arc<farm_core::nvram::Nvram> {
+        let placement = self.machine.region_map.get(region);
+        assert!(
+            placement.is_some_and(|p| p.primary == self.machine.id),
+            "LOCK for region {region:?} at {} which is not its primary",
+            self.machine.id
+        );
+        self.machine
+            .region(region)
+            .expect("primary holds its region")
+            .clone()
+    }
+
+    /// §4 step 4: update in place, increment versions, unlock. Frees return the slot to this
+    /// thread's slab (§5.5: free lists live at the primary).
+    fn apply_at_primary(&mut self, writes: &WriteSet) {
+        for w in &writes.writes {
+            let mem = self.primary_mem(w.addr.region);
+            let new = w.read.committed_successor(w.allocated);
+            object::apply_locked(&mem, w.addr.offset as u64, &w.data, new);
+            if w.read.allocated() && !w.allocated {
+                let block = block_of(w.addr.offset);
+                let header = mem.load_u64(block_header_offset(block), Ordering::Acquire);
+                let slot = slot_bytes_of(header).expect("a freed object lies in a carved block");
+                self.slabs
+                    .get_mut(&w.addr.region)
+                    .expect("primary has slabs for its regions")
+                    .free(w.addr.offset, slot);
+                self.stats.frees += 1;
+            }
+        }
+    }
+
+    /// Truncation piggybacked on a record from `sender` (§4 step 5): every retained transaction
+    /// of the sender below `below` or listed in `ids` is done; backups apply their writes now.
+    fn truncate_from(&mut self, sender: MachineId, below: u64, ids: &[u64]) {
+        let inbound = &mut self.inbound[sender.0 as usize];
+        let mut done: Vec<u64> = inbound.retained.range(..below).map(|(k, _)| *k).collect();
+        done.extend(
+            ids.iter()
+                .filter(|id| **id >= below && inbound.retained.contains_key(id)),
+        );
+        for local in done {
+            let r = inbound.retained.remove(&local).expect("listed");
+            if let Some(ws) = r.backup_writes {
+                for w in &ws.writes {
+                    let mem = self.machine.region(w.addr.region).unwrap_or_else(|| {
+                        panic!("COMMIT-BACKUP for region {:?} not held here", w.addr.region)
+                    });
+                    let new = w.read.committed_successor(w.allocated);
+                    let data = if w.allocated { &w.data[..] } else { &[][..] };
+                    object::install_at_backup(mem, w.addr.offset as u64, data, new);
+                }
+                self.stats.backup_applied += 1;
+            }
+            for pos in r.records {
+                inbound.log.release(pos);
+            }
+        }
+    }
+
+    /// Tells `sender` how far this thread freed its ring, lazily: when an eighth of the ring was
+    /// freed since the last report, or when the ring is drained (`force` or nothing held).
+    fn report_freed(&mut self, sender: MachineId, kind: RingKind, force: bool) {
+        let layout = self.machine.params.layout;
+        let inbound = &mut self.inbound[sender.0 as usize];
+        let (ring, reported) = match kind {
+            RingKind::Log => (&inbound.log, &mut inbound.log_reported),
+            RingKind::Queue => (&inbound.queue, &mut inbound.queue_reported),
+        };
+        let freed = ring.freed();
+        if freed == *reported {
+            return;
+        }
+        let lazy_enough = freed - *reported >= (layout.ring_bytes(kind) / 8) as u64;
+        if !(force || lazy_enough || ring.held() == 0) {
+            return;
+        }
+        *reported = freed;
+        let slot = layout.feedback_offset(self.machine.id, self.thread, kind);
+        if sender == self.machine.id {
+            self.machine
+                .feedback
+                .store_u64(slot, freed, Ordering::Release);
+        } else {
+            // A lost report is harmless: a later one carries a larger position.
+            let _ = self.machine.fabric.write(
+                self.endpoint(),
+                sender,
+                MemKey::Feedback,
+                slot as u64,
+                &freed.to_le_bytes(),
+            );
+        }
+    }
+
+    /// Refreshes this thread's view of how far `receiver` freed its ring of `kind`.
+    pub(crate) fn refresh_head(&mut self, receiver: MachineId, kind: RingKind) {
+        let slot = self
+            .machine
+            .params
+            .layout
+            .feedback_offset(receiver, self.thread, kind);
+        let head = self.machine.feedback.load_u64(slot, Ordering::Acquire);
+        let out = &mut self.outbound[receiver.0 as usize];
+        match kind {
+            RingKind::Log => out.log.update_head(head),
+            RingKind::Queue => out.queue.update_head(head),
+        }
+    }
+
+    /// Appends `payload` to the ring of `kind` at `dst`, consuming `reserved` bytes of
+    /// reservation. Local destinations are written with local memory, not the fabric (§4).
+    /// Returns the write's ticket (`None` for a local write, which is complete at once) or `Ok`
+    /// with no placement when the ring is full.
+    pub(crate) fn append(
+        &mut self,
+        dst: MachineId,
+        kind: RingKind,
+        payload_from_scratch: bool,
+        reserved: usize,
+    ) -> Result<Option<Option<WriteTicket>>, FabricError> {
+        let mut framed = std::mem::take(&mut self.framed);
+        frame(
+            if payload_from_scratch {
+                &self.scratch
+            } else {
+                &[]
+            },
+            &mut framed,
+        );
+        let result = self.append_framed(dst, kind, &framed, reserved);
+        self.framed = framed;
+        result
+    }
+
+    fn append_framed(
+        &mut self,
+        dst: MachineId,
+        kind: RingKind,
+        framed: &[u8],
+        reserved: usize,
+    ) -> Result<Option<Option<WriteTicket>>, FabricError> {
+        self.refresh_head(dst, kind);
+        let out = &mut self.outbound[dst.0 as usize];
+        let writer = match kind {
+            RingKind::Log => &mut out.log,
+            RingKind::Queue => &mut out.queue,
+        };
+        let Some(place) = writer.place(framed.len(), reserved) else {
+            return Ok(None);
+        };
+        let layout = self.machine.params.layout;
+        let base = layout.ring_offset(self.machine.id, self.thread, kind);
+        if dst == self.machine.id {
+            if let Some((at, len)) = place.skip {
+                self.machine.rings.write(base + at, &skip_marker(len));
+            }
+            self.machine.rings.write(base + place.offset, framed);
+            return Ok(Some(None));
+        }
+        let fabric = &self.machine.fabric;
+        if let Some((at, len)) = place.skip {
+            fabric.write(
+                self.endpoint(),
+                dst,
+                MemKey::Rings,
+                (base + at) as u64,
+                &skip_marker(len),
+            )?;
+        }
+        let t = fabric.write(
+            self.endpoint(),
+            dst,
+            MemKey::Rings,
+            (base + place.offset) as u64,
+            framed,
+        )?;
+        Ok(Some(Some(t)))
+    }
+
+    /// Sends a message. Message queues are freed as soon as messages are processed; when the
+    /// queue to `dst` is full the message waits in a bounded backlog that [`Worker::poll`]
+    /// retries, so a handler never blocks on a slow peer.
+    pub(crate) fn send_message(&mut self, dst: MachineId, msg: &Message) {
+        let mut payload = Vec::new();
+        msg.encode(&mut payload);
+        let mut framed = Vec::new();
+        frame(&payload, &mut framed);
+        if self.backlog.iter().any(|(d, _)| *d == dst) || !self.try_send_framed(dst, &framed) {
+            assert!(self.backlog.len() < BACKLOG_MAX, "message backlog overflow");
+            self.stats.queue_full_waits += 1;
+            self.backlog.push_back((dst, framed));
+        }
+    }
+
+    /// Whether the message was placed (or its peer is dead: nobody will read it).
+    fn try_send_framed(&mut self, dst: MachineId, framed: &[u8]) -> bool {
+        !matches!(
+            self.append_framed(dst, RingKind::Queue, framed, 0),
+            Ok(None)
+        )
+    }
+
+    fn flush_backlog(&mut self) -> bool {
+        let mut busy = false;
+        let mut blocked: Vec<MachineId> = Vec::new();
+        let mut rest = std::collections::VecDeque::new();
+        while let Some((dst, framed)) = self.backlog.pop_front() {
+            if !blocked.contains(&dst) && self.try_send_framed(dst, &framed) {
+                busy = true;
+            } else {
+                blocked.push(dst);
+                rest.push_back((dst, framed));
+            }
+        }
+        self.backlog = rest;
+        busy
+    }
+
+    /// Whether a posted write to `dst` has landed.
+    pub(crate) fn write_status(&self, dst: MachineId, ticket: Option<WriteTicket>) -> WriteStatus {
+        match ticket {
+            None => WriteStatus::Done,
+            Some(t) => self.machine.fabric.write_status(self.endpoint(), dst, t),
+        }
+    }
+
+    /// Number of COMMIT-BACKUP and primary records kept waiting for truncation, over all peers.
+    pub fn retained_records(&self) -> usize {
+        self.inbound
+            .iter()
+            .map(|i| i.retained.len() + i.locks.len())
+            .sum()
+    }
+
+    /// Transaction ids whose locks this worker holds as a primary.
+    pub fn held_lock_txns(&self) -> BTreeSet<(MachineId, u64)> {
+        self.inbound
+            .iter()
+            .enumerate()
+            .flat_map(|(m, i)| i.locks.keys().map(move |l| (MachineId(m as u16), *l)))
+            .collect()
+    }
+
+    /// Forces truncation feedback for every ring (used at quiescence).
+    pub fn report_all_freed(&mut self) {
+        for peer in 0..self.inbound.len() {
+            self.report_freed(MachineId(peer as u16), RingKind::Log, true);
+            self.report_freed(MachineId(peer as u16), RingKind::Queue, true);
+        }
+    }
+
+    pub(crate) fn txn_id(&mut self) -> TxnId {
+        self.coord.next_local += 1;
+        TxnId {
+            config: self.machine.config.id,
+            machine: self.machine.id,
+            thread: self.thread,
+            local: self.coord.next_local,
+        }
+    }
+}

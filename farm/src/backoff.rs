@@ -1,0 +1,46 @@
+//! Backoff for pollers and conflicting transactions: spin, then yield, then sleep briefly, so
+//! that spinning threads do not starve a 2-core machine running three in-process machines
+//! (DESIGN.md, Machines, threads, event loop).
+
+use std::time::Duration;
+
+const SPINS_MAX: u32 = 64;
+const YIELDS_MAX: u32 = 256;
+const PARK: Duration = Duration::from_micros(50);
+
+/// Idle and conflict backoff state of one thread.
+#[derive(Debug, Default)]
+pub(crate) struct Backoff {
+    idle: u32,
+}
+
+impl Backoff {
+    pub(crate) fn new() -> Self {
+        Self::default()
+    }
+
+    /// Work was found: start over.
+    pub(crate) fn reset(&mut self) {
+        self.idle = 0;
+    }
+
+    /// Nothing to do this round.
+    pub(crate) fn idle(&mut self) {
+        self.idle = self.idle.saturating_add(1);
+        if self.idle <= SPINS_MAX {
+            std::hint::spin_loop();
+        } else if self.idle <= SPINS_MAX + YIELDS_MAX {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(PARK);
+        }
+    }
+
+    /// After the `attempt`-th conflict: yield a growing number of times, capped.
+    pub(crate) fn conflict(&mut self, attempt: u32) {
+        let rounds = 1u32 << attempt.min(6);
+        for _ in 0..rounds {
+            std::thread::yield_now();
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! The in-process cluster: machines as groups of workers in one process over the `mem` fabric,
+//! driven by OS threads (DESIGN.md, Machines, threads, event loop).
+//!
+//! OS thread `t` hosts worker `t` of every machine ([`Host`]) and polls them in turn, so three
+//! machines share two cores without a context switch on the commit path. A thread that runs a
+//! transaction takes a host for its duration, runs the closure on the coordinator worker and,
+//! while it waits for replies and acks, keeps polling every worker of the host: handlers never
+//! block, and waiting polls (a coordinator waiting for its own host's participant would deadlock
+//! otherwise). Background pollers serve hosts that no transaction holds.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use farm_core::config::{Configuration, RegionMap};
+use farm_core::fabric::Fabric;
+use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
+use farm_core::ring::RingLayout;
+use farm_core::{Addr, MachineId, ThreadId};
+use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
+
+use crate::backoff::Backoff;
+use crate::txn::Txn;
+
+/// Errors building a cluster: bad parameters or NVRAM that cannot be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// A parameter is out of range.
+    #[error("invalid cluster parameter: {0}")]
+    Invalid(String),
+    /// NVRAM could not be created or mapped.
+    #[error("NVRAM: {0}")]
+    Nvram(#[from] std::io::Error),
+}
+
+/// Builder of an in-process [`Cluster`].
+#[derive(Clone, Debug)]
+pub struct ClusterBuilder {
+    machines: u16,
+    workers: u16,
+    replicas: u16,
+    regions_per_machine: u32,
+    region_bytes: usize,
+    log_bytes: usize,
+    queue_bytes: usize,
+    nvram_dir: Option<PathBuf>,
+    pin: bool,
+    background_pollers: bool,
+}
+
+impl Default for ClusterBuilder {
+    fn default() -> Self {
+        Self {
+            machines: 3,
+            workers: 2,
+            replicas: 3,
+            regions_per_machine: 1,
+            region_bytes: 2 << 30,
+            log_bytes: 1 << 20,
+            queue_bytes: 256 << 10,
+            nvram_dir: None,
+            pin: false,
+            background_pollers: true,
+        }
+    }
+}
+
+impl ClusterBuilder {
+    /// Number of machines (default 3).
+    pub fn machines(mut self, n: u16) -> Self {
+        self.machines = n;
+        self
+    }
+    /// Worker threads per machine (default 2, one per core of a small machine).
+    pub fn workers(mut self, n: u16) -> Self {
+        self.workers = n;
+        self
+    }
+    /// Replicas per region, primary included: `f + 1` (default 3).
+    pub fn replicas(mut self, n: u16) -> Self {
+        self.replicas = n;
+        self
+    }
+    /// Regions each machine is primary for (default 1).
+    pub fn regions_per_machine(mut self, n: u32) -> Self {
+        self.regions_per_machine = n;
+        self
+    }
+    /// Bytes per region (default 2 GB, sparse).
+    pub fn region_bytes(mut self, n: usize) -> Self {
+        self.region_bytes = n;
+        self
+    }
+    /// Bytes per transaction log (default 1 MB).
+    pub fn log_bytes(mut self, n: usize) -> Self {
+        self.log_bytes = n;
+        self
+    }
+    /// Bytes per message queue (default 256 KB).
+    pub fn queue_bytes(mut self, n: usize) -> Self {
+        self.queue_bytes = n;
+        self
+    }
+    /// Keep NVRAM in files under `dir` (default: anonymous memory).
+    pub fn nvram_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.nvram_dir = Some(dir.into());
+        self
+    }
+    /// Pin host threads to cores with `core_affinity` (default off).
+    pub fn pin_threads(mut self, pin: bool) -> Self {
+        self.pin = pin;
+        self
+    }
+
+    /// Builds and starts the cluster.
+    pub fn build(self) -> Result<Cluster, BuildError> {
+        if self.machines == 0 || self.workers == 0 {
+            return Err(BuildError::Invalid(
+                "machines and workers must be at least 1".into(),
+            ));
+        }
+        if self.replicas == 0 || self.replicas > self.machines {
+            return Err(BuildError::Invalid(format!(
+                "{} replicas need at least that many machines, have {}",
+                self.replicas, self.machines
+            )));
+        }
+        let layout = RingLayout {
+            machines_max: self.machines,
+            threads: self.workers,
+            log_bytes: self.log_bytes,
+            queue_bytes: self.queue_bytes,
+        };
+        let params = Params {
+            layout,
+            region_bytes: self.region_bytes,
+            validate_rpc_threshold: 4,
+        };
+        params.validate().map_err(BuildError::Invalid)?;
+        let fabric = Arc::new(MemFabric::new(MemFabricConfig {
+            machines_max: self.machines,
+            threads_max: self.workers,
+            seed: 0,
+            datagrams_queued_max: 1024,
+        }));
+        let config = Configuration::initial(self.machines);
+        let map = RegionMap::striped(self.machines, self.regions_per_machine, self.replicas - 1);
+        let machines = (0..self.machines)
+            .map(|m| {
+                MachineState::new(
+                    MachineId(m),
+                    params,
+                    config.clone(),
+                    map.clone(),
+                    fabric.clone() as Arc<dyn Fabric>,
+                    self.nvram_dir.as_deref(),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let hosts: Vec<Mutex<Host>> = (0..self.workers)
+            .map(|t| {
+                Mutex::new(Host {
+                    workers: machines
+                        .iter()
+                        .map(|m| Worker::new(m.clone(), ThreadId(t)))
+                        .collect(),
+                })
+            })
+            .collect();
+        let inner = Arc::new(Inner {
+            fabric,
+            machines,
+            hosts,
+            epoch: Instant::now(),
+            stop: AtomicBool::new(false),
+            next_host: AtomicUsize::new(0),
+        });
+        let cores = if self.pin {
+            core_affinity::get_core_ids().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let pollers = if self.background_pollers {
+            (0..self.workers as usize)
+                .map(|t| {
+                    let inner = inner.clone();
+                    let core = cores.get(t % cores.len().max(1)).copied();
+                    std::thread::Builder::new()
+                        .name(format!("farm-poller-{t}"))
+                        .spawn(move || {
+                            if let Some(c) = core {
+                                core_affinity::set_for_current(c);
+                            }
+                            inner.background_poll(t)
+                        })
+                        .expect("spawn poller")
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        tracing::info!(
+            machines = self.machines,
+            workers = self.workers,
+            replicas = self.replicas,
+            "cluster started"
+        );
+        Ok(Cluster { inner, pollers })
+    }
+}
+
+/// Worker `t` of every machine, polled by one OS thread at a time.
+#[derive(Debug)]
+pub struct Host {
+    workers: Vec<Worker>,
+}
+
+impl Host {
+    /// Polls every worker once; whether any had work.
+    fn poll_all(&mut self, now: u64) -> bool {
+        let mut busy = false;
+        for w in &mut self.workers {
+            busy |= w.poll(now);
+        }
+        busy
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    fabric: Arc<MemFabric>,
+    machines: Vec<Arc<MachineState>>,
+    hosts: Vec<Mutex<Host>>,
+    epoch: Instant,
+    stop: AtomicBool,
+    next_host: AtomicUsize,
+}
+
+impl Inner {
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    fn background_poll(&self, t: usize) {
+        let mut backoff = Backoff::new();
+        while !self.stop.load(Ordering::Relaxed) {
+            let busy = match self.hosts[t].try_lock() {
+                Ok(mut host) => host.poll_all(self.now()),
+                Err(_) => false,
+            };
+            if busy {
+                backoff.reset();
+            } else {
+                backoff.idle();
+            }
+        }
+    }
+}
+
+thread_local! {
+    static HOST_HINT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// An in-process FaRM cluster. See the module docs.
+#[derive(Debug)]
+pub struct Cluster {
+    inner: Arc<Inner>,
+    pollers: Vec<JoinHandle<()>>,
+}
+
+/// Most attempts of one `txn()` call before it gives up with the last conflict.
+pub const TXN_ATTEMPTS_MAX: u32 = 10_000;
+
+impl Cluster {
+    /// A builder with the defaults (3 machines, 2 workers each, 3-way replication).
+    pub fn builder() -> ClusterBuilder {
+        ClusterBuilder::default()
+    }
+
+    /// Number of machines.
+    pub fn machines(&self) -> u16 {
+        self.inner.machines.len() as u16
+    }
+
+    /// Number of workers (hosts) per machine.
+    pub fn workers(&self) -> usize {
+        self.inner.hosts.len()
+    }
+
+    /// The fabric, for fault injection.
+    pub fn fabric(&self) -> &Arc<MemFabric> {
+        &self.inner.fabric
+    }
+
+    /// Every machine's state (for checkers).
+    pub fn machine_states(&self) -> &[Arc<MachineState>] {
+        &self.inner.machines
+    }
+
+    fn host(&self) -> (usize, MutexGuard<'_, Host>) {
+        let n = self.inner.hosts.len();
+        let hint = HOST_HINT.with(|h| {
+            h.get().unwrap_or_else(|| {
+                let t = self.inner.next_host.fetch_add(1, Ordering::Relaxed) % n;
+                h.set(Some(t));
+                t
+            })
+        }) % n;
+        for i in 0..n {
+            let t = (hint + i) % n;
+            if let Ok(g) = self.inner.hosts[t].try_lock() {
+                return (t, g);
+            }
+        }
+        (hint, self.inner.hosts[hint].lock().expect("host poisoned"))
+    }
+
+    /// Runs `f` as a strictly serializable transaction coordinated on `machine`, retrying with
+    /// backoff on conflicts (up to [`TXN_ATTEMPTS_MAX`] attempts). Returns the closure's value
+    /// once the transaction committed, or why it could not. The closure may run several times;
+    /// returning an error from it aborts the transaction (use [`Txn::abort`] for a reason).
+    pub fn txn<R>(
+        &self,
+        machine: MachineId,
+        mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        assert!(machine.0 < self.machines(), "no machine {machine}");
+        let (_, mut host) = self.host();
+        let mut backoff = Backoff::new();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let result = run_once(&self.inner, &mut host, machine, &mut f);
+            match result {
+                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
+                    // Let conflicting commits finish: they may need this very host's workers.
+                    let now = self.inner.now();
+                    host.poll_all(now);
+                    backoff.conflict(attempt);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// A lock-free read of one object (§3): a single consistent read at the primary, retried
+    /// while the object is locked or torn, no transaction records.
+    pub fn read<T: bytemuck::Pod>(&self, machine: MachineId, addr: Addr) -> Result<T, TxError> {
+        let (_, mut host) = self.host();
+        let mut backoff = Backoff::new();
+        loop {
+            let w = &mut host.workers[machine.0 as usize];
+            match w.read_object(addr, std::mem::size_of::<T>()) {
+                Ok((h, data)) if h.allocated() => return Ok(bytemuck::pod_read_unaligned(&data)),
+                Ok(_) => {
+                    return Err(TxError::BadAddress {
+                        addr,
+                        why: "object is not allocated",
+                    })
+                }
+                Err(e) if e.is_retryable() => {
+                    let now = self.inner.now();
+                    host.poll_all(now);
+                    backoff.idle();
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Waits until every commit has been acknowledged and truncated everywhere, so that backups
+    /// have applied every committed write (for checks at quiescence). Callers must have stopped
+    /// issuing transactions.
+    pub fn quiesce(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut quiet = true;
+            for h in &self.inner.hosts {
+                let mut host = h.lock().expect("host poisoned");
+                let now = self.inner.now();
+                host.poll_all(now);
+                for w in &mut host.workers {
+                    w.flush_truncations();
+                    w.report_all_freed();
+                }
+                host.poll_all(now);
+                quiet &= host
+                    .workers
+                    .iter()
+                    .all(|w| w.coordinator_quiet() && w.retained_records() == 0);
+            }
+            if quiet {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cluster did not quiesce within 30 s"
+            );
+            std::thread::yield_now();
+        }
+    }
+
+    /// Counters summed over every worker.
+    pub fn stats(&self) -> Stats {
+        let mut total = Stats::default();
+        for h in &self.inner.hosts {
+            for w in &h.lock().expect("host poisoned").workers {
+                total.add(w.stats());
+            }
+        }
+        total
+    }
+}
+
+fn run_once<R>(
+    inner: &Inner,
+    host: &mut Host,
+    machine: MachineId,
+    f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+) -> Result<R, TxError> {
+    let worker = &mut host.workers[machine.0 as usize];
+    let mut txn = Txn::new(Tx::new(worker));
+    let value = f(&mut txn);
+    let state = txn.into_state();
+    let value = match value {
+        Ok(v) => v,
+        Err(e) => {
+            host.workers[machine.0 as usize].discard(state);
+            return Err(e);
+        }
+    };
+    host.workers[machine.0 as usize].start_commit(state);
+    let mut backoff = Backoff::new();
+    loop {
+        let now = inner.now();
+        if let Some(r) = host.workers[machine.0 as usize].poll_commit(now) {
+            return r.map(|()| value);
+        }
+        if host.poll_all(now) {
+            backoff.reset();
+        } else {
+            backoff.idle();
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Relaxed);
+        for p in self.pollers.drain(..) {
+            let _ = p.join();
+        }
+    }
+}

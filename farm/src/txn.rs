@@ -1,0 +1,51 @@
+//! The typed transaction handle given to `txn()` closures.
+
+use bytemuck::Pod;
+use farm_core::Addr;
+use farm_txn::{Tx, TxError, TxState};
+
+/// A transaction in execution. Reads return committed, consistent objects and see this
+/// transaction's own writes; writes, allocations and frees take effect at commit.
+#[derive(Debug)]
+pub struct Txn<'w> {
+    inner: Tx<'w>,
+}
+
+impl<'w> Txn<'w> {
+    pub(crate) fn new(inner: Tx<'w>) -> Self {
+        Self { inner }
+    }
+
+    pub(crate) fn into_state(self) -> TxState {
+        self.inner.into_state()
+    }
+
+    /// Reads the object at `addr` as a `T`.
+    pub fn read<T: Pod>(&mut self, addr: Addr) -> Result<T, TxError> {
+        let bytes = self.inner.read(addr, std::mem::size_of::<T>())?;
+        Ok(bytemuck::pod_read_unaligned(bytes))
+    }
+
+    /// Writes `value` to the object at `addr` at commit.
+    pub fn write<T: Pod>(&mut self, addr: Addr, value: &T) -> Result<(), TxError> {
+        self.inner.write(addr, bytemuck::bytes_of(value))
+    }
+
+    /// Allocates an object holding `value`, in the region of `near` when this machine is its
+    /// primary (a locality hint), else in a region this machine is primary for.
+    pub fn alloc<T: Pod>(&mut self, value: &T, near: Option<Addr>) -> Result<Addr, TxError> {
+        let addr = self.inner.alloc(std::mem::size_of::<T>(), near)?;
+        self.inner.write(addr, bytemuck::bytes_of(value))?;
+        Ok(addr)
+    }
+
+    /// Frees the object at `addr` at commit.
+    pub fn free(&mut self, addr: Addr) -> Result<(), TxError> {
+        self.inner.free(addr)
+    }
+
+    /// An error that aborts the transaction with `reason`; return it from the closure.
+    pub fn abort(&self, reason: impl Into<String>) -> TxError {
+        TxError::Aborted(reason.into())
+    }
+}
