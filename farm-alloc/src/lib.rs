@@ -191,7 +191,8 @@ impl Slabs {
             .position(|s| *s == slot_bytes)
             .unwrap_or_else(|| panic!("freeing a slot of unknown size {slot_bytes}"));
         assert!(
-            (offset as usize % BLOCK_BYTES) % slot_bytes as usize == 0 && block_of(offset) > 0,
+            (offset as usize % BLOCK_BYTES).is_multiple_of(slot_bytes as usize)
+                && block_of(offset) > 0,
             "offset {offset:#x} is not a slot of size {slot_bytes}"
         );
         debug_assert!(

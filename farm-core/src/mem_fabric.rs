@@ -120,7 +120,7 @@ fn check_bounds(
     offset: u64,
     len: usize,
 ) -> Result<(), FabricError> {
-    let in_bounds = offset % 8 == 0
+    let in_bounds = offset.is_multiple_of(8)
         && offset
             .checked_add(len as u64)
             .is_some_and(|end| end <= mem.len() as u64);

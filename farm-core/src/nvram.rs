@@ -110,7 +110,7 @@ impl Nvram {
     /// bad offset has a bug.
     fn word(&self, offset: usize) -> &AtomicU64 {
         assert!(
-            offset % WORD_BYTES == 0 && offset + WORD_BYTES <= self.len,
+            offset.is_multiple_of(WORD_BYTES) && offset + WORD_BYTES <= self.len,
             "NVRAM access at {offset} outside 0..{} or unaligned",
             self.len
         );
@@ -183,7 +183,7 @@ impl Nvram {
     pub fn zero(&self, offset: usize, len: usize) {
         self.check_range(offset, len);
         assert!(
-            len % WORD_BYTES == 0,
+            len.is_multiple_of(WORD_BYTES),
             "zeroing a partial word ({len} bytes)"
         );
         for at in (offset..offset + len).step_by(WORD_BYTES) {
@@ -194,7 +194,8 @@ impl Nvram {
 
     fn check_range(&self, offset: usize, len: usize) {
         assert!(
-            offset % WORD_BYTES == 0 && offset.checked_add(len).is_some_and(|end| end <= self.len),
+            offset.is_multiple_of(WORD_BYTES)
+                && offset.checked_add(len).is_some_and(|end| end <= self.len),
             "NVRAM range {offset}+{len} outside 0..{} or unaligned",
             self.len
         );

@@ -155,7 +155,7 @@ impl RingWriter {
     /// A writer for an empty ring of `capacity` bytes.
     pub fn new(capacity: usize) -> Self {
         assert!(
-            capacity % 8 == 0 && capacity >= 64,
+            capacity.is_multiple_of(8) && capacity >= 64,
             "ring capacity {capacity}"
         );
         Self {
@@ -207,7 +207,7 @@ impl RingWriter {
     /// caller must write in order (skip marker first).
     pub fn place(&mut self, len: usize, reserved: usize) -> Option<Placement> {
         assert!(
-            len % 8 == 0 && len >= FRAME_BYTES && len <= self.capacity / 2,
+            len.is_multiple_of(8) && len >= FRAME_BYTES && len <= self.capacity / 2,
             "record length {len}"
         );
         let at = (self.tail % self.capacity as u64) as usize;
@@ -256,7 +256,9 @@ pub struct RingReader {
 impl RingReader {
     /// A reader of the ring at `base..base + capacity` of `mem`, which must be zeroed.
     pub fn new(mem: Arc<Nvram>, base: usize, capacity: usize) -> Self {
-        assert!(base % 8 == 0 && capacity % 8 == 0 && base + capacity <= mem.len());
+        assert!(
+            base.is_multiple_of(8) && capacity.is_multiple_of(8) && base + capacity <= mem.len()
+        );
         Self {
             mem,
             base,
@@ -292,7 +294,7 @@ impl RingReader {
                 continue;
             }
             let len = len_word as usize;
-            if len % 8 != 0 || len < FRAME_BYTES || at + len > self.capacity {
+            if !len.is_multiple_of(8) || len < FRAME_BYTES || at + len > self.capacity {
                 return None;
             }
             let last = self.mem.load_u64(

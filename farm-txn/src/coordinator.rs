@@ -261,7 +261,7 @@ impl Worker {
                 why: "no such region",
             })?;
         let end = addr.offset as usize + HEADER_BYTES + len;
-        if addr.offset % 8 != 0 || end > self.machine.params.region_bytes {
+        if !addr.offset.is_multiple_of(8) || end > self.machine.params.region_bytes {
             return Err(TxError::BadAddress {
                 addr,
                 why: "outside its region or unaligned",

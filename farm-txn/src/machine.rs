@@ -30,7 +30,7 @@ impl Params {
     /// Checks that the parameters are usable, naming the problem when not.
     pub fn validate(&self) -> Result<(), String> {
         self.layout.validate(RECORD_BYTES_MAX + 8)?;
-        if self.region_bytes % farm_alloc::BLOCK_BYTES != 0
+        if !self.region_bytes.is_multiple_of(farm_alloc::BLOCK_BYTES)
             || self.region_bytes < 2 * farm_alloc::BLOCK_BYTES
         {
             return Err(format!(
