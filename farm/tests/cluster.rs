@@ -1,0 +1,314 @@
+//! Whole-cluster tests on the threaded in-process runtime (FaRM §4).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use farm::{Addr, Cluster, MachineId, TxError};
+use farm_sim::{check, check_replicas, Op, TxnRecord};
+
+fn cluster(workers: u16) -> Cluster {
+    Cluster::builder().machines(3).workers(workers).replicas(3).region_bytes(4 << 20).build().unwrap()
+}
+
+/// A tiny xorshift for workload choices (each thread its own seed, printed by the caller).
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// Bank transfers across 3 machines with 2 workers each over 1,000 accounts: the total is
+/// conserved, every acknowledged transfer is present, and backups equal primaries.
+#[test]
+fn bank_transfers_conserve_money_and_keep_every_acknowledged_transfer() {
+    const ACCOUNTS: usize = 1000;
+    let c = Arc::new(cluster(2));
+    let accounts: Arc<Vec<Addr>> = Arc::new(
+        (0..ACCOUNTS).map(|i| c.txn(MachineId((i % 3) as u16), |tx| tx.alloc(&100u64, None)).unwrap()).collect(),
+    );
+    let threads: Vec<_> = (0..4u64)
+        .map(|seed| {
+            let (c, accounts) = (c.clone(), accounts.clone());
+            std::thread::spawn(move || {
+                let mut x = seed + 1;
+                let mut deltas = vec![0i64; ACCOUNTS];
+                for _ in 0..5_000 {
+                    let a = xorshift(&mut x) as usize % ACCOUNTS;
+                    let b = (a + 1 + xorshift(&mut x) as usize % (ACCOUNTS - 1)) % ACCOUNTS;
+                    let amount = xorshift(&mut x) % 20;
+                    let m = MachineId((xorshift(&mut x) % 3) as u16);
+                    let moved = c
+                        .txn(m, |tx| {
+                            let from: u64 = tx.read(accounts[a])?;
+                            let to: u64 = tx.read(accounts[b])?;
+                            if from < amount {
+                                return Ok(0);
+                            }
+                            tx.write(accounts[a], &(from - amount))?;
+                            tx.write(accounts[b], &(to + amount))?;
+                            Ok(amount)
+                        })
+                        .unwrap();
+                    deltas[a] -= moved as i64;
+                    deltas[b] += moved as i64;
+                }
+                deltas
+            })
+        })
+        .collect();
+    let mut expected = vec![100i64; ACCOUNTS];
+    for t in threads {
+        for (e, d) in expected.iter_mut().zip(t.join().unwrap()) {
+            *e += d;
+        }
+    }
+    c.quiesce();
+    let mut total = 0;
+    for (i, a) in accounts.iter().enumerate() {
+        let v: u64 = c.read(MachineId((i % 3) as u16), *a).unwrap();
+        assert_eq!(v as i64, expected[i], "account {i}");
+        total += v;
+    }
+    assert_eq!(total, 100 * ACCOUNTS as u64);
+    let report = check_replicas(c.machine_states()).unwrap();
+    assert_eq!(report.objects, 2 * ACCOUNTS, "every account compared at both backups");
+    assert!(c.stats().commits >= 20_000);
+}
+
+/// List-append on the threaded runtime: the recorded history is strictly serializable.
+#[test]
+fn threaded_list_append_is_strictly_serializable() {
+    const CAP: usize = 64;
+    type List = [u64; CAP + 1];
+    let c = Arc::new(cluster(2));
+    let keys: Arc<Vec<Addr>> =
+        Arc::new((0..5).map(|k| c.txn(MachineId(k % 3), |tx| tx.alloc(&[0u64; CAP + 1], None)).unwrap()).collect());
+    let start = Instant::now();
+    let history = Arc::new(Mutex::new(Vec::<TxnRecord>::new()));
+    let threads: Vec<_> = (0..3u64)
+        .map(|client| {
+            let (c, keys, history) = (c.clone(), keys.clone(), history.clone());
+            std::thread::spawn(move || {
+                let mut x = client * 7919 + 1;
+                for i in 0..300u64 {
+                    let plan: Vec<(usize, bool)> = (0..1 + xorshift(&mut x) % 3)
+                        .map(|_| ((xorshift(&mut x) % 5) as usize, xorshift(&mut x) % 2 == 0))
+                        .collect();
+                    let value_base = (client << 32) | (i << 4);
+                    let invoke = start.elapsed().as_nanos() as u64;
+                    let m = MachineId((xorshift(&mut x) % 3) as u16);
+                    let ops = c
+                        .txn(m, |tx| {
+                            let mut ops = Vec::new();
+                            for (j, (key, append)) in plan.iter().enumerate() {
+                                let mut list: List = tx.read(keys[*key])?;
+                                let len = list[0] as usize;
+                                if *append && len < CAP {
+                                    let value = value_base | j as u64;
+                                    list[1 + len] = value;
+                                    list[0] += 1;
+                                    tx.write(keys[*key], &list)?;
+                                    ops.push(Op::Append { key: *key as u64, value });
+                                } else {
+                                    ops.push(Op::Read { key: *key as u64, values: list[1..=len].to_vec() });
+                                }
+                            }
+                            Ok(ops)
+                        })
+                        .unwrap();
+                    let complete = start.elapsed().as_nanos() as u64;
+                    history.lock().unwrap().push(TxnRecord { ops, invoke, complete, committed: true });
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let invoke = start.elapsed().as_nanos() as u64;
+    let ops = c
+        .txn(MachineId(0), |tx| {
+            (0..5)
+                .map(|k| {
+                    let l: List = tx.read(keys[k])?;
+                    Ok(Op::Read { key: k as u64, values: l[1..=l[0] as usize].to_vec() })
+                })
+                .collect::<Result<Vec<_>, TxError>>()
+        })
+        .unwrap();
+    let mut h = history.lock().unwrap().clone();
+    h.push(TxnRecord { ops, invoke, complete: start.elapsed().as_nanos() as u64, committed: true });
+    let anomalies = check(&h);
+    assert!(anomalies.is_empty(), "{anomalies:#?}");
+    c.quiesce();
+    check_replicas(c.machine_states()).unwrap();
+}
+
+/// Lock-free readers never see a torn or uncommitted value while writers commit in a loop and
+/// sometimes abort after buffering a poisoned write.
+#[test]
+fn lock_free_reads_are_never_torn_or_uncommitted() {
+    type Obj = [u64; 16];
+    let c = Arc::new(cluster(2));
+    let objs: Arc<Vec<Addr>> = Arc::new((0..4).map(|i| c.txn(MachineId(i % 3), |tx| tx.alloc(&[0u64; 16], None)).unwrap()).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (c, objs, stop) = (c.clone(), objs.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let o = objs[(n % 4) as usize];
+                let r = c.txn(MachineId((n % 3) as u16), |tx| {
+                    let cur: Obj = tx.read(o)?;
+                    if n % 5 == 0 {
+                        // Buffered, then aborted: must never become visible.
+                        tx.write(o, &[u64::MAX; 16])?;
+                        return Err(tx.abort("poison"));
+                    }
+                    tx.write(o, &[cur[0] + 1; 16])
+                });
+                assert!(n % 5 == 0 || r.is_ok(), "{r:?}");
+            }
+            n
+        })
+    };
+    let reader = {
+        let (c, objs) = (c.clone(), objs.clone());
+        std::thread::spawn(move || {
+            let mut last = [0u64; 4];
+            for i in 0..200_000usize {
+                let k = i % 4;
+                let v: Obj = c.read(MachineId((i % 3) as u16), objs[k]).unwrap();
+                assert!(v.iter().all(|w| *w == v[0]), "torn read {v:?}");
+                assert_ne!(v[0], u64::MAX, "uncommitted value read");
+                assert!(v[0] >= last[k], "value went back from {} to {}", last[k], v[0]);
+                last[k] = v[0];
+            }
+            last
+        })
+    };
+    let last = reader.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let writes = writer.join().unwrap();
+    assert!(writes > 100, "writer made progress");
+    assert!(last.iter().any(|v| *v > 0), "reader saw committed writes");
+}
+
+/// A conflict aborts the transaction and `txn()` retries it: the second attempt sees the
+/// conflicting commit (§4 steps 1-2).
+#[test]
+fn conflicts_abort_and_retry() {
+    let c = cluster(2);
+    let x = c.txn(MachineId(1), |tx| tx.alloc(&0u64, None)).unwrap();
+    let attempts = AtomicU32::new(0);
+    let seen = c
+        .txn(MachineId(0), |tx| {
+            let v: u64 = tx.read(x)?;
+            if attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                // A conflicting commit between this read and the commit: it runs on the other
+                // host (this one is held by the outer transaction).
+                c.txn(MachineId(2), |inner| {
+                    let v: u64 = inner.read(x)?;
+                    inner.write(x, &(v + 10))
+                })
+                .unwrap();
+            }
+            tx.write(x, &(v + 1))?;
+            Ok(v)
+        })
+        .unwrap();
+    assert_eq!(attempts.load(Ordering::SeqCst), 2, "the first attempt aborted");
+    assert_eq!(seen, 10, "the retry read the conflicting write");
+    assert_eq!(c.read::<u64>(MachineId(0), x).unwrap(), 11);
+    assert!(c.stats().aborts() >= 1);
+}
+
+/// Read validation catches a read-only object that changed (write skew is prevented).
+#[test]
+fn validation_aborts_when_a_read_object_changed() {
+    let c = cluster(2);
+    let a = c.txn(MachineId(0), |tx| tx.alloc(&1u64, None)).unwrap();
+    let b = c.txn(MachineId(1), |tx| tx.alloc(&1u64, None)).unwrap();
+    let attempts = AtomicU32::new(0);
+    c.txn(MachineId(2), |tx| {
+        let va: u64 = tx.read(a)?;
+        let vb: u64 = tx.read(b)?;
+        if attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+            c.txn(MachineId(0), |inner| inner.write(b, &0u64)).unwrap();
+        }
+        if va + vb == 2 {
+            tx.write(a, &0u64)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    assert_eq!(c.read::<u64>(MachineId(0), a).unwrap(), 1, "the retry saw b = 0 and wrote nothing");
+    assert!(c.stats().aborts_validate >= 1);
+}
+
+/// Freed objects are reused by later allocations of the same size (§5.5), and reading a freed
+/// object is an error that names the problem.
+#[test]
+fn freed_objects_are_reused() {
+    let c = Cluster::builder().machines(3).workers(1).replicas(2).region_bytes(4 << 20).build().unwrap();
+    let m = MachineId(1);
+    let first: Vec<Addr> = (0..10).map(|i| c.txn(m, |tx| tx.alloc(&(i as u64), None)).unwrap()).collect();
+    for a in &first {
+        c.txn(m, |tx| tx.free(*a)).unwrap();
+    }
+    let err = c.txn(m, |tx| tx.read::<u64>(first[0])).unwrap_err();
+    assert!(matches!(err, TxError::BadAddress { why: "object is not allocated", .. }), "{err}");
+    let mut again: Vec<Addr> = (0..10).map(|_| c.txn(m, |tx| tx.alloc(&7u64, None)).unwrap()).collect();
+    let mut first_sorted = first.clone();
+    first_sorted.sort();
+    again.sort();
+    assert_eq!(again, first_sorted, "the same slots came back");
+    c.quiesce();
+    check_replicas(c.machine_states()).unwrap();
+}
+
+/// Allocation honours a locality hint in a region the coordinator's machine is primary for.
+#[test]
+fn allocation_follows_a_local_hint() {
+    let c = Cluster::builder().machines(3).replicas(2).regions_per_machine(2).region_bytes(4 << 20).build().unwrap();
+    let m = MachineId(2);
+    let a = c.txn(m, |tx| tx.alloc(&1u64, None)).unwrap();
+    for _ in 0..20 {
+        let b = c.txn(m, |tx| tx.alloc(&2u64, Some(a))).unwrap();
+        assert_eq!(b.region, a.region);
+    }
+}
+
+/// Bad input gets errors that name the problem.
+#[test]
+fn bad_addresses_and_parameters_are_clear_errors() {
+    let c = cluster(1);
+    let bogus = Addr::new(farm::RegionId(99), 0);
+    let e = c.txn(MachineId(0), |tx| tx.read::<u64>(bogus)).unwrap_err();
+    assert_eq!(e.to_string(), "bad address r99+0x0: no such region");
+    let e = Cluster::builder().machines(2).replicas(3).build().unwrap_err();
+    assert!(e.to_string().contains("3 replicas need at least that many machines"), "{e}");
+    let e = Cluster::builder().region_bytes(3 << 20).log_bytes(1 << 20).region_bytes(1000).build().unwrap_err();
+    assert!(e.to_string().contains("region size 1000"), "{e}");
+}
+
+/// With an NVRAM directory, regions and logs are files that hold committed data.
+#[test]
+fn nvram_directory_holds_regions_and_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = Cluster::builder().machines(3).replicas(3).region_bytes(4 << 20).nvram_dir(dir.path()).build().unwrap();
+    let a = c.txn(MachineId(0), |tx| tx.alloc(&0xfeed_u64, None)).unwrap();
+    c.quiesce();
+    for m in 0..3 {
+        let path = dir.path().join(format!("m{m}/region-{}", a.region.0));
+        let bytes = std::fs::read(&path).unwrap();
+        let at = a.offset as usize + 8;
+        assert_eq!(u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()), 0xfeed, "{path:?}");
+        assert!(dir.path().join(format!("m{m}/rings")).exists());
+    }
+    drop(c);
+}
