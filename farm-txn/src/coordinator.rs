@@ -252,6 +252,15 @@ impl Worker {
     /// this machine is the primary, a one-sided read otherwise (§3). A locked object is a
     /// conflict at once: waiting for it here could wait for this very thread (DESIGN.md).
     pub fn read_object(&mut self, addr: Addr, len: usize) -> Result<(Header, Vec<u8>), TxError> {
+        let mut buf = vec![0u8; HEADER_BYTES + len];
+        let h = self.read_object_into(addr, &mut buf)?;
+        buf.drain(..HEADER_BYTES);
+        Ok((h, buf))
+    }
+
+    /// [`Worker::read_object`] into `buf` (header then payload), without allocating: the path of
+    /// lock-free reads.
+    pub fn read_object_into(&mut self, addr: Addr, buf: &mut [u8]) -> Result<Header, TxError> {
         let placement = self
             .machine
             .region_map
@@ -260,32 +269,33 @@ impl Worker {
                 addr,
                 why: "no such region",
             })?;
-        let end = addr.offset as usize + HEADER_BYTES + len;
+        let end = addr.offset as usize + buf.len();
         if !addr.offset.is_multiple_of(8) || end > self.machine.params.region_bytes {
             return Err(TxError::BadAddress {
                 addr,
                 why: "outside its region or unaligned",
             });
         }
-        let primary = placement.primary;
-        let mut buf = vec![0u8; HEADER_BYTES + len];
+        let local = placement.primary == self.machine.id;
+        if !local {
+            self.remote(addr.region)?;
+        }
         for _ in 0..TORN_RETRIES_MAX {
-            let outcome = if primary == self.machine.id {
+            let outcome = if local {
                 let mem = self
                     .machine
                     .region(addr.region)
                     .expect("primary holds its region");
-                object::read_object(&**mem, addr.offset as u64, &mut buf)
+                object::read_object(&**mem, addr.offset as u64, buf)
                     .expect("local reads cannot fail")
             } else {
-                let remote = self.remote(addr.region)?;
-                object::read_object(&*remote, addr.offset as u64, &mut buf)?
+                let remote = self.cached_remote(addr.region);
+                object::read_object(remote, addr.offset as u64, buf)?
             };
             match outcome {
                 ReadOutcome::Consistent(h) => {
                     self.stats.reads += 1;
-                    buf.drain(..HEADER_BYTES);
-                    return Ok((h, buf));
+                    return Ok(h);
                 }
                 ReadOutcome::Locked(_) => {
                     self.stats.reads_locked += 1;

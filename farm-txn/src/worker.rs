@@ -190,6 +190,13 @@ impl Worker {
         Ok(r)
     }
 
+    /// The cached read handle of `region`'s primary; [`Worker::remote`] must have resolved it.
+    pub(crate) fn cached_remote(&self, region: RegionId) -> &(dyn RemoteMemory + 'static) {
+        self.remotes[region.0 as usize]
+            .as_deref()
+            .expect("resolved by remote()")
+    }
+
     /// Runs every handler that has work: inbound logs and queues of every peer, then the
     /// coordinator's background work. Returns whether anything happened (for backoff).
     pub fn poll(&mut self, now: u64) -> bool {

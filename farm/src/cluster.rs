@@ -270,6 +270,9 @@ pub struct Cluster {
     pollers: Vec<JoinHandle<()>>,
 }
 
+/// Lock-free reads of objects up to this size use a stack buffer.
+const LOCK_FREE_STACK_BYTES: usize = 256;
+
 /// Most attempts of one `txn()` call before it gives up with the last conflict.
 pub const TXN_ATTEMPTS_MAX: u32 = 10_000;
 
@@ -350,10 +353,19 @@ impl Cluster {
     pub fn read<T: bytemuck::Pod>(&self, machine: MachineId, addr: Addr) -> Result<T, TxError> {
         let (_, mut host) = self.host();
         let mut backoff = Backoff::new();
+        let len = std::mem::size_of::<T>();
+        let mut stack = [0u8; 8 + LOCK_FREE_STACK_BYTES];
+        let mut heap = Vec::new();
+        let buf: &mut [u8] = if len <= LOCK_FREE_STACK_BYTES {
+            &mut stack[..8 + len]
+        } else {
+            heap.resize(8 + len, 0);
+            &mut heap
+        };
         loop {
             let w = &mut host.workers[machine.0 as usize];
-            match w.read_object(addr, std::mem::size_of::<T>()) {
-                Ok((h, data)) if h.allocated() => return Ok(bytemuck::pod_read_unaligned(&data)),
+            match w.read_object_into(addr, buf) {
+                Ok(h) if h.allocated() => return Ok(bytemuck::pod_read_unaligned(&buf[8..])),
                 Ok(_) => {
                     return Err(TxError::BadAddress {
                         addr,

@@ -8,7 +8,13 @@ use farm::{Addr, Cluster, MachineId, TxError};
 use farm_sim::{check, check_replicas, Op, TxnRecord};
 
 fn cluster(workers: u16) -> Cluster {
-    Cluster::builder().machines(3).workers(workers).replicas(3).region_bytes(4 << 20).build().unwrap()
+    Cluster::builder()
+        .machines(3)
+        .workers(workers)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .build()
+        .unwrap()
 }
 
 /// A tiny xorshift for workload choices (each thread its own seed, printed by the caller).
@@ -26,7 +32,12 @@ fn bank_transfers_conserve_money_and_keep_every_acknowledged_transfer() {
     const ACCOUNTS: usize = 1000;
     let c = Arc::new(cluster(2));
     let accounts: Arc<Vec<Addr>> = Arc::new(
-        (0..ACCOUNTS).map(|i| c.txn(MachineId((i % 3) as u16), |tx| tx.alloc(&100u64, None)).unwrap()).collect(),
+        (0..ACCOUNTS)
+            .map(|i| {
+                c.txn(MachineId((i % 3) as u16), |tx| tx.alloc(&100u64, None))
+                    .unwrap()
+            })
+            .collect(),
     );
     let threads: Vec<_> = (0..4u64)
         .map(|seed| {
@@ -73,7 +84,11 @@ fn bank_transfers_conserve_money_and_keep_every_acknowledged_transfer() {
     }
     assert_eq!(total, 100 * ACCOUNTS as u64);
     let report = check_replicas(c.machine_states()).unwrap();
-    assert_eq!(report.objects, 2 * ACCOUNTS, "every account compared at both backups");
+    assert_eq!(
+        report.objects,
+        2 * ACCOUNTS,
+        "every account compared at both backups"
+    );
     assert!(c.stats().commits >= 20_000);
 }
 
@@ -83,8 +98,14 @@ fn threaded_list_append_is_strictly_serializable() {
     const CAP: usize = 64;
     type List = [u64; CAP + 1];
     let c = Arc::new(cluster(2));
-    let keys: Arc<Vec<Addr>> =
-        Arc::new((0..5).map(|k| c.txn(MachineId(k % 3), |tx| tx.alloc(&[0u64; CAP + 1], None)).unwrap()).collect());
+    let keys: Arc<Vec<Addr>> = Arc::new(
+        (0..5)
+            .map(|k| {
+                c.txn(MachineId(k % 3), |tx| tx.alloc(&[0u64; CAP + 1], None))
+                    .unwrap()
+            })
+            .collect(),
+    );
     let start = Instant::now();
     let history = Arc::new(Mutex::new(Vec::<TxnRecord>::new()));
     let threads: Vec<_> = (0..3u64)
@@ -110,16 +131,27 @@ fn threaded_list_append_is_strictly_serializable() {
                                     list[1 + len] = value;
                                     list[0] += 1;
                                     tx.write(keys[*key], &list)?;
-                                    ops.push(Op::Append { key: *key as u64, value });
+                                    ops.push(Op::Append {
+                                        key: *key as u64,
+                                        value,
+                                    });
                                 } else {
-                                    ops.push(Op::Read { key: *key as u64, values: list[1..=len].to_vec() });
+                                    ops.push(Op::Read {
+                                        key: *key as u64,
+                                        values: list[1..=len].to_vec(),
+                                    });
                                 }
                             }
                             Ok(ops)
                         })
                         .unwrap();
                     let complete = start.elapsed().as_nanos() as u64;
-                    history.lock().unwrap().push(TxnRecord { ops, invoke, complete, committed: true });
+                    history.lock().unwrap().push(TxnRecord {
+                        ops,
+                        invoke,
+                        complete,
+                        committed: true,
+                    });
                 }
             })
         })
@@ -133,13 +165,21 @@ fn threaded_list_append_is_strictly_serializable() {
             (0..5)
                 .map(|k| {
                     let l: List = tx.read(keys[k])?;
-                    Ok(Op::Read { key: k as u64, values: l[1..=l[0] as usize].to_vec() })
+                    Ok(Op::Read {
+                        key: k as u64,
+                        values: l[1..=l[0] as usize].to_vec(),
+                    })
                 })
                 .collect::<Result<Vec<_>, TxError>>()
         })
         .unwrap();
     let mut h = history.lock().unwrap().clone();
-    h.push(TxnRecord { ops, invoke, complete: start.elapsed().as_nanos() as u64, committed: true });
+    h.push(TxnRecord {
+        ops,
+        invoke,
+        complete: start.elapsed().as_nanos() as u64,
+        committed: true,
+    });
     let anomalies = check(&h);
     assert!(anomalies.is_empty(), "{anomalies:#?}");
     c.quiesce();
@@ -152,7 +192,14 @@ fn threaded_list_append_is_strictly_serializable() {
 fn lock_free_reads_are_never_torn_or_uncommitted() {
     type Obj = [u64; 16];
     let c = Arc::new(cluster(2));
-    let objs: Arc<Vec<Addr>> = Arc::new((0..4).map(|i| c.txn(MachineId(i % 3), |tx| tx.alloc(&[0u64; 16], None)).unwrap()).collect());
+    let objs: Arc<Vec<Addr>> = Arc::new(
+        (0..4)
+            .map(|i| {
+                c.txn(MachineId(i % 3), |tx| tx.alloc(&[0u64; 16], None))
+                    .unwrap()
+            })
+            .collect(),
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
         let (c, objs, stop) = (c.clone(), objs.clone(), stop.clone());
@@ -184,7 +231,12 @@ fn lock_free_reads_are_never_torn_or_uncommitted() {
                 let v: Obj = c.read(MachineId((i % 3) as u16), objs[k]).unwrap();
                 assert!(v.iter().all(|w| *w == v[0]), "torn read {v:?}");
                 assert_ne!(v[0], u64::MAX, "uncommitted value read");
-                assert!(v[0] >= last[k], "value went back from {} to {}", last[k], v[0]);
+                assert!(
+                    v[0] >= last[k],
+                    "value went back from {} to {}",
+                    last[k],
+                    v[0]
+                );
                 last[k] = v[0];
             }
             last
@@ -220,7 +272,11 @@ fn conflicts_abort_and_retry() {
             Ok(v)
         })
         .unwrap();
-    assert_eq!(attempts.load(Ordering::SeqCst), 2, "the first attempt aborted");
+    assert_eq!(
+        attempts.load(Ordering::SeqCst),
+        2,
+        "the first attempt aborted"
+    );
     assert_eq!(seen, 10, "the retry read the conflicting write");
     assert_eq!(c.read::<u64>(MachineId(0), x).unwrap(), 11);
     assert!(c.stats().aborts() >= 1);
@@ -246,7 +302,11 @@ fn validation_aborts_when_a_read_object_changed() {
     })
     .unwrap();
     assert_eq!(attempts.load(Ordering::SeqCst), 2);
-    assert_eq!(c.read::<u64>(MachineId(0), a).unwrap(), 1, "the retry saw b = 0 and wrote nothing");
+    assert_eq!(
+        c.read::<u64>(MachineId(0), a).unwrap(),
+        1,
+        "the retry saw b = 0 and wrote nothing"
+    );
     assert!(c.stats().aborts_validate >= 1);
 }
 
@@ -254,15 +314,34 @@ fn validation_aborts_when_a_read_object_changed() {
 /// object is an error that names the problem.
 #[test]
 fn freed_objects_are_reused() {
-    let c = Cluster::builder().machines(3).workers(1).replicas(2).region_bytes(4 << 20).build().unwrap();
+    let c = Cluster::builder()
+        .machines(3)
+        .workers(1)
+        .replicas(2)
+        .region_bytes(4 << 20)
+        .build()
+        .unwrap();
     let m = MachineId(1);
-    let first: Vec<Addr> = (0..10).map(|i| c.txn(m, |tx| tx.alloc(&(i as u64), None)).unwrap()).collect();
+    let first: Vec<Addr> = (0..10)
+        .map(|i| c.txn(m, |tx| tx.alloc(&(i as u64), None)).unwrap())
+        .collect();
     for a in &first {
         c.txn(m, |tx| tx.free(*a)).unwrap();
     }
     let err = c.txn(m, |tx| tx.read::<u64>(first[0])).unwrap_err();
-    assert!(matches!(err, TxError::BadAddress { why: "object is not allocated", .. }), "{err}");
-    let mut again: Vec<Addr> = (0..10).map(|_| c.txn(m, |tx| tx.alloc(&7u64, None)).unwrap()).collect();
+    assert!(
+        matches!(
+            err,
+            TxError::BadAddress {
+                why: "object is not allocated",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let mut again: Vec<Addr> = (0..10)
+        .map(|_| c.txn(m, |tx| tx.alloc(&7u64, None)).unwrap())
+        .collect();
     let mut first_sorted = first.clone();
     first_sorted.sort();
     again.sort();
@@ -274,7 +353,13 @@ fn freed_objects_are_reused() {
 /// Allocation honours a locality hint in a region the coordinator's machine is primary for.
 #[test]
 fn allocation_follows_a_local_hint() {
-    let c = Cluster::builder().machines(3).replicas(2).regions_per_machine(2).region_bytes(4 << 20).build().unwrap();
+    let c = Cluster::builder()
+        .machines(3)
+        .replicas(2)
+        .regions_per_machine(2)
+        .region_bytes(4 << 20)
+        .build()
+        .unwrap();
     let m = MachineId(2);
     let a = c.txn(m, |tx| tx.alloc(&1u64, None)).unwrap();
     for _ in 0..20 {
@@ -290,9 +375,22 @@ fn bad_addresses_and_parameters_are_clear_errors() {
     let bogus = Addr::new(farm::RegionId(99), 0);
     let e = c.txn(MachineId(0), |tx| tx.read::<u64>(bogus)).unwrap_err();
     assert_eq!(e.to_string(), "bad address r99+0x0: no such region");
-    let e = Cluster::builder().machines(2).replicas(3).build().unwrap_err();
-    assert!(e.to_string().contains("3 replicas need at least that many machines"), "{e}");
-    let e = Cluster::builder().region_bytes(3 << 20).log_bytes(1 << 20).region_bytes(1000).build().unwrap_err();
+    let e = Cluster::builder()
+        .machines(2)
+        .replicas(3)
+        .build()
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("3 replicas need at least that many machines"),
+        "{e}"
+    );
+    let e = Cluster::builder()
+        .region_bytes(3 << 20)
+        .log_bytes(1 << 20)
+        .region_bytes(1000)
+        .build()
+        .unwrap_err();
     assert!(e.to_string().contains("region size 1000"), "{e}");
 }
 
@@ -300,14 +398,26 @@ fn bad_addresses_and_parameters_are_clear_errors() {
 #[test]
 fn nvram_directory_holds_regions_and_logs() {
     let dir = tempfile::tempdir().unwrap();
-    let c = Cluster::builder().machines(3).replicas(3).region_bytes(4 << 20).nvram_dir(dir.path()).build().unwrap();
-    let a = c.txn(MachineId(0), |tx| tx.alloc(&0xfeed_u64, None)).unwrap();
+    let c = Cluster::builder()
+        .machines(3)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .nvram_dir(dir.path())
+        .build()
+        .unwrap();
+    let a = c
+        .txn(MachineId(0), |tx| tx.alloc(&0xfeed_u64, None))
+        .unwrap();
     c.quiesce();
     for m in 0..3 {
         let path = dir.path().join(format!("m{m}/region-{}", a.region.0));
         let bytes = std::fs::read(&path).unwrap();
         let at = a.offset as usize + 8;
-        assert_eq!(u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()), 0xfeed, "{path:?}");
+        assert_eq!(
+            u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()),
+            0xfeed,
+            "{path:?}"
+        );
         assert!(dir.path().join(format!("m{m}/rings")).exists());
     }
     drop(c);
