@@ -115,7 +115,12 @@ fn threaded_list_append_is_strictly_serializable() {
                 let mut x = client * 7919 + 1;
                 for i in 0..300u64 {
                     let plan: Vec<(usize, bool)> = (0..1 + xorshift(&mut x) % 3)
-                        .map(|_| ((xorshift(&mut x) % 5) as usize, xorshift(&mut x) % 2 == 0))
+                        .map(|_| {
+                            (
+                                (xorshift(&mut x) % 5) as usize,
+                                xorshift(&mut x).is_multiple_of(2),
+                            )
+                        })
                         .collect();
                     let value_base = (client << 32) | (i << 4);
                     let invoke = start.elapsed().as_nanos() as u64;
@@ -210,14 +215,14 @@ fn lock_free_reads_are_never_torn_or_uncommitted() {
                 let o = objs[(n % 4) as usize];
                 let r = c.txn(MachineId((n % 3) as u16), |tx| {
                     let cur: Obj = tx.read(o)?;
-                    if n % 5 == 0 {
+                    if n.is_multiple_of(5) {
                         // Buffered, then aborted: must never become visible.
                         tx.write(o, &[u64::MAX; 16])?;
                         return Err(tx.abort("poison"));
                     }
                     tx.write(o, &[cur[0] + 1; 16])
                 });
-                assert!(n % 5 == 0 || r.is_ok(), "{r:?}");
+                assert!(n.is_multiple_of(5) || r.is_ok(), "{r:?}");
             }
             n
         })
