@@ -7,7 +7,8 @@
 //! T2 was invoked), then searches for cycles and names them:
 //! G0 (ww only), G1c (ww and wr), G-single (one rw: lost update, read skew), G2 (several rw:
 //! write skew), and a real-time violation (a cycle that needs an rt edge: a stale read). It also
-//! flags reads of aborted writes (G1a), of values never written, and incompatible orders.
+//! flags reads of aborted writes (G1a), of intermediate states (G1b), of values never written, incompatible orders, and reads
+//! that miss the transaction's own earlier appends (internal).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -76,6 +77,34 @@ pub fn check(history: &[TxnRecord]) -> Vec<Anomaly> {
             }
         }
     }
+    // Internal consistency: a read sees the transaction's own earlier reads and appends.
+    for (i, t) in history.iter().enumerate().filter(|(_, t)| t.committed) {
+        let mut seen: BTreeMap<u64, (Option<Vec<u64>>, Vec<u64>)> = BTreeMap::new();
+        for op in &t.ops {
+            match op {
+                Op::Append { key, value } => seen.entry(*key).or_default().1.push(*value),
+                Op::Read { key, values } => {
+                    let (prev, own) = seen.entry(*key).or_default();
+                    let ok = match prev {
+                        Some(p) => {
+                            values.len() == p.len() + own.len()
+                                && values.starts_with(p)
+                                && values.ends_with(own)
+                        }
+                        None => values.ends_with(own),
+                    };
+                    if !ok {
+                        anomalies.push(Anomaly {
+                            name: "internal",
+                            detail: format!("T{i} read {values:?} from key {key} after its own {prev:?} and appends {own:?}"),
+                        });
+                    }
+                    *prev = Some(values.clone());
+                    own.clear();
+                }
+            }
+        }
+    }
     // Version order per key: the longest committed read; every read must be its prefix.
     let mut order: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     for t in history.iter().filter(|t| t.committed) {
@@ -121,6 +150,32 @@ pub fn check(history: &[TxnRecord]) -> Vec<Anomaly> {
             }
         }
     }
+    // G1b: a read must not end in the middle of another transaction's appends to the key.
+    let mut last_append: BTreeMap<(usize, u64), u64> = BTreeMap::new();
+    for (i, t) in history.iter().enumerate() {
+        for op in &t.ops {
+            if let Op::Append { key, value } = op {
+                last_append.insert((i, *key), *value);
+            }
+        }
+    }
+    for (i, t) in history.iter().enumerate().filter(|(_, t)| t.committed) {
+        for op in &t.ops {
+            let Op::Read { key, values } = op else {
+                continue;
+            };
+            let Some(v) = values.last() else { continue };
+            let Some(&w) = writer.get(v) else { continue };
+            if w != i && last_append.get(&(w, *key)) != Some(v) {
+                anomalies.push(Anomaly {
+                    name: "G1b",
+                    detail: format!(
+                        "T{i} read {values:?} from key {key}: an intermediate state of T{w}"
+                    ),
+                });
+            }
+        }
+    }
     if !anomalies.is_empty() {
         return anomalies;
     }
@@ -143,6 +198,16 @@ pub fn check(history: &[TxnRecord]) -> Vec<Anomaly> {
         let j = times.partition_point(|t| *t < history[i].invoke);
         if j > 0 {
             adj[n + j - 1].push((i, Edge::Rt));
+        }
+    }
+    let mut unobserved: BTreeMap<u64, BTreeSet<usize>> = BTreeMap::new();
+    for &i in &committed {
+        for op in &history[i].ops {
+            if let Op::Append { key, value } = op {
+                if !order.get(key).is_some_and(|o| o.contains(value)) {
+                    unobserved.entry(*key).or_default().insert(i);
+                }
+            }
         }
     }
     for (key, o) in &order {
@@ -168,6 +233,13 @@ pub fn check(history: &[TxnRecord]) -> Vec<Anomaly> {
                 }
                 if let Some(next) = o.get(values.len()) {
                     let w = writer[next];
+                    if w != i {
+                        adj[i].push((w, Edge::Rw));
+                    }
+                }
+                // Committed appends no read observed come after every observed value, so
+                // every reader of the key precedes their writers.
+                for &w in unobserved.get(key).into_iter().flatten() {
                     if w != i {
                         adj[i].push((w, Edge::Rw));
                     }
@@ -403,5 +475,39 @@ mod tests {
             t(vec![rd(1, &[2])], 2, 3),
         ];
         assert_eq!(names(&h), vec!["incompatible-order"]);
+    }
+
+    #[test]
+    fn missing_an_unobserved_append_is_g_single() {
+        // T3 sees T2's append to key 1 but not its (never observed) append to key 0.
+        let h = vec![
+            t(vec![app(0, 3)], 0, 1),
+            t(vec![app(1, 4), app(0, 6)], 2, 3),
+            t(vec![rd(0, &[3]), rd(1, &[4])], 4, 5),
+        ];
+        assert_eq!(names(&h), vec!["G-single"]);
+        let h = vec![
+            t(vec![app(0, 3)], 0, 1),
+            t(vec![app(1, 4), app(0, 6)], 2, 9),
+            t(vec![rd(0, &[3]), rd(1, &[4])], 4, 9),
+        ];
+        assert_eq!(names(&h), vec!["G-single"]);
+    }
+
+    #[test]
+    fn intermediate_read_is_g1b() {
+        let h = vec![
+            t(vec![app(1, 1), app(1, 2)], 0, 1),
+            t(vec![rd(1, &[1])], 2, 3),
+        ];
+        assert_eq!(names(&h), vec!["G1b"]);
+    }
+
+    #[test]
+    fn missing_own_write_is_internal() {
+        let h = vec![t(vec![app(1, 1), rd(1, &[])], 0, 1)];
+        assert_eq!(names(&h), vec!["internal"]);
+        let h = vec![t(vec![rd(1, &[]), app(1, 1), rd(1, &[1])], 0, 1)];
+        assert!(check(&h).is_empty());
     }
 }
