@@ -427,3 +427,47 @@ fn nvram_directory_holds_regions_and_logs() {
     }
     drop(c);
 }
+
+/// More than `tr = 4` read-only objects at one primary are validated over RPC (§4 step 2), and a
+/// change among them aborts the transaction.
+#[test]
+fn many_reads_at_one_primary_validate_over_rpc() {
+    let c = cluster(2);
+    // Coordinator on machine 0, six read-only objects whose primary is machine 1.
+    let reads: Vec<Addr> = (0..6)
+        .map(|i| {
+            c.txn(MachineId(1), |tx| tx.alloc(&(i as u64), None))
+                .unwrap()
+        })
+        .collect();
+    let target = c.txn(MachineId(2), |tx| tx.alloc(&0u64, None)).unwrap();
+    let attempts = AtomicU32::new(0);
+    let sum = c
+        .txn(MachineId(0), |tx| {
+            let mut sum = 0u64;
+            for a in &reads {
+                sum += tx.read::<u64>(*a)?;
+            }
+            if attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                c.txn(MachineId(1), |inner| inner.write(reads[3], &100u64))
+                    .unwrap();
+            }
+            tx.write(target, &sum)?;
+            Ok(sum)
+        })
+        .unwrap();
+    assert_eq!(
+        attempts.load(Ordering::SeqCst),
+        2,
+        "validation over RPC failed the first attempt"
+    );
+    assert_eq!(
+        sum,
+        1 + 2 + 100 + 4 + 5,
+        "objects 0..6 with object 3 changed to 100"
+    );
+    assert_eq!(c.read::<u64>(MachineId(0), target).unwrap(), sum);
+    let stats = c.stats();
+    assert!(stats.validate_rpcs >= 2, "{stats:?}");
+    assert!(stats.aborts_validate >= 1, "{stats:?}");
+}
