@@ -231,7 +231,12 @@ fn lock_free_reads_are_never_torn_or_uncommitted() {
         let (c, objs) = (c.clone(), objs.clone());
         std::thread::spawn(move || {
             let mut last = [0u64; 4];
-            for i in 0..200_000usize {
+            let deadline = Instant::now() + std::time::Duration::from_secs(60);
+            let mut i = 0usize;
+            // Read until every object has been seen at 200 committed writes or more, so that
+            // reads overlapped many commits of each object.
+            while last.iter().any(|v| *v < 200) {
+                assert!(Instant::now() < deadline, "writer too slow: {last:?}");
                 let k = i % 4;
                 let v: Obj = c.read(MachineId((i % 3) as u16), objs[k]).unwrap();
                 assert!(v.iter().all(|w| *w == v[0]), "torn read {v:?}");
@@ -243,15 +248,19 @@ fn lock_free_reads_are_never_torn_or_uncommitted() {
                     v[0]
                 );
                 last[k] = v[0];
+                i += 1;
             }
-            last
+            (last, i)
         })
     };
-    let last = reader.join().unwrap();
+    let (last, reads) = reader.join().unwrap();
     stop.store(true, Ordering::Relaxed);
     let writes = writer.join().unwrap();
-    assert!(writes > 100, "writer made progress");
-    assert!(last.iter().any(|v| *v > 0), "reader saw committed writes");
+    assert!(
+        writes >= 800 && reads > 800,
+        "{writes} writes, {reads} reads"
+    );
+    assert!(last.iter().all(|v| *v >= 200));
 }
 
 /// A conflict aborts the transaction and `txn()` retries it: the second attempt sees the
