@@ -234,6 +234,12 @@ impl RingWriter {
     pub fn tail(&self) -> u64 {
         self.tail
     }
+
+    /// Bytes written but not yet reported free, plus bytes reserved: zero for an idle ring whose
+    /// receiver has caught up.
+    pub fn in_use(&self) -> usize {
+        (self.tail - self.head) as usize + self.reserved
+    }
 }
 
 /// One record polled from a ring; give it back with [`RingReader::release`] once it is done

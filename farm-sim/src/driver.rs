@@ -262,7 +262,7 @@ impl Sim {
             }
             Err(e) => {
                 assert!(e.is_retryable(), "unexpected execution error {e}");
-                self.workers[c].discard(state);
+                self.workers[c].abort_execution(state, &e);
                 self.history.push(rec);
             }
         }

@@ -375,6 +375,13 @@ impl Worker {
         Ok(())
     }
 
+    /// Gives back what a transaction that failed during execution allocated, and counts the
+    /// abort (`error`, from the execution, says why).
+    pub fn abort_execution(&mut self, state: TxState, error: &TxError) {
+        self.stats.count_abort(error);
+        self.discard(state);
+    }
+
     /// Gives back what an uncommitted transaction allocated.
     pub fn discard(&mut self, state: TxState) {
         for (addr, e) in state.objects {
@@ -474,7 +481,12 @@ impl Worker {
                     }
                     match self.reserve(c) {
                         Ok(true) => {}
-                        Ok(false) => return None,
+                        Ok(false) => {
+                            // §4: "If the log becomes full, the coordinator uses the
+                            // reservations to write explicit truncate records to free up space."
+                            self.send_truncations(Some(c.txn.local));
+                            return None;
+                        }
                         Err(e) => return Some(Err(e)),
                     }
                     let mut awaiting = BTreeSet::new();
@@ -827,8 +839,19 @@ impl Worker {
         true
     }
 
-    /// Sends an explicit TRUNCATE to every participant with truncatable transactions.
+    /// Sends an explicit TRUNCATE to every participant with truncatable transactions. Only
+    /// between commits; a commit waiting for log space does this itself.
     pub fn flush_truncations(&mut self) {
+        assert!(
+            self.coord.active.is_none(),
+            "flush_truncations during a commit"
+        );
+        self.send_truncations(None);
+    }
+
+    /// Explicit TRUNCATE records, using the reservations made for them; `active` is the local
+    /// id of a commit that has not sent anything yet, so the low bound stays at or below it.
+    fn send_truncations(&mut self, active: Option<u64>) {
         for p in 0..self.coord.outstanding.len() {
             let dst = MachineId(p as u16);
             let has = self.coord.outstanding[p]
@@ -843,7 +866,7 @@ impl Worker {
                 "no TRUNCATE reservation at {dst}"
             );
             self.coord.trunc_reserved[p] -= small;
-            let (below, ids) = self.piggyback(dst, None);
+            let (below, ids) = self.piggyback(dst, active);
             let txn = TxnId {
                 local: self.coord.next_local,
                 ..self.txn_template()

@@ -595,6 +595,20 @@ impl Worker {
             .collect()
     }
 
+    /// Bytes of this worker's outbound logs and queues that are written but not yet freed by
+    /// their receivers, or reserved. At quiescence (every receiver polled and its feedback
+    /// reported) this is zero; anything else is a leaked reservation or an unfreed record.
+    pub fn outbound_in_use(&mut self) -> usize {
+        let mut total = 0;
+        for peer in 0..self.outbound.len() {
+            let m = MachineId(peer as u16);
+            self.refresh_head(m, RingKind::Log);
+            self.refresh_head(m, RingKind::Queue);
+            total += self.outbound[peer].log.in_use() + self.outbound[peer].queue.in_use();
+        }
+        total
+    }
+
     /// Forces truncation feedback for every ring (used at quiescence).
     pub fn report_all_freed(&mut self) {
         for peer in 0..self.inbound.len() {

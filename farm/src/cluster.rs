@@ -404,6 +404,22 @@ impl Cluster {
                     .all(|w| w.coordinator_quiet() && w.retained_records() == 0);
             }
             if quiet {
+                for h in &self.inner.hosts {
+                    let mut host = h.lock().expect("host poisoned");
+                    for w in &mut host.workers {
+                        w.report_all_freed();
+                    }
+                    for w in &mut host.workers {
+                        let in_use = w.outbound_in_use();
+                        assert_eq!(
+                            in_use,
+                            0,
+                            "worker {}/{} holds {in_use} log bytes at quiescence",
+                            w.machine().id,
+                            w.thread().0
+                        );
+                    }
+                }
                 return;
             }
             assert!(
@@ -439,7 +455,7 @@ fn run_once<R>(
     let value = match value {
         Ok(v) => v,
         Err(e) => {
-            host.workers[machine.0 as usize].discard(state);
+            host.workers[machine.0 as usize].abort_execution(state, &e);
             return Err(e);
         }
     };

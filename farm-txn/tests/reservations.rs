@@ -1,0 +1,160 @@
+//! Log reservations (§4): a commit whose logs lack space waits before it starts, sending nothing,
+//! and commits once the receiver catches up and frees space; nothing is lost and nothing stays
+//! reserved.
+
+use std::sync::Arc;
+
+use farm_core::config::{Configuration, RegionMap};
+use farm_core::fabric::Fabric;
+use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
+use farm_core::ring::RingLayout;
+use farm_core::{Addr, MachineId, ThreadId};
+use farm_txn::{MachineState, Params, Tx, TxError, Worker};
+
+const OBJ: usize = 16_000;
+
+fn cluster() -> Vec<Worker> {
+    let layout = RingLayout {
+        machines_max: 3,
+        threads: 1,
+        log_bytes: 256 << 10,
+        queue_bytes: 256 << 10,
+    };
+    let params = Params {
+        layout,
+        region_bytes: 4 << 20,
+        validate_rpc_threshold: 4,
+    };
+    let fabric = Arc::new(MemFabric::new(MemFabricConfig {
+        machines_max: 3,
+        threads_max: 1,
+        seed: 0,
+        datagrams_queued_max: 8,
+    }));
+    let map = RegionMap::striped(3, 1, 2);
+    (0..3)
+        .map(|m| {
+            let state = MachineState::new(
+                MachineId(m),
+                params,
+                Configuration::initial(3),
+                map.clone(),
+                fabric.clone() as Arc<dyn Fabric>,
+                None,
+            )
+            .unwrap();
+            Worker::new(state, ThreadId(0))
+        })
+        .collect()
+}
+
+/// Polls the commit on worker `c` at most `polls` times, polling the `serve` workers between.
+fn drive(
+    workers: &mut [Worker],
+    c: usize,
+    serve: &[usize],
+    now: &mut u64,
+    polls: usize,
+) -> Option<Result<(), TxError>> {
+    for _ in 0..polls {
+        *now += 1;
+        if let Some(r) = workers[c].poll_commit(*now) {
+            return Some(r);
+        }
+        for &s in serve {
+            workers[s].poll(*now);
+        }
+    }
+    None
+}
+
+fn start(workers: &mut [Worker], c: usize, f: impl FnOnce(&mut Tx<'_>) -> Result<(), TxError>) {
+    let mut tx = Tx::new(&mut workers[c]);
+    f(&mut tx).unwrap();
+    let state = tx.into_state();
+    workers[c].start_commit(state);
+}
+
+#[test]
+fn a_full_log_delays_the_commit_until_explicit_truncation_frees_it() {
+    let mut w = cluster();
+    let mut now = 0;
+    // Three 16 KB objects whose primary is machine 1; its backups are machines 2 and 0.
+    let mut objs: Vec<Addr> = Vec::new();
+    for _ in 0..3 {
+        start(&mut w, 1, |tx| {
+            objs.push(tx.alloc(OBJ, None)?);
+            Ok(())
+        });
+        drive(&mut w, 1, &[0, 1, 2], &mut now, 1000)
+            .expect("allocation commits")
+            .unwrap();
+    }
+    // Machine 2, a backup, stops polling: COMMIT-BACKUP records from machine 0 pile up in its
+    // log, unprocessed and so never truncated. Each needs a 2 x 48 KB reservation.
+    let write = |round: u8| {
+        let objs = objs.clone();
+        move |tx: &mut Tx<'_>| {
+            for o in &objs {
+                tx.write(*o, &vec![round; OBJ])?;
+            }
+            Ok(())
+        }
+    };
+    let mut round = 0u8;
+    loop {
+        round += 1;
+        assert!(round < 10, "machine 0's log to machine 2 never filled");
+        // Let machine 1 apply the previous COMMIT-PRIMARY (success was reported on its ack).
+        for s in [0, 1] {
+            now += 1;
+            w[s].poll(now);
+        }
+        start(&mut w, 0, write(round));
+        match drive(&mut w, 0, &[0, 1], &mut now, 2000) {
+            Some(r) => r.unwrap(),
+            None => break,
+        }
+    }
+    assert!(round >= 3, "at least two commits fit in a 256 KB log");
+    assert!(
+        w[0].stats().reserve_waits > 0,
+        "the stuck commit waits for log space"
+    );
+    assert!(w[0].stats().locks_processed == 0 && w[1].stats().locks_processed >= round as u64 - 1);
+    // Nothing of the waiting commit was sent: its objects are unlocked and hold round - 1.
+    let (h, data) = w[1].read_object(objs[0], OBJ).unwrap();
+    assert!(!h.locked());
+    assert_eq!(data[0], round - 1);
+    // Machine 2 wakes up: it processes the backlog, whose piggybacked truncations free its log,
+    // and the waiting commit goes through.
+    drive(&mut w, 0, &[0, 1, 2], &mut now, 10_000)
+        .expect("commit after space was freed")
+        .unwrap();
+    now += 1;
+    w[1].poll(now);
+    let (_, data) = w[1].read_object(objs[2], OBJ).unwrap();
+    assert!(data.iter().all(|b| *b == round));
+    // Quiesce: everything truncated, every reservation returned.
+    for _ in 0..10 {
+        now += 1_000;
+        for x in w.iter_mut() {
+            x.poll(now);
+            x.flush_truncations();
+            x.report_all_freed();
+        }
+    }
+    for x in w.iter_mut() {
+        x.poll(now);
+        x.report_all_freed();
+    }
+    for x in w.iter_mut() {
+        assert!(x.coordinator_quiet() && x.retained_records() == 0);
+        assert_eq!(
+            x.outbound_in_use(),
+            0,
+            "machine {} leaked log space",
+            x.machine().id
+        );
+    }
+}
