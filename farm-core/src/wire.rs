@@ -132,6 +132,50 @@ pub enum Message {
         /// Validation succeeded.
         ok: bool,
     },
+    /// Allocation at a remote primary, for a locality hint in a region the coordinator's machine
+    /// is not primary for (free lists live only at the primary, §5.5).
+    Alloc {
+        /// Request id, unique per sender thread.
+        request: u64,
+        /// Region to allocate in.
+        region: RegionId,
+        /// Payload bytes.
+        len: u32,
+    },
+    /// The answer to an ALLOC.
+    AllocReply {
+        /// The request answered.
+        request: u64,
+        /// The slot, or why there is none.
+        outcome: AllocOutcome,
+    },
+    /// Gives back a slot handed out by ALLOC whose transaction did not commit.
+    Release {
+        /// The slot.
+        addr: Addr,
+        /// Its size.
+        slot_bytes: u32,
+    },
+}
+
+/// What an ALLOC got.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum AllocOutcome {
+    /// A free slot; its header (allocated bit clear) is what the transaction locks at.
+    Slot {
+        /// Offset of the slot in the region.
+        offset: u32,
+        /// Slot size.
+        slot_bytes: u32,
+        /// The slot's current header.
+        header: Header,
+    },
+    /// No free slot of the size class and no unused block.
+    RegionFull,
+    /// Larger than the largest size class.
+    TooLarge,
+    /// The destination is not the region's primary.
+    NotPrimary,
 }
 
 const LOG_LOCK: u8 = 1;
@@ -142,6 +186,9 @@ const LOG_TRUNCATE: u8 = 5;
 const MSG_LOCK_REPLY: u8 = 16;
 const MSG_VALIDATE: u8 = 17;
 const MSG_VALIDATE_REPLY: u8 = 18;
+const MSG_ALLOC: u8 = 19;
+const MSG_ALLOC_REPLY: u8 = 20;
+const MSG_RELEASE: u8 = 21;
 
 fn put_txn(out: &mut Vec<u8>, t: TxnId) {
     out.extend_from_slice(&t.config.0.to_le_bytes());
@@ -269,6 +316,40 @@ impl Message {
                     out.extend_from_slice(&h.0.to_le_bytes());
                 }
             }
+            Message::Alloc {
+                request,
+                region,
+                len,
+            } => {
+                out.push(MSG_ALLOC);
+                out.extend_from_slice(&request.to_le_bytes());
+                out.extend_from_slice(&region.0.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
+            Message::AllocReply { request, outcome } => {
+                out.push(MSG_ALLOC_REPLY);
+                out.extend_from_slice(&request.to_le_bytes());
+                match outcome {
+                    AllocOutcome::Slot {
+                        offset,
+                        slot_bytes,
+                        header,
+                    } => {
+                        out.push(0);
+                        out.extend_from_slice(&offset.to_le_bytes());
+                        out.extend_from_slice(&slot_bytes.to_le_bytes());
+                        out.extend_from_slice(&header.0.to_le_bytes());
+                    }
+                    AllocOutcome::RegionFull => out.push(1),
+                    AllocOutcome::TooLarge => out.push(2),
+                    AllocOutcome::NotPrimary => out.push(3),
+                }
+            }
+            Message::Release { addr, slot_bytes } => {
+                out.push(MSG_RELEASE);
+                put_addr(out, *addr);
+                out.extend_from_slice(&slot_bytes.to_le_bytes());
+            }
         }
     }
 
@@ -295,6 +376,35 @@ impl Message {
                 }
                 Message::Validate { txn, reads }
             }
+            MSG_ALLOC => Message::Alloc {
+                request: r.u64()?,
+                region: RegionId(r.u32()?),
+                len: r.u32()?,
+            },
+            MSG_ALLOC_REPLY => {
+                let request = r.u64()?;
+                let outcome = match r.u8()? {
+                    0 => AllocOutcome::Slot {
+                        offset: r.u32()?,
+                        slot_bytes: r.u32()?,
+                        header: Header(r.u64()?),
+                    },
+                    1 => AllocOutcome::RegionFull,
+                    2 => AllocOutcome::TooLarge,
+                    3 => AllocOutcome::NotPrimary,
+                    v => {
+                        return Err(WireError::Invalid {
+                            field: "alloc outcome",
+                            value: v as u64,
+                        })
+                    }
+                };
+                Message::AllocReply { request, outcome }
+            }
+            MSG_RELEASE => Message::Release {
+                addr: r.addr()?,
+                slot_bytes: r.u32()?,
+            },
             kind => {
                 return Err(WireError::Kind {
                     what: "message",
@@ -515,6 +625,35 @@ mod tests {
             Message::Validate {
                 txn: txn(),
                 reads: vec![(Addr::new(RegionId(9), 8), Header::new(Version(1), true))],
+            },
+            Message::Alloc {
+                request: 5,
+                region: RegionId(2),
+                len: 100,
+            },
+            Message::AllocReply {
+                request: 5,
+                outcome: AllocOutcome::Slot {
+                    offset: 1 << 20,
+                    slot_bytes: 128,
+                    header: Header::new(Version(3), false),
+                },
+            },
+            Message::AllocReply {
+                request: 6,
+                outcome: AllocOutcome::RegionFull,
+            },
+            Message::AllocReply {
+                request: 7,
+                outcome: AllocOutcome::TooLarge,
+            },
+            Message::AllocReply {
+                request: 8,
+                outcome: AllocOutcome::NotPrimary,
+            },
+            Message::Release {
+                addr: Addr::new(RegionId(2), 1 << 20),
+                slot_bytes: 128,
             },
         ];
         for m in msgs {

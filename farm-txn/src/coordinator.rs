@@ -22,8 +22,8 @@ use farm_core::fabric::{MemKey, WriteStatus, WriteTicket};
 use farm_core::object::{self, Header, ReadOutcome, HEADER_BYTES};
 use farm_core::ring::{framed_len, RingKind, RingWriter};
 use farm_core::wire::{
-    log_header_bytes, write_set_bytes, LogBody, LogRecord, Message, WriteEntry, WriteSet,
-    RECORD_BYTES_MAX, TRUNCATED_IDS_MAX,
+    log_header_bytes, write_set_bytes, AllocOutcome, LogBody, LogRecord, Message, WriteEntry,
+    WriteSet, RECORD_BYTES_MAX, TRUNCATED_IDS_MAX,
 };
 use farm_core::{Addr, MachineId, RegionId, TxnId};
 
@@ -49,6 +49,8 @@ const fn header_bytes() -> usize {
 #[derive(Debug)]
 pub(crate) struct CoordinatorState {
     pub(crate) next_local: u64,
+    /// Last ALLOC request id.
+    pub(crate) next_request: u64,
     /// Committed transactions still waiting for COMMIT-PRIMARY acks.
     unacked: BTreeMap<u64, Vec<(MachineId, Option<WriteTicket>)>>,
     /// Per participant: committed transactions with records there, not yet truncated.
@@ -64,6 +66,7 @@ impl CoordinatorState {
     pub(crate) fn new(peers: usize) -> Self {
         Self {
             next_local: 0,
+            next_request: 0,
             unacked: BTreeMap::new(),
             outstanding: vec![BTreeSet::new(); peers],
             trunc_reserved: vec![0; peers],
@@ -100,19 +103,46 @@ impl TxState {
     }
 }
 
+/// Polls the workers that share the coordinator's thread while a transaction waits during its
+/// execution (for an allocation at a remote primary), returning the current tick.
+pub type Poller<'w> = &'w mut dyn FnMut() -> u64;
+
 /// A transaction in its execution phase, bound to the worker that coordinates it.
-#[derive(Debug)]
 pub struct Tx<'w> {
     worker: &'w mut Worker,
     state: TxState,
+    poller: Option<Poller<'w>>,
 }
 
+impl std::fmt::Debug for Tx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tx")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Polls an allocation waits for its reply before giving up on the primary.
+const ALLOC_WAIT_POLLS_MAX: u64 = 10_000_000;
+
 impl<'w> Tx<'w> {
-    /// Starts executing a transaction coordinated by `worker`.
+    /// Starts executing a transaction coordinated by `worker`. Without a poller, locality hints
+    /// naming a region whose primary is another machine fall back to a local region.
     pub fn new(worker: &'w mut Worker) -> Self {
         Self {
             worker,
             state: TxState::default(),
+            poller: None,
+        }
+    }
+
+    /// Like [`Tx::new`], with a poller that serves the other workers of this thread while the
+    /// transaction waits for an allocation at a remote primary.
+    pub fn with_poller(worker: &'w mut Worker, poller: Poller<'w>) -> Self {
+        Self {
+            worker,
+            state: TxState::default(),
+            poller: Some(poller),
         }
     }
 
@@ -173,14 +203,22 @@ impl<'w> Tx<'w> {
     /// Allocates an object with room for `len` bytes, zeroed, in a region this machine is
     /// primary for: the region of `near` when it is one, else the first with space (§5.5).
     pub fn alloc(&mut self, len: usize, near: Option<Addr>) -> Result<Addr, TxError> {
-        let (addr, slot) = self.worker.alloc_slot(len, near)?;
-        let mem = self
-            .worker
-            .machine
-            .region(addr.region)
-            .expect("local primary")
-            .clone();
-        let header = object::read_header(&*mem, addr.offset as u64).expect("local read");
+        let remote = near.filter(|n| {
+            self.poller.is_some()
+                && self
+                    .worker
+                    .machine
+                    .region_map
+                    .get(n.region)
+                    .is_some_and(|p| p.primary != self.worker.machine.id)
+        });
+        let (addr, slot, header) = match remote {
+            Some(n) => match self.alloc_remote(n.region, len)? {
+                Some(got) => got,
+                None => self.alloc_local(len, None)?,
+            },
+            None => self.alloc_local(len, near)?,
+        };
         assert!(
             !header.allocated() && !header.locked(),
             "allocator handed out {addr} whose header is {header:?}"
@@ -200,6 +238,79 @@ impl<'w> Tx<'w> {
             "slot {addr} allocated twice in one transaction"
         );
         Ok(addr)
+    }
+
+    /// A slot in a region this machine is primary for, and its header.
+    fn alloc_local(
+        &mut self,
+        len: usize,
+        near: Option<Addr>,
+    ) -> Result<(Addr, u32, Header), TxError> {
+        let (addr, slot) = self.worker.alloc_slot(len, near)?;
+        let mem = self
+            .worker
+            .machine
+            .region(addr.region)
+            .expect("local primary");
+        let header = object::read_header(&**mem, addr.offset as u64).expect("local read");
+        Ok((addr, slot, header))
+    }
+
+    /// A slot from the primary of `region` over ALLOC / ALLOC-REPLY, polling this thread's
+    /// workers while waiting. `None` when that region is full (the hint is only a hint).
+    fn alloc_remote(
+        &mut self,
+        region: RegionId,
+        len: usize,
+    ) -> Result<Option<(Addr, u32, Header)>, TxError> {
+        class_for(len)?;
+        let primary = self
+            .worker
+            .machine
+            .region_map
+            .get(region)
+            .expect("checked")
+            .primary;
+        self.worker.coord.next_request += 1;
+        let request = self.worker.coord.next_request;
+        self.worker.send_message(
+            primary,
+            &Message::Alloc {
+                request,
+                region,
+                len: len as u32,
+            },
+        );
+        let poller = self
+            .poller
+            .as_mut()
+            .expect("remote allocation needs a poller");
+        for _ in 0..ALLOC_WAIT_POLLS_MAX {
+            let found = self.worker.replies.iter().position(
+                |(_, m)| matches!(m, Message::AllocReply { request: r, .. } if *r == request),
+            );
+            if let Some(at) = found {
+                let (_, Message::AllocReply { outcome, .. }) = self.worker.replies.remove(at)
+                else {
+                    unreachable!("matched above")
+                };
+                self.worker.stats.allocs_remote += 1;
+                return match outcome {
+                    AllocOutcome::Slot {
+                        offset,
+                        slot_bytes,
+                        header,
+                    } => Ok(Some((Addr::new(region, offset), slot_bytes, header))),
+                    AllocOutcome::RegionFull | AllocOutcome::NotPrimary => Ok(None),
+                    AllocOutcome::TooLarge => Err(farm_alloc::AllocError::TooLarge(len).into()),
+                };
+            }
+            let now = poller();
+            self.worker.poll(now);
+        }
+        Err(TxError::Unavailable(
+            farm_core::fabric::FabricError::Unreachable(primary),
+        ))
     }
 
     /// Frees the object at `addr` when the transaction commits.
@@ -332,6 +443,8 @@ impl Worker {
                 .alloc(pool, len)
             {
                 Ok(a) => {
+                    // Local allocation: the header writes precede this thread's COMMIT-BACKUPs
+                    // on the same links, so there is no need to wait for them.
                     self.publish_block(region, &a)?;
                     self.stats.allocs += 1;
                     return Ok((Addr::new(region, a.offset), a.slot_bytes));
@@ -347,9 +460,14 @@ impl Worker {
     /// Writes a new block's header locally and to every backup (§5.5). The backup writes go on
     /// this thread's links, ahead of any COMMIT-BACKUP that uses the block, and writes on a link
     /// land in order, so the header reaches a backup before any object of the block does.
-    fn publish_block(&mut self, region: RegionId, a: &Allocation) -> Result<(), TxError> {
+    pub(crate) fn publish_block(
+        &mut self,
+        region: RegionId,
+        a: &Allocation,
+    ) -> Result<Vec<(MachineId, WriteTicket)>, TxError> {
+        let mut tickets = Vec::new();
         let Some((block, word)) = a.new_block else {
-            return Ok(());
+            return Ok(tickets);
         };
         let at = block_header_offset(block);
         self.machine
@@ -364,15 +482,16 @@ impl Worker {
             .backups
             .clone();
         for b in backups {
-            self.machine.fabric.write(
+            let t = self.machine.fabric.write(
                 self.endpoint(),
                 b,
                 MemKey::Region(region),
                 at as u64,
                 &word.to_le_bytes(),
             )?;
+            tickets.push((b, t));
         }
-        Ok(())
+        Ok(tickets)
     }
 
     /// Gives back what a transaction that failed during execution allocated, and counts the
@@ -382,14 +501,28 @@ impl Worker {
         self.discard(state);
     }
 
-    /// Gives back what an uncommitted transaction allocated.
+    /// Gives back what an uncommitted transaction allocated: to this thread's slabs, or with a
+    /// RELEASE to the primary that handed the slot out.
     pub fn discard(&mut self, state: TxState) {
         for (addr, e) in state.objects {
-            if let Some(slot) = e.fresh {
-                self.slabs
-                    .get_mut(&addr.region)
-                    .expect("local primary")
-                    .free(addr.offset, slot);
+            let Some(slot) = e.fresh else { continue };
+            match self.slabs.get_mut(&addr.region) {
+                Some(slabs) => slabs.free(addr.offset, slot),
+                None => {
+                    let primary = self
+                        .machine
+                        .region_map
+                        .get(addr.region)
+                        .expect("allocated there")
+                        .primary;
+                    self.send_message(
+                        primary,
+                        &Message::Release {
+                            addr,
+                            slot_bytes: slot,
+                        },
+                    );
+                }
             }
         }
     }

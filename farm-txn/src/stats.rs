@@ -35,8 +35,10 @@ pub struct Stats {
     pub reserve_waits: u64,
     /// Messages that waited for queue space.
     pub queue_full_waits: u64,
-    /// Objects allocated.
+    /// Objects allocated at this machine's primaries (local or for ALLOC requests).
     pub allocs: u64,
+    /// Allocations this coordinator obtained from a remote primary.
+    pub allocs_remote: u64,
     /// Objects freed at this primary.
     pub frees: u64,
 }
@@ -62,8 +64,29 @@ impl Stats {
     }
 
     /// Adds `other` into `self`.
-    pub fn add(&mut self, o: &Stats) {
-        macro_rules! sum { ($($f:ident),*) => { $( self.$f += o.$f; )* } }
+    pub fn add(&mut self, other: &Stats) {
+        // Destructured so that a new counter cannot be forgotten here.
+        let Stats {
+            commits,
+            aborts_read_locked,
+            aborts_read_torn,
+            aborts_lock,
+            aborts_validate,
+            aborts_other,
+            reads,
+            reads_locked,
+            reads_torn,
+            locks_processed,
+            backup_applied,
+            truncates_sent,
+            validate_rpcs,
+            reserve_waits,
+            queue_full_waits,
+            allocs,
+            allocs_remote,
+            frees,
+        } = other;
+        macro_rules! sum { ($($f:ident),*) => { $( self.$f += $f; )* } }
         sum!(
             commits,
             aborts_read_locked,
@@ -81,6 +104,7 @@ impl Stats {
             reserve_waits,
             queue_full_waits,
             allocs,
+            allocs_remote,
             frees
         );
     }

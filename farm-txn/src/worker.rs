@@ -11,11 +11,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use farm_alloc::{block_header_offset, block_of, slot_bytes_of, Slabs};
+use farm_alloc::{block_header_offset, block_of, slot_bytes_of, AllocError, Slabs};
 use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
 use farm_core::object;
 use farm_core::ring::{frame, skip_marker, RecordPos, RingKind, RingReader, RingWriter};
-use farm_core::wire::{LogBody, LogRecord, Message, WriteSet};
+use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, WriteSet};
 use farm_core::{MachineId, RegionId, ThreadId, TxnId};
 
 use crate::coordinator::CoordinatorState;
@@ -80,7 +80,12 @@ pub struct Worker {
     pub(crate) framed: Vec<u8>,
     /// Messages waiting for queue space, in order.
     backlog: std::collections::VecDeque<(MachineId, Vec<u8>)>,
+    /// ALLOC-REPLYs waiting for their block header to reach the backups.
+    alloc_replies: Vec<PendingAllocReply>,
 }
+
+/// An ALLOC-REPLY (to the machine named first) held until its block-header writes are acked.
+type PendingAllocReply = (MachineId, Message, Vec<(MachineId, WriteTicket)>);
 
 /// Most messages waiting for queue space: one reply per LOCK or VALIDATE in flight, and each
 /// peer thread has at most one commit in flight.
@@ -139,6 +144,7 @@ impl Worker {
             scratch: Vec::new(),
             framed: Vec::new(),
             backlog: std::collections::VecDeque::new(),
+            alloc_replies: Vec::new(),
         }
     }
 
@@ -201,6 +207,9 @@ impl Worker {
     /// coordinator's background work. Returns whether anything happened (for backoff).
     pub fn poll(&mut self, now: u64) -> bool {
         let mut busy = self.flush_backlog();
+        if !self.alloc_replies.is_empty() {
+            busy |= self.flush_alloc_replies();
+        }
         for peer in 0..self.inbound.len() {
             busy |= self.poll_log(MachineId(peer as u16));
             busy |= self.poll_queue(MachineId(peer as u16));
@@ -245,6 +254,19 @@ impl Worker {
                     });
                     self.send_message(sender, &Message::ValidateReply { txn, ok });
                 }
+                Ok(Message::Alloc {
+                    request,
+                    region,
+                    len,
+                }) => self.on_alloc(sender, request, region, len),
+                Ok(Message::Release { addr, slot_bytes }) => {
+                    self.slabs
+                        .get_mut(&addr.region)
+                        .unwrap_or_else(|| {
+                            panic!("RELEASE of {addr} at {}, not its primary", self.machine.id)
+                        })
+                        .free(addr.offset, slot_bytes);
+                }
                 Ok(reply) => self.replies.push((sender, reply)),
                 Err(e) => panic!("corrupt message from {sender} with a valid checksum: {e}"),
             }
@@ -252,6 +274,85 @@ impl Worker {
         self.buf = buf;
         if busy {
             self.report_freed(sender, RingKind::Queue, false);
+        }
+        busy
+    }
+
+    /// ALLOC at the primary (§5.5: free lists live only here). A slot from a fresh block is
+    /// answered only once the block header has reached every backup: the coordinator's
+    /// COMMIT-BACKUP travels on another link, so link order does not cover it.
+    fn on_alloc(&mut self, sender: MachineId, request: u64, region: RegionId, len: u32) {
+        let Some(pool) = self.machine.pool(region) else {
+            let reply = Message::AllocReply {
+                request,
+                outcome: AllocOutcome::NotPrimary,
+            };
+            return self.send_message(sender, &reply);
+        };
+        let result = self
+            .slabs
+            .get_mut(&region)
+            .expect("primary has slabs")
+            .alloc(pool, len as usize);
+        let a = match result {
+            Ok(a) => a,
+            Err(e) => {
+                let outcome = match e {
+                    AllocError::TooLarge(_) => AllocOutcome::TooLarge,
+                    AllocError::RegionFull(_) => AllocOutcome::RegionFull,
+                };
+                return self.send_message(sender, &Message::AllocReply { request, outcome });
+            }
+        };
+        self.stats.allocs += 1;
+        let mem = self
+            .machine
+            .region(region)
+            .expect("primary holds its region");
+        let header = object::read_header(&**mem, a.offset as u64).expect("local read");
+        let outcome = AllocOutcome::Slot {
+            offset: a.offset,
+            slot_bytes: a.slot_bytes,
+            header,
+        };
+        let reply = Message::AllocReply { request, outcome };
+        match self.publish_block(region, &a) {
+            Ok(tickets) if tickets.is_empty() => self.send_message(sender, &reply),
+            Ok(tickets) => self.alloc_replies.push((sender, reply, tickets)),
+            // A backup is unreachable: recovery's business; the slot goes back.
+            Err(_) => {
+                self.slabs
+                    .get_mut(&region)
+                    .expect("primary")
+                    .free(a.offset, a.slot_bytes);
+                let reply = Message::AllocReply {
+                    request,
+                    outcome: AllocOutcome::RegionFull,
+                };
+                self.send_message(sender, &reply);
+            }
+        }
+    }
+
+    /// Sends the ALLOC-REPLYs whose block headers have landed at every backup.
+    fn flush_alloc_replies(&mut self) -> bool {
+        let mut ready = Vec::new();
+        let mut i = 0;
+        while i < self.alloc_replies.len() {
+            let done = self.alloc_replies[i]
+                .2
+                .iter()
+                .all(|(b, t)| self.write_status(*b, Some(*t)) != WriteStatus::Pending);
+            if done {
+                let (dst, reply, _) = self.alloc_replies.swap_remove(i);
+                ready.push((dst, reply));
+            } else {
+                i += 1;
+            }
+        }
+        let busy = !ready.is_empty();
+        for (dst, reply) in ready {
+            self.send_message(dst, &reply);
         }
         busy
     }

@@ -448,10 +448,22 @@ fn run_once<R>(
     machine: MachineId,
     f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
 ) -> Result<R, TxError> {
-    let worker = &mut host.workers[machine.0 as usize];
-    let mut txn = Txn::new(Tx::new(worker));
-    let value = f(&mut txn);
-    let state = txn.into_state();
+    let (value, state) = {
+        // The coordinator worker executes; the poller serves the host's other workers while the
+        // execution waits (an allocation at a remote primary hosted by this very thread).
+        let (before, rest) = host.workers.split_at_mut(machine.0 as usize);
+        let (worker, after) = rest.split_first_mut().expect("machine is in range");
+        let mut poll_others = || {
+            let now = inner.now();
+            for w in before.iter_mut().chain(after.iter_mut()) {
+                w.poll(now);
+            }
+            now
+        };
+        let mut txn = Txn::new(Tx::with_poller(worker, &mut poll_others));
+        let value = f(&mut txn);
+        (value, txn.into_state())
+    };
     let value = match value {
         Ok(v) => v,
         Err(e) => {

@@ -364,9 +364,11 @@ fn freed_objects_are_reused() {
     check_replicas(c.machine_states()).unwrap();
 }
 
-/// Allocation honours a locality hint in a region the coordinator's machine is primary for.
+/// Allocation honours a locality hint: in the hinted region when the coordinator's machine is
+/// its primary, and through ALLOC at the remote primary otherwise (§5.5); an aborted
+/// transaction gives a remotely allocated slot back, and the objects replicate.
 #[test]
-fn allocation_follows_a_local_hint() {
+fn allocation_follows_locality_hints_local_and_remote() {
     let c = Cluster::builder()
         .machines(3)
         .replicas(2)
@@ -374,12 +376,43 @@ fn allocation_follows_a_local_hint() {
         .region_bytes(4 << 20)
         .build()
         .unwrap();
-    let m = MachineId(2);
-    let a = c.txn(m, |tx| tx.alloc(&1u64, None)).unwrap();
+    let a = c.txn(MachineId(2), |tx| tx.alloc(&1u64, None)).unwrap();
     for _ in 0..20 {
-        let b = c.txn(m, |tx| tx.alloc(&2u64, Some(a))).unwrap();
+        let b = c.txn(MachineId(2), |tx| tx.alloc(&2u64, Some(a))).unwrap();
         assert_eq!(b.region, a.region);
     }
+    // Coordinators on the other machines allocate next to `a` at its primary, machine 2; the
+    // first allocation of this size carves a new block whose header must reach the backup.
+    let mut near = Vec::new();
+    for i in 0..30u64 {
+        let m = MachineId((i % 2) as u16);
+        let b = c.txn(m, |tx| tx.alloc(&[i; 40], Some(a))).unwrap();
+        assert_eq!(b.region, a.region, "remote hint honoured");
+        near.push(b);
+    }
+    for (i, b) in near.iter().enumerate() {
+        assert_eq!(
+            c.read::<[u64; 40]>(MachineId(0), *b).unwrap(),
+            [i as u64; 40]
+        );
+    }
+    // An aborted remote allocation returns its slot: the next one gets the same slot.
+    let mut given = None;
+    let e = c
+        .txn(MachineId(0), |tx| {
+            given = Some(tx.alloc(&[0u64; 40], Some(a))?);
+            Err::<(), _>(tx.abort("changed my mind"))
+        })
+        .unwrap_err();
+    assert!(matches!(e, TxError::Aborted(_)));
+    let again = c
+        .txn(MachineId(0), |tx| tx.alloc(&[9u64; 40], Some(a)))
+        .unwrap();
+    assert_eq!(Some(again), given, "the released slot is reused");
+    let stats = c.stats();
+    assert!(stats.allocs_remote >= 32, "{stats:?}");
+    c.quiesce();
+    check_replicas(c.machine_states()).unwrap();
 }
 
 /// Bad input gets errors that name the problem.
