@@ -16,6 +16,9 @@ use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
 use crate::history::{check, Anomaly, Op, TxnRecord};
 use crate::replicas::{check_replicas, ReplicaReport};
 
+/// Polls a setup or final-check transaction may take, with every write landing at once.
+const SETUP_POLLS_MAX: u64 = 100_000;
+
 /// Values a list object can hold.
 pub const LIST_CAPACITY: usize = 48;
 const LIST_BYTES: usize = 8 * (LIST_CAPACITY + 1);
@@ -61,12 +64,21 @@ pub struct SimOutcome {
     pub replicas: Result<ReplicaReport, String>,
     /// Counters of every worker, summed.
     pub stats: Stats,
+    /// Objects allocated by committed transactions and still live at the end, all checked.
+    pub live_objects: usize,
 }
 
 #[derive(Debug)]
 enum Client {
     Idle,
-    Committing(TxnRecord),
+    Committing(TxnRecord, Effects),
+}
+
+/// Objects a transaction allocates or frees, applied to the client's set when it commits.
+#[derive(Debug, Default)]
+struct Effects {
+    allocated: Option<(Addr, u64)>,
+    freed: Option<Addr>,
 }
 
 /// A simulated cluster.
@@ -80,6 +92,8 @@ pub struct Sim {
     workers: Vec<Worker>,
     clients: Vec<Client>,
     keys: Vec<Addr>,
+    /// Objects each client allocated and has not freed, with their values.
+    temps: Vec<Vec<(Addr, u64)>>,
     history: Vec<TxnRecord>,
     next_value: u64,
     config: SimConfig,
@@ -96,7 +110,7 @@ impl Sim {
         };
         let params = Params {
             layout,
-            region_bytes: 2 << 20,
+            region_bytes: 8 << 20,
             validate_rpc_threshold: 4,
         };
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
@@ -124,7 +138,8 @@ impl Sim {
             .iter()
             .flat_map(|m| (0..config.threads).map(move |t| Worker::new(m.clone(), ThreadId(t))))
             .collect::<Vec<_>>();
-        let clients = (0..workers.len()).map(|_| Client::Idle).collect();
+        let n_clients = workers.len();
+        let clients = (0..n_clients).map(|_| Client::Idle).collect();
         let mut sim = Sim {
             rng: Rng::new(config.seed),
             now: 0,
@@ -133,6 +148,7 @@ impl Sim {
             workers,
             clients,
             keys: Vec::new(),
+            temps: vec![Vec::new(); n_clients],
             history: Vec::new(),
             next_value: 1,
             config,
@@ -150,14 +166,16 @@ impl Sim {
         sim
     }
 
-    /// Runs a transaction to completion with every write landing at once (setup only).
+    /// Runs a transaction to completion with every write landing at once (setup and final
+    /// checks, outside the randomized schedule).
     fn setup_txn<R>(&mut self, w: usize, f: impl FnOnce(&mut Tx<'_>) -> Result<R, TxError>) -> R {
         let mut tx = Tx::new(&mut self.workers[w]);
         let r = f(&mut tx).expect("setup transaction");
         let state = tx.into_state();
         self.workers[w].start_commit(state);
-        loop {
+        for _ in 0..SETUP_POLLS_MAX {
             self.now += 1;
+            self.fabric.deliver_all();
             for x in &mut self.workers {
                 x.poll(self.now);
             }
@@ -166,6 +184,10 @@ impl Sim {
                 return r;
             }
         }
+        panic!(
+            "seed {}: a setup or check transaction did not commit",
+            self.config.seed
+        );
     }
 
     /// One scheduler step: poll a worker, land a held write, or advance a client.
@@ -194,35 +216,69 @@ impl Sim {
         match std::mem::replace(&mut self.clients[c], Client::Idle) {
             Client::Idle if start_new => self.start_txn(c),
             Client::Idle => {}
-            Client::Committing(mut rec) => match self.workers[c].poll_commit(self.now) {
-                None => self.clients[c] = Client::Committing(rec),
+            Client::Committing(mut rec, effects) => match self.workers[c].poll_commit(self.now) {
+                None => self.clients[c] = Client::Committing(rec, effects),
                 Some(r) => {
                     rec.complete = self.now;
                     rec.committed = r.is_ok();
+                    if rec.committed {
+                        if let Some(a) = effects.freed {
+                            self.temps[c].retain(|(t, _)| *t != a);
+                        }
+                        self.temps[c].extend(effects.allocated);
+                    }
                     self.history.push(rec);
                 }
             },
         }
     }
 
-    /// Executes a random list-append transaction on client `c` and starts its commit.
+    /// Executes a random transaction on client `c` and starts its commit: list reads and
+    /// appends, plus sometimes an allocation near a random list (often at a remote primary, over
+    /// ALLOC while the execution polls the other workers and lands held writes) and a free of an
+    /// object this client allocated before.
     fn start_txn(&mut self, c: usize) {
         let n_ops = 1 + self.rng.below(3);
         let mut plan = Vec::new();
         for _ in 0..n_ops {
             let key = self.rng.below(self.keys.len() as u64);
-            let append = self.rng.below(2) == 0;
-            let value = if append {
+            let value = (self.rng.below(2) == 0).then(|| {
                 self.next_value += 1;
-                Some(self.next_value)
-            } else {
-                None
-            };
+                self.next_value
+            });
             plan.push((key, value));
         }
+        let alloc_near = (self.rng.below(4) == 0).then(|| {
+            self.next_value += 1;
+            (
+                self.keys[self.rng.below(self.keys.len() as u64) as usize],
+                self.next_value,
+            )
+        });
+        let free = if !self.temps[c].is_empty() && self.rng.below(4) == 0 {
+            Some(self.temps[c][self.rng.below(self.temps[c].len() as u64) as usize])
+        } else {
+            None
+        };
         let keys = self.keys.clone();
-        let mut tx = Tx::new(&mut self.workers[c]);
+        let (before, rest) = self.workers.split_at_mut(c);
+        let (worker, after) = rest.split_first_mut().expect("client in range");
+        let (now, rng, fabric) = (&mut self.now, &mut self.rng, &self.fabric);
+        let mut poll_others = || {
+            *now += 1;
+            let held = fabric.held_links();
+            if !held.is_empty() {
+                let (src, dst, _) = held[rng.below(held.len() as u64) as usize];
+                fabric.deliver_next(src, dst);
+            }
+            for w in before.iter_mut().chain(after.iter_mut()) {
+                w.poll(*now);
+            }
+            *now
+        };
+        let mut tx = Tx::with_poller(worker, &mut poll_others);
         let mut ops = Vec::new();
+        let mut effects = Effects::default();
         let result = (|| -> Result<(), TxError> {
             for (key, value) in plan {
                 let addr = keys[key as usize];
@@ -246,6 +302,17 @@ impl Sim {
                     }),
                 }
             }
+            if let Some((near, v)) = alloc_near {
+                let a = tx.alloc(16, Some(near))?;
+                tx.write(a, &[v.to_le_bytes(), v.to_le_bytes()].concat())?;
+                effects.allocated = Some((a, v));
+            }
+            if let Some((a, v)) = free {
+                let got = tx.read(a, 16)?;
+                assert_eq!(&got[..8], &v.to_le_bytes(), "object {a} lost its value");
+                tx.free(a)?;
+                effects.freed = Some(a);
+            }
             Ok(())
         })();
         let state = tx.into_state();
@@ -258,10 +325,14 @@ impl Sim {
         match result {
             Ok(()) => {
                 self.workers[c].start_commit(state);
-                self.clients[c] = Client::Committing(rec);
+                self.clients[c] = Client::Committing(rec, effects);
             }
             Err(e) => {
-                assert!(e.is_retryable(), "unexpected execution error {e}");
+                assert!(
+                    e.is_retryable(),
+                    "seed {}: unexpected execution error {e}",
+                    self.config.seed
+                );
                 self.workers[c].abort_execution(state, &e);
                 self.history.push(rec);
             }
@@ -277,7 +348,7 @@ impl Sim {
         while self
             .clients
             .iter()
-            .any(|c| matches!(c, Client::Committing(_)))
+            .any(|c| matches!(c, Client::Committing(..)))
         {
             self.step(false);
             rounds += 1;
@@ -313,6 +384,20 @@ impl Sim {
             complete: self.now,
             committed: true,
         });
+        // Every object allocated by a committed transaction and not freed holds its value.
+        let temps: Vec<(Addr, u64)> = self.temps.iter().flatten().copied().collect();
+        let seed = self.config.seed;
+        self.setup_txn(0, |tx| {
+            for (a, v) in &temps {
+                let got = tx.read(*a, 16)?;
+                assert_eq!(
+                    &got[..8],
+                    &v.to_le_bytes(),
+                    "seed {seed}: object {a} lost its value"
+                );
+            }
+            Ok(())
+        });
         self.quiesce();
         let anomalies = check(&self.history);
         let replicas = check_replicas(&self.machines);
@@ -325,6 +410,7 @@ impl Sim {
             anomalies,
             replicas,
             stats,
+            live_objects: temps.len(),
         }
     }
 

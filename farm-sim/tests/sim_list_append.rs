@@ -36,8 +36,8 @@ fn list_append_is_strictly_serializable_across_seeds() {
     }
     let seeds: u64 = std::env::var("FARM_SIM_SEEDS")
         .map(|s| s.parse().expect("a number"))
-        .unwrap_or(120);
-    let mut aborted = 0;
+        .unwrap_or(300);
+    let (mut aborted, mut remote_allocs, mut frees, mut live) = (0, 0, 0, 0);
     for seed in 0..seeds {
         let out = run_seed(SimConfig {
             seed,
@@ -51,7 +51,14 @@ fn list_append_is_strictly_serializable_across_seeds() {
         out.replicas
             .unwrap_or_else(|e| panic!("seed {seed}: replicas differ: {e}"));
         aborted += out.stats.aborts();
+        remote_allocs += out.stats.allocs_remote;
+        frees += out.stats.frees;
+        live += out.live_objects;
     }
+    assert!(
+        remote_allocs > 0 && frees > 0 && live > 0,
+        "{remote_allocs} remote allocations, {frees} frees, {live} live objects"
+    );
     assert!(
         aborted > 0,
         "the schedules produced no conflicts at all: the test is too weak"
