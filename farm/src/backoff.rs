@@ -7,6 +7,7 @@ use std::time::Duration;
 const SPINS_MAX: u32 = 64;
 const YIELDS_MAX: u32 = 256;
 const PARK: Duration = Duration::from_micros(50);
+const PARK_HELD: Duration = Duration::from_millis(1);
 
 /// Idle and conflict backoff state of one thread.
 #[derive(Debug, Default)]
@@ -34,6 +35,13 @@ impl Backoff {
         } else {
             std::thread::sleep(PARK);
         }
+    }
+
+    /// Sleeps: a transaction holds the host and polls it, so there is nothing to do until it
+    /// lets go. Long enough that waking up costs the transaction's thread nothing noticeable,
+    /// short enough that lazy work (truncation) left on a host nobody uses is done promptly.
+    pub(crate) fn park(&mut self) {
+        std::thread::sleep(PARK_HELD);
     }
 
     /// After the `attempt`-th conflict: yield a growing number of times, capped.

@@ -246,14 +246,16 @@ impl Inner {
     fn background_poll(&self, t: usize) {
         let mut backoff = Backoff::new();
         while !self.stop.load(Ordering::Relaxed) {
-            let busy = match self.hosts[t].try_lock() {
-                Ok(mut host) => host.poll_all(self.now()),
-                Err(_) => false,
-            };
-            if busy {
-                backoff.reset();
-            } else {
-                backoff.idle();
+            match self.hosts[t].try_lock() {
+                Ok(mut host) => {
+                    if host.poll_all(self.now()) {
+                        backoff.reset();
+                    } else {
+                        backoff.idle();
+                    }
+                }
+                // A transaction holds the host and polls it while it waits: stay out of its way.
+                Err(_) => backoff.park(),
             }
         }
     }
