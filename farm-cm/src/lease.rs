@@ -1,0 +1,417 @@
+//! Leases (FaRM §5.1): every machine holds a lease at the CM and the CM holds a lease at every
+//! machine; expiry of either makes the holder's peer suspect it.
+//!
+//! Leases are granted with a 3-way handshake over unreliable datagrams: a machine sends
+//! REQUEST; the CM answers GRANT-REQUEST, which grants the machine's lease and asks for its own;
+//! the machine answers GRANT. A machine renews every `lease / 5` (the paper's default, to ride
+//! out lost datagrams).
+//!
+//! Expiry times are conservative on both sides, so that a suspect's peer never believes a lease
+//! valid longer than its holder does:
+//! - a member's lease runs from when it *sent* the REQUEST that got granted;
+//! - the CM's lease at a member runs from when the CM *sent* the GRANT-REQUEST that the member
+//!   granted;
+//! - each side suspects the other when the lease it granted runs out without renewal.
+//!
+//! Both sides are deterministic state machines: time comes in as `now` (ticks), datagrams come
+//! in through `on_datagram`, and what to send goes out through a caller's buffer. They keep no
+//! growing state, so a lease thread can run them without allocating after start.
+
+use std::collections::BTreeMap;
+
+use farm_core::{ConfigId, MachineId};
+
+/// Lease timing, in ticks.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct LeaseConfig {
+    /// Lease length.
+    pub lease_ticks: u64,
+    /// Renewal interval (a fifth of the lease by default, §5.1).
+    pub renew_ticks: u64,
+}
+
+impl LeaseConfig {
+    /// A lease of `lease_ticks` renewed every fifth of it.
+    pub fn new(lease_ticks: u64) -> Self {
+        assert!(
+            lease_ticks >= 5,
+            "a lease needs at least 5 ticks to renew 5 times"
+        );
+        Self {
+            lease_ticks,
+            renew_ticks: lease_ticks / 5,
+        }
+    }
+}
+
+/// A lease datagram.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum LeaseMsg {
+    /// Member to CM: grant me a lease.
+    Request {
+        /// Sender's configuration.
+        config: ConfigId,
+        /// Handshake sequence number.
+        seq: u64,
+    },
+    /// CM to member: granted, and grant me mine.
+    GrantRequest {
+        /// Sender's configuration.
+        config: ConfigId,
+        /// The REQUEST answered.
+        seq: u64,
+    },
+    /// Member to CM: granted.
+    Grant {
+        /// Sender's configuration.
+        config: ConfigId,
+        /// The GRANT-REQUEST answered.
+        seq: u64,
+    },
+}
+
+/// Encoded size of every lease datagram.
+pub const LEASE_MSG_BYTES: usize = 18;
+const LEASE_CODEC_VERSION: u8 = 1;
+
+impl LeaseMsg {
+    /// The fixed-size encoding.
+    pub fn encode(&self) -> [u8; LEASE_MSG_BYTES] {
+        let (kind, config, seq) = match *self {
+            LeaseMsg::Request { config, seq } => (1u8, config, seq),
+            LeaseMsg::GrantRequest { config, seq } => (2, config, seq),
+            LeaseMsg::Grant { config, seq } => (3, config, seq),
+        };
+        let mut out = [0u8; LEASE_MSG_BYTES];
+        out[0] = LEASE_CODEC_VERSION;
+        out[1] = kind;
+        out[2..10].copy_from_slice(&config.0.to_le_bytes());
+        out[10..18].copy_from_slice(&seq.to_le_bytes());
+        out
+    }
+
+    /// Decodes a datagram; `None` for anything that is not a lease message of this version
+    /// (datagrams are unauthenticated input: they are dropped, never trusted).
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != LEASE_MSG_BYTES || bytes[0] != LEASE_CODEC_VERSION {
+            return None;
+        }
+        let config = ConfigId(u64::from_le_bytes(bytes[2..10].try_into().ok()?));
+        let seq = u64::from_le_bytes(bytes[10..18].try_into().ok()?);
+        match bytes[1] {
+            1 => Some(LeaseMsg::Request { config, seq }),
+            2 => Some(LeaseMsg::GrantRequest { config, seq }),
+            3 => Some(LeaseMsg::Grant { config, seq }),
+            _ => None,
+        }
+    }
+
+    fn config(&self) -> ConfigId {
+        match *self {
+            LeaseMsg::Request { config, .. }
+            | LeaseMsg::GrantRequest { config, .. }
+            | LeaseMsg::Grant { config, .. } => config,
+        }
+    }
+}
+
+/// Something the lease protocol noticed.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum LeaseEvent {
+    /// The lease granted to this machine ran out: it is suspected to have failed.
+    Suspect(MachineId),
+}
+
+/// The CM's side of one member.
+#[derive(Clone, Copy, Debug)]
+struct MemberState {
+    /// The member's lease at the CM ends here (CM's clock).
+    member_expires: u64,
+    /// The CM's lease at the member, as the CM conservatively sees it.
+    cm_expires: Option<u64>,
+    /// The last GRANT-REQUEST sent: (seq, sent at).
+    pending: Option<(u64, u64)>,
+    suspected: bool,
+}
+
+/// The CM's leases with every member.
+#[derive(Debug)]
+pub struct CmLeases {
+    config: ConfigId,
+    timing: LeaseConfig,
+    members: BTreeMap<MachineId, MemberState>,
+}
+
+impl CmLeases {
+    /// Leases with `members` (the CM itself excluded) of configuration `config`, starting at
+    /// `now`: every member gets one lease period to make its first request.
+    pub fn new(config: ConfigId, timing: LeaseConfig, members: &[MachineId], now: u64) -> Self {
+        let state = MemberState {
+            member_expires: now + timing.lease_ticks,
+            cm_expires: None,
+            pending: None,
+            suspected: false,
+        };
+        Self {
+            config,
+            timing,
+            members: members.iter().map(|m| (*m, state)).collect(),
+        }
+    }
+
+    /// Handles a datagram from `from`, pushing replies into `out`.
+    pub fn on_datagram(
+        &mut self,
+        from: MachineId,
+        msg: LeaseMsg,
+        now: u64,
+        out: &mut Vec<(MachineId, LeaseMsg)>,
+    ) {
+        if msg.config() != self.config {
+            return;
+        }
+        let Some(m) = self.members.get_mut(&from) else {
+            return;
+        };
+        match msg {
+            LeaseMsg::Request { seq, .. } => {
+                if m.suspected {
+                    return; // Too late: reconfiguration will remove it.
+                }
+                m.member_expires = m.member_expires.max(now + self.timing.lease_ticks);
+                m.pending = Some((seq, now));
+                out.push((
+                    from,
+                    LeaseMsg::GrantRequest {
+                        config: self.config,
+                        seq,
+                    },
+                ));
+            }
+            LeaseMsg::Grant { seq, .. } => {
+                if let Some((p, sent)) = m.pending {
+                    if p == seq {
+                        let until = sent + self.timing.lease_ticks;
+                        m.cm_expires = Some(m.cm_expires.map_or(until, |e| e.max(until)));
+                    }
+                }
+            }
+            LeaseMsg::GrantRequest { .. } => {}
+        }
+    }
+
+    /// Advances time: members whose lease ran out are suspected (once each).
+    pub fn tick(&mut self, now: u64, events: &mut Vec<LeaseEvent>) {
+        for (id, m) in self.members.iter_mut() {
+            if !m.suspected && now > m.member_expires {
+                m.suspected = true;
+                events.push(LeaseEvent::Suspect(*id));
+            }
+        }
+    }
+
+    /// When `member`'s lease at the CM ends (CM's clock).
+    pub fn member_expires(&self, member: MachineId) -> Option<u64> {
+        self.members.get(&member).map(|m| m.member_expires)
+    }
+
+    /// Whether the CM holds a valid lease at `member` at `now`.
+    pub fn holds_lease_at(&self, member: MachineId, now: u64) -> bool {
+        self.members
+            .get(&member)
+            .and_then(|m| m.cm_expires)
+            .is_some_and(|e| now <= e)
+    }
+}
+
+/// Pending REQUESTs a member remembers (the oldest is forgotten first).
+const PENDING_MAX: usize = 8;
+
+/// A member's lease at the CM and the CM's lease at it.
+#[derive(Debug)]
+pub struct MemberLease {
+    config: ConfigId,
+    timing: LeaseConfig,
+    cm: MachineId,
+    next_seq: u64,
+    last_request: Option<u64>,
+    /// REQUESTs in flight: (seq, sent at); fixed capacity.
+    pending: [(u64, u64); PENDING_MAX],
+    /// This member's lease at the CM ends here (member's clock), once granted.
+    lease_expires: Option<u64>,
+    /// The lease this member granted the CM ends here.
+    cm_expires: u64,
+    cm_suspected: bool,
+}
+
+impl MemberLease {
+    /// A member of configuration `config` whose CM is `cm`, starting at `now`: the CM gets one
+    /// lease period to answer before it is suspected.
+    pub fn new(config: ConfigId, timing: LeaseConfig, cm: MachineId, now: u64) -> Self {
+        Self {
+            config,
+            timing,
+            cm,
+            next_seq: 0,
+            last_request: None,
+            pending: [(0, 0); PENDING_MAX],
+            lease_expires: None,
+            cm_expires: now + timing.lease_ticks,
+            cm_suspected: false,
+        }
+    }
+
+    /// Advances time: sends a REQUEST every renewal interval and suspects the CM when the lease
+    /// granted to it ran out.
+    pub fn tick(
+        &mut self,
+        now: u64,
+        out: &mut Vec<(MachineId, LeaseMsg)>,
+        events: &mut Vec<LeaseEvent>,
+    ) {
+        if self
+            .last_request
+            .is_none_or(|t| now >= t + self.timing.renew_ticks)
+        {
+            self.next_seq += 1;
+            let seq = self.next_seq;
+            self.pending[(seq as usize) % PENDING_MAX] = (seq, now);
+            self.last_request = Some(now);
+            out.push((
+                self.cm,
+                LeaseMsg::Request {
+                    config: self.config,
+                    seq,
+                },
+            ));
+        }
+        if !self.cm_suspected && now > self.cm_expires {
+            self.cm_suspected = true;
+            events.push(LeaseEvent::Suspect(self.cm));
+        }
+    }
+
+    /// Handles a datagram from `from`, pushing replies into `out`.
+    pub fn on_datagram(
+        &mut self,
+        from: MachineId,
+        msg: LeaseMsg,
+        now: u64,
+        out: &mut Vec<(MachineId, LeaseMsg)>,
+    ) {
+        if from != self.cm || msg.config() != self.config || self.cm_suspected {
+            return;
+        }
+        if let LeaseMsg::GrantRequest { seq, .. } = msg {
+            let (p, sent) = self.pending[(seq as usize) % PENDING_MAX];
+            if p != seq || seq == 0 {
+                return; // Forgotten or forged: no grant.
+            }
+            let until = sent + self.timing.lease_ticks;
+            self.lease_expires = Some(self.lease_expires.map_or(until, |e| e.max(until)));
+            self.cm_expires = self.cm_expires.max(now + self.timing.lease_ticks);
+            out.push((
+                from,
+                LeaseMsg::Grant {
+                    config: self.config,
+                    seq,
+                },
+            ));
+        }
+    }
+
+    /// Whether this member's lease at the CM is valid at `now`.
+    pub fn lease_valid(&self, now: u64) -> bool {
+        self.lease_expires.is_some_and(|e| now <= e)
+    }
+
+    /// When the lease this member granted the CM ends.
+    pub fn cm_expires(&self) -> u64 {
+        self.cm_expires
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_dropped() {
+        for m in [
+            LeaseMsg::Request {
+                config: ConfigId(3),
+                seq: 9,
+            },
+            LeaseMsg::GrantRequest {
+                config: ConfigId(3),
+                seq: 9,
+            },
+            LeaseMsg::Grant {
+                config: ConfigId(u64::MAX),
+                seq: 0,
+            },
+        ] {
+            assert_eq!(LeaseMsg::decode(&m.encode()), Some(m));
+        }
+        let mut bad = LeaseMsg::Grant {
+            config: ConfigId(1),
+            seq: 1,
+        }
+        .encode();
+        bad[1] = 9;
+        assert_eq!(LeaseMsg::decode(&bad), None);
+        assert_eq!(LeaseMsg::decode(&bad[..5]), None);
+        bad[0] = 2;
+        assert_eq!(LeaseMsg::decode(&bad), None);
+    }
+
+    /// §5.1: the 3-way handshake grants both leases, measured conservatively from send times.
+    #[test]
+    fn three_way_handshake_grants_both_leases() {
+        let t = LeaseConfig::new(100);
+        let (cm, m) = (MachineId(0), MachineId(1));
+        let mut c = CmLeases::new(ConfigId(1), t, &[m], 0);
+        let mut l = MemberLease::new(ConfigId(1), t, cm, 0);
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        l.tick(5, &mut out, &mut ev);
+        let [(to, req)] = out[..] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(to, cm);
+        out.clear();
+        c.on_datagram(m, req, 7, &mut out);
+        let [(to, grant_req)] = out[..] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(to, m);
+        assert_eq!(c.member_expires(m), Some(107));
+        out.clear();
+        l.on_datagram(cm, grant_req, 9, &mut out);
+        assert!(
+            l.lease_valid(105) && !l.lease_valid(106),
+            "member lease runs from its REQUEST"
+        );
+        assert_eq!(l.cm_expires(), 109);
+        let [(_, grant)] = out[..] else {
+            panic!("{out:?}")
+        };
+        c.on_datagram(m, grant, 11, &mut out);
+        assert!(
+            c.holds_lease_at(m, 107) && !c.holds_lease_at(m, 108),
+            "CM lease runs from its GRANT-REQUEST"
+        );
+        assert!(ev.is_empty());
+        // Wrong configuration: ignored.
+        out.clear();
+        c.on_datagram(
+            m,
+            LeaseMsg::Request {
+                config: ConfigId(2),
+                seq: 5,
+            },
+            12,
+            &mut out,
+        );
+        assert!(out.is_empty());
+    }
+}

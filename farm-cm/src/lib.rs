@@ -1,0 +1,15 @@
+//! farm-cm: the configuration manager's protocol cores (FaRM §3, §5.1, §5.2).
+//!
+//! - [`store`]: the coordination-store contract (read; compare-and-set by version) and the
+//!   embedded store; the ZooKeeper store lives in the runtime crate, as protocol crates never
+//!   talk to servers themselves.
+//! - [`codec`]: how a configuration is stored.
+//! - [`lease`]: leases over datagrams with the 3-way handshake, as deterministic state machines.
+#![deny(missing_docs)]
+
+pub mod codec;
+pub mod lease;
+pub mod store;
+
+pub use lease::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, MemberLease};
+pub use store::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
