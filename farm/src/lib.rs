@@ -22,8 +22,10 @@
 mod backoff;
 mod cluster;
 mod txn;
+pub mod zk;
 
 pub use cluster::{BuildError, Cluster, ClusterBuilder, TXN_ATTEMPTS_MAX};
+pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 pub use farm_core::{Addr, MachineId, RegionId};
 pub use farm_txn::{Conflict, Stats, TxError};
 pub use txn::Txn;

@@ -1,0 +1,134 @@
+//! The ZooKeeper coordination store (FaRM §5.2, step 3): the configuration lives in the znode
+//! `<root>/<cluster>/config`, and compare-and-set is `setData` at the znode version read
+//! (`create` for the first configuration). This is where the runtime talks to a server; the
+//! protocol crates only see [`CoordinationStore`].
+//!
+//! The client is async (`zookeeper-client`); a small tokio runtime with one worker thread keeps
+//! its session alive, and the store's blocking methods wait on it with a timeout.
+
+use std::future::Future;
+use std::time::Duration;
+
+use farm_cm::{CasOutcome, CoordinationStore, StoreError, StoreVersion};
+use zookeeper_client as zk;
+
+/// A [`CoordinationStore`] in a ZooKeeper ensemble.
+pub struct ZkStore {
+    runtime: tokio::runtime::Runtime,
+    client: zk::Client,
+    path: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for ZkStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZkStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(what: &str, e: zk::Error) -> StoreError {
+    StoreError::Unavailable(format!("{what}: {e}"))
+}
+
+impl ZkStore {
+    /// Connects to the ensemble at `connect` (`host:port[,host:port...]`) and uses the znode
+    /// `<root>/config` (`root` like `/farm/my-cluster`, created if missing). Every operation,
+    /// connecting included, gives up after `timeout`.
+    pub fn connect(connect: &str, root: &str, timeout: Duration) -> Result<Self, StoreError> {
+        if !root.starts_with('/') || root.ends_with('/') || root.contains("//") {
+            return Err(StoreError::Unavailable(format!(
+                "cluster root {root:?} must be an absolute znode path like /farm/name"
+            )));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("farm-zookeeper")
+            .enable_time()
+            .build()
+            .map_err(|e| {
+                StoreError::Unavailable(format!("starting the ZooKeeper client runtime: {e}"))
+            })?;
+        let session = timeout.max(Duration::from_secs(2));
+        let client = runtime
+            .block_on(async {
+                tokio::time::timeout(
+                    timeout,
+                    zk::Client::connector()
+                        .with_session_timeout(session)
+                        .connect(connect),
+                )
+                .await
+            })
+            .map_err(|_| {
+                StoreError::Unavailable(format!(
+                    "no ZooKeeper answered at {connect} within {} ms",
+                    timeout.as_millis()
+                ))
+            })?
+            .map_err(|e| unavailable(&format!("connecting to ZooKeeper at {connect}"), e))?;
+        let store = Self {
+            runtime,
+            client,
+            path: format!("{root}/config"),
+            timeout,
+        };
+        let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+        let client = store.client.clone();
+        let root = root.to_string();
+        store
+            .wait(async move { client.mkdir(&root, &options).await })?
+            .map_err(|e| unavailable("creating the cluster root", e))?;
+        Ok(store)
+    }
+
+    fn wait<T>(&self, f: impl Future<Output = T>) -> Result<T, StoreError> {
+        let timeout = self.timeout;
+        self.runtime
+            .block_on(async { tokio::time::timeout(timeout, f).await })
+            .map_err(|_| StoreError::Timeout(timeout.as_millis() as u64))
+    }
+
+    /// The znode holding the configuration.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+}
+
+impl CoordinationStore for ZkStore {
+    fn read(&self) -> Result<Option<(StoreVersion, Vec<u8>)>, StoreError> {
+        match self.wait(self.client.get_data(&self.path))? {
+            Ok((data, stat)) => Ok(Some((StoreVersion(stat.version as i64), data))),
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(e) => Err(unavailable("reading the configuration", e)),
+        }
+    }
+
+    fn compare_and_set(
+        &self,
+        expected: Option<StoreVersion>,
+        data: &[u8],
+    ) -> Result<CasOutcome, StoreError> {
+        match expected {
+            None => {
+                let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                match self.wait(self.client.create(&self.path, data, &options))? {
+                    Ok((stat, _)) => Ok(CasOutcome::Written(StoreVersion(stat.version as i64))),
+                    Err(zk::Error::NodeExists) => Ok(CasOutcome::Conflict),
+                    Err(e) => Err(unavailable("creating the configuration", e)),
+                }
+            }
+            Some(v) => {
+                let version = i32::try_from(v.0).map_err(|_| {
+                    StoreError::Unavailable(format!("version {} out of range", v.0))
+                })?;
+                match self.wait(self.client.set_data(&self.path, data, Some(version)))? {
+                    Ok(stat) => Ok(CasOutcome::Written(StoreVersion(stat.version as i64))),
+                    Err(zk::Error::BadVersion | zk::Error::NoNode) => Ok(CasOutcome::Conflict),
+                    Err(e) => Err(unavailable("replacing the configuration", e)),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! One contract suite for every coordination store (FaRM §5.2, step 3): the embedded store and
+//! ZooKeeper. The ZooKeeper half needs a server at `ZK_CONNECT` (`scripts/with-zookeeper.sh`
+//! starts one); under `CI=true` a missing or unreachable server fails the tests, elsewhere they
+//! are skipped with a printed reason.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use farm::zk::ZkStore;
+use farm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
+use farm_cm::codec;
+use farm_core::config::Configuration;
+use farm_core::{ConfigId, MachineId};
+
+/// Opens `n` clients of one fresh store.
+type Factory = dyn Fn(usize) -> Vec<Arc<dyn CoordinationStore>>;
+
+fn embedded() -> Box<Factory> {
+    Box::new(|n| {
+        let store: Arc<dyn CoordinationStore> = Arc::new(EmbeddedStore::new());
+        (0..n).map(|_| store.clone()).collect()
+    })
+}
+
+fn zookeeper(test: &str) -> Option<Box<Factory>> {
+    let Ok(connect) = std::env::var("ZK_CONNECT") else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI=true but ZK_CONNECT is not set: ZooKeeper tests must run in CI (run them under scripts/with-zookeeper.sh)"
+        );
+        eprintln!("skipping the ZooKeeper half of {test}: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
+        return None;
+    };
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let root = format!("/farm-test/{test}-{}-{nanos}", std::process::id());
+    Some(Box::new(move |n| {
+        (0..n)
+            .map(|_| {
+                let s = ZkStore::connect(&connect, &root, Duration::from_secs(10))
+                    .unwrap_or_else(|e| panic!("ZooKeeper at {connect}: {e}"));
+                Arc::new(s) as Arc<dyn CoordinationStore>
+            })
+            .collect()
+    }))
+}
+
+fn stores(test: &str) -> Vec<(&'static str, Box<Factory>)> {
+    let mut v: Vec<(&'static str, Box<Factory>)> = vec![("embedded", embedded())];
+    if let Some(z) = zookeeper(test) {
+        v.push(("zookeeper", z));
+    }
+    v
+}
+
+fn written(o: CasOutcome) -> StoreVersion {
+    match o {
+        CasOutcome::Written(v) => v,
+        CasOutcome::Conflict => panic!("expected a write, got a conflict"),
+    }
+}
+
+#[test]
+fn compare_and_set_follows_the_version_read() {
+    for (name, open) in stores("cas") {
+        let s = open(1).pop().unwrap();
+        assert_eq!(s.read().unwrap(), None, "{name}: a new store is empty");
+        assert_eq!(
+            s.compare_and_set(Some(StoreVersion(0)), b"x").unwrap(),
+            CasOutcome::Conflict,
+            "{name}"
+        );
+        let v0 = written(s.compare_and_set(None, b"first").unwrap());
+        assert_eq!(s.read().unwrap(), Some((v0, b"first".to_vec())), "{name}");
+        assert_eq!(
+            s.compare_and_set(None, b"again").unwrap(),
+            CasOutcome::Conflict,
+            "{name}: create only once"
+        );
+        let v1 = written(s.compare_and_set(Some(v0), b"second").unwrap());
+        assert!(v1 > v0, "{name}: versions grow");
+        assert_eq!(
+            s.compare_and_set(Some(v0), b"stale").unwrap(),
+            CasOutcome::Conflict,
+            "{name}: stale version"
+        );
+        assert_eq!(
+            s.read().unwrap(),
+            Some((v1, b"second".to_vec())),
+            "{name}: a conflict changes nothing"
+        );
+    }
+}
+
+/// Two machines racing to move the system to the next configuration: exactly one wins.
+#[test]
+fn racing_clients_exactly_one_wins() {
+    for (name, open) in stores("race") {
+        for round in 0..5 {
+            let clients = open(4);
+            let base = written(
+                clients[0]
+                    .compare_and_set(clients[0].read().unwrap().map(|(v, _)| v), b"base")
+                    .unwrap(),
+            );
+            let barrier = Arc::new(Barrier::new(clients.len()));
+            let handles: Vec<_> = clients
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let (c, barrier) = (c.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let (v, _) = c.read().unwrap().expect("base written");
+                        assert_eq!(v, base);
+                        barrier.wait();
+                        (
+                            i,
+                            c.compare_and_set(Some(v), format!("winner {i}").as_bytes())
+                                .unwrap(),
+                        )
+                    })
+                })
+                .collect();
+            let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let winners: Vec<usize> = results
+                .iter()
+                .filter(|(_, o)| matches!(o, CasOutcome::Written(_)))
+                .map(|(i, _)| *i)
+                .collect();
+            assert_eq!(winners.len(), 1, "{name} round {round}: {results:?}");
+            let (_, data) = clients[1].read().unwrap().unwrap();
+            assert_eq!(
+                data,
+                format!("winner {}", winners[0]).into_bytes(),
+                "{name}: every client sees the winner"
+            );
+        }
+    }
+}
+
+#[test]
+fn configurations_round_trip_through_every_store() {
+    for (name, open) in stores("config") {
+        let clients = open(2);
+        let mut c = Configuration::initial(4);
+        c.id = ConfigId(7);
+        c.cm = MachineId(2);
+        written(
+            clients[0]
+                .compare_and_set(None, &codec::encode(&c))
+                .unwrap(),
+        );
+        let (_, bytes) = clients[1].read().unwrap().unwrap();
+        assert_eq!(codec::decode(&bytes).unwrap(), c, "{name}");
+    }
+}
+
+#[test]
+fn an_unreachable_zookeeper_is_a_clear_error() {
+    let e = ZkStore::connect("127.0.0.1:1", "/farm/x", Duration::from_millis(500)).unwrap_err();
+    assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+    assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+    let e = ZkStore::connect("127.0.0.1:1", "farm/x", Duration::from_millis(500)).unwrap_err();
+    assert!(e.to_string().contains("absolute znode path"), "{e}");
+}
