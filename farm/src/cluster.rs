@@ -22,6 +22,7 @@ use farm_core::{Addr, MachineId, ThreadId};
 use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
 
 use crate::backoff::Backoff;
+use crate::lease_thread::{LeaseThreads, Suspicion};
 use crate::txn::Txn;
 
 /// Errors building a cluster: bad parameters or NVRAM that cannot be mapped.
@@ -48,6 +49,7 @@ pub struct ClusterBuilder {
     nvram_dir: Option<PathBuf>,
     pin: bool,
     background_pollers: bool,
+    lease: Duration,
 }
 
 impl Default for ClusterBuilder {
@@ -63,6 +65,7 @@ impl Default for ClusterBuilder {
             nvram_dir: None,
             pin: false,
             background_pollers: true,
+            lease: Duration::from_millis(100),
         }
     }
 }
@@ -111,6 +114,12 @@ impl ClusterBuilder {
     /// Pin host threads to cores with `core_affinity` (default off).
     pub fn pin_threads(mut self, pin: bool) -> Self {
         self.pin = pin;
+        self
+    }
+
+    /// Lease length (§5.1; default 100 ms, renewed every fifth).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
         self
     }
 
@@ -169,13 +178,31 @@ impl ClusterBuilder {
                 })
             })
             .collect();
+        if self.lease < Duration::from_millis(1) {
+            return Err(BuildError::Invalid(format!(
+                "lease {:?} is shorter than 1 ms",
+                self.lease
+            )));
+        }
+        let epoch = Instant::now();
+        let suspicions = Arc::new(Mutex::new(Vec::new()));
+        let lease_stop = Arc::new(AtomicBool::new(false));
+        let leases = LeaseThreads::start(
+            &config,
+            self.lease,
+            fabric.clone(),
+            epoch,
+            lease_stop.clone(),
+            suspicions.clone(),
+        );
         let inner = Arc::new(Inner {
             fabric,
             machines,
             hosts,
-            epoch: Instant::now(),
+            epoch,
             stop: AtomicBool::new(false),
             next_host: AtomicUsize::new(0),
+            suspicions,
         });
         let cores = if self.pin {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -207,7 +234,12 @@ impl ClusterBuilder {
             replicas = self.replicas,
             "cluster started"
         );
-        Ok(Cluster { inner, pollers })
+        Ok(Cluster {
+            inner,
+            pollers,
+            leases,
+            lease_stop,
+        })
     }
 }
 
@@ -236,6 +268,7 @@ struct Inner {
     epoch: Instant,
     stop: AtomicBool,
     next_host: AtomicUsize,
+    suspicions: Arc<Mutex<Vec<Suspicion>>>,
 }
 
 impl Inner {
@@ -270,6 +303,8 @@ thread_local! {
 pub struct Cluster {
     inner: Arc<Inner>,
     pollers: Vec<JoinHandle<()>>,
+    leases: LeaseThreads,
+    lease_stop: Arc<AtomicBool>,
 }
 
 /// Lock-free reads of objects up to this size use a stack buffer.
@@ -432,6 +467,29 @@ impl Cluster {
         }
     }
 
+    /// Kills `machine` the way a crash does: its NIC stops (one-sided operations to and from it
+    /// fail, its datagrams are lost) and its lease manager stops; its memory is kept, as NVRAM
+    /// is. Other machines notice through leases (§5.1).
+    pub fn kill(&self, machine: MachineId) {
+        assert!(machine.0 < self.machines(), "no machine {machine}");
+        tracing::warn!(machine = machine.0, "killing machine");
+        self.inner.fabric.kill(machine);
+    }
+
+    /// Microseconds since the cluster started (the clock of [`Suspicion::at_us`]).
+    pub fn now_us(&self) -> u64 {
+        self.inner.now()
+    }
+
+    /// Every lease expiry noticed so far, in order.
+    pub fn suspicions(&self) -> Vec<Suspicion> {
+        self.inner
+            .suspicions
+            .lock()
+            .expect("suspicions poisoned")
+            .clone()
+    }
+
     /// Counters summed over every worker.
     pub fn stats(&self) -> Stats {
         let mut total = Stats::default();
@@ -490,6 +548,8 @@ fn run_once<R>(
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        self.lease_stop.store(true, Ordering::Relaxed);
+        self.leases.join();
         self.inner.stop.store(true, Ordering::Relaxed);
         for p in self.pollers.drain(..) {
             let _ = p.join();

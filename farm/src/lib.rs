@@ -21,6 +21,7 @@
 
 mod backoff;
 mod cluster;
+mod lease_thread;
 mod txn;
 pub mod zk;
 
@@ -28,4 +29,5 @@ pub use cluster::{BuildError, Cluster, ClusterBuilder, TXN_ATTEMPTS_MAX};
 pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 pub use farm_core::{Addr, MachineId, RegionId};
 pub use farm_txn::{Conflict, Stats, TxError};
+pub use lease_thread::Suspicion;
 pub use txn::Txn;

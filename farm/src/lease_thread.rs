@@ -1,0 +1,157 @@
+//! The lease manager thread of one machine (FaRM §5.1): a dedicated OS thread, not pinned, at
+//! raised priority where the OS allows it, that runs the machine's side of the lease protocol
+//! over fabric datagrams and reports suspicions. Its buffers are allocated before it starts;
+//! the loop itself does not allocate (the `mem` fabric copies a datagram into its queue, as a
+//! NIC would into its own memory).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use farm_cm::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, MemberLease};
+use farm_core::config::Configuration;
+use farm_core::fabric::Fabric;
+use farm_core::mem_fabric::MemFabric;
+use farm_core::MachineId;
+
+/// A machine suspected by another one because a lease ran out.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Suspicion {
+    /// Who noticed.
+    pub observer: MachineId,
+    /// Who is suspected.
+    pub suspect: MachineId,
+    /// When, in microseconds since the cluster started.
+    pub at_us: u64,
+}
+
+enum Role {
+    Cm(CmLeases),
+    Member(MemberLease),
+}
+
+/// Suspicions recorded at most (the lease protocol reports each suspect once per machine).
+const SUSPICIONS_MAX: usize = 1024;
+
+#[derive(Debug)]
+pub(crate) struct LeaseThreads {
+    handles: Vec<JoinHandle<()>>,
+}
+
+impl LeaseThreads {
+    /// Starts one lease thread per member of `config`, with leases of `lease` (ticks are µs).
+    pub(crate) fn start(
+        config: &Configuration,
+        lease: Duration,
+        fabric: Arc<MemFabric>,
+        epoch: Instant,
+        stop: Arc<AtomicBool>,
+        suspicions: Arc<Mutex<Vec<Suspicion>>>,
+    ) -> Self {
+        let timing = LeaseConfig::new(lease.as_micros() as u64);
+        let handles = config
+            .members
+            .iter()
+            .map(|&me| {
+                let now = epoch.elapsed().as_micros() as u64;
+                let role = if me == config.cm {
+                    let others: Vec<MachineId> = config
+                        .members
+                        .iter()
+                        .copied()
+                        .filter(|m| *m != me)
+                        .collect();
+                    Role::Cm(CmLeases::new(config.id, timing, &others, now))
+                } else {
+                    Role::Member(MemberLease::new(config.id, timing, config.cm, now))
+                };
+                let (fabric, stop, suspicions) = (fabric.clone(), stop.clone(), suspicions.clone());
+                // Wake often enough to renew on time and to notice expiry promptly.
+                let sleep = Duration::from_micros((timing.renew_ticks / 4).max(50));
+                std::thread::Builder::new()
+                    .name(format!("farm-lease-m{}", me.0))
+                    .spawn(move || run(me, role, &fabric, epoch, &stop, &suspicions, sleep))
+                    .expect("spawn lease thread")
+            })
+            .collect();
+        Self { handles }
+    }
+
+    pub(crate) fn join(&mut self) {
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn raise_priority() {
+    static WARN: Once = Once::new();
+    // SAFETY: setpriority only reads its integer arguments; `0` names the calling thread on
+    // Linux (thread ids are process ids for PRIO_PROCESS).
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, -10) };
+    if rc != 0 {
+        WARN.call_once(|| {
+            tracing::warn!(
+                error = %std::io::Error::last_os_error(),
+                "cannot raise the lease threads' priority; leases run at normal priority"
+            )
+        });
+    }
+}
+
+fn run(
+    me: MachineId,
+    mut role: Role,
+    fabric: &MemFabric,
+    epoch: Instant,
+    stop: &AtomicBool,
+    suspicions: &Mutex<Vec<Suspicion>>,
+    sleep: Duration,
+) {
+    raise_priority();
+    let mut out: Vec<(MachineId, LeaseMsg)> = Vec::with_capacity(256);
+    let mut events: Vec<LeaseEvent> = Vec::with_capacity(256);
+    let mut buf: Vec<u8> = Vec::with_capacity(64);
+    while !stop.load(Ordering::Relaxed) {
+        // A killed machine's lease manager dies with it.
+        if fabric.is_alive(me) {
+            let now = epoch.elapsed().as_micros() as u64;
+            while let Some(from) = fabric.recv_datagram(me, now, &mut buf) {
+                let Some(msg) = LeaseMsg::decode(&buf) else {
+                    continue;
+                };
+                match &mut role {
+                    Role::Cm(c) => c.on_datagram(from, msg, now, &mut out),
+                    Role::Member(m) => m.on_datagram(from, msg, now, &mut out),
+                }
+            }
+            match &mut role {
+                Role::Cm(c) => c.tick(now, &mut events),
+                Role::Member(m) => m.tick(now, &mut out, &mut events),
+            }
+            for (to, msg) in out.drain(..) {
+                fabric.send_datagram(me, to, &msg.encode(), now);
+            }
+            if !events.is_empty() {
+                let mut s = suspicions.lock().expect("suspicions poisoned");
+                for LeaseEvent::Suspect(suspect) in events.drain(..) {
+                    tracing::warn!(
+                        observer = me.0,
+                        suspect = suspect.0,
+                        at_us = now,
+                        "lease expired: suspect"
+                    );
+                    if s.len() < SUSPICIONS_MAX {
+                        s.push(Suspicion {
+                            observer: me,
+                            suspect,
+                            at_us: now,
+                        });
+                    }
+                }
+            }
+        }
+        std::thread::sleep(sleep);
+    }
+}
