@@ -5,10 +5,12 @@
 //!   talk to servers themselves.
 //! - [`codec`]: how a configuration is stored.
 //! - [`lease`]: leases over datagrams with the 3-way handshake, as deterministic state machines.
+//! - [`remap`]: region remapping at reconfiguration (promotion, re-replication, change history).
 #![deny(missing_docs)]
 
 pub mod codec;
 pub mod lease;
+pub mod remap;
 pub mod store;
 
 pub use lease::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, MemberLease};
