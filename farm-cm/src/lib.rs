@@ -5,11 +5,13 @@
 //!   talk to servers themselves.
 //! - [`codec`]: how a configuration is stored.
 //! - [`lease`]: leases over datagrams with the 3-way handshake, as deterministic state machines.
+//! - [`reconfig`]: reconfiguration steps 2-7 as a state machine, and backup CMs.
 //! - [`remap`]: region remapping at reconfiguration (promotion, re-replication, change history).
 #![deny(missing_docs)]
 
 pub mod codec;
 pub mod lease;
+pub mod reconfig;
 pub mod remap;
 pub mod store;
 

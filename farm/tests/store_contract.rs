@@ -165,3 +165,92 @@ fn an_unreachable_zookeeper_is_a_clear_error() {
     let e = ZkStore::connect("127.0.0.1:1", "farm/x", Duration::from_millis(500)).unwrap_err();
     assert!(e.to_string().contains("absolute znode path"), "{e}");
 }
+
+/// §5.2 step 3 for real: two machines reconfiguring the same configuration (machine 3
+/// suspected) race their compare-and-sets from separate clients; exactly one moves the system
+/// to the next configuration and the other learns it lost.
+#[test]
+fn racing_reconfigurations_have_exactly_one_winner_in_every_store() {
+    use farm_cm::reconfig::{Effect, Reconfig, ReconfigError, ReconfigParams};
+    use farm_core::config::RegionMap;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    let params = ReconfigParams {
+        replicas: 3,
+        regions_max: 16,
+        probe_timeout_ticks: 10,
+    };
+    for (name, open) in stores("reconfig-race") {
+        for round in 0..3 {
+            let clients = open(2);
+            let old = Configuration::initial(4);
+            let v = match clients[0].read().unwrap() {
+                None => written(
+                    clients[0]
+                        .compare_and_set(None, &codec::encode(&old))
+                        .unwrap(),
+                ),
+                Some((v, _)) => written(
+                    clients[0]
+                        .compare_and_set(Some(v), &codec::encode(&old))
+                        .unwrap(),
+                ),
+            };
+            let barrier = Arc::new(Barrier::new(2));
+            let handles: Vec<_> = [MachineId(0), MachineId(1)]
+                .into_iter()
+                .zip(clients)
+                .map(|(me, client)| {
+                    let (old, barrier) = (old.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let map = RegionMap::striped(4, 1, 2);
+                        let suspects = BTreeSet::from([MachineId(3)]);
+                        let mut r = Reconfig::start(
+                            me,
+                            old,
+                            v,
+                            map,
+                            BTreeMap::new(),
+                            suspects,
+                            params,
+                            0,
+                            0,
+                        );
+                        for e in r.take_effects() {
+                            if let Effect::Probe(m) = e {
+                                r.on_probe(m, true);
+                            }
+                        }
+                        let Effect::CompareAndSet { expected, data } = r.take_effects().remove(0)
+                        else {
+                            panic!("expected a compare-and-set")
+                        };
+                        barrier.wait();
+                        r.on_store(client.compare_and_set(Some(expected), &data));
+                        (me, r.outcome().cloned(), r.take_effects())
+                    })
+                })
+                .collect();
+            let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let winners: Vec<_> = results.iter().filter(|(_, o, _)| o.is_none()).collect();
+            let losers: Vec<_> = results
+                .iter()
+                .filter(|(_, o, _)| matches!(o, Some(Err(ReconfigError::LostRace(ConfigId(2))))))
+                .collect();
+            assert_eq!(
+                (winners.len(), losers.len()),
+                (1, 1),
+                "{name} round {round}: {results:?}"
+            );
+            let sends = winners[0]
+                .2
+                .iter()
+                .filter(|e| matches!(e, Effect::SendNewConfig(..)))
+                .count();
+            assert_eq!(
+                sends, 3,
+                "{name}: the winner sends NEW-CONFIG to the 3 survivors"
+            );
+        }
+    }
+}

@@ -1,0 +1,598 @@
+//! Reconfiguration (FaRM §5.2, steps 2 to 7) as a deterministic state machine at the machine
+//! that drives it: the CM, or a backup CM when the CM is suspected.
+//!
+//! 1. *Suspect* (the caller, on lease expiry) starts a [`Reconfig`] with the suspects.
+//! 2. *Probe*: one-sided reads of every other member; a failed probe adds a suspect; go on only
+//!    with answers from a majority of the configuration, so a minority partition cannot
+//!    reconfigure.
+//! 3. *Update configuration*: compare-and-set `<c+1, S', F', CM'>` in the coordination store at
+//!    the version of `c`; losing the race ends this attempt.
+//! 4. *Remap regions* ([`crate::remap`]).
+//! 5. *Send NEW-CONFIG* to every member of `S'`.
+//! 6. *Collect NEW-CONFIG-ACK* from all of them.
+//! 7. *Commit*: once every removed machine's lease has surely expired, NEW-CONFIG-COMMIT.
+//!
+//! The machine does no I/O: it emits [`Effect`]s and is told their results (`on_probe`,
+//! `on_store`, `on_ack`) and the time (`tick`).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use farm_core::config::{Configuration, RegionMap};
+use farm_core::{ConfigId, MachineId, RegionId};
+
+use crate::codec;
+use crate::remap::{remap, RegionChanges, RemapError};
+use crate::store::{CasOutcome, StoreError, StoreVersion};
+
+/// What NEW-CONFIG carries (§5.2 step 5).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct NewConfig {
+    /// The new configuration.
+    pub config: Configuration,
+    /// The remapped regions.
+    pub map: RegionMap,
+    /// LastPrimaryChange and LastReplicaChange per region.
+    pub changes: BTreeMap<RegionId, RegionChanges>,
+}
+
+/// Something the driver must do for the state machine.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Effect {
+    /// A one-sided read of `MachineId`; report with [`Reconfig::on_probe`].
+    Probe(MachineId),
+    /// Compare-and-set in the coordination store; report with [`Reconfig::on_store`].
+    CompareAndSet {
+        /// Version of the configuration being replaced.
+        expected: StoreVersion,
+        /// The encoded new configuration.
+        data: Vec<u8>,
+    },
+    /// Send NEW-CONFIG.
+    SendNewConfig(MachineId, NewConfig),
+    /// Send NEW-CONFIG-COMMIT for the configuration.
+    SendCommit(MachineId, ConfigId),
+}
+
+/// Why a reconfiguration attempt ended without a new configuration.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum ReconfigError {
+    /// Fewer than a majority of the configuration answered the probes.
+    #[error("only {answered} of {members} machines answered the probes; a majority is needed")]
+    NoMajority {
+        /// Machines that answered (this one included).
+        answered: usize,
+        /// Members of the old configuration.
+        members: usize,
+    },
+    /// Another machine changed the configuration first.
+    #[error("lost the race for configuration {}: another machine changed it first", .0.0)]
+    LostRace(ConfigId),
+    /// A region lost every replica.
+    #[error(transparent)]
+    Remap(#[from] RemapError),
+    /// The store failed; the outcome of the compare-and-set is unknown (read it again).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Parameters of reconfiguration.
+#[derive(Clone, Copy, Debug)]
+pub struct ReconfigParams {
+    /// Replicas per region (`f + 1`).
+    pub replicas: usize,
+    /// Most region replicas one machine may hold.
+    pub regions_max: usize,
+    /// Ticks to wait for probe answers; unanswered probes count as failures.
+    pub probe_timeout_ticks: u64,
+}
+
+#[derive(Clone, Debug)]
+enum Phase {
+    Probing {
+        awaiting: BTreeSet<MachineId>,
+        answered: BTreeSet<MachineId>,
+        deadline: u64,
+    },
+    Storing(NewConfig),
+    Acking {
+        new: NewConfig,
+        awaiting: BTreeSet<MachineId>,
+    },
+    Done(Result<NewConfig, ReconfigError>),
+}
+
+/// One reconfiguration attempt. See the module docs.
+#[derive(Debug)]
+pub struct Reconfig {
+    me: MachineId,
+    old: Configuration,
+    old_version: StoreVersion,
+    map: RegionMap,
+    changes: BTreeMap<RegionId, RegionChanges>,
+    suspects: BTreeSet<MachineId>,
+    params: ReconfigParams,
+    /// No removed machine holds a lease after this tick.
+    leases_end: u64,
+    phase: Phase,
+    effects: Vec<Effect>,
+}
+
+impl Reconfig {
+    /// Starts reconfiguring `old` (stored at `old_version`) without `suspects`, driven by `me`.
+    /// `leases_end` is when every lease a suspect could hold has expired (step 7).
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        me: MachineId,
+        old: Configuration,
+        old_version: StoreVersion,
+        map: RegionMap,
+        changes: BTreeMap<RegionId, RegionChanges>,
+        suspects: BTreeSet<MachineId>,
+        params: ReconfigParams,
+        leases_end: u64,
+        now: u64,
+    ) -> Self {
+        assert!(
+            old.contains(me),
+            "{me} drives reconfiguration of a configuration it is not in"
+        );
+        assert!(!suspects.contains(&me), "{me} suspects itself");
+        let awaiting: BTreeSet<MachineId> = old
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != me && !suspects.contains(m))
+            .collect();
+        let effects = awaiting.iter().map(|m| Effect::Probe(*m)).collect();
+        let mut r = Self {
+            me,
+            old,
+            old_version,
+            map,
+            changes,
+            suspects,
+            params,
+            leases_end,
+            phase: Phase::Probing {
+                awaiting,
+                answered: BTreeSet::from([me]),
+                deadline: now + params.probe_timeout_ticks,
+            },
+            effects,
+        };
+        r.after_probe();
+        r
+    }
+
+    /// Effects to carry out, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// The outcome, once there is one.
+    pub fn outcome(&self) -> Option<&Result<NewConfig, ReconfigError>> {
+        match &self.phase {
+            Phase::Done(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The result of probing `m`.
+    pub fn on_probe(&mut self, m: MachineId, ok: bool) {
+        if let Phase::Probing {
+            awaiting, answered, ..
+        } = &mut self.phase
+        {
+            if awaiting.remove(&m) {
+                if ok {
+                    answered.insert(m);
+                } else {
+                    self.suspects.insert(m);
+                }
+            }
+        }
+        self.after_probe();
+    }
+
+    /// Advances time: unanswered probes time out; the commit waits for old leases to expire.
+    pub fn tick(&mut self, now: u64) {
+        if let Phase::Probing {
+            awaiting, deadline, ..
+        } = &mut self.phase
+        {
+            if now >= *deadline {
+                self.suspects.extend(std::mem::take(awaiting));
+            }
+        }
+        self.after_probe();
+        self.try_commit(now);
+    }
+
+    fn after_probe(&mut self) {
+        let Phase::Probing {
+            awaiting, answered, ..
+        } = &self.phase
+        else {
+            return;
+        };
+        if !awaiting.is_empty() {
+            return;
+        }
+        let members = self.old.members.len();
+        if answered.len() * 2 <= members {
+            self.phase = Phase::Done(Err(ReconfigError::NoMajority {
+                answered: answered.len(),
+                members,
+            }));
+            return;
+        }
+        let survivors: Vec<MachineId> = answered.iter().copied().collect();
+        let config = Configuration {
+            id: ConfigId(self.old.id.0 + 1),
+            failure_domains: self
+                .old
+                .failure_domains
+                .iter()
+                .filter(|(m, _)| survivors.contains(m))
+                .map(|(m, d)| (*m, *d))
+                .collect(),
+            members: survivors,
+            // The old CM stays CM if it survived; otherwise the machine driving this becomes CM.
+            cm: if answered.contains(&self.old.cm) {
+                self.old.cm
+            } else {
+                self.me
+            },
+        };
+        match remap(
+            &self.map,
+            &self.changes,
+            &config,
+            self.params.replicas,
+            self.params.regions_max,
+        ) {
+            Err(e) => self.phase = Phase::Done(Err(e.into())),
+            Ok(r) => {
+                self.effects.push(Effect::CompareAndSet {
+                    expected: self.old_version,
+                    data: codec::encode(&config),
+                });
+                self.phase = Phase::Storing(NewConfig {
+                    config,
+                    map: r.map,
+                    changes: r.changes,
+                });
+            }
+        }
+    }
+
+    /// The result of the compare-and-set.
+    pub fn on_store(&mut self, result: Result<CasOutcome, StoreError>) {
+        let Phase::Storing(new) = &self.phase else {
+            return;
+        };
+        let new = new.clone();
+        self.phase = match result {
+            Ok(CasOutcome::Written(_)) => {
+                let awaiting: BTreeSet<MachineId> = new.config.members.iter().copied().collect();
+                self.effects.extend(
+                    awaiting
+                        .iter()
+                        .map(|m| Effect::SendNewConfig(*m, new.clone())),
+                );
+                Phase::Acking { new, awaiting }
+            }
+            Ok(CasOutcome::Conflict) => Phase::Done(Err(ReconfigError::LostRace(new.config.id))),
+            Err(e) => Phase::Done(Err(e.into())),
+        };
+    }
+
+    /// NEW-CONFIG-ACK from `from` for configuration `config`.
+    pub fn on_ack(&mut self, from: MachineId, config: ConfigId, now: u64) {
+        if let Phase::Acking { new, awaiting } = &mut self.phase {
+            if config == new.config.id {
+                awaiting.remove(&from);
+            }
+        }
+        self.try_commit(now);
+    }
+
+    fn try_commit(&mut self, now: u64) {
+        let Phase::Acking { new, awaiting } = &self.phase else {
+            return;
+        };
+        // Step 7: a removed machine may still act until its lease runs out; wait for that.
+        if !awaiting.is_empty() || now <= self.leases_end {
+            return;
+        }
+        let new = new.clone();
+        self.effects.extend(
+            new.config
+                .members
+                .iter()
+                .map(|m| Effect::SendCommit(*m, new.config.id)),
+        );
+        self.phase = Phase::Done(Ok(new));
+    }
+
+    /// The machines this attempt removes (suspects and failed probes).
+    pub fn suspects(&self) -> &BTreeSet<MachineId> {
+        &self.suspects
+    }
+}
+
+/// The `k` backup CMs of `config`: the CM's successors on a consistent-hashing ring of the
+/// members (§5.2). They take over reconfiguration when the CM is suspected.
+pub fn backup_cms(config: &Configuration, k: usize) -> Vec<MachineId> {
+    let point = |m: MachineId| farm_core::rng::Rng::new(0xc0de ^ m.0 as u64).next_u64();
+    let mut ring: Vec<(u64, MachineId)> = config.members.iter().map(|m| (point(*m), *m)).collect();
+    ring.sort();
+    let at = ring
+        .iter()
+        .position(|(_, m)| *m == config.cm)
+        .expect("the CM is a member");
+    (1..ring.len())
+        .map(|i| ring[(at + i) % ring.len()].1)
+        .take(k)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{CoordinationStore, EmbeddedStore};
+
+    const PARAMS: ReconfigParams = ReconfigParams {
+        replicas: 3,
+        regions_max: 16,
+        probe_timeout_ticks: 10,
+    };
+
+    fn setup(n: u16) -> (Configuration, RegionMap, EmbeddedStore, StoreVersion) {
+        let config = Configuration::initial(n);
+        let store = EmbeddedStore::new();
+        let CasOutcome::Written(v) = store
+            .compare_and_set(None, &codec::encode(&config))
+            .unwrap()
+        else {
+            unreachable!()
+        };
+        (config, RegionMap::striped(n, 1, 2), store, v)
+    }
+
+    /// Carries out effects against `store`; probes answer `ok` unless the target is in `dead`.
+    fn drive(r: &mut Reconfig, store: &EmbeddedStore, dead: &[u16], now: u64) -> Vec<Effect> {
+        let mut sent = Vec::new();
+        for _ in 0..10 {
+            let effects = r.take_effects();
+            if effects.is_empty() {
+                break;
+            }
+            for e in effects {
+                match &e {
+                    Effect::Probe(m) => r.on_probe(*m, !dead.contains(&m.0)),
+                    Effect::CompareAndSet { expected, data } => {
+                        r.on_store(store.compare_and_set(Some(*expected), data))
+                    }
+                    Effect::SendNewConfig(m, n) => r.on_ack(*m, n.config.id, now),
+                    Effect::SendCommit(..) => {}
+                }
+                sent.push(e);
+            }
+        }
+        sent
+    }
+
+    /// §5.2: a suspected machine is removed, its regions remapped, the new configuration stored,
+    /// acknowledged by every member, and committed only after the removed machine's lease.
+    #[test]
+    fn removes_a_suspect_and_commits_after_its_lease() {
+        let (config, map, store, v) = setup(4);
+        let mut r = Reconfig::start(
+            MachineId(0),
+            config,
+            v,
+            map,
+            BTreeMap::new(),
+            BTreeSet::from([MachineId(3)]),
+            PARAMS,
+            100,
+            0,
+        );
+        let sent = drive(&mut r, &store, &[3], 50);
+        assert!(
+            r.outcome().is_none(),
+            "must not commit before the removed machine's lease ends"
+        );
+        assert!(!sent.iter().any(|e| matches!(e, Effect::SendCommit(..))));
+        let new_configs = sent
+            .iter()
+            .filter(|e| matches!(e, Effect::SendNewConfig(..)))
+            .count();
+        assert_eq!(new_configs, 3);
+        r.tick(101);
+        let commits: Vec<_> = r.take_effects();
+        assert_eq!(commits.len(), 3);
+        let new = r.outcome().unwrap().as_ref().unwrap();
+        assert_eq!(new.config.id, ConfigId(2));
+        assert_eq!(
+            new.config.members,
+            vec![MachineId(0), MachineId(1), MachineId(2)]
+        );
+        assert_eq!(new.config.cm, MachineId(0));
+        assert!(new.map.iter().all(|(_, p)| !p.holds(MachineId(3))));
+        let (_, stored) = store.read().unwrap().unwrap();
+        assert_eq!(codec::decode(&stored).unwrap(), new.config);
+    }
+
+    #[test]
+    fn a_failed_probe_removes_that_machine_too() {
+        let (config, map, store, v) = setup(5);
+        let mut r = Reconfig::start(
+            MachineId(1),
+            config,
+            v,
+            map,
+            BTreeMap::new(),
+            BTreeSet::from([MachineId(4)]),
+            PARAMS,
+            0,
+            0,
+        );
+        drive(&mut r, &store, &[3, 4], 10);
+        r.tick(11);
+        let new = r.outcome().unwrap().as_ref().unwrap();
+        assert_eq!(
+            new.config.members,
+            vec![MachineId(0), MachineId(1), MachineId(2)]
+        );
+    }
+
+    /// A minority partition cannot reconfigure: it never reaches the store.
+    #[test]
+    fn a_minority_cannot_reconfigure() {
+        let (config, map, store, v) = setup(5);
+        let mut r = Reconfig::start(
+            MachineId(0),
+            config,
+            v,
+            map,
+            BTreeMap::new(),
+            BTreeSet::from([MachineId(4)]),
+            PARAMS,
+            0,
+            0,
+        );
+        // Machines 2 and 3 do not answer: a probe timeout.
+        let effects = r.take_effects();
+        for e in effects {
+            if e == Effect::Probe(MachineId(1)) {
+                r.on_probe(MachineId(1), true);
+            }
+        }
+        assert!(r.outcome().is_none());
+        r.tick(10);
+        assert_eq!(
+            r.outcome(),
+            Some(&Err(ReconfigError::NoMajority {
+                answered: 2,
+                members: 5
+            }))
+        );
+        assert!(r.take_effects().is_empty(), "nothing stored");
+        assert_eq!(store.read().unwrap().unwrap().0, v);
+    }
+
+    /// Two machines racing to change the configuration: exactly one wins the compare-and-set.
+    #[test]
+    fn racing_reconfigurations_have_one_winner() {
+        let (config, map, store, v) = setup(4);
+        let suspects = BTreeSet::from([MachineId(3)]);
+        let mut a = Reconfig::start(
+            MachineId(0),
+            config.clone(),
+            v,
+            map.clone(),
+            BTreeMap::new(),
+            suspects.clone(),
+            PARAMS,
+            0,
+            0,
+        );
+        let mut b = Reconfig::start(
+            MachineId(1),
+            config,
+            v,
+            map,
+            BTreeMap::new(),
+            suspects,
+            PARAMS,
+            0,
+            0,
+        );
+        for r in [&mut a, &mut b] {
+            for e in r.take_effects() {
+                if let Effect::Probe(m) = e {
+                    r.on_probe(m, m != MachineId(3));
+                }
+            }
+        }
+        let (ea, eb) = (a.take_effects(), b.take_effects());
+        let store_of = |es: &[Effect]| match &es[0] {
+            Effect::CompareAndSet { expected, data } => (*expected, data.clone()),
+            e => panic!("{e:?}"),
+        };
+        let (va, da) = store_of(&ea);
+        let (vb, db) = store_of(&eb);
+        a.on_store(store.compare_and_set(Some(va), &da));
+        b.on_store(store.compare_and_set(Some(vb), &db));
+        assert!(matches!(a.take_effects()[0], Effect::SendNewConfig(..)));
+        assert_eq!(
+            b.outcome(),
+            Some(&Err(ReconfigError::LostRace(ConfigId(2))))
+        );
+    }
+
+    /// A backup CM that reconfigures after the CM died becomes the CM.
+    #[test]
+    fn a_backup_cm_replaces_a_dead_cm() {
+        let (config, map, store, v) = setup(4);
+        let backup = backup_cms(&config, 2)[0];
+        let mut r = Reconfig::start(
+            backup,
+            config,
+            v,
+            map,
+            BTreeMap::new(),
+            BTreeSet::from([MachineId(0)]),
+            PARAMS,
+            0,
+            0,
+        );
+        drive(&mut r, &store, &[0], 5);
+        r.tick(6);
+        let new = r.outcome().unwrap().as_ref().unwrap();
+        assert_eq!(new.config.cm, backup);
+        assert!(!new.config.contains(MachineId(0)));
+    }
+
+    #[test]
+    fn losing_every_replica_of_a_region_ends_the_attempt_with_an_error() {
+        let config = Configuration::initial(5);
+        let map = RegionMap::striped(5, 1, 1); // region 1 on machines 1 and 2
+        let mut r = Reconfig::start(
+            MachineId(0),
+            config,
+            StoreVersion(0),
+            map,
+            BTreeMap::new(),
+            BTreeSet::from([MachineId(1), MachineId(2)]),
+            PARAMS,
+            0,
+            0,
+        );
+        r.on_probe(MachineId(3), true);
+        r.on_probe(MachineId(4), true);
+        assert_eq!(
+            r.outcome(),
+            Some(&Err(ReconfigError::Remap(RemapError::RegionsLost(vec![
+                RegionId(1)
+            ]))))
+        );
+    }
+
+    #[test]
+    fn backup_cms_are_distinct_successors_excluding_the_cm() {
+        let mut c = Configuration::initial(8);
+        for cm in 0..8 {
+            c.cm = MachineId(cm);
+            let b = backup_cms(&c, 3);
+            assert_eq!(b.len(), 3);
+            assert!(!b.contains(&c.cm));
+            let distinct: BTreeSet<_> = b.iter().collect();
+            assert_eq!(distinct.len(), 3);
+            assert_eq!(b, backup_cms(&c, 3), "deterministic");
+        }
+        assert_eq!(backup_cms(&Configuration::initial(2), 5).len(), 1);
+    }
+}
