@@ -71,5 +71,7 @@ if [ "$(ruok || true)" != imok ]; then
   exit 1
 fi
 export ZK_CONNECT="127.0.0.1:$port"
+# For tests that start servers of their own (the 3-server ensemble test).
+export ZK_CLASSPATH="$classpath"
 echo "== ZooKeeper $ZK_CONNECT (pid $zk_pid)" >&2
 "$@"
