@@ -19,15 +19,18 @@ pub struct ReplicaReport {
 
 /// Compares every region's backups with its primary. Errors name the first difference.
 pub fn check_replicas(machines: &[Arc<MachineState>]) -> Result<ReplicaReport, String> {
+    let views: Vec<_> = machines.iter().map(|m| (m.id, m.view())).collect();
     let by_id = |m: farm_core::MachineId| {
-        machines
+        &views
             .iter()
-            .find(|s| s.id == m)
+            .find(|(id, _)| *id == m)
             .unwrap_or_else(|| panic!("no machine {m}"))
+            .1
     };
     let any = machines.first().ok_or("no machines")?;
     let mut report = ReplicaReport::default();
-    for (region, placement) in any.region_map.iter() {
+    let view = any.view();
+    for (region, placement) in view.map.iter() {
         let primary = by_id(placement.primary)
             .region(region)
             .ok_or("primary lacks region")?

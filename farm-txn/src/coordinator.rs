@@ -129,6 +129,7 @@ impl<'w> Tx<'w> {
     /// Starts executing a transaction coordinated by `worker`. Without a poller, locality hints
     /// naming a region whose primary is another machine fall back to a local region.
     pub fn new(worker: &'w mut Worker) -> Self {
+        worker.refresh_view();
         Self {
             worker,
             state: TxState::default(),
@@ -139,6 +140,7 @@ impl<'w> Tx<'w> {
     /// Like [`Tx::new`], with a poller that serves the other workers of this thread while the
     /// transaction waits for an allocation at a remote primary.
     pub fn with_poller(worker: &'w mut Worker, poller: Poller<'w>) -> Self {
+        worker.refresh_view();
         Self {
             worker,
             state: TxState::default(),
@@ -205,10 +207,11 @@ impl<'w> Tx<'w> {
     pub fn alloc(&mut self, len: usize, near: Option<Addr>) -> Result<Addr, TxError> {
         let remote = near.filter(|n| {
             self.poller.is_some()
+                && !self.worker.view.is_blocked(n.region)
                 && self
                     .worker
-                    .machine
-                    .region_map
+                    .view
+                    .map
                     .get(n.region)
                     .is_some_and(|p| p.primary != self.worker.machine.id)
         });
@@ -247,11 +250,7 @@ impl<'w> Tx<'w> {
         near: Option<Addr>,
     ) -> Result<(Addr, u32, Header), TxError> {
         let (addr, slot) = self.worker.alloc_slot(len, near)?;
-        let mem = self
-            .worker
-            .machine
-            .region(addr.region)
-            .expect("local primary");
+        let mem = self.worker.view.region(addr.region).expect("local primary");
         let header = object::read_header(&**mem, addr.offset as u64).expect("local read");
         Ok((addr, slot, header))
     }
@@ -264,13 +263,7 @@ impl<'w> Tx<'w> {
         len: usize,
     ) -> Result<Option<(Addr, u32, Header)>, TxError> {
         class_for(len)?;
-        let primary = self
-            .worker
-            .machine
-            .region_map
-            .get(region)
-            .expect("checked")
-            .primary;
+        let primary = self.worker.view.map.get(region).expect("checked").primary;
         self.worker.coord.next_request += 1;
         let request = self.worker.coord.next_request;
         self.worker.send_message(
@@ -372,14 +365,13 @@ impl Worker {
     /// [`Worker::read_object`] into `buf` (header then payload), without allocating: the path of
     /// lock-free reads.
     pub fn read_object_into(&mut self, addr: Addr, buf: &mut [u8]) -> Result<Header, TxError> {
-        let placement = self
-            .machine
-            .region_map
-            .get(addr.region)
-            .ok_or(TxError::BadAddress {
-                addr,
-                why: "no such region",
-            })?;
+        let placement = self.view.map.get(addr.region).ok_or(TxError::BadAddress {
+            addr,
+            why: "no such region",
+        })?;
+        if self.view.is_blocked(addr.region) {
+            return Err(TxError::RegionBlocked(addr.region));
+        }
         let end = addr.offset as usize + buf.len();
         if !addr.offset.is_multiple_of(8) || end > self.machine.params.region_bytes {
             return Err(TxError::BadAddress {
@@ -394,7 +386,7 @@ impl Worker {
         for _ in 0..TORN_RETRIES_MAX {
             let outcome = if local {
                 let mem = self
-                    .machine
+                    .view
                     .region(addr.region)
                     .expect("primary holds its region");
                 object::read_object(&**mem, addr.offset as u64, buf)
@@ -433,9 +425,10 @@ impl Worker {
                 .copied()
                 .filter(|r| Some(*r) != near.map(|n| n.region)),
         );
+        candidates.retain(|r| !self.view.is_blocked(*r));
         let mut last_err = None;
         for region in candidates {
-            let pool = self.machine.pool(region).expect("primary has a pool");
+            let pool = self.view.pool(region).expect("primary has a pool");
             match self
                 .slabs
                 .get_mut(&region)
@@ -470,17 +463,11 @@ impl Worker {
             return Ok(tickets);
         };
         let at = block_header_offset(block);
-        self.machine
+        self.view
             .region(region)
             .expect("primary")
             .store_u64(at, word, Ordering::Release);
-        let backups = self
-            .machine
-            .region_map
-            .get(region)
-            .expect("exists")
-            .backups
-            .clone();
+        let backups = self.view.map.get(region).expect("exists").backups.clone();
         for b in backups {
             let t = self.machine.fabric.write(
                 self.endpoint(),
@@ -510,8 +497,8 @@ impl Worker {
                 Some(slabs) => slabs.free(addr.offset, slot),
                 None => {
                     let primary = self
-                        .machine
-                        .region_map
+                        .view
+                        .map
                         .get(addr.region)
                         .expect("allocated there")
                         .primary;
@@ -546,11 +533,7 @@ impl Worker {
         let mut backups: BTreeMap<MachineId, WriteSet> = BTreeMap::new();
         for (addr, e) in state.objects.iter().filter(|(_, e)| e.written) {
             regions.insert(addr.region);
-            let placement = self
-                .machine
-                .region_map
-                .get(addr.region)
-                .expect("read before");
+            let placement = self.view.map.get(addr.region).expect("read before");
             let entry = WriteEntry {
                 addr: *addr,
                 read: e.read,
@@ -600,6 +583,10 @@ impl Worker {
     }
 
     fn advance(&mut self, c: &mut Commit, now: u64) -> Option<Result<(), TxError>> {
+        self.refresh_view();
+        if let Some(outcome) = self.check_view(c) {
+            return Some(outcome);
+        }
         loop {
             match &mut c.phase {
                 Phase::Reserve => {
@@ -767,17 +754,70 @@ impl Worker {
         }
     }
 
+    /// Ends a commit that a new configuration overtook: participants left the configuration or
+    /// a written region is blocked. Before any COMMIT-BACKUP was sent, the transaction aborts
+    /// (ABORT to the primaries still there) and `txn()` retries; once only removed primaries
+    /// could still commit it, its outcome is recovery's to decide (§5.3) and the caller is told
+    /// it is unknown.
+    fn check_view(&mut self, c: &mut Commit) -> Option<Result<(), TxError>> {
+        let view = self.view.clone();
+        let gone: Vec<MachineId> = c
+            .primaries
+            .keys()
+            .chain(c.backups.keys())
+            .copied()
+            .filter(|m| !view.config.contains(*m))
+            .collect();
+        let blocked = c
+            .primaries
+            .values()
+            .flat_map(|ws| &ws.regions)
+            .find(|r| view.is_blocked(**r))
+            .copied();
+        if gone.is_empty() && blocked.is_none() {
+            return None;
+        }
+        let live: BTreeSet<MachineId> = c
+            .primaries
+            .keys()
+            .copied()
+            .filter(|m| view.config.contains(*m))
+            .collect();
+        match &c.phase {
+            Phase::Reserve => Some(Err(match blocked {
+                Some(r) => TxError::RegionBlocked(r),
+                None => TxError::ConfigurationChanged,
+            })),
+            Phase::Lock { .. } | Phase::Validate { .. } => {
+                self.abort(c, &live);
+                Some(Err(TxError::ConfigurationChanged))
+            }
+            // Failed writes to removed backups end this phase through the abort path.
+            Phase::Backup { .. } => None,
+            Phase::Primary { tickets } => {
+                let acked = tickets
+                    .iter()
+                    .any(|(p, t)| self.write_status(*p, *t) == WriteStatus::Done);
+                let decided_elsewhere = tickets.iter().all(|(p, _)| !view.config.contains(*p));
+                if acked || !decided_elsewhere || gone.is_empty() {
+                    return None;
+                }
+                for (m, left) in std::mem::take(&mut c.reserved) {
+                    self.outbound[m.0 as usize].log.unreserve(left);
+                }
+                Some(Err(TxError::Unavailable(
+                    farm_core::fabric::FabricError::Unreachable(gone[0]),
+                )))
+            }
+        }
+    }
+
     /// §4 step 2: validate objects read but not written, by one-sided header reads or, above the
     /// threshold of read objects at one primary, by VALIDATE messages.
     fn start_validation(&mut self, c: &mut Commit) -> Phase {
         let mut by_primary: BTreeMap<MachineId, Vec<(Addr, Header)>> = BTreeMap::new();
         for (addr, e) in c.state.objects.iter().filter(|(_, e)| !e.written) {
-            let p = self
-                .machine
-                .region_map
-                .get(addr.region)
-                .expect("read before")
-                .primary;
+            let p = self.view.map.get(addr.region).expect("read before").primary;
             by_primary.entry(p).or_default().push((*addr, e.read));
         }
         let mut awaiting = BTreeSet::new();
@@ -791,7 +831,7 @@ impl Worker {
             }
             for (addr, seen) in reads {
                 let now = if p == self.machine.id {
-                    let mem = self.machine.region(addr.region).expect("primary");
+                    let mem = self.view.region(addr.region).expect("primary");
                     object::read_header(&**mem, addr.offset as u64).ok()
                 } else {
                     match self.remote(addr.region) {
@@ -1025,7 +1065,7 @@ impl Worker {
 
     fn txn_template(&self) -> TxnId {
         TxnId {
-            config: self.machine.config.id,
+            config: self.view.config.id,
             machine: self.machine.id,
             thread: self.thread,
             local: 0,

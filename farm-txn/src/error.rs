@@ -10,6 +10,14 @@ pub enum TxError {
     /// `txn()` retries these automatically.
     #[error("conflict: {0}")]
     Conflict(Conflict),
+    /// The region is blocked after a failure until its transactions are recovered (§5.3 step
+    /// 1); `txn()` waits and retries.
+    #[error("region {} is blocked by recovery", .0.0)]
+    RegionBlocked(farm_core::RegionId),
+    /// The configuration changed under the commit before any participant could have committed
+    /// it; `txn()` retries in the new configuration.
+    #[error("the configuration changed during the commit")]
+    ConfigurationChanged,
     /// A machine the transaction needs does not answer.
     #[error("unavailable: {0}")]
     Unavailable(#[from] FabricError),
@@ -59,6 +67,9 @@ pub enum Conflict {
 impl TxError {
     /// Whether `txn()` should retry after this error.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, TxError::Conflict(_))
+        matches!(
+            self,
+            TxError::Conflict(_) | TxError::RegionBlocked(_) | TxError::ConfigurationChanged
+        )
     }
 }

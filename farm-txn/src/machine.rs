@@ -2,9 +2,11 @@
 //! of the configuration and region map, and its handle on the fabric. Worker threads of the same
 //! machine share it; other machines reach it only through the fabric.
 
+use std::collections::BTreeSet;
 use std::io;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use farm_alloc::BlockPool;
 use farm_core::config::{Configuration, RegionMap};
@@ -49,6 +51,39 @@ impl Params {
     }
 }
 
+/// What a machine knows about the cluster in one configuration: the configuration, where every
+/// region lives, the local replicas and block pools, and which regions are blocked (§5.3 step 1:
+/// regions whose replicas changed stay blocked until their transactions are recovered).
+/// Immutable; a new configuration installs a new view ([`MachineState::install`]).
+#[derive(Debug)]
+pub struct View {
+    /// The configuration.
+    pub config: Configuration,
+    /// Where every region lives.
+    pub map: RegionMap,
+    /// Regions nobody may access until recovery unblocks them.
+    pub blocked: BTreeSet<RegionId>,
+    regions: Vec<Option<Arc<Nvram>>>,
+    pools: Vec<Option<Arc<BlockPool>>>,
+}
+
+impl View {
+    /// The local replica of `region`, if this machine holds one.
+    pub fn region(&self, region: RegionId) -> Option<&Arc<Nvram>> {
+        self.regions.get(region.0 as usize).and_then(Option::as_ref)
+    }
+
+    /// The block pool of `region`, if this machine is its primary and allocates in it.
+    pub fn pool(&self, region: RegionId) -> Option<&BlockPool> {
+        self.pools.get(region.0 as usize).and_then(Option::as_deref)
+    }
+
+    /// Whether `region` is blocked.
+    pub fn is_blocked(&self, region: RegionId) -> bool {
+        self.blocked.contains(&region)
+    }
+}
+
 /// One machine's shared state.
 #[derive(Debug)]
 pub struct MachineState {
@@ -56,14 +91,9 @@ pub struct MachineState {
     pub id: MachineId,
     /// Cluster parameters.
     pub params: Params,
-    /// The configuration this machine is in.
-    pub config: Configuration,
-    /// Where every region lives.
-    pub region_map: RegionMap,
-    /// Region replicas held here, by region id.
-    regions: Vec<Option<Arc<Nvram>>>,
-    /// Unused blocks of the regions this machine is primary for.
-    pools: Vec<Option<BlockPool>>,
+    view: Mutex<Arc<View>>,
+    view_generation: AtomicU64,
+    nvram_dir: Option<PathBuf>,
     /// Inbound logs and message queues.
     pub rings: Arc<Nvram>,
     /// Truncation feedback written by receivers of this machine's records.
@@ -86,7 +116,7 @@ impl MachineState {
         params
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let dir = match nvram_dir {
+        let nvram_dir = match nvram_dir {
             Some(d) => {
                 let dir = d.join(format!("m{}", id.0));
                 std::fs::create_dir_all(&dir)?;
@@ -94,16 +124,59 @@ impl MachineState {
             }
             None => None,
         };
-        let map = |name: String, len: usize| -> io::Result<Arc<Nvram>> {
-            Ok(Arc::new(match &dir {
-                Some(dir) => Nvram::file(&dir.join(name), len)?,
-                None => Nvram::anonymous(len)?,
-            }))
+        let rings = map_area(&nvram_dir, "rings", params.layout.rings_area_bytes())?;
+        let feedback = map_area(&nvram_dir, "feedback", params.layout.feedback_area_bytes())?;
+        fabric.register(id, MemKey::Rings, rings.clone());
+        fabric.register(id, MemKey::Feedback, feedback.clone());
+        let empty = View {
+            config: config.clone(),
+            map: RegionMap::default(),
+            blocked: BTreeSet::new(),
+            regions: Vec::new(),
+            pools: Vec::new(),
         };
+        let state = Arc::new(Self {
+            id,
+            params,
+            view: Mutex::new(Arc::new(empty)),
+            view_generation: AtomicU64::new(0),
+            nvram_dir,
+            rings,
+            feedback,
+            fabric,
+        });
+        state.install(config, region_map, BTreeSet::new())?;
+        Ok(state)
+    }
+
+    /// The current view.
+    pub fn view(&self) -> Arc<View> {
+        self.view.lock().expect("view poisoned").clone()
+    }
+
+    /// Increases with every installed view; workers compare it to refresh their copy cheaply.
+    pub fn view_generation(&self) -> u64 {
+        self.view_generation.load(Ordering::Acquire)
+    }
+
+    /// Installs a new configuration and region map (NEW-CONFIG, §5.2 step 5): maps and registers
+    /// the replicas this machine newly holds (new backups start empty; data recovery fills them,
+    /// §5.4), keeps the ones it still holds, and keeps block pools only for regions it was
+    /// already primary for (a promoted primary's free lists are rebuilt by allocator recovery,
+    /// §5.5, and it stays blocked until then).
+    pub fn install(
+        &self,
+        config: Configuration,
+        map: RegionMap,
+        blocked: BTreeSet<RegionId>,
+    ) -> io::Result<()> {
+        let mut guard = self.view.lock().expect("view poisoned");
+        let old = guard.clone();
+        let first = old.map.iter().next().is_none();
         let mut regions = Vec::new();
         let mut pools = Vec::new();
-        for (region, placement) in region_map.iter() {
-            if !placement.holds(id) {
+        for (region, placement) in map.iter() {
+            if !placement.holds(self.id) {
                 continue;
             }
             let idx = region.0 as usize;
@@ -111,42 +184,43 @@ impl MachineState {
                 regions.resize(idx + 1, None);
                 pools.resize_with(idx + 1, || None);
             }
-            let mem = map(format!("region-{}", region.0), params.region_bytes)?;
-            fabric.register(id, MemKey::Region(region), mem.clone());
+            let mem = match old.region(region) {
+                Some(m) => m.clone(),
+                None => {
+                    let m = map_area(
+                        &self.nvram_dir,
+                        &format!("region-{}", region.0),
+                        self.params.region_bytes,
+                    )?;
+                    self.fabric
+                        .register(self.id, MemKey::Region(region), m.clone());
+                    m
+                }
+            };
             regions[idx] = Some(mem);
-            if placement.primary == id {
-                pools[idx] = Some(BlockPool::new(params.region_bytes));
+            if placement.primary == self.id {
+                pools[idx] = match old.pools.get(idx).and_then(Option::as_ref) {
+                    Some(p) => Some(p.clone()),
+                    None if first => Some(Arc::new(BlockPool::new(self.params.region_bytes))),
+                    None => None,
+                };
             }
         }
-        let rings = map("rings".into(), params.layout.rings_area_bytes())?;
-        let feedback = map("feedback".into(), params.layout.feedback_area_bytes())?;
-        fabric.register(id, MemKey::Rings, rings.clone());
-        fabric.register(id, MemKey::Feedback, feedback.clone());
-        Ok(Arc::new(Self {
-            id,
-            params,
+        *guard = Arc::new(View {
             config,
-            region_map,
+            map,
+            blocked,
             regions,
             pools,
-            rings,
-            feedback,
-            fabric,
-        }))
+        });
+        self.view_generation.fetch_add(1, Ordering::Release);
+        Ok(())
     }
+}
 
-    /// The local replica of `region`, if this machine holds one.
-    pub fn region(&self, region: RegionId) -> Option<&Arc<Nvram>> {
-        self.regions.get(region.0 as usize).and_then(Option::as_ref)
-    }
-
-    /// The block pool of `region`, if this machine is its primary.
-    pub fn pool(&self, region: RegionId) -> Option<&BlockPool> {
-        self.pools.get(region.0 as usize).and_then(Option::as_ref)
-    }
-
-    /// Regions this machine is primary for.
-    pub fn primary_regions(&self) -> impl Iterator<Item = RegionId> + '_ {
-        self.region_map.primary_of(self.id)
-    }
+fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvram>> {
+    Ok(Arc::new(match dir {
+        Some(dir) => Nvram::file(&dir.join(name), len)?,
+        None => Nvram::anonymous(len)?,
+    }))
 }

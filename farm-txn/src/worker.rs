@@ -19,7 +19,7 @@ use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, WriteSet};
 use farm_core::{MachineId, RegionId, ThreadId, TxnId};
 
 use crate::coordinator::CoordinatorState;
-use crate::machine::MachineState;
+use crate::machine::{MachineState, View};
 use crate::stats::Stats;
 
 /// Locks held at this primary for a transaction, from its LOCK record until COMMIT-PRIMARY or
@@ -63,6 +63,9 @@ pub(crate) struct Outbound {
 #[derive(Debug)]
 pub struct Worker {
     pub(crate) machine: Arc<MachineState>,
+    /// This worker's copy of the machine's view, refreshed when a new one is installed.
+    pub(crate) view: Arc<View>,
+    view_generation: u64,
     pub(crate) thread: ThreadId,
     inbound: Vec<Inbound>,
     pub(crate) outbound: Vec<Outbound>,
@@ -125,13 +128,19 @@ impl Worker {
                 queue: RingWriter::new(layout.queue_bytes),
             })
             .collect();
-        let slabs = machine
-            .primary_regions()
+        let view_generation = machine.view_generation();
+        let view = machine.view();
+        let slabs = view
+            .map
+            .primary_of(machine.id)
+            .filter(|r| view.pool(*r).is_some())
             .map(|r| (r, Slabs::new(r)))
             .collect();
         let coord = CoordinatorState::new(peers as usize);
         Self {
             machine,
+            view,
+            view_generation,
             thread,
             inbound,
             outbound,
@@ -180,8 +189,8 @@ impl Worker {
             return Ok(r.clone());
         }
         let primary = self
-            .machine
-            .region_map
+            .view
+            .map
             .get(region)
             .expect("caller checked the region exists")
             .primary;
@@ -203,16 +212,49 @@ impl Worker {
             .expect("resolved by remote()")
     }
 
+    /// Picks up a newly installed view (NEW-CONFIG): read handles to primaries are resolved
+    /// again, and slabs follow the regions this machine allocates in. Returns whether it changed.
+    pub fn refresh_view(&mut self) -> bool {
+        let generation = self.machine.view_generation();
+        if generation == self.view_generation {
+            return false;
+        }
+        self.view_generation = generation;
+        self.view = self.machine.view();
+        self.remotes.clear();
+        let me = self.machine.id;
+        let view = self.view.clone();
+        self.slabs.retain(|r, _| {
+            view.pool(*r).is_some() && view.map.get(*r).is_some_and(|p| p.primary == me)
+        });
+        for r in view.map.primary_of(me).filter(|r| view.pool(*r).is_some()) {
+            self.slabs.entry(r).or_insert_with(|| Slabs::new(r));
+        }
+        true
+    }
+
+    /// The configuration this worker is in.
+    pub fn view(&self) -> &Arc<View> {
+        &self.view
+    }
+
     /// Runs every handler that has work: inbound logs and queues of every peer, then the
     /// coordinator's background work. Returns whether anything happened (for backoff).
     pub fn poll(&mut self, now: u64) -> bool {
-        let mut busy = self.flush_backlog();
+        let mut busy = self.refresh_view();
+        busy |= self.flush_backlog();
         if !self.alloc_replies.is_empty() {
             busy |= self.flush_alloc_replies();
         }
         for peer in 0..self.inbound.len() {
-            busy |= self.poll_log(MachineId(peer as u16));
-            busy |= self.poll_queue(MachineId(peer as u16));
+            let peer = MachineId(peer as u16);
+            // Precise membership (§5.2): records and messages from machines outside the
+            // configuration are not even looked at.
+            if !self.view.config.contains(peer) {
+                continue;
+            }
+            busy |= self.poll_log(peer);
+            busy |= self.poll_queue(peer);
         }
         busy |= self.coordinator_background(now);
         busy
@@ -248,7 +290,7 @@ impl Worker {
             match msg {
                 Ok(Message::Validate { txn, reads }) => {
                     let ok = reads.iter().all(|(addr, seen)| {
-                        self.machine.region(addr.region).is_some_and(|mem| {
+                        self.view.region(addr.region).is_some_and(|mem| {
                             object::read_header(&**mem, addr.offset as u64).ok() == Some(*seen)
                         })
                     });
@@ -282,7 +324,7 @@ impl Worker {
     /// answered only once the block header has reached every backup: the coordinator's
     /// COMMIT-BACKUP travels on another link, so link order does not cover it.
     fn on_alloc(&mut self, sender: MachineId, request: u64, region: RegionId, len: u32) {
-        let Some(pool) = self.machine.pool(region) else {
+        let Some(pool) = self.view.pool(region) else {
             let reply = Message::AllocReply {
                 request,
                 outcome: AllocOutcome::NotPrimary,
@@ -305,10 +347,7 @@ impl Worker {
             }
         };
         self.stats.allocs += 1;
-        let mem = self
-            .machine
-            .region(region)
-            .expect("primary holds its region");
+        let mem = self.view.region(region).expect("primary holds its region");
         let header = object::read_header(&**mem, a.offset as u64).expect("local read");
         let outcome = AllocOutcome::Slot {
             offset: a.offset,
@@ -425,6 +464,21 @@ impl Worker {
     /// §4 step 1 at the primary: CAS every written object's header at the version read. On the
     /// first failure, the locks already taken are released and the LOCK fails.
     fn lock_all(&mut self, writes: &WriteSet) -> bool {
+        // A coordinator with an older view may lock where this machine is no longer primary,
+        // or in a blocked region: refuse, it will retry in the new configuration.
+        let me = self.machine.id;
+        let servable = writes.writes.iter().all(|w| {
+            !self.view.is_blocked(w.addr.region)
+                && self
+                    .view
+                    .map
+                    .get(w.addr.region)
+                    .is_some_and(|p| p.primary == me)
+                && self.view.region(w.addr.region).is_some()
+        });
+        if !servable {
+            return false;
+        }
         for (i, w) in writes.writes.iter().enumerate() {
             let mem = self.primary_mem(w.addr.region);
             if object::try_lock(&mem, w.addr.offset as u64, w.read).is_err() {
@@ -452,13 +506,13 @@ impl Worker {
     }
 
     fn primary_mem(&self, region: RegionId) -> Arc<farm_core::nvram::Nvram> {
-        let placement = self.machine.region_map.get(region);
+        let placement = self.view.map.get(region);
         assert!(
             placement.is_some_and(|p| p.primary == self.machine.id),
             "LOCK for region {region:?} at {} which is not its primary",
             self.machine.id
         );
-        self.machine
+        self.view
             .region(region)
             .expect("primary holds its region")
             .clone()
@@ -497,7 +551,7 @@ impl Worker {
             let r = inbound.retained.remove(&local).expect("listed");
             if let Some(ws) = r.backup_writes {
                 for w in &ws.writes {
-                    let mem = self.machine.region(w.addr.region).unwrap_or_else(|| {
+                    let mem = self.view.region(w.addr.region).unwrap_or_else(|| {
                         panic!("COMMIT-BACKUP for region {:?} not held here", w.addr.region)
                     });
                     let new = w.read.committed_successor(w.allocated);
@@ -721,7 +775,7 @@ impl Worker {
     pub(crate) fn txn_id(&mut self) -> TxnId {
         self.coord.next_local += 1;
         TxnId {
-            config: self.machine.config.id,
+            config: self.view.config.id,
             machine: self.machine.id,
             thread: self.thread,
             local: self.coord.next_local,

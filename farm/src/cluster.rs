@@ -296,6 +296,33 @@ impl Inner {
 
 thread_local! {
     static HOST_HINT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    /// Hosts this thread holds, as a bit set.
+    static HOSTS_HELD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// A host held by the current thread; released (and forgotten by the thread) on drop.
+struct HostGuard<'a> {
+    guard: MutexGuard<'a, Host>,
+    index: usize,
+}
+
+impl Drop for HostGuard<'_> {
+    fn drop(&mut self) {
+        HOSTS_HELD.with(|h| h.set(h.get() & !(1 << self.index)));
+    }
+}
+
+impl std::ops::Deref for HostGuard<'_> {
+    type Target = Host;
+    fn deref(&self) -> &Host {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for HostGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Host {
+        &mut self.guard
+    }
 }
 
 /// An in-process FaRM cluster. See the module docs.
@@ -339,8 +366,12 @@ impl Cluster {
         &self.inner.machines
     }
 
-    fn host(&self) -> (usize, MutexGuard<'_, Host>) {
+    /// Takes a host for this thread: its usual one if free, else any free one. Never one this
+    /// thread already holds (a `txn()` inside a `txn()` closure takes a second host); panics if
+    /// this thread holds them all, which would otherwise deadlock.
+    fn host(&self) -> HostGuard<'_> {
         let n = self.inner.hosts.len();
+        assert!(n <= 64, "at most 64 workers per machine");
         let hint = HOST_HINT.with(|h| {
             h.get().unwrap_or_else(|| {
                 let t = self.inner.next_host.fetch_add(1, Ordering::Relaxed) % n;
@@ -348,13 +379,27 @@ impl Cluster {
                 t
             })
         }) % n;
-        for i in 0..n {
-            let t = (hint + i) % n;
-            if let Ok(g) = self.inner.hosts[t].try_lock() {
-                return (t, g);
+        let held = HOSTS_HELD.with(|h| h.get());
+        assert!(
+            (0..n).any(|t| held & (1 << t) == 0),
+            "txn() nested {n} deep on one thread: every host of the cluster is held by this thread"
+        );
+        let take = |t: usize, guard| {
+            HOSTS_HELD.with(|h| h.set(h.get() | (1 << t)));
+            HostGuard { guard, index: t }
+        };
+        let free = (0..n)
+            .map(|i| (hint + i) % n)
+            .filter(|t| held & (1 << t) == 0);
+        for t in free.clone() {
+            if let Ok(guard) = self.inner.hosts[t].try_lock() {
+                return take(t, guard);
             }
         }
-        (hint, self.inner.hosts[hint].lock().expect("host poisoned"))
+        // All busy: wait for the first host this thread does not hold (the mutex queues us,
+        // which is fairer than spinning against a thread that re-locks in a loop).
+        let t = free.into_iter().next().expect("checked above");
+        take(t, self.inner.hosts[t].lock().expect("host poisoned"))
     }
 
     /// Runs `f` as a strictly serializable transaction coordinated on `machine`, retrying with
@@ -367,7 +412,7 @@ impl Cluster {
         mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
         assert!(machine.0 < self.machines(), "no machine {machine}");
-        let (_, mut host) = self.host();
+        let mut host = self.host();
         let mut backoff = Backoff::new();
         let mut attempt = 0;
         loop {
@@ -388,7 +433,7 @@ impl Cluster {
     /// A lock-free read of one object (§3): a single consistent read at the primary, retried
     /// while the object is locked or torn, no transaction records.
     pub fn read<T: bytemuck::Pod>(&self, machine: MachineId, addr: Addr) -> Result<T, TxError> {
-        let (_, mut host) = self.host();
+        let mut host = self.host();
         let mut backoff = Backoff::new();
         let len = std::mem::size_of::<T>();
         let mut stack = [0u8; 8 + LOCK_FREE_STACK_BYTES];
