@@ -84,6 +84,9 @@ pub struct ReconfigParams {
     pub regions_max: usize,
     /// Ticks to wait for probe answers; unanswered probes count as failures.
     pub probe_timeout_ticks: u64,
+    /// Lease length: a machine removed for failing a probe (rather than for an expired lease)
+    /// may hold its lease this much longer, and the commit waits for that (step 7).
+    pub lease_ticks: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -119,7 +122,8 @@ pub struct Reconfig {
 
 impl Reconfig {
     /// Starts reconfiguring `old` (stored at `old_version`) without `suspects`, driven by `me`.
-    /// `leases_end` is when every lease a suspect could hold has expired (step 7).
+    /// `leases_end` is when every lease the suspects could hold has expired (step 7); machines
+    /// that fail probes extend it by a lease.
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         me: MachineId,
@@ -177,8 +181,8 @@ impl Reconfig {
         }
     }
 
-    /// The result of probing `m`.
-    pub fn on_probe(&mut self, m: MachineId, ok: bool) {
+    /// The result of probing `m`, learned at `now`.
+    pub fn on_probe(&mut self, m: MachineId, ok: bool, now: u64) {
         if let Phase::Probing {
             awaiting, answered, ..
         } = &mut self.phase
@@ -188,6 +192,7 @@ impl Reconfig {
                     answered.insert(m);
                 } else {
                     self.suspects.insert(m);
+                    self.leases_end = self.leases_end.max(now + self.params.lease_ticks);
                 }
             }
         }
@@ -202,6 +207,7 @@ impl Reconfig {
         {
             if now >= *deadline {
                 self.suspects.extend(std::mem::take(awaiting));
+                self.leases_end = self.leases_end.max(now + self.params.lease_ticks);
             }
         }
         self.after_probe();
@@ -346,6 +352,7 @@ mod tests {
         replicas: 3,
         regions_max: 16,
         probe_timeout_ticks: 10,
+        lease_ticks: 20,
     };
 
     fn setup(n: u16) -> (Configuration, RegionMap, EmbeddedStore, StoreVersion) {
@@ -370,7 +377,7 @@ mod tests {
             }
             for e in effects {
                 match &e {
-                    Effect::Probe(m) => r.on_probe(*m, !dead.contains(&m.0)),
+                    Effect::Probe(m) => r.on_probe(*m, !dead.contains(&m.0), now),
                     Effect::CompareAndSet { expected, data } => {
                         r.on_store(store.compare_and_set(Some(*expected), data))
                     }
@@ -440,7 +447,13 @@ mod tests {
             0,
         );
         drive(&mut r, &store, &[3, 4], 10);
-        r.tick(11);
+        // Machine 3 failed a probe, so it may still hold a lease: the commit waits a lease.
+        r.tick(30);
+        assert!(
+            r.outcome().is_none(),
+            "committed while machine 3 could hold a lease"
+        );
+        r.tick(31);
         let new = r.outcome().unwrap().as_ref().unwrap();
         assert_eq!(
             new.config.members,
@@ -467,7 +480,7 @@ mod tests {
         let effects = r.take_effects();
         for e in effects {
             if e == Effect::Probe(MachineId(1)) {
-                r.on_probe(MachineId(1), true);
+                r.on_probe(MachineId(1), true, 0);
             }
         }
         assert!(r.outcome().is_none());
@@ -513,7 +526,7 @@ mod tests {
         for r in [&mut a, &mut b] {
             for e in r.take_effects() {
                 if let Effect::Probe(m) = e {
-                    r.on_probe(m, m != MachineId(3));
+                    r.on_probe(m, m != MachineId(3), 0);
                 }
             }
         }
@@ -571,8 +584,8 @@ mod tests {
             0,
             0,
         );
-        r.on_probe(MachineId(3), true);
-        r.on_probe(MachineId(4), true);
+        r.on_probe(MachineId(3), true, 0);
+        r.on_probe(MachineId(4), true, 0);
         assert_eq!(
             r.outcome(),
             Some(&Err(ReconfigError::Remap(RemapError::RegionsLost(vec![

@@ -22,8 +22,10 @@ use farm_core::{Addr, MachineId, ThreadId};
 use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
 
 use crate::backoff::Backoff;
+use crate::cm::{CmDriver, CmShared, ReconfigEvent};
 use crate::lease_thread::{LeaseThreads, Suspicion};
 use crate::txn::Txn;
+use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 
 /// Errors building a cluster: bad parameters or NVRAM that cannot be mapped.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +52,7 @@ pub struct ClusterBuilder {
     pin: bool,
     background_pollers: bool,
     lease: Duration,
+    store: Option<Arc<dyn CoordinationStore>>,
 }
 
 impl Default for ClusterBuilder {
@@ -66,6 +69,7 @@ impl Default for ClusterBuilder {
             pin: false,
             background_pollers: true,
             lease: Duration::from_millis(100),
+            store: None,
         }
     }
 }
@@ -120,6 +124,13 @@ impl ClusterBuilder {
     /// Lease length (§5.1; default 100 ms, renewed every fifth).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
+        self
+    }
+
+    /// The coordination store holding the configuration (default: an embedded store; use
+    /// [`crate::zk::ZkStore`] for ZooKeeper). It must not hold a configuration yet.
+    pub fn store(mut self, store: Arc<dyn CoordinationStore>) -> Self {
+        self.store = Some(store);
         self
     }
 
@@ -188,13 +199,41 @@ impl ClusterBuilder {
         let suspicions = Arc::new(Mutex::new(Vec::new()));
         let lease_stop = Arc::new(AtomicBool::new(false));
         let leases = LeaseThreads::start(
-            &config,
+            &machines,
             self.lease,
             fabric.clone(),
             epoch,
             lease_stop.clone(),
             suspicions.clone(),
         );
+        let store = self
+            .store
+            .clone()
+            .unwrap_or_else(|| Arc::new(EmbeddedStore::new()));
+        let store_version = match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
+            Ok(CasOutcome::Written(v)) => v,
+            Ok(CasOutcome::Conflict) => {
+                return Err(BuildError::Invalid(
+                    "the coordination store already holds a configuration; restarting a cluster from its \
+                     store is not supported yet, give a new cluster a store of its own"
+                        .into(),
+                ))
+            }
+            Err(e) => return Err(BuildError::Invalid(format!("storing the first configuration: {e}"))),
+        };
+        let reconfig_events = Arc::new(Mutex::new(Vec::new()));
+        let cm = CmDriver::start(CmShared {
+            machines: machines.clone(),
+            fabric: fabric.clone(),
+            store,
+            store_version,
+            suspicions: suspicions.clone(),
+            events: reconfig_events.clone(),
+            epoch,
+            lease: self.lease,
+            replicas: self.replicas as usize,
+            stop: lease_stop.clone(),
+        });
         let inner = Arc::new(Inner {
             fabric,
             machines,
@@ -203,6 +242,7 @@ impl ClusterBuilder {
             stop: AtomicBool::new(false),
             next_host: AtomicUsize::new(0),
             suspicions,
+            reconfig_events,
         });
         let cores = if self.pin {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -239,6 +279,7 @@ impl ClusterBuilder {
             pollers,
             leases,
             lease_stop,
+            cm,
         })
     }
 }
@@ -269,6 +310,7 @@ struct Inner {
     stop: AtomicBool,
     next_host: AtomicUsize,
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
+    reconfig_events: Arc<Mutex<Vec<ReconfigEvent>>>,
 }
 
 impl Inner {
@@ -279,14 +321,14 @@ impl Inner {
     fn background_poll(&self, t: usize) {
         let mut backoff = Backoff::new();
         while !self.stop.load(Ordering::Relaxed) {
-            match self.hosts[t].try_lock() {
-                Ok(mut host) => {
-                    if host.poll_all(self.now()) {
-                        backoff.reset();
-                    } else {
-                        backoff.idle();
-                    }
-                }
+            // The guard is a temporary: the host is released before any backoff, so a thread
+            // that wants it never waits for this poller's spinning or sleeping.
+            let busy = self.hosts[t]
+                .try_lock()
+                .map(|mut host| host.poll_all(self.now()));
+            match busy {
+                Ok(true) => backoff.reset(),
+                Ok(false) => backoff.idle(),
                 // A transaction holds the host and polls it while it waits: stay out of its way.
                 Err(_) => backoff.park(),
             }
@@ -332,6 +374,7 @@ pub struct Cluster {
     pollers: Vec<JoinHandle<()>>,
     leases: LeaseThreads,
     lease_stop: Arc<AtomicBool>,
+    cm: CmDriver,
 }
 
 /// Lock-free reads of objects up to this size use a stack buffer.
@@ -526,6 +569,32 @@ impl Cluster {
         self.inner.now()
     }
 
+    /// Reconfiguration steps so far, in order.
+    pub fn reconfig_events(&self) -> Vec<ReconfigEvent> {
+        self.inner
+            .reconfig_events
+            .lock()
+            .expect("events poisoned")
+            .clone()
+    }
+
+    /// The current view of `machine` (its configuration, region map and blocked regions).
+    pub fn view(&self, machine: MachineId) -> Arc<farm_txn::machine::View> {
+        self.inner.machines[machine.0 as usize].view()
+    }
+
+    /// One attempt of [`Cluster::txn`], without retries: conflicts and blocked regions come back
+    /// as errors.
+    pub fn try_txn<R>(
+        &self,
+        machine: MachineId,
+        mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        assert!(machine.0 < self.machines(), "no machine {machine}");
+        let mut host = self.host();
+        run_once(&self.inner, &mut host, machine, &mut f)
+    }
+
     /// Every lease expiry noticed so far, in order.
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.inner
@@ -595,6 +664,7 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         self.lease_stop.store(true, Ordering::Relaxed);
         self.leases.join();
+        self.cm.join();
         self.inner.stop.store(true, Ordering::Relaxed);
         for p in self.pollers.drain(..) {
             let _ = p.join();

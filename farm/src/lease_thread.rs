@@ -14,6 +14,7 @@ use farm_core::config::Configuration;
 use farm_core::fabric::Fabric;
 use farm_core::mem_fabric::MemFabric;
 use farm_core::MachineId;
+use farm_txn::MachineState;
 
 /// A machine suspected by another one because a lease ran out.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -40,9 +41,11 @@ pub(crate) struct LeaseThreads {
 }
 
 impl LeaseThreads {
-    /// Starts one lease thread per member of `config`, with leases of `lease` (ticks are µs).
+    /// Starts one lease thread per machine, with leases of `lease` (ticks are µs). Each follows
+    /// its machine's configuration: a new configuration (NEW-CONFIG) starts fresh leases with
+    /// its CM, and a machine outside the configuration holds none.
     pub(crate) fn start(
-        config: &Configuration,
+        machines: &[Arc<MachineState>],
         lease: Duration,
         fabric: Arc<MemFabric>,
         epoch: Instant,
@@ -50,28 +53,16 @@ impl LeaseThreads {
         suspicions: Arc<Mutex<Vec<Suspicion>>>,
     ) -> Self {
         let timing = LeaseConfig::new(lease.as_micros() as u64);
-        let handles = config
-            .members
+        let handles = machines
             .iter()
-            .map(|&me| {
-                let now = epoch.elapsed().as_micros() as u64;
-                let role = if me == config.cm {
-                    let others: Vec<MachineId> = config
-                        .members
-                        .iter()
-                        .copied()
-                        .filter(|m| *m != me)
-                        .collect();
-                    Role::Cm(CmLeases::new(config.id, timing, &others, now))
-                } else {
-                    Role::Member(MemberLease::new(config.id, timing, config.cm, now))
-                };
+            .map(|machine| {
+                let machine = machine.clone();
                 let (fabric, stop, suspicions) = (fabric.clone(), stop.clone(), suspicions.clone());
                 // Wake often enough to renew on time and to notice expiry promptly.
                 let sleep = Duration::from_micros((timing.renew_ticks / 4).max(50));
                 std::thread::Builder::new()
-                    .name(format!("farm-lease-m{}", me.0))
-                    .spawn(move || run(me, role, &fabric, epoch, &stop, &suspicions, sleep))
+                    .name(format!("farm-lease-m{}", machine.id.0))
+                    .spawn(move || run(&machine, timing, &fabric, epoch, &stop, &suspicions, sleep))
                     .expect("spawn lease thread")
             })
             .collect();
@@ -100,9 +91,26 @@ fn raise_priority() {
     }
 }
 
+fn role_for(me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64) -> Option<Role> {
+    if !config.contains(me) {
+        return None;
+    }
+    Some(if me == config.cm {
+        let others: Vec<MachineId> = config
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != me)
+            .collect();
+        Role::Cm(CmLeases::new(config.id, timing, &others, now))
+    } else {
+        Role::Member(MemberLease::new(config.id, timing, config.cm, now))
+    })
+}
+
 fn run(
-    me: MachineId,
-    mut role: Role,
+    machine: &MachineState,
+    timing: LeaseConfig,
     fabric: &MemFabric,
     epoch: Instant,
     stop: &AtomicBool,
@@ -110,25 +118,39 @@ fn run(
     sleep: Duration,
 ) {
     raise_priority();
+    let me = machine.id;
     let mut out: Vec<(MachineId, LeaseMsg)> = Vec::with_capacity(256);
     let mut events: Vec<LeaseEvent> = Vec::with_capacity(256);
     let mut buf: Vec<u8> = Vec::with_capacity(64);
+    let mut generation = machine.view_generation();
+    let mut role = role_for(
+        me,
+        &machine.view().config,
+        timing,
+        epoch.elapsed().as_micros() as u64,
+    );
     while !stop.load(Ordering::Relaxed) {
         // A killed machine's lease manager dies with it.
         if fabric.is_alive(me) {
             let now = epoch.elapsed().as_micros() as u64;
+            if machine.view_generation() != generation {
+                generation = machine.view_generation();
+                role = role_for(me, &machine.view().config, timing, now);
+            }
             while let Some(from) = fabric.recv_datagram(me, now, &mut buf) {
                 let Some(msg) = LeaseMsg::decode(&buf) else {
                     continue;
                 };
                 match &mut role {
-                    Role::Cm(c) => c.on_datagram(from, msg, now, &mut out),
-                    Role::Member(m) => m.on_datagram(from, msg, now, &mut out),
+                    Some(Role::Cm(c)) => c.on_datagram(from, msg, now, &mut out),
+                    Some(Role::Member(m)) => m.on_datagram(from, msg, now, &mut out),
+                    None => {}
                 }
             }
             match &mut role {
-                Role::Cm(c) => c.tick(now, &mut events),
-                Role::Member(m) => m.tick(now, &mut out, &mut events),
+                Some(Role::Cm(c)) => c.tick(now, &mut events),
+                Some(Role::Member(m)) => m.tick(now, &mut out, &mut events),
+                None => {}
             }
             for (to, msg) in out.drain(..) {
                 fabric.send_datagram(me, to, &msg.encode(), now);

@@ -100,27 +100,25 @@ fn a_killed_member_is_suspected_by_the_cm_and_nobody_else() {
     );
 }
 
+/// Members suspect a killed CM. (The first suspicion starts reconfiguration through a backup
+/// CM, after which the other members hold leases with the new CM instead, so not every member
+/// necessarily gets to suspect the old one.)
 #[test]
-fn a_killed_cm_is_suspected_by_every_member() {
+fn a_killed_cm_is_suspected_by_members() {
     let c = cluster();
     workload(&c, Duration::from_millis(200));
     assert_eq!(c.suspicions(), vec![]);
     let killed_at = c.now_us();
     c.kill(MachineId(0));
-    let s = wait_for(&c, |s| s.len() >= 3);
-    let mut observers: Vec<MachineId> = s
-        .iter()
-        .map(|x| {
-            assert_eq!(x.suspect, MachineId(0));
-            assert!(x.at_us > killed_at);
-            x.observer
-        })
-        .collect();
-    observers.sort();
-    assert_eq!(observers, vec![MachineId(1), MachineId(2), MachineId(3)]);
-    let worst = s.iter().map(|x| x.at_us - killed_at).max().unwrap();
+    let s = wait_for(&c, |s| !s.is_empty());
+    for x in &s {
+        assert_eq!(x.suspect, MachineId(0), "{s:?}");
+        assert_ne!(x.observer, MachineId(0));
+        assert!(x.at_us > killed_at);
+    }
     println!(
-        "CM suspected by all members within {worst} us of the kill (lease {} us)",
+        "CM first suspected {} us after the kill (lease {} us)",
+        s[0].at_us - killed_at,
         LEASE.as_micros()
     );
 }

@@ -179,6 +179,7 @@ fn racing_reconfigurations_have_exactly_one_winner_in_every_store() {
         replicas: 3,
         regions_max: 16,
         probe_timeout_ticks: 10,
+        lease_ticks: 20,
     };
     for (name, open) in stores("reconfig-race") {
         for round in 0..3 {
@@ -218,7 +219,7 @@ fn racing_reconfigurations_have_exactly_one_winner_in_every_store() {
                         );
                         for e in r.take_effects() {
                             if let Effect::Probe(m) = e {
-                                r.on_probe(m, true);
+                                r.on_probe(m, true, 0);
                             }
                         }
                         let Effect::CompareAndSet { expected, data } = r.take_effects().remove(0)

@@ -1,0 +1,295 @@
+//! The configuration manager's driver in the in-process runtime (FaRM §5.2): it watches the
+//! lease threads' suspicions and runs a [`Reconfig`] as the machine that must drive it (the CM
+//! when a member is suspected; the first backup CM when the CM is), carrying out its effects:
+//! probes are one-sided reads through the fabric, the compare-and-set goes to the coordination
+//! store (embedded or ZooKeeper), NEW-CONFIG installs the configuration at each member, and
+//! NEW-CONFIG-COMMIT ends it. Regions whose replicas changed stay blocked, because recovering
+//! their transactions is the next layer's work (§5.3).
+//!
+//! In-process, NEW-CONFIG and its ack are a call into the member's state rather than a message
+//! through its queue; the message encoding arrives with one process per machine.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use farm_cm::reconfig::{backup_cms, Effect, Reconfig, ReconfigParams};
+use farm_cm::remap::RegionChanges;
+use farm_cm::{CasOutcome, CoordinationStore, StoreVersion};
+use farm_core::fabric::{Fabric, MemKey};
+use farm_core::mem_fabric::MemFabric;
+use farm_core::{ConfigId, MachineId, RegionId};
+use farm_txn::MachineState;
+
+use crate::lease_thread::Suspicion;
+
+/// A step of a reconfiguration, with its time (µs since the cluster started), for timelines.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum ReconfigEvent {
+    /// The driver took up a suspicion.
+    Suspect {
+        /// Who is suspected.
+        machine: MachineId,
+        /// When.
+        at_us: u64,
+    },
+    /// Every probe answered or failed.
+    Probed {
+        /// When.
+        at_us: u64,
+    },
+    /// The coordination store accepted the new configuration.
+    Stored {
+        /// The configuration.
+        config: ConfigId,
+        /// When.
+        at_us: u64,
+    },
+    /// NEW-CONFIG-COMMIT was sent for the configuration.
+    Committed {
+        /// The configuration.
+        config: ConfigId,
+        /// When.
+        at_us: u64,
+    },
+    /// An attempt ended without a new configuration.
+    Failed {
+        /// Why.
+        reason: String,
+        /// When.
+        at_us: u64,
+    },
+}
+
+pub(crate) struct CmDriver {
+    handle: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for CmDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CmDriver").finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct CmShared {
+    pub(crate) machines: Vec<Arc<MachineState>>,
+    pub(crate) fabric: Arc<MemFabric>,
+    pub(crate) store: Arc<dyn CoordinationStore>,
+    pub(crate) store_version: StoreVersion,
+    pub(crate) suspicions: Arc<Mutex<Vec<Suspicion>>>,
+    pub(crate) events: Arc<Mutex<Vec<ReconfigEvent>>>,
+    pub(crate) epoch: Instant,
+    pub(crate) lease: Duration,
+    pub(crate) replicas: usize,
+    pub(crate) stop: Arc<AtomicBool>,
+}
+
+impl CmDriver {
+    pub(crate) fn start(shared: CmShared) -> Self {
+        let handle = std::thread::Builder::new()
+            .name("farm-cm".into())
+            .spawn(move || run(shared))
+            .expect("spawn CM thread");
+        Self {
+            handle: Some(handle),
+        }
+    }
+
+    pub(crate) fn join(&mut self) {
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn run(mut s: CmShared) {
+    let mut seen = 0;
+    let mut changes: BTreeMap<RegionId, RegionChanges> = BTreeMap::new();
+    let tick = (s.lease / 10).max(Duration::from_micros(200));
+    while !s.stop.load(Ordering::Relaxed) {
+        std::thread::sleep(tick);
+        let fresh: Vec<Suspicion> = {
+            let all = s.suspicions.lock().expect("poisoned");
+            let fresh = all[seen..].to_vec();
+            seen = all.len();
+            fresh
+        };
+        if fresh.is_empty() {
+            continue;
+        }
+        // The current configuration, as the surviving machines see it.
+        let Some(view) = s
+            .machines
+            .iter()
+            .find(|m| s.fabric.is_alive(m.id))
+            .map(|m| m.view())
+        else {
+            continue;
+        };
+        let config = view.config.clone();
+        let mut suspects = BTreeSet::new();
+        let mut driver = None;
+        for x in fresh {
+            if !config.contains(x.suspect) || !config.contains(x.observer) {
+                continue; // About an older configuration.
+            }
+            let d = if x.observer == config.cm {
+                Some(config.cm)
+            } else if x.suspect == config.cm {
+                // The first backup CM that is up takes over (§5.2).
+                backup_cms(&config, config.members.len())
+                    .into_iter()
+                    .find(|m| s.fabric.is_alive(*m))
+            } else {
+                None
+            };
+            if let Some(d) = d {
+                if !s.fabric.is_alive(d) {
+                    continue; // A dead machine drives nothing.
+                }
+                suspects.insert(x.suspect);
+                driver.get_or_insert(d);
+                s.events
+                    .lock()
+                    .expect("poisoned")
+                    .push(ReconfigEvent::Suspect {
+                        machine: x.suspect,
+                        at_us: x.at_us,
+                    });
+            }
+        }
+        let Some(driver) = driver else { continue };
+        suspects.remove(&driver);
+        reconfigure(
+            &mut s,
+            driver,
+            view.config.clone(),
+            view.map.clone(),
+            &mut changes,
+            suspects,
+        );
+    }
+}
+
+fn reconfigure(
+    s: &mut CmShared,
+    me: MachineId,
+    config: farm_core::config::Configuration,
+    map: farm_core::config::RegionMap,
+    changes: &mut BTreeMap<RegionId, RegionChanges>,
+    suspects: BTreeSet<MachineId>,
+) {
+    let epoch = s.epoch;
+    let now = move || epoch.elapsed().as_micros() as u64;
+    let lease_us = s.lease.as_micros() as u64;
+    let params = ReconfigParams {
+        replicas: s.replicas,
+        regions_max: 4096,
+        probe_timeout_ticks: lease_us,
+        lease_ticks: lease_us,
+    };
+    let start = now();
+    // Suspects' leases have expired by definition (that is how they became suspects); a machine
+    // that fails a probe may still hold one, and the state machine waits that out (step 7).
+    let mut r = Reconfig::start(
+        me,
+        config,
+        s.store_version,
+        map,
+        changes.clone(),
+        suspects,
+        params,
+        start,
+        start,
+    );
+    let mut probed = false;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while r.outcome().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "reconfiguration by {me} did not finish in 30 s"
+        );
+        for e in r.take_effects() {
+            match e {
+                Effect::Probe(m) => {
+                    let ok = s
+                        .fabric
+                        .remote(me, m, MemKey::Feedback)
+                        .and_then(|h| h.read(0, &mut [0u8; 8]))
+                        .is_ok();
+                    r.on_probe(m, ok, now());
+                }
+                Effect::CompareAndSet { expected, data } => {
+                    if !probed {
+                        probed = true;
+                        s.events
+                            .lock()
+                            .expect("poisoned")
+                            .push(ReconfigEvent::Probed { at_us: now() });
+                    }
+                    let result = s.store.compare_and_set(Some(expected), &data);
+                    if let Ok(CasOutcome::Written(v)) = result {
+                        s.store_version = v;
+                    }
+                    r.on_store(result);
+                }
+                Effect::SendNewConfig(m, new) => {
+                    if probed {
+                        probed = false;
+                        s.events
+                            .lock()
+                            .expect("poisoned")
+                            .push(ReconfigEvent::Stored {
+                                config: new.config.id,
+                                at_us: now(),
+                            });
+                    }
+                    let blocked: BTreeSet<RegionId> = new
+                        .changes
+                        .iter()
+                        .filter(|(_, c)| {
+                            c.last_replica_change == new.config.id
+                                || c.last_primary_change == new.config.id
+                        })
+                        .map(|(r, _)| *r)
+                        .collect();
+                    let target = &s.machines[m.0 as usize];
+                    if s.fabric.is_alive(m) {
+                        target
+                            .install(new.config.clone(), new.map.clone(), blocked)
+                            .expect("NVRAM for new replicas");
+                        r.on_ack(m, new.config.id, now());
+                    }
+                }
+                Effect::SendCommit(..) => {}
+            }
+        }
+        r.tick(now());
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    match r.outcome().expect("finished") {
+        Ok(new) => {
+            *changes = new.changes.clone();
+            tracing::info!(config = new.config.id.0, members = ?new.config.members, cm = new.config.cm.0, "configuration committed");
+            s.events
+                .lock()
+                .expect("poisoned")
+                .push(ReconfigEvent::Committed {
+                    config: new.config.id,
+                    at_us: now(),
+                });
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "reconfiguration failed");
+            s.events
+                .lock()
+                .expect("poisoned")
+                .push(ReconfigEvent::Failed {
+                    reason: e.to_string(),
+                    at_us: now(),
+                });
+        }
+    }
+}

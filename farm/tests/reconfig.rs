@@ -1,0 +1,149 @@
+//! Reconfiguration on the threaded runtime (FaRM §5.2): a killed machine is suspected through
+//! leases, the configuration without it is stored by compare-and-set and committed, its regions
+//! are remapped (a backup promoted for every lost primary, replication restored where there is
+//! room), regions whose replicas changed are blocked until recovery while the others keep
+//! committing, and a killed CM is replaced by a backup CM. Times are printed, not asserted.
+
+use std::time::{Duration, Instant};
+
+use farm::{Addr, Cluster, MachineId, ReconfigEvent, RegionId, TxError};
+use farm_cm::reconfig::backup_cms;
+use farm_core::config::Configuration;
+use farm_core::ConfigId;
+
+const LEASE: Duration = Duration::from_millis(50);
+
+fn cluster() -> Cluster {
+    Cluster::builder()
+        .machines(4)
+        .workers(2)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(LEASE)
+        .build()
+        .unwrap()
+}
+
+fn wait_for_config(c: &Cluster, observer: MachineId, id: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c
+        .reconfig_events()
+        .iter()
+        .any(|e| matches!(e, ReconfigEvent::Committed { config, .. } if config.0 == id))
+        || c.view(observer).config.id != ConfigId(id)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "configuration {id} not committed: {:?}",
+            c.reconfig_events()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn transfers(c: &Cluster, a: Addr, b: Addr, n: u64) {
+    for i in 0..n {
+        c.txn(MachineId((i % 3) as u16), |tx| {
+            let x: u64 = tx.read(a)?;
+            let y: u64 = tx.read(b)?;
+            tx.write(a, &(x - 1))?;
+            tx.write(b, &(y + 1))
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn a_killed_member_is_removed_and_its_regions_remapped_and_blocked() {
+    let c = cluster();
+    // Region 0 lives on machines 0, 1, 2; region 3 on 3, 0, 1 (striped placement).
+    let a = c.txn(MachineId(0), |tx| tx.alloc(&1_000u64, None)).unwrap();
+    let b = c.txn(MachineId(0), |tx| tx.alloc(&1_000u64, None)).unwrap();
+    let x = c.txn(MachineId(3), |tx| tx.alloc(&7u64, None)).unwrap();
+    assert_eq!((a.region, x.region), (RegionId(0), RegionId(3)));
+    transfers(&c, a, b, 300);
+    c.kill(MachineId(3));
+    wait_for_config(&c, MachineId(0), 2);
+    for m in 0..3 {
+        let v = c.view(MachineId(m));
+        assert_eq!(
+            v.config.id,
+            ConfigId(2),
+            "machine {m} installed the new configuration"
+        );
+        assert_eq!(
+            v.config.members,
+            vec![MachineId(0), MachineId(1), MachineId(2)]
+        );
+        assert_eq!(v.config.cm, MachineId(0));
+        assert!(
+            v.map.iter().all(|(_, p)| !p.holds(MachineId(3))),
+            "machine 3 holds nothing"
+        );
+        assert_eq!(
+            v.map.get(RegionId(3)).unwrap().primary,
+            MachineId(0),
+            "the first surviving backup of region 3 is promoted"
+        );
+        assert!(
+            v.map.iter().all(|(_, p)| p.backups.len() == 2),
+            "3 replicas restored on the 3 survivors"
+        );
+        assert_eq!(
+            v.blocked.iter().copied().collect::<Vec<_>>(),
+            vec![RegionId(1), RegionId(2), RegionId(3)]
+        );
+    }
+    // Unaffected regions keep committing; nothing committed before the failure is lost.
+    transfers(&c, a, b, 300);
+    let (va, vb): (u64, u64) = (
+        c.read(MachineId(1), a).unwrap(),
+        c.read(MachineId(2), b).unwrap(),
+    );
+    assert_eq!((va, vb), (400, 1600));
+    // Regions whose replicas changed wait for recovery.
+    let e = c.try_txn(MachineId(1), |tx| tx.read::<u64>(x)).unwrap_err();
+    assert_eq!(e, TxError::RegionBlocked(RegionId(3)));
+    let ev = c.reconfig_events();
+    let at = |f: &dyn Fn(&ReconfigEvent) -> Option<u64>| ev.iter().find_map(f).expect("event");
+    let suspect = at(&|e| match e {
+        ReconfigEvent::Suspect { machine, at_us } if *machine == MachineId(3) => Some(*at_us),
+        _ => None,
+    });
+    let probed = at(&|e| match e {
+        ReconfigEvent::Probed { at_us } => Some(*at_us),
+        _ => None,
+    });
+    let stored = at(&|e| match e {
+        ReconfigEvent::Stored { at_us, .. } => Some(*at_us),
+        _ => None,
+    });
+    let committed = at(&|e| match e {
+        ReconfigEvent::Committed { at_us, .. } => Some(*at_us),
+        _ => None,
+    });
+    assert!(
+        suspect <= probed && probed <= stored && stored <= committed,
+        "{ev:?}"
+    );
+    println!(
+        "suspect -> probed {} us -> stored {} us -> committed {} us (lease {} us)",
+        probed - suspect,
+        stored - suspect,
+        committed - suspect,
+        LEASE.as_micros()
+    );
+}
+
+#[test]
+fn a_killed_cm_is_replaced_by_a_backup_cm() {
+    let c = cluster();
+    let expected = backup_cms(&Configuration::initial(4), 3)[0];
+    c.kill(MachineId(0));
+    wait_for_config(&c, expected, 2);
+    let v = c.view(expected);
+    assert_eq!(v.config.cm, expected, "the first backup CM became CM");
+    assert!(!v.config.contains(MachineId(0)));
+    assert_eq!(v.config.members.len(), 3);
+    assert!(v.map.iter().all(|(_, p)| !p.holds(MachineId(0))));
+}
