@@ -53,6 +53,7 @@ pub struct ClusterBuilder {
     background_pollers: bool,
     lease: Duration,
     store: Option<Arc<dyn CoordinationStore>>,
+    reconfigure: bool,
 }
 
 impl Default for ClusterBuilder {
@@ -70,6 +71,7 @@ impl Default for ClusterBuilder {
             background_pollers: true,
             lease: Duration::from_millis(100),
             store: None,
+            reconfigure: true,
         }
     }
 }
@@ -131,6 +133,13 @@ impl ClusterBuilder {
     /// [`crate::zk::ZkStore`] for ZooKeeper). It must not hold a configuration yet.
     pub fn store(mut self, store: Arc<dyn CoordinationStore>) -> Self {
         self.store = Some(store);
+        self
+    }
+
+    /// Whether lease expiries start reconfiguration (default on). Off, suspicions are only
+    /// recorded, which is how false positives are counted.
+    pub fn reconfigure(mut self, on: bool) -> Self {
+        self.reconfigure = on;
         self
     }
 
@@ -222,18 +231,21 @@ impl ClusterBuilder {
             Err(e) => return Err(BuildError::Invalid(format!("storing the first configuration: {e}"))),
         };
         let reconfig_events = Arc::new(Mutex::new(Vec::new()));
-        let cm = CmDriver::start(CmShared {
-            machines: machines.clone(),
-            fabric: fabric.clone(),
-            store,
-            store_version,
-            suspicions: suspicions.clone(),
-            events: reconfig_events.clone(),
-            epoch,
-            lease: self.lease,
-            replicas: self.replicas as usize,
-            stop: lease_stop.clone(),
-        });
+        let cm = CmDriver::start(
+            self.reconfigure,
+            CmShared {
+                machines: machines.clone(),
+                fabric: fabric.clone(),
+                store,
+                store_version,
+                suspicions: suspicions.clone(),
+                events: reconfig_events.clone(),
+                epoch,
+                lease: self.lease,
+                replicas: self.replicas as usize,
+                stop: lease_stop.clone(),
+            },
+        );
         let inner = Arc::new(Inner {
             fabric,
             machines,

@@ -87,14 +87,15 @@ pub(crate) struct CmShared {
 }
 
 impl CmDriver {
-    pub(crate) fn start(shared: CmShared) -> Self {
-        let handle = std::thread::Builder::new()
-            .name("farm-cm".into())
-            .spawn(move || run(shared))
-            .expect("spawn CM thread");
-        Self {
-            handle: Some(handle),
-        }
+    /// Starts the driver thread, or nothing when reconfiguration is off.
+    pub(crate) fn start(enabled: bool, shared: CmShared) -> Self {
+        let handle = enabled.then(|| {
+            std::thread::Builder::new()
+                .name("farm-cm".into())
+                .spawn(move || run(shared))
+                .expect("spawn CM thread")
+        });
+        Self { handle }
     }
 
     pub(crate) fn join(&mut self) {
