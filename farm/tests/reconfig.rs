@@ -147,3 +147,65 @@ fn a_killed_cm_is_replaced_by_a_backup_cm() {
     assert_eq!(v.config.members.len(), 3);
     assert!(v.map.iter().all(|(_, p)| !p.holds(MachineId(0))));
 }
+
+/// The same reconfiguration with the configuration in a real ZooKeeper (`ZK_CONNECT`; under
+/// `CI=true` it must be there, elsewhere the test is skipped with a reason): the znode ends up
+/// holding the committed configuration.
+#[test]
+fn reconfiguration_stores_the_new_configuration_in_zookeeper() {
+    use farm::zk::ZkStore;
+    use farm::CoordinationStore;
+    use std::sync::Arc;
+
+    let Ok(connect) = std::env::var("ZK_CONNECT") else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI=true but ZK_CONNECT is not set"
+        );
+        eprintln!("skipping: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
+        return;
+    };
+    let root = format!(
+        "/farm-test/reconfig-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let store = Arc::new(ZkStore::connect(&connect, &root, Duration::from_secs(10)).unwrap());
+    let c = Cluster::builder()
+        .machines(4)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(LEASE)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let (_, first) = store
+        .read()
+        .unwrap()
+        .expect("the first configuration is stored at start");
+    assert_eq!(
+        farm_cm::codec::decode(&first).unwrap(),
+        Configuration::initial(4)
+    );
+    c.kill(MachineId(2));
+    wait_for_config(&c, MachineId(0), 2);
+    let (_, stored) = store.read().unwrap().unwrap();
+    assert_eq!(
+        farm_cm::codec::decode(&stored).unwrap(),
+        c.view(MachineId(0)).config
+    );
+    // A second cluster cannot take over a store that already holds a configuration.
+    let e = Cluster::builder()
+        .machines(3)
+        .region_bytes(4 << 20)
+        .store(store)
+        .build()
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("already holds a configuration"),
+        "{e}"
+    );
+}

@@ -1,0 +1,123 @@
+//! Precise membership (FaRM §5.2): once a machine has installed a configuration without some
+//! machine, it ignores that machine's log records and messages: a LOCK from a removed
+//! coordinator takes no lock and gets no answer, while members are served as before.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use farm_core::config::{Configuration, RegionMap};
+use farm_core::fabric::Fabric;
+use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
+use farm_core::ring::RingLayout;
+use farm_core::{Addr, ConfigId, MachineId, ThreadId};
+use farm_txn::{MachineState, Params, Tx, Worker};
+
+fn cluster() -> Vec<Worker> {
+    let layout = RingLayout {
+        machines_max: 3,
+        threads: 1,
+        log_bytes: 256 << 10,
+        queue_bytes: 256 << 10,
+    };
+    let params = Params {
+        layout,
+        region_bytes: 2 << 20,
+        validate_rpc_threshold: 4,
+    };
+    let fabric = Arc::new(MemFabric::new(MemFabricConfig {
+        machines_max: 3,
+        threads_max: 1,
+        seed: 0,
+        datagrams_queued_max: 8,
+    }));
+    (0..3)
+        .map(|m| {
+            let s = MachineState::new(
+                MachineId(m),
+                params,
+                Configuration::initial(3),
+                RegionMap::striped(3, 1, 1),
+                fabric.clone() as Arc<dyn Fabric>,
+                None,
+            )
+            .unwrap();
+            Worker::new(s, ThreadId(0))
+        })
+        .collect()
+}
+
+fn poll_all(w: &mut [Worker], now: &mut u64) {
+    *now += 1;
+    for x in w.iter_mut() {
+        x.poll(*now);
+    }
+}
+
+fn start_write(w: &mut [Worker], coordinator: usize, addr: Addr, value: u8) {
+    let mut tx = Tx::new(&mut w[coordinator]);
+    tx.write(addr, &[value; 8]).unwrap();
+    let state = tx.into_state();
+    w[coordinator].start_commit(state);
+}
+
+#[test]
+fn records_from_a_removed_machine_are_ignored() {
+    let mut w = cluster();
+    let mut now = 0;
+    // An object whose primary is machine 0 (region 0; backup machine 1).
+    let mut tx = Tx::new(&mut w[0]);
+    let obj = tx.alloc(8, None).unwrap();
+    let state = tx.into_state();
+    w[0].start_commit(state);
+    while w[0].poll_commit(now).is_none() {
+        poll_all(&mut w, &mut now);
+    }
+    for _ in 0..5 {
+        poll_all(&mut w, &mut now);
+    }
+    // Machine 2 starts a commit whose LOCK lands in machine 0's log ...
+    start_write(&mut w, 2, obj, 9);
+    assert!(w[2].poll_commit(now).is_none());
+    // ... but machine 0 has meanwhile installed a configuration without machine 2.
+    let mut next = Configuration::initial(3);
+    next.id = ConfigId(2);
+    next.members = vec![MachineId(0), MachineId(1)];
+    next.failure_domains.remove(&MachineId(2));
+    let map = w[0].view().map.clone();
+    w[0].machine().install(next, map, BTreeSet::new()).unwrap();
+    let locks_before = w[0].stats().locks_processed;
+    for _ in 0..20 {
+        poll_all(&mut w, &mut now);
+        assert!(
+            w[2].poll_commit(now).is_none(),
+            "a removed coordinator gets no LOCK-REPLY"
+        );
+    }
+    assert_eq!(
+        w[0].stats().locks_processed,
+        locks_before,
+        "the LOCK from machine 2 was not processed"
+    );
+    assert!(
+        w[0].held_lock_txns().is_empty(),
+        "no lock taken for machine 2"
+    );
+    let (h, data) = w[0].read_object(obj, 8).unwrap();
+    assert!(!h.locked());
+    assert_eq!(
+        data,
+        vec![0; 8],
+        "the removed machine's write never applied"
+    );
+    // A member is still served.
+    start_write(&mut w, 1, obj, 5);
+    let mut outcome = None;
+    for _ in 0..100 {
+        poll_all(&mut w, &mut now);
+        if let Some(r) = w[1].poll_commit(now) {
+            outcome = Some(r);
+            break;
+        }
+    }
+    outcome.expect("the member's commit finishes").unwrap();
+}
