@@ -5,12 +5,14 @@
 //!   talk to servers themselves.
 //! - [`codec`]: how a configuration is stored.
 //! - [`lease`]: leases over datagrams with the 3-way handshake, as deterministic state machines.
+//! - [`placement`]: region allocation (§3): ids, replica choice, two-phase prepare/commit.
 //! - [`reconfig`]: reconfiguration steps 2-7 as a state machine, and backup CMs.
 //! - [`remap`]: region remapping at reconfiguration (promotion, re-replication, change history).
 #![deny(missing_docs)]
 
 pub mod codec;
 pub mod lease;
+pub mod placement;
 pub mod reconfig;
 pub mod remap;
 pub mod store;

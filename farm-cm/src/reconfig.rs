@@ -116,6 +116,8 @@ pub struct Reconfig {
     params: ReconfigParams,
     /// No removed machine holds a lease after this tick.
     leases_end: u64,
+    /// Machines asking to join, with their failure domains.
+    joiners: BTreeMap<MachineId, u32>,
     phase: Phase,
     effects: Vec<Effect>,
 }
@@ -157,6 +159,7 @@ impl Reconfig {
             suspects,
             params,
             leases_end,
+            joiners: BTreeMap::new(),
             phase: Phase::Probing {
                 awaiting,
                 answered: BTreeSet::from([me]),
@@ -165,6 +168,48 @@ impl Reconfig {
             effects,
         };
         r.after_probe();
+        r
+    }
+
+    /// Starts a reconfiguration that adds `joiners` (with their failure domains) to `old`: a
+    /// machine joins a running cluster (§5.2) through the same steps, probed like the members;
+    /// a joiner that does not answer is left out, and the majority counts old members only.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_join(
+        me: MachineId,
+        old: Configuration,
+        old_version: StoreVersion,
+        map: RegionMap,
+        changes: BTreeMap<RegionId, RegionChanges>,
+        joiners: BTreeMap<MachineId, u32>,
+        params: ReconfigParams,
+        now: u64,
+    ) -> Self {
+        assert!(
+            joiners.keys().all(|j| !old.contains(*j)),
+            "a joiner is already a member"
+        );
+        let mut r = Self::start(
+            me,
+            old,
+            old_version,
+            map,
+            changes,
+            BTreeSet::new(),
+            params,
+            now,
+            now,
+        );
+        if let Phase::Probing { awaiting, .. } = &mut r.phase {
+            awaiting.extend(joiners.keys().copied());
+            r.effects.extend(joiners.keys().map(|j| Effect::Probe(*j)));
+            r.phase = Phase::Probing {
+                awaiting: awaiting.clone(),
+                answered: BTreeSet::from([me]),
+                deadline: now + params.probe_timeout_ticks,
+            };
+        }
+        r.joiners = joiners;
         r
     }
 
@@ -190,6 +235,8 @@ impl Reconfig {
             if awaiting.remove(&m) {
                 if ok {
                     answered.insert(m);
+                } else if self.joiners.remove(&m).is_some() {
+                    // A joiner that does not answer simply does not join.
                 } else {
                     self.suspects.insert(m);
                     self.leases_end = self.leases_end.max(now + self.params.lease_ticks);
@@ -225,9 +272,10 @@ impl Reconfig {
             return;
         }
         let members = self.old.members.len();
-        if answered.len() * 2 <= members {
+        let old_answered = answered.iter().filter(|m| self.old.contains(**m)).count();
+        if old_answered * 2 <= members {
             self.phase = Phase::Done(Err(ReconfigError::NoMajority {
-                answered: answered.len(),
+                answered: old_answered,
                 members,
             }));
             return;
@@ -239,6 +287,7 @@ impl Reconfig {
                 .old
                 .failure_domains
                 .iter()
+                .chain(&self.joiners)
                 .filter(|(m, _)| survivors.contains(m))
                 .map(|(m, d)| (*m, *d))
                 .collect(),
@@ -592,6 +641,38 @@ mod tests {
                 RegionId(1)
             ]))))
         );
+    }
+
+    /// A machine joins a running cluster through the same steps; its regions are unchanged
+    /// until regions are allocated on it.
+    #[test]
+    fn a_machine_joins() {
+        let (mut config, map, store, v) = setup(4);
+        config.members.retain(|m| m.0 < 3);
+        config.failure_domains.remove(&MachineId(3));
+        let map3 = RegionMap::striped(3, 1, 2);
+        let _ = map;
+        let joiners = BTreeMap::from([(MachineId(3), 3)]);
+        let mut r = Reconfig::start_join(
+            MachineId(0),
+            config,
+            v,
+            map3.clone(),
+            BTreeMap::new(),
+            joiners,
+            PARAMS,
+            0,
+        );
+        drive(&mut r, &store, &[], 1);
+        r.tick(2);
+        let new = r.outcome().unwrap().as_ref().unwrap();
+        assert_eq!(
+            new.config.members,
+            vec![MachineId(0), MachineId(1), MachineId(2), MachineId(3)]
+        );
+        assert_eq!(new.config.failure_domains[&MachineId(3)], 3);
+        assert_eq!(new.map, map3, "joining moves no region");
+        assert!(new.changes.values().all(|c| *c == RegionChanges::default()));
     }
 
     #[test]

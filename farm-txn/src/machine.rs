@@ -94,6 +94,8 @@ pub struct MachineState {
     view: Mutex<Arc<View>>,
     view_generation: AtomicU64,
     nvram_dir: Option<PathBuf>,
+    /// Regions prepared for allocation (§3) and not yet committed into a view.
+    prepared: Mutex<std::collections::BTreeMap<RegionId, Arc<Nvram>>>,
     /// Inbound logs and message queues.
     pub rings: Arc<Nvram>,
     /// Truncation feedback written by receivers of this machine's records.
@@ -141,6 +143,7 @@ impl MachineState {
             view: Mutex::new(Arc::new(empty)),
             view_generation: AtomicU64::new(0),
             nvram_dir,
+            prepared: Mutex::new(std::collections::BTreeMap::new()),
             rings,
             feedback,
             fabric,
@@ -184,24 +187,24 @@ impl MachineState {
                 regions.resize(idx + 1, None);
                 pools.resize_with(idx + 1, || None);
             }
-            let mem = match old.region(region) {
-                Some(m) => m.clone(),
-                None => {
-                    let m = map_area(
-                        &self.nvram_dir,
-                        &format!("region-{}", region.0),
-                        self.params.region_bytes,
-                    )?;
-                    self.fabric
-                        .register(self.id, MemKey::Region(region), m.clone());
-                    m
-                }
+            let prepared = self
+                .prepared
+                .lock()
+                .expect("prepared poisoned")
+                .remove(&region);
+            let mem = match (old.region(region), prepared) {
+                (Some(m), _) => m.clone(),
+                (None, Some(m)) => m,
+                (None, None) => self.map_region(region)?,
             };
             regions[idx] = Some(mem);
             if placement.primary == self.id {
                 pools[idx] = match old.pools.get(idx).and_then(Option::as_ref) {
                     Some(p) => Some(p.clone()),
-                    None if first => Some(Arc::new(BlockPool::new(self.params.region_bytes))),
+                    // A region new to the map (first configuration, or just allocated) is empty.
+                    None if first || old.map.get(region).is_none() => {
+                        Some(Arc::new(BlockPool::new(self.params.region_bytes)))
+                    }
                     None => None,
                 };
             }
@@ -215,6 +218,38 @@ impl MachineState {
         });
         self.view_generation.fetch_add(1, Ordering::Release);
         Ok(())
+    }
+}
+
+impl MachineState {
+    fn map_region(&self, region: RegionId) -> io::Result<Arc<Nvram>> {
+        let m = map_area(
+            &self.nvram_dir,
+            &format!("region-{}", region.0),
+            self.params.region_bytes,
+        )?;
+        self.fabric
+            .register(self.id, MemKey::Region(region), m.clone());
+        Ok(m)
+    }
+
+    /// PREPARE of region allocation (§3): maps and registers NVRAM for `region`, to be used when
+    /// a view that places a replica here is installed.
+    pub fn prepare_region(&self, region: RegionId) -> io::Result<()> {
+        let mem = self.map_region(region)?;
+        self.prepared
+            .lock()
+            .expect("prepared poisoned")
+            .insert(region, mem);
+        Ok(())
+    }
+
+    /// ABORT of region allocation: forgets a prepared region.
+    pub fn abort_region(&self, region: RegionId) {
+        self.prepared
+            .lock()
+            .expect("prepared poisoned")
+            .remove(&region);
     }
 }
 

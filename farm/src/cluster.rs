@@ -18,11 +18,11 @@ use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
 use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
-use farm_core::{Addr, MachineId, ThreadId};
+use farm_core::{Addr, MachineId, RegionId, ThreadId};
 use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
 
 use crate::backoff::Backoff;
-use crate::cm::{CmDriver, CmShared, ReconfigEvent};
+use crate::cm::{CmDriver, CmShared, ReconfigEvent, Request};
 use crate::lease_thread::{LeaseThreads, Suspicion};
 use crate::txn::Txn;
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
@@ -38,10 +38,22 @@ pub enum BuildError {
     Nvram(#[from] std::io::Error),
 }
 
+/// Why an administrative request to the CM failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// The CM refused or failed, saying why.
+    #[error("{0}")]
+    Refused(String),
+    /// The CM did not answer within a minute (is reconfiguration turned off?).
+    #[error("the configuration manager did not answer")]
+    NoAnswer,
+}
+
 /// Builder of an in-process [`Cluster`].
 #[derive(Clone, Debug)]
 pub struct ClusterBuilder {
     machines: u16,
+    spare_machines: u16,
     workers: u16,
     replicas: u16,
     regions_per_machine: u32,
@@ -60,6 +72,7 @@ impl Default for ClusterBuilder {
     fn default() -> Self {
         Self {
             machines: 3,
+            spare_machines: 0,
             workers: 2,
             replicas: 3,
             regions_per_machine: 1,
@@ -80,6 +93,12 @@ impl ClusterBuilder {
     /// Number of machines (default 3).
     pub fn machines(mut self, n: u16) -> Self {
         self.machines = n;
+        self
+    }
+    /// Machines started outside the configuration, ready to join with [`Cluster::join`]
+    /// (default 0).
+    pub fn spare_machines(mut self, n: u16) -> Self {
+        self.spare_machines = n;
         self
     }
     /// Worker threads per machine (default 2, one per core of a small machine).
@@ -157,7 +176,7 @@ impl ClusterBuilder {
             )));
         }
         let layout = RingLayout {
-            machines_max: self.machines,
+            machines_max: self.machines + self.spare_machines,
             threads: self.workers,
             log_bytes: self.log_bytes,
             queue_bytes: self.queue_bytes,
@@ -169,14 +188,14 @@ impl ClusterBuilder {
         };
         params.validate().map_err(BuildError::Invalid)?;
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
-            machines_max: self.machines,
+            machines_max: self.machines + self.spare_machines,
             threads_max: self.workers,
             seed: 0,
             datagrams_queued_max: 1024,
         }));
         let config = Configuration::initial(self.machines);
         let map = RegionMap::striped(self.machines, self.regions_per_machine, self.replicas - 1);
-        let machines = (0..self.machines)
+        let machines = (0..self.machines + self.spare_machines)
             .map(|m| {
                 MachineState::new(
                     MachineId(m),
@@ -231,6 +250,7 @@ impl ClusterBuilder {
             Err(e) => return Err(BuildError::Invalid(format!("storing the first configuration: {e}"))),
         };
         let reconfig_events = Arc::new(Mutex::new(Vec::new()));
+        let requests = Arc::new(Mutex::new(Vec::new()));
         let cm = CmDriver::start(
             self.reconfigure,
             CmShared {
@@ -244,6 +264,7 @@ impl ClusterBuilder {
                 lease: self.lease,
                 replicas: self.replicas as usize,
                 stop: lease_stop.clone(),
+                requests: requests.clone(),
             },
         );
         let inner = Arc::new(Inner {
@@ -255,6 +276,7 @@ impl ClusterBuilder {
             next_host: AtomicUsize::new(0),
             suspicions,
             reconfig_events,
+            requests,
         });
         let cores = if self.pin {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -323,6 +345,7 @@ struct Inner {
     next_host: AtomicUsize,
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
     reconfig_events: Arc<Mutex<Vec<ReconfigEvent>>>,
+    requests: Arc<Mutex<Vec<Request>>>,
 }
 
 impl Inner {
@@ -579,6 +602,41 @@ impl Cluster {
     /// Microseconds since the cluster started (the clock of [`Suspicion::at_us`]).
     pub fn now_us(&self) -> u64 {
         self.inner.now()
+    }
+
+    /// Adds `machine` (a spare, see [`ClusterBuilder::spare_machines`]) to the configuration:
+    /// the CM runs a reconfiguration that probes it and stores, installs and commits a
+    /// configuration with it (§5.2). Returns the new configuration's id.
+    pub fn join(&self, machine: MachineId) -> Result<farm_core::ConfigId, AdminError> {
+        assert!(
+            (machine.0 as usize) < self.inner.machines.len(),
+            "no machine {machine}"
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.inner
+            .requests
+            .lock()
+            .expect("requests poisoned")
+            .push(Request::Join(machine, tx));
+        rx.recv_timeout(Duration::from_secs(60))
+            .map_err(|_| AdminError::NoAnswer)?
+            .map_err(AdminError::Refused)
+    }
+
+    /// Allocates a new region through the CM (§3): the next region id, replicas chosen for
+    /// capacity, distinct failure domains and locality (`near`: the same replicas as that
+    /// region), prepared at every replica before the mapping is committed everywhere. Its
+    /// primary then allocates objects in it.
+    pub fn allocate_region(&self, near: Option<RegionId>) -> Result<RegionId, AdminError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.inner
+            .requests
+            .lock()
+            .expect("requests poisoned")
+            .push(Request::AllocateRegion(near, tx));
+        rx.recv_timeout(Duration::from_secs(60))
+            .map_err(|_| AdminError::NoAnswer)?
+            .map_err(AdminError::Refused)
     }
 
     /// Reconfiguration steps so far, in order.

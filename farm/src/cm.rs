@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use farm_cm::placement::{choose_replicas, next_region_id, AllocEffect, RegionAlloc};
 use farm_cm::reconfig::{backup_cms, Effect, Reconfig, ReconfigParams};
 use farm_cm::remap::RegionChanges;
 use farm_cm::{CasOutcome, CoordinationStore, StoreVersion};
@@ -84,6 +85,7 @@ pub(crate) struct CmShared {
     pub(crate) lease: Duration,
     pub(crate) replicas: usize,
     pub(crate) stop: Arc<AtomicBool>,
+    pub(crate) requests: Arc<Mutex<Vec<Request>>>,
 }
 
 impl CmDriver {
@@ -111,6 +113,10 @@ fn run(mut s: CmShared) {
     let tick = (s.lease / 10).max(Duration::from_micros(200));
     while !s.stop.load(Ordering::Relaxed) {
         std::thread::sleep(tick);
+        let requests: Vec<Request> = s.requests.lock().expect("poisoned").drain(..).collect();
+        for r in requests {
+            serve(&mut s, r, &mut changes);
+        }
         let fresh: Vec<Suspicion> = {
             let all = s.suspicions.lock().expect("poisoned");
             let fresh = all[seen..].to_vec();
@@ -163,7 +169,9 @@ fn run(mut s: CmShared) {
         }
         let Some(driver) = driver else { continue };
         suspects.remove(&driver);
-        reconfigure(
+        // The outcome is logged and recorded as an event; a failed attempt is retried when the
+        // next suspicion arrives.
+        let _ = reconfigure(
             &mut s,
             driver,
             view.config.clone(),
@@ -174,6 +182,19 @@ fn run(mut s: CmShared) {
     }
 }
 
+fn params(s: &CmShared) -> ReconfigParams {
+    let lease_us = s.lease.as_micros() as u64;
+    ReconfigParams {
+        replicas: s.replicas,
+        regions_max: REGIONS_PER_MACHINE_MAX,
+        probe_timeout_ticks: lease_us,
+        lease_ticks: lease_us,
+    }
+}
+
+/// Region replicas one machine may hold.
+const REGIONS_PER_MACHINE_MAX: usize = 4096;
+
 fn reconfigure(
     s: &mut CmShared,
     me: MachineId,
@@ -181,20 +202,14 @@ fn reconfigure(
     map: farm_core::config::RegionMap,
     changes: &mut BTreeMap<RegionId, RegionChanges>,
     suspects: BTreeSet<MachineId>,
-) {
+) -> Result<ConfigId, String> {
     let epoch = s.epoch;
     let now = move || epoch.elapsed().as_micros() as u64;
-    let lease_us = s.lease.as_micros() as u64;
-    let params = ReconfigParams {
-        replicas: s.replicas,
-        regions_max: 4096,
-        probe_timeout_ticks: lease_us,
-        lease_ticks: lease_us,
-    };
+    let params = params(s);
     let start = now();
     // Suspects' leases have expired by definition (that is how they became suspects); a machine
     // that fails a probe may still hold one, and the state machine waits that out (step 7).
-    let mut r = Reconfig::start(
+    let r = Reconfig::start(
         me,
         config,
         s.store_version,
@@ -205,6 +220,18 @@ fn reconfigure(
         start,
         start,
     );
+    drive(s, me, r, changes)
+}
+
+/// Carries out a reconfiguration's effects until it ends; returns the committed configuration.
+fn drive(
+    s: &mut CmShared,
+    me: MachineId,
+    mut r: Reconfig,
+    changes: &mut BTreeMap<RegionId, RegionChanges>,
+) -> Result<ConfigId, String> {
+    let epoch = s.epoch;
+    let now = move || epoch.elapsed().as_micros() as u64;
     let mut probed = false;
     let deadline = Instant::now() + Duration::from_secs(30);
     while r.outcome().is_none() {
@@ -281,6 +308,7 @@ fn reconfigure(
                     config: new.config.id,
                     at_us: now(),
                 });
+            Ok(new.config.id)
         }
         Err(e) => {
             tracing::warn!(error = %e, "reconfiguration failed");
@@ -291,6 +319,127 @@ fn reconfigure(
                     reason: e.to_string(),
                     at_us: now(),
                 });
+            Err(e.to_string())
         }
+    }
+}
+
+/// An administrative request for the CM.
+#[derive(Debug)]
+pub(crate) enum Request {
+    /// Add a machine to the configuration.
+    Join(MachineId, std::sync::mpsc::Sender<Result<ConfigId, String>>),
+    /// Allocate a region, near another one if given.
+    AllocateRegion(
+        Option<RegionId>,
+        std::sync::mpsc::Sender<Result<RegionId, String>>,
+    ),
+}
+
+fn serve(s: &mut CmShared, request: Request, changes: &mut BTreeMap<RegionId, RegionChanges>) {
+    let Some(view) = s
+        .machines
+        .iter()
+        .find(|m| s.fabric.is_alive(m.id) && m.view().config.contains(m.id))
+        .map(|m| m.view())
+    else {
+        return;
+    };
+    let cm = view.config.cm;
+    match request {
+        Request::Join(m, reply) => {
+            let result = if view.config.contains(m) {
+                Err(format!(
+                    "machine {m} is already a member of configuration {}",
+                    view.config.id.0
+                ))
+            } else if !s.fabric.is_alive(cm) {
+                Err(format!(
+                    "the CM {cm} is down; try again after reconfiguration"
+                ))
+            } else {
+                let now = s.epoch.elapsed().as_micros() as u64;
+                let joiners = BTreeMap::from([(m, m.0 as u32)]);
+                let r = Reconfig::start_join(
+                    cm,
+                    view.config.clone(),
+                    s.store_version,
+                    view.map.clone(),
+                    changes.clone(),
+                    joiners,
+                    params(s),
+                    now,
+                );
+                drive(s, cm, r, changes).and_then(|id| {
+                    if s.machines[m.0 as usize].view().config.contains(m) {
+                        Ok(id)
+                    } else {
+                        Err(format!("machine {m} did not answer the probe"))
+                    }
+                })
+            };
+            let _ = reply.send(result);
+        }
+        Request::AllocateRegion(near, reply) => {
+            let _ = reply.send(allocate_region(s, &view, near));
+        }
+    }
+}
+
+/// Region allocation (§3): the next id, replicas chosen for capacity, failure domains and
+/// locality, PREPARE at every replica, then the mapping committed everywhere.
+fn allocate_region(
+    s: &CmShared,
+    view: &farm_txn::machine::View,
+    near: Option<RegionId>,
+) -> Result<RegionId, String> {
+    let region = next_region_id(&view.map);
+    let replicas = choose_replicas(
+        &view.config,
+        &view.map,
+        s.replicas,
+        REGIONS_PER_MACHINE_MAX,
+        near,
+    )
+    .map_err(|e| e.to_string())?;
+    let mut alloc = RegionAlloc::start(region, replicas);
+    let mut placement = None;
+    while alloc.outcome().is_none() || placement.is_none() {
+        let effects = alloc.take_effects();
+        if effects.is_empty() {
+            break;
+        }
+        for e in effects {
+            match e {
+                AllocEffect::Prepare(m, r) => {
+                    let ok =
+                        s.fabric.is_alive(m) && s.machines[m.0 as usize].prepare_region(r).is_ok();
+                    alloc.on_prepared(m, ok);
+                }
+                AllocEffect::Commit(_, _, p) => placement = Some(p),
+                AllocEffect::Abort(m, r) => s.machines[m.0 as usize].abort_region(r),
+            }
+        }
+    }
+    match alloc.outcome() {
+        Some(Ok(_)) => {
+            let p = placement.expect("committed");
+            let mut map = view.map.clone();
+            map.insert(region, p);
+            // COMMIT: every member learns the mapping; replicas use their prepared NVRAM.
+            for m in &view.config.members {
+                if s.fabric.is_alive(*m) {
+                    let target = &s.machines[m.0 as usize];
+                    let current = target.view();
+                    target
+                        .install(current.config.clone(), map.clone(), current.blocked.clone())
+                        .map_err(|e| format!("installing region {} at {m}: {e}", region.0))?;
+                }
+            }
+            tracing::info!(region = region.0, "region allocated");
+            Ok(region)
+        }
+        Some(Err(e)) => Err(e.to_string()),
+        None => Err("region allocation did not finish".into()),
     }
 }

@@ -26,10 +26,10 @@ mod lease_thread;
 mod txn;
 pub mod zk;
 
-pub use cluster::{BuildError, Cluster, ClusterBuilder, TXN_ATTEMPTS_MAX};
+pub use cluster::{AdminError, BuildError, Cluster, ClusterBuilder, TXN_ATTEMPTS_MAX};
 pub use cm::ReconfigEvent;
 pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
-pub use farm_core::{Addr, MachineId, RegionId};
+pub use farm_core::{Addr, ConfigId, MachineId, RegionId};
 pub use farm_txn::{Conflict, Stats, TxError};
 pub use lease_thread::Suspicion;
 pub use txn::Txn;

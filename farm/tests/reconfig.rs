@@ -209,3 +209,57 @@ fn reconfiguration_stores_the_new_configuration_in_zookeeper() {
         "{e}"
     );
 }
+
+/// A machine joins a running cluster (§5.2) and receives regions allocated through the CM (§3:
+/// next id, least-loaded replicas in distinct failure domains, prepare/commit); a region
+/// allocated near another gets the same replicas; transactions use the new regions.
+#[test]
+fn a_machine_joins_and_receives_regions() {
+    let c = Cluster::builder()
+        .machines(3)
+        .spare_machines(1)
+        .workers(2)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(LEASE)
+        .build()
+        .unwrap();
+    let spare = MachineId(3);
+    assert!(!c.view(MachineId(0)).config.contains(spare));
+    let e = c.join(MachineId(1)).unwrap_err();
+    assert!(e.to_string().contains("already a member"), "{e}");
+    assert_eq!(c.join(spare).unwrap(), ConfigId(2));
+    for m in 0..4 {
+        assert_eq!(
+            c.view(MachineId(m)).config.members.len(),
+            4,
+            "machine {m} sees the join"
+        );
+    }
+    // The newcomer holds no region yet, so it is the least loaded: the new region's primary.
+    let r = c.allocate_region(None).unwrap();
+    assert_eq!(r, RegionId(3), "ids come from the CM's counter");
+    let p = c.view(MachineId(0)).map.get(r).cloned().unwrap();
+    assert_eq!(p.primary, spare);
+    assert_eq!(p.backups.len(), 2);
+    // Co-located with region 0.
+    let near = c.allocate_region(Some(RegionId(0))).unwrap();
+    assert_eq!(
+        c.view(MachineId(1)).map.get(near),
+        c.view(MachineId(1)).map.get(RegionId(0))
+    );
+    // Objects in the new region, allocated by its primary, are read and written everywhere.
+    let a = c.txn(spare, |tx| tx.alloc(&5u64, None)).unwrap();
+    assert_eq!(a.region, r);
+    c.txn(MachineId(0), |tx| {
+        let v: u64 = tx.read(a)?;
+        tx.write(a, &(v * 2))
+    })
+    .unwrap();
+    assert_eq!(c.read::<u64>(MachineId(2), a).unwrap(), 10);
+    c.quiesce();
+    farm_sim::check_replicas(c.machine_states()).unwrap();
+    // The newcomer holds a lease at the CM like everyone else: no suspicions.
+    std::thread::sleep(LEASE * 3);
+    assert_eq!(c.suspicions(), vec![]);
+}
