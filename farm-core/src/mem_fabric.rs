@@ -11,7 +11,7 @@
 //!   any prefix of them ([`MemFabric::crash`]), the last one possibly cut at any byte.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::fabric::{
@@ -82,6 +82,8 @@ pub struct MemFabric {
     machines: Vec<Machine>,
     links: Vec<Link>,
     hold_writes: AtomicBool,
+    /// Partition side of every machine: machines on different sides cannot reach each other.
+    groups: Arc<[AtomicU32]>,
     policy: Mutex<(DatagramPolicy, Rng)>,
 }
 
@@ -92,6 +94,7 @@ struct MemRemote {
     mem: Arc<Nvram>,
     src_alive: Arc<AtomicBool>,
     dst_alive: Arc<AtomicBool>,
+    groups: Arc<[AtomicU32]>,
     src: MachineId,
 }
 
@@ -100,7 +103,7 @@ impl RemoteMemory for MemRemote {
         if !self.src_alive.load(Ordering::Relaxed) {
             return Err(FabricError::SenderDown(self.src));
         }
-        if !self.dst_alive.load(Ordering::Relaxed) {
+        if !self.dst_alive.load(Ordering::Relaxed) || !same_side(&self.groups, self.src, self.dst) {
             return Err(FabricError::Unreachable(self.dst));
         }
         check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
@@ -111,6 +114,10 @@ impl RemoteMemory for MemRemote {
     fn machine(&self) -> MachineId {
         self.dst
     }
+}
+
+fn same_side(groups: &[AtomicU32], a: MachineId, b: MachineId) -> bool {
+    groups[a.0 as usize].load(Ordering::Relaxed) == groups[b.0 as usize].load(Ordering::Relaxed)
 }
 
 fn check_bounds(
@@ -155,6 +162,9 @@ impl MemFabric {
             machines,
             links: (0..n_links).map(|_| Link::default()).collect(),
             hold_writes: AtomicBool::new(false),
+            groups: (0..config.machines_max)
+                .map(|_| AtomicU32::new(0))
+                .collect(),
             policy: Mutex::new((DatagramPolicy::default(), Rng::new(config.seed))),
         }
     }
@@ -207,6 +217,30 @@ impl MemFabric {
                 }
             }
         }
+    }
+
+    /// Partitions the network: machines in different `sides` cannot reach each other (one-sided
+    /// operations fail as to a dead machine, datagrams are lost); machines not listed stay on
+    /// side 0 with the first group. Writes already posted across the cut are not affected.
+    pub fn partition(&self, sides: &[&[MachineId]]) {
+        for g in self.groups.iter() {
+            g.store(0, Ordering::SeqCst);
+        }
+        for (i, side) in sides.iter().enumerate() {
+            for m in *side {
+                self.groups[m.0 as usize].store(i as u32, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Heals every partition.
+    pub fn heal(&self) {
+        self.partition(&[]);
+    }
+
+    /// Whether `a` can reach `b`: both up and on the same side of any partition.
+    pub fn reachable(&self, a: MachineId, b: MachineId) -> bool {
+        self.is_alive(a) && self.is_alive(b) && same_side(&self.groups, a, b)
     }
 
     /// Whether `machine`'s NIC is up.
@@ -339,6 +373,7 @@ impl Fabric for MemFabric {
             mem,
             src_alive: self.machine(src)?.alive.clone(),
             dst_alive: self.machine(dst)?.alive.clone(),
+            groups: self.groups.clone(),
             src,
         }))
     }
@@ -354,7 +389,9 @@ impl Fabric for MemFabric {
         if !self.machine(src.machine)?.alive.load(Ordering::SeqCst) {
             return Err(FabricError::SenderDown(src.machine));
         }
-        if !self.machine(dst)?.alive.load(Ordering::SeqCst) {
+        if !self.machine(dst)?.alive.load(Ordering::SeqCst)
+            || !same_side(&self.groups, src.machine, dst)
+        {
             return Err(FabricError::Unreachable(dst));
         }
         let mem = self.area(dst, key)?;
@@ -393,7 +430,10 @@ impl Fabric for MemFabric {
         let (Ok(s), Ok(d)) = (self.machine(src), self.machine(dst)) else {
             return;
         };
-        if !s.alive.load(Ordering::SeqCst) || !d.alive.load(Ordering::SeqCst) {
+        if !s.alive.load(Ordering::SeqCst)
+            || !d.alive.load(Ordering::SeqCst)
+            || !same_side(&self.groups, src, dst)
+        {
             return;
         }
         let delay = {
@@ -552,6 +592,33 @@ mod tests {
                 "seed {seed}: not a prefix"
             );
         }
+    }
+
+    #[test]
+    fn a_partition_cuts_reads_writes_and_datagrams_until_healed() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem);
+        let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
+        f.partition(&[&[MachineId(0)], &[MachineId(1), MachineId(2)]]);
+        assert!(
+            !f.reachable(MachineId(0), MachineId(1)) && f.reachable(MachineId(1), MachineId(2))
+        );
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            r.read(0, &mut buf),
+            Err(FabricError::Unreachable(MachineId(1)))
+        );
+        assert!(f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+            .is_err());
+        f.send_datagram(MachineId(0), MachineId(1), b"x", 0);
+        assert_eq!(f.recv_datagram(MachineId(1), 1, &mut Vec::new()), None);
+        f.heal();
+        assert!(r.read(0, &mut buf).is_ok());
+        assert!(f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+            .is_ok());
     }
 
     #[test]

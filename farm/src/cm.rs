@@ -107,9 +107,19 @@ impl CmDriver {
     }
 }
 
+/// A suspected CM not yet replaced: who suspected it, and how many attempts were made.
+struct CmSuspicion {
+    config: ConfigId,
+    cm: MachineId,
+    observers: BTreeSet<MachineId>,
+    attempts: usize,
+    next_attempt: Instant,
+}
+
 fn run(mut s: CmShared) {
     let mut seen = 0;
     let mut changes: BTreeMap<RegionId, RegionChanges> = BTreeMap::new();
+    let mut cm_suspicion: Option<CmSuspicion> = None;
     let tick = (s.lease / 10).max(Duration::from_micros(200));
     while !s.stop.load(Ordering::Relaxed) {
         std::thread::sleep(tick);
@@ -123,61 +133,86 @@ fn run(mut s: CmShared) {
             seen = all.len();
             fresh
         };
-        if fresh.is_empty() {
-            continue;
-        }
-        // The current configuration, as the surviving machines see it.
+        // The newest configuration any live machine has (a partitioned minority may lag).
         let Some(view) = s
             .machines
             .iter()
-            .find(|m| s.fabric.is_alive(m.id))
+            .filter(|m| s.fabric.is_alive(m.id))
             .map(|m| m.view())
+            .max_by_key(|v| v.config.id)
         else {
             continue;
         };
         let config = view.config.clone();
+        if cm_suspicion.as_ref().is_some_and(|c| c.config != config.id) {
+            cm_suspicion = None; // Resolved by a new configuration.
+        }
         let mut suspects = BTreeSet::new();
-        let mut driver = None;
         for x in fresh {
             if !config.contains(x.suspect) || !config.contains(x.observer) {
                 continue; // About an older configuration.
             }
-            let d = if x.observer == config.cm {
-                Some(config.cm)
-            } else if x.suspect == config.cm {
-                // The first backup CM that is up takes over (§5.2).
-                backup_cms(&config, config.members.len())
-                    .into_iter()
-                    .find(|m| s.fabric.is_alive(*m))
-            } else {
-                None
-            };
-            if let Some(d) = d {
-                if !s.fabric.is_alive(d) {
-                    continue; // A dead machine drives nothing.
-                }
+            s.events
+                .lock()
+                .expect("poisoned")
+                .push(ReconfigEvent::Suspect {
+                    machine: x.suspect,
+                    at_us: x.at_us,
+                });
+            if x.observer == config.cm {
                 suspects.insert(x.suspect);
-                driver.get_or_insert(d);
-                s.events
-                    .lock()
-                    .expect("poisoned")
-                    .push(ReconfigEvent::Suspect {
-                        machine: x.suspect,
-                        at_us: x.at_us,
-                    });
+            } else if x.suspect == config.cm {
+                cm_suspicion
+                    .get_or_insert_with(|| CmSuspicion {
+                        config: config.id,
+                        cm: config.cm,
+                        observers: BTreeSet::new(),
+                        attempts: 0,
+                        next_attempt: Instant::now(),
+                    })
+                    .observers
+                    .insert(x.observer);
             }
         }
-        let Some(driver) = driver else { continue };
-        suspects.remove(&driver);
-        // The outcome is logged and recorded as an event; a failed attempt is retried when the
-        // next suspicion arrives.
+        // The CM removes the members it suspects (§5.2 step 1).
+        if !suspects.is_empty() && s.fabric.is_alive(config.cm) {
+            let _ = reconfigure(
+                &mut s,
+                config.cm,
+                config.clone(),
+                view.map.clone(),
+                &mut changes,
+                suspects,
+            );
+            continue;
+        }
+        // A suspected CM is replaced by a machine that suspected it: the backup CMs first, in
+        // consistent-hashing order, then the others; each next one tries after a timeout if
+        // the previous attempt did not produce a configuration (§5.2).
+        let Some(c) = cm_suspicion.as_mut() else {
+            continue;
+        };
+        if Instant::now() < c.next_attempt {
+            continue;
+        }
+        let mut order = backup_cms(&config, config.members.len());
+        order.retain(|m| c.observers.contains(m));
+        let Some(&driver) = order.get(c.attempts % order.len().max(1)) else {
+            continue;
+        };
+        c.attempts += 1;
+        c.next_attempt = Instant::now() + 2 * s.lease;
+        if !s.fabric.is_alive(driver) {
+            continue;
+        }
+        let cm = c.cm;
         let _ = reconfigure(
             &mut s,
             driver,
-            view.config.clone(),
+            config.clone(),
             view.map.clone(),
             &mut changes,
-            suspects,
+            BTreeSet::from([cm]),
         );
     }
 }
@@ -284,7 +319,7 @@ fn drive(
                         .map(|(r, _)| *r)
                         .collect();
                     let target = &s.machines[m.0 as usize];
-                    if s.fabric.is_alive(m) {
+                    if s.fabric.reachable(me, m) {
                         target
                             .install(new.config.clone(), new.map.clone(), blocked)
                             .expect("NVRAM for new replicas");

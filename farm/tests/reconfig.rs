@@ -263,3 +263,60 @@ fn a_machine_joins_and_receives_regions() {
     std::thread::sleep(LEASE * 3);
     assert_eq!(c.suspicions(), vec![]);
 }
+
+/// A partition with the CM on the minority side (FaRM §5.2): the minority cannot reconfigure
+/// (its probes reach no majority), the majority replaces the CM and goes on committing, and the
+/// cut-off machines stay out of the new configuration even after the partition heals.
+#[test]
+fn a_minority_partition_cannot_reconfigure_and_the_majority_goes_on() {
+    let c = Cluster::builder()
+        .machines(5)
+        .workers(2)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(LEASE)
+        .build()
+        .unwrap();
+    // Region 2 lives on machines 2, 3, 4: all in the majority.
+    let a = c.txn(MachineId(2), |tx| tx.alloc(&100u64, None)).unwrap();
+    assert_eq!(a.region, RegionId(2));
+    c.fabric().partition(&[
+        &[MachineId(0), MachineId(1)],
+        &[MachineId(2), MachineId(3), MachineId(4)],
+    ]);
+    wait_for_config(&c, MachineId(2), 2);
+    let v = c.view(MachineId(2));
+    assert_eq!(
+        v.config.members,
+        vec![MachineId(2), MachineId(3), MachineId(4)]
+    );
+    assert!(
+        v.config.members.contains(&v.config.cm),
+        "a majority machine became CM"
+    );
+    for m in [0, 1] {
+        assert_eq!(
+            c.view(MachineId(m)).config.id,
+            ConfigId(1),
+            "the minority never installs a configuration"
+        );
+    }
+    assert!(
+        c.reconfig_events().iter().any(
+            |e| matches!(e, ReconfigEvent::Failed { reason, .. } if reason.contains("majority"))
+        ),
+        "the minority CM tried and failed: {:?}",
+        c.reconfig_events()
+    );
+    // The majority commits on regions that kept all their replicas.
+    for _ in 0..50 {
+        c.txn(MachineId(3), |tx| {
+            let v: u64 = tx.read(a)?;
+            tx.write(a, &(v + 1))
+        })
+        .unwrap();
+    }
+    c.fabric().heal();
+    assert_eq!(c.read::<u64>(MachineId(4), a).unwrap(), 150);
+    assert!(!c.view(MachineId(4)).config.contains(MachineId(0)));
+}
