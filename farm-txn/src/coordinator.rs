@@ -349,6 +349,8 @@ pub(crate) struct Commit {
     /// Log bytes reserved per participant and not yet used.
     reserved: BTreeMap<MachineId, usize>,
     phase: Phase,
+    /// The view generation the commit last checked its participants against.
+    view_generation: u64,
 }
 
 impl Worker {
@@ -560,6 +562,8 @@ impl Worker {
             backups,
             reserved: BTreeMap::new(),
             phase: Phase::Reserve,
+            // Zero: checked against the current view at the first poll.
+            view_generation: 0,
         });
     }
 
@@ -583,9 +587,14 @@ impl Worker {
     }
 
     fn advance(&mut self, c: &mut Commit, now: u64) -> Option<Result<(), TxError>> {
+        // The commit is checked against each new view once (not on every poll: this is the
+        // hot path of every transaction).
         self.refresh_view();
-        if let Some(outcome) = self.check_view(c) {
-            return Some(outcome);
+        if c.view_generation != self.view_generation {
+            c.view_generation = self.view_generation;
+            if let Some(outcome) = self.check_view(c) {
+                return Some(outcome);
+            }
         }
         loop {
             match &mut c.phase {

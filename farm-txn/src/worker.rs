@@ -65,7 +65,7 @@ pub struct Worker {
     pub(crate) machine: Arc<MachineState>,
     /// This worker's copy of the machine's view, refreshed when a new one is installed.
     pub(crate) view: Arc<View>,
-    view_generation: u64,
+    pub(crate) view_generation: u64,
     pub(crate) thread: ThreadId,
     inbound: Vec<Inbound>,
     pub(crate) outbound: Vec<Outbound>,

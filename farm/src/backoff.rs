@@ -37,6 +37,12 @@ impl Backoff {
         }
     }
 
+    /// Sleeps briefly: nothing to do, and spinning or yielding would take a core from threads
+    /// that have work.
+    pub(crate) fn sleep(&mut self) {
+        std::thread::sleep(PARK);
+    }
+
     /// Sleeps: a transaction holds the host and polls it, so there is nothing to do until it
     /// lets go. Long enough that waking up costs the transaction's thread nothing noticeable,
     /// short enough that lazy work (truncation) left on a host nobody uses is done promptly.

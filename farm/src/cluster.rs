@@ -353,17 +353,20 @@ impl Inner {
         self.epoch.elapsed().as_micros() as u64
     }
 
+    /// Serves host `t` while no transaction holds it. All traffic of host `t` comes from
+    /// coordinators on host `t` (peer threads), so what is left when none runs is lazy work
+    /// (truncation, feedback, late replies): poll while there is work, otherwise sleep rather
+    /// than spin or yield, leaving the cores to transaction threads.
     fn background_poll(&self, t: usize) {
         let mut backoff = Backoff::new();
         while !self.stop.load(Ordering::Relaxed) {
-            // The guard is a temporary: the host is released before any backoff, so a thread
-            // that wants it never waits for this poller's spinning or sleeping.
+            // The guard is a temporary: the host is released before any sleep.
             let busy = self.hosts[t]
                 .try_lock()
                 .map(|mut host| host.poll_all(self.now()));
             match busy {
                 Ok(true) => backoff.reset(),
-                Ok(false) => backoff.idle(),
+                Ok(false) => backoff.sleep(),
                 // A transaction holds the host and polls it while it waits: stay out of its way.
                 Err(_) => backoff.park(),
             }
