@@ -1,5 +1,5 @@
 //! The lease manager thread of one machine (FaRM §5.1): a dedicated OS thread, not pinned, at
-//! raised priority where the OS allows it, that runs the machine's side of the lease protocol
+//! real-time priority where the OS allows it (else a raised nice level), that runs the machine's side of the lease protocol
 //! over fabric datagrams and reports suspicions. Its buffers are allocated before it starts;
 //! the loop itself does not allocate (the `mem` fabric copies a datagram into its queue, as a
 //! NIC would into its own memory).
@@ -76,8 +76,21 @@ impl LeaseThreads {
     }
 }
 
+/// Real-time priority of lease threads: the lowest real-time level, above every normal thread
+/// (FaRM runs its lease manager at the highest user-space priority, §5.1). The thread sleeps
+/// between rounds, so it cannot starve the machine.
+const LEASE_RT_PRIORITY: i32 = 1;
+
 fn raise_priority() {
     static WARN: Once = Once::new();
+    let param = libc::sched_param {
+        sched_priority: LEASE_RT_PRIORITY,
+    };
+    // SAFETY: sched_setscheduler reads the parameter struct we pass by reference for the
+    // duration of the call; pid 0 names the calling thread on Linux.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } == 0 {
+        return;
+    }
     // SAFETY: setpriority only reads its integer arguments; `0` names the calling thread on
     // Linux (thread ids are process ids for PRIO_PROCESS).
     let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, -10) };
