@@ -36,7 +36,9 @@ pub fn next_region_id(map: &RegionMap) -> RegionId {
 
 /// Chooses `replicas` machines for a new region: the target region's replicas when `near` is
 /// given and they all have room (locality, §3), else the least-loaded members, one per failure
-/// domain, ties broken by id. The first is the primary.
+/// domain, ties broken by id. The first is the primary: of those chosen, the one that is
+/// primary for the fewest regions, so that primaries (where transactions lock and allocate)
+/// spread over the machines too.
 pub fn choose_replicas(
     config: &Configuration,
     map: &RegionMap,
@@ -67,6 +69,10 @@ pub fn choose_replicas(
             return Ok(colocated);
         }
     }
+    let mut primaries: BTreeMap<MachineId, usize> = BTreeMap::new();
+    for (_, p) in map.iter() {
+        *primaries.entry(p.primary).or_default() += 1;
+    }
     let domain = |m: &MachineId| config.failure_domains.get(m).copied().unwrap_or(m.0 as u32);
     let mut candidates: Vec<MachineId> = config
         .members
@@ -81,6 +87,18 @@ pub fn choose_replicas(
         if domains.insert(domain(&m)) {
             chosen.push(m);
             if chosen.len() == replicas {
+                // Balance primaries too: the chosen machine with the fewest becomes primary.
+                let first = (0..chosen.len())
+                    .min_by_key(|i| {
+                        (
+                            primaries.get(&chosen[*i]).copied().unwrap_or(0),
+                            load[&chosen[*i]],
+                            chosen[*i],
+                        )
+                    })
+                    .expect("non-empty");
+                let primary = chosen.remove(first);
+                chosen.insert(0, primary);
                 return Ok(chosen);
             }
         }
@@ -201,6 +219,29 @@ mod tests {
     }
 
     /// §3: the mapping is committed only after every replica prepared; one refusal aborts all.
+    #[test]
+    fn primaries_rotate_when_regions_are_allocated_one_by_one() {
+        let config = Configuration::initial(3);
+        let mut map = RegionMap::default();
+        for r in 0..6 {
+            let chosen = choose_replicas(&config, &map, 3, 8, None).unwrap();
+            map.insert(
+                RegionId(r),
+                Placement {
+                    primary: chosen[0],
+                    backups: chosen[1..].to_vec(),
+                },
+            );
+        }
+        for m in 0..3 {
+            assert_eq!(
+                map.primary_of(MachineId(m)).count(),
+                2,
+                "machine {m}: {map:?}"
+            );
+        }
+    }
+
     #[test]
     fn two_phase_allocation_commits_only_when_all_prepared() {
         let replicas = vec![MachineId(2), MachineId(0), MachineId(1)];

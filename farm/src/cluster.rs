@@ -111,7 +111,8 @@ impl ClusterBuilder {
         self.replicas = n;
         self
     }
-    /// Regions each machine is primary for (default 1).
+    /// Regions allocated at start, per machine (default 1); the CM places them so that each
+    /// machine is primary for as many.
     pub fn regions_per_machine(mut self, n: u32) -> Self {
         self.regions_per_machine = n;
         self
@@ -194,7 +195,8 @@ impl ClusterBuilder {
             datagrams_queued_max: 1024,
         }));
         let config = Configuration::initial(self.machines);
-        let map = RegionMap::striped(self.machines, self.regions_per_machine, self.replicas - 1);
+        // Regions are allocated through the CM once it runs (below); machines start empty.
+        let map = RegionMap::default();
         let machines = (0..self.machines + self.spare_machines)
             .map(|m| {
                 MachineState::new(
@@ -251,22 +253,20 @@ impl ClusterBuilder {
         };
         let reconfig_events = Arc::new(Mutex::new(Vec::new()));
         let requests = Arc::new(Mutex::new(Vec::new()));
-        let cm = CmDriver::start(
-            self.reconfigure,
-            CmShared {
-                machines: machines.clone(),
-                fabric: fabric.clone(),
-                store,
-                store_version,
-                suspicions: suspicions.clone(),
-                events: reconfig_events.clone(),
-                epoch,
-                lease: self.lease,
-                replicas: self.replicas as usize,
-                stop: lease_stop.clone(),
-                requests: requests.clone(),
-            },
-        );
+        let cm = CmDriver::start(CmShared {
+            reconfigure: self.reconfigure,
+            machines: machines.clone(),
+            fabric: fabric.clone(),
+            store,
+            store_version,
+            suspicions: suspicions.clone(),
+            events: reconfig_events.clone(),
+            epoch,
+            lease: self.lease,
+            replicas: self.replicas as usize,
+            stop: lease_stop.clone(),
+            requests: requests.clone(),
+        });
         let inner = Arc::new(Inner {
             fabric,
             machines,
@@ -308,13 +308,20 @@ impl ClusterBuilder {
             replicas = self.replicas,
             "cluster started"
         );
-        Ok(Cluster {
+        let cluster = Cluster {
             inner,
             pollers,
             leases,
             lease_stop,
             cm,
-        })
+        };
+        // The initial regions, allocated by the CM like any later one (§3).
+        for _ in 0..self.machines as u32 * self.regions_per_machine {
+            cluster
+                .allocate_region(None)
+                .map_err(|e| BuildError::Invalid(format!("allocating the initial regions: {e}")))?;
+        }
+        Ok(cluster)
     }
 }
 

@@ -75,6 +75,8 @@ impl std::fmt::Debug for CmDriver {
 }
 
 pub(crate) struct CmShared {
+    /// Whether suspicions start reconfiguration (requests are always served).
+    pub(crate) reconfigure: bool,
     pub(crate) machines: Vec<Arc<MachineState>>,
     pub(crate) fabric: Arc<MemFabric>,
     pub(crate) store: Arc<dyn CoordinationStore>,
@@ -89,15 +91,15 @@ pub(crate) struct CmShared {
 }
 
 impl CmDriver {
-    /// Starts the driver thread, or nothing when reconfiguration is off.
-    pub(crate) fn start(enabled: bool, shared: CmShared) -> Self {
-        let handle = enabled.then(|| {
-            std::thread::Builder::new()
-                .name("farm-cm".into())
-                .spawn(move || run(shared))
-                .expect("spawn CM thread")
-        });
-        Self { handle }
+    /// Starts the driver thread.
+    pub(crate) fn start(shared: CmShared) -> Self {
+        let handle = std::thread::Builder::new()
+            .name("farm-cm".into())
+            .spawn(move || run(shared))
+            .expect("spawn CM thread");
+        Self {
+            handle: Some(handle),
+        }
     }
 
     pub(crate) fn join(&mut self) {
@@ -133,6 +135,9 @@ fn run(mut s: CmShared) {
             seen = all.len();
             fresh
         };
+        if !s.reconfigure {
+            continue;
+        }
         // The newest configuration any live machine has (a partitioned minority may lag).
         let Some(view) = s
             .machines
@@ -168,7 +173,7 @@ fn run(mut s: CmShared) {
                         cm: config.cm,
                         observers: BTreeSet::new(),
                         attempts: 0,
-                        next_attempt: Instant::now(),
+                        next_attempt: Instant::now() + 2 * s.lease,
                     })
                     .observers
                     .insert(x.observer);
@@ -186,25 +191,29 @@ fn run(mut s: CmShared) {
             );
             continue;
         }
-        // A suspected CM is replaced by a machine that suspected it: the backup CMs first, in
-        // consistent-hashing order, then the others; each next one tries after a timeout if
-        // the previous attempt did not produce a configuration (§5.2).
+        // A suspected CM is replaced by its backup CMs in consistent-hashing order (§5.2): the
+        // next one in line takes over once it suspects the CM itself; if it does not within a
+        // timeout, or its attempt produces no configuration, the one after it tries, and so on
+        // through every member.
         let Some(c) = cm_suspicion.as_mut() else {
             continue;
         };
-        if Instant::now() < c.next_attempt {
+        let order = backup_cms(&config, config.members.len());
+        if order.is_empty() {
             continue;
         }
-        let mut order = backup_cms(&config, config.members.len());
-        order.retain(|m| c.observers.contains(m));
-        let Some(&driver) = order.get(c.attempts % order.len().max(1)) else {
+        let candidate = order[c.attempts % order.len()];
+        let ready = c.observers.contains(&candidate) && s.fabric.is_alive(candidate);
+        if !ready {
+            if Instant::now() >= c.next_attempt {
+                c.attempts += 1;
+                c.next_attempt = Instant::now() + 2 * s.lease;
+            }
             continue;
-        };
+        }
+        let driver = candidate;
         c.attempts += 1;
         c.next_attempt = Instant::now() + 2 * s.lease;
-        if !s.fabric.is_alive(driver) {
-            continue;
-        }
         let cm = c.cm;
         let _ = reconfigure(
             &mut s,
