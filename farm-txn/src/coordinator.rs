@@ -17,7 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 
-use farm_alloc::{block_header_offset, class_for, Allocation, SLOT_BYTES};
+use farm_alloc::{block_header_offset, class_for, Allocation};
 use farm_core::fabric::{MemKey, WriteStatus, WriteTicket};
 use farm_core::object::{self, Header, ReadOutcome, HEADER_BYTES};
 use farm_core::ring::{framed_len, RingKind, RingWriter};
@@ -1087,10 +1087,4 @@ impl Worker {
             && self.coord.unacked.is_empty()
             && self.coord.outstanding.iter().all(BTreeSet::is_empty)
     }
-}
-
-/// Payload bytes available in a slot of `slot_bytes`.
-pub fn payload_capacity(slot_bytes: u32) -> usize {
-    assert!(SLOT_BYTES.contains(&slot_bytes));
-    slot_bytes as usize - HEADER_BYTES
 }
