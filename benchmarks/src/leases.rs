@@ -38,6 +38,8 @@ struct Row {
     transactions: u64,
     false_positives: usize,
     false_positives_per_minute: f64,
+    /// Every false positive: (observer, suspect, microseconds since the cluster started).
+    suspicions: Vec<(u16, u16, u64)>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -111,13 +113,19 @@ fn main() -> anyhow::Result<()> {
         }
         eprintln!();
         let seconds = start.elapsed().as_secs_f64();
-        let false_positives = c.suspicions().len();
+        let suspicions: Vec<(u16, u16, u64)> = c
+            .suspicions()
+            .iter()
+            .map(|x| (x.observer.0, x.suspect.0, x.at_us))
+            .collect();
+        let false_positives = suspicions.len();
         rows.push(Row {
             lease_ms,
             seconds,
             transactions: done.load(Ordering::Relaxed),
             false_positives,
             false_positives_per_minute: false_positives as f64 * 60.0 / seconds,
+            suspicions,
         });
     }
     println!(
