@@ -367,6 +367,8 @@ impl Worker {
     /// [`Worker::read_object`] into `buf` (header then payload), without allocating: the path of
     /// lock-free reads.
     pub fn read_object_into(&mut self, addr: Addr, buf: &mut [u8]) -> Result<Header, TxError> {
+        // Lock-free reads come here without a transaction: see the newest view first.
+        self.refresh_view();
         let placement = self.view.map.get(addr.region).ok_or(TxError::BadAddress {
             addr,
             why: "no such region",

@@ -38,6 +38,63 @@ pub enum BuildError {
     Nvram(#[from] std::io::Error),
 }
 
+/// Committed transactions per millisecond and what the configuration manager did, from one run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Timeline {
+    /// `committed_per_ms[i]`: transactions committed during millisecond `i` of the run.
+    pub committed_per_ms: Vec<u64>,
+    /// Reconfiguration steps, timestamped in microseconds since the start.
+    pub events: Vec<ReconfigEvent>,
+    /// Lease expiries, timestamped in microseconds since the start.
+    pub suspicions: Vec<Suspicion>,
+}
+
+impl Timeline {
+    /// A JSON document: `{"committed_per_ms": [...], "events": [{"event": ..., "at_us": ...}],
+    /// "suspicions": [...]}`.
+    pub fn to_json(&self) -> String {
+        let events: Vec<String> = self
+            .events
+            .iter()
+            .map(|e| {
+                let (name, at, extra) = match e {
+                    ReconfigEvent::Suspect { machine, at_us } => {
+                        ("suspect", at_us, format!(",\"machine\":{}", machine.0))
+                    }
+                    ReconfigEvent::Probed { at_us } => ("probe", at_us, String::new()),
+                    ReconfigEvent::Stored { config, at_us } => {
+                        ("zookeeper", at_us, format!(",\"config\":{}", config.0))
+                    }
+                    ReconfigEvent::Committed { config, at_us } => {
+                        ("config-commit", at_us, format!(",\"config\":{}", config.0))
+                    }
+                    ReconfigEvent::Failed { reason, at_us } => {
+                        ("failed", at_us, format!(",\"reason\":{reason:?}"))
+                    }
+                };
+                format!("{{\"event\":\"{name}\",\"at_us\":{at}{extra}}}")
+            })
+            .collect();
+        let suspicions: Vec<String> = self
+            .suspicions
+            .iter()
+            .map(|s| {
+                format!(
+                    "{{\"observer\":{},\"suspect\":{},\"at_us\":{}}}",
+                    s.observer.0, s.suspect.0, s.at_us
+                )
+            })
+            .collect();
+        let per_ms: Vec<String> = self.committed_per_ms.iter().map(u64::to_string).collect();
+        format!(
+            "{{\"committed_per_ms\":[{}],\"events\":[{}],\"suspicions\":[{}]}}",
+            per_ms.join(","),
+            events.join(","),
+            suspicions.join(",")
+        )
+    }
+}
+
 /// Why an administrative request to the CM failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -216,6 +273,7 @@ impl ClusterBuilder {
                         .iter()
                         .map(|m| Worker::new(m.clone(), ThreadId(t)))
                         .collect(),
+                    committed_per_ms: Vec::new(),
                 })
             })
             .collect();
@@ -329,9 +387,25 @@ impl ClusterBuilder {
 #[derive(Debug)]
 pub struct Host {
     workers: Vec<Worker>,
+    /// Transactions committed on this host per millisecond since the cluster started.
+    committed_per_ms: Vec<u32>,
 }
 
+/// Milliseconds of throughput timeline kept (one hour); later commits are not recorded.
+const TIMELINE_MS_MAX: usize = 3_600_000;
+
 impl Host {
+    fn record_commit(&mut self, now_us: u64) {
+        let ms = (now_us / 1000) as usize;
+        if ms >= TIMELINE_MS_MAX {
+            return;
+        }
+        if self.committed_per_ms.len() <= ms {
+            self.committed_per_ms.resize(ms + 1, 0);
+        }
+        self.committed_per_ms[ms] += 1;
+    }
+
     /// Polls every worker once; whether any had work.
     fn poll_all(&mut self, now: u64) -> bool {
         let mut busy = false;
@@ -675,6 +749,27 @@ impl Cluster {
         run_once(&self.inner, &mut host, machine, &mut f)
     }
 
+    /// The throughput timeline (DESIGN.md, Observability): transactions committed in every
+    /// millisecond since the cluster started, with the reconfiguration events, ready to draw
+    /// the paper's recovery timelines or to write as JSON ([`Timeline::to_json`]).
+    pub fn timeline(&self) -> Timeline {
+        let mut per_ms: Vec<u64> = Vec::new();
+        for h in &self.inner.hosts {
+            let host = h.lock().expect("host poisoned");
+            if per_ms.len() < host.committed_per_ms.len() {
+                per_ms.resize(host.committed_per_ms.len(), 0);
+            }
+            for (total, n) in per_ms.iter_mut().zip(&host.committed_per_ms) {
+                *total += *n as u64;
+            }
+        }
+        Timeline {
+            committed_per_ms: per_ms,
+            events: self.reconfig_events(),
+            suspicions: self.suspicions(),
+        }
+    }
+
     /// Every lease expiry noticed so far, in order.
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.inner
@@ -730,6 +825,9 @@ fn run_once<R>(
     loop {
         let now = inner.now();
         if let Some(r) = host.workers[machine.0 as usize].poll_commit(now) {
+            if r.is_ok() {
+                host.record_commit(now);
+            }
             return r.map(|()| value);
         }
         if host.poll_all(now) {

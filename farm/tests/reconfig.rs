@@ -339,3 +339,47 @@ fn a_minority_partition_cannot_reconfigure_and_the_majority_goes_on() {
     assert_eq!(c.read::<u64>(MachineId(4), a).unwrap(), 150);
     assert!(!c.view(MachineId(4)).config.contains(MachineId(0)));
 }
+
+/// The timeline counts every committed transaction once, in the millisecond it committed, and
+/// carries the reconfiguration events in order; its JSON parses.
+#[test]
+fn the_timeline_counts_commits_and_records_reconfiguration() {
+    let c = cluster();
+    let a = c.txn(MachineId(0), |tx| tx.alloc(&1_000u64, None)).unwrap();
+    let b = c
+        .txn(MachineId(0), |tx| tx.alloc(&1_000u64, Some(a)))
+        .unwrap();
+    let home = c.view(MachineId(0)).map.get(a.region).unwrap().clone();
+    let victim = (0..4).map(MachineId).find(|m| !home.holds(*m)).unwrap();
+    transfers(&c, a, b, 200);
+    c.kill(victim);
+    wait_for_config(&c, MachineId(0), 2);
+    transfers(&c, a, b, 100);
+    let t = c.timeline();
+    assert_eq!(
+        t.committed_per_ms.iter().sum::<u64>(),
+        2 + 300,
+        "every txn() that committed, once"
+    );
+    let names: Vec<&str> = t
+        .events
+        .iter()
+        .map(|e| match e {
+            ReconfigEvent::Suspect { .. } => "suspect",
+            ReconfigEvent::Probed { .. } => "probe",
+            ReconfigEvent::Stored { .. } => "zookeeper",
+            ReconfigEvent::Committed { .. } => "config-commit",
+            ReconfigEvent::Failed { .. } => "failed",
+        })
+        .collect();
+    assert_eq!(
+        names,
+        vec!["suspect", "probe", "zookeeper", "config-commit"]
+    );
+    let json: serde_json::Value = serde_json::from_str(&t.to_json()).unwrap();
+    assert_eq!(json["events"][3]["event"], "config-commit");
+    assert_eq!(
+        json["committed_per_ms"].as_array().unwrap().len(),
+        t.committed_per_ms.len()
+    );
+}
