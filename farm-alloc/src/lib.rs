@@ -114,6 +114,18 @@ impl BlockPool {
         }
     }
 
+    /// The pool of a region whose blocks below `next_block` are carved (allocator recovery at a
+    /// new primary, §5.5: the scan finds the highest carved block).
+    pub fn recovered(region_bytes: usize, next_block: u32) -> Self {
+        let pool = Self::new(region_bytes);
+        assert!(
+            next_block >= 1 && next_block <= pool.blocks,
+            "next block {next_block} outside the region"
+        );
+        pool.next.store(next_block, Ordering::Relaxed);
+        pool
+    }
+
     /// Takes an unused block.
     fn take(&self) -> Option<u32> {
         let b = self.next.fetch_add(1, Ordering::Relaxed);
@@ -155,6 +167,24 @@ impl Slabs {
             region,
             free: Default::default(),
         }
+    }
+
+    /// Slabs rebuilt by allocator recovery (§5.5) from the free slots a scan found, as
+    /// (offset, slot size).
+    pub fn recovered(region: RegionId, free: impl IntoIterator<Item = (u32, u32)>) -> Self {
+        let mut slabs = Self::new(region);
+        for (offset, slot_bytes) in free {
+            let class = SLOT_BYTES
+                .iter()
+                .position(|s| *s == slot_bytes)
+                .unwrap_or_else(|| panic!("recovered slot of unknown size {slot_bytes}"));
+            slabs.free[class].push(offset);
+        }
+        // Hand out low addresses first, as fresh slabs do.
+        for list in &mut slabs.free {
+            list.sort_unstable_by(|a, b| b.cmp(a));
+        }
+        slabs
     }
 
     /// Hands out a free slot for a payload of `payload` bytes, carving a new block if needed.
