@@ -156,6 +156,56 @@ pub enum Message {
         /// Its size.
         slot_bytes: u32,
     },
+    /// Recovery (Table 2; §5.3), sent in configuration `config` about `region`.
+    Recovery {
+        /// The configuration the message belongs to.
+        config: ConfigId,
+        /// The region concerned.
+        region: RegionId,
+        /// What it says.
+        body: RecoveryBody,
+    },
+}
+
+/// The recovery messages of Table 2 (§5.3).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum RecoveryBody {
+    /// Backup to primary: the recovering transactions that updated the region.
+    NeedRecovery(Vec<TxnId>),
+    /// Primary to backup: send the state of these transactions.
+    FetchTxState(Vec<TxnId>),
+    /// Backup to primary: the LOCK-record contents of a transaction asked for.
+    SendTxState(TxnId, WriteSet),
+    /// Primary to backup: a transaction's LOCK-record contents the backup is missing.
+    ReplicateTxState(TxnId, WriteSet),
+    /// Primary to the recovery coordinator: the region's vote, with every region the
+    /// transaction modified.
+    RecoveryVote(TxnId, Vec<RegionId>, WireVote),
+    /// Coordinator to a primary that has not voted.
+    RequestVote(TxnId),
+    /// Coordinator to every replica: commit.
+    CommitRecovery(TxnId),
+    /// Coordinator to every replica: abort.
+    AbortRecovery(TxnId),
+    /// Coordinator to every replica once all acked: forget the transaction.
+    TruncateRecovery(TxnId),
+}
+
+/// A region's vote on the wire.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum WireVote {
+    /// A replica saw COMMIT-PRIMARY or COMMIT-RECOVERY.
+    CommitPrimary = 0,
+    /// A replica saw COMMIT-BACKUP, none ABORT-RECOVERY.
+    CommitBackup = 1,
+    /// A replica saw LOCK, none ABORT-RECOVERY.
+    Lock = 2,
+    /// Nothing allows a commit.
+    Abort = 3,
+    /// No records; truncated here.
+    Truncated = 4,
+    /// No records; not known to be truncated.
+    Unknown = 5,
 }
 
 /// What an ALLOC got.
@@ -189,6 +239,16 @@ const MSG_VALIDATE_REPLY: u8 = 18;
 const MSG_ALLOC: u8 = 19;
 const MSG_ALLOC_REPLY: u8 = 20;
 const MSG_RELEASE: u8 = 21;
+const MSG_RECOVERY: u8 = 22;
+const REC_NEED: u8 = 1;
+const REC_FETCH: u8 = 2;
+const REC_SEND: u8 = 3;
+const REC_REPLICATE: u8 = 4;
+const REC_VOTE: u8 = 5;
+const REC_REQUEST_VOTE: u8 = 6;
+const REC_COMMIT: u8 = 7;
+const REC_ABORT: u8 = 8;
+const REC_TRUNCATE: u8 = 9;
 
 fn put_txn(out: &mut Vec<u8>, t: TxnId) {
     out.extend_from_slice(&t.config.0.to_le_bytes());
@@ -350,6 +410,61 @@ impl Message {
                 put_addr(out, *addr);
                 out.extend_from_slice(&slot_bytes.to_le_bytes());
             }
+            Message::Recovery {
+                config,
+                region,
+                body,
+            } => {
+                out.push(MSG_RECOVERY);
+                out.extend_from_slice(&config.0.to_le_bytes());
+                out.extend_from_slice(&region.0.to_le_bytes());
+                let put_txns = |out: &mut Vec<u8>, ts: &[TxnId]| {
+                    out.extend_from_slice(&(ts.len() as u32).to_le_bytes());
+                    for t in ts {
+                        put_txn(out, *t);
+                    }
+                };
+                match body {
+                    RecoveryBody::NeedRecovery(ts) => {
+                        out.push(REC_NEED);
+                        put_txns(out, ts);
+                    }
+                    RecoveryBody::FetchTxState(ts) => {
+                        out.push(REC_FETCH);
+                        put_txns(out, ts);
+                    }
+                    RecoveryBody::SendTxState(t, ws) | RecoveryBody::ReplicateTxState(t, ws) => {
+                        out.push(if matches!(body, RecoveryBody::SendTxState(..)) {
+                            REC_SEND
+                        } else {
+                            REC_REPLICATE
+                        });
+                        put_txn(out, *t);
+                        put_write_set(out, ws);
+                    }
+                    RecoveryBody::RecoveryVote(t, regions, vote) => {
+                        out.push(REC_VOTE);
+                        put_txn(out, *t);
+                        out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+                        for r in regions {
+                            out.extend_from_slice(&r.0.to_le_bytes());
+                        }
+                        out.push(*vote as u8);
+                    }
+                    RecoveryBody::RequestVote(t)
+                    | RecoveryBody::CommitRecovery(t)
+                    | RecoveryBody::AbortRecovery(t)
+                    | RecoveryBody::TruncateRecovery(t) => {
+                        out.push(match body {
+                            RecoveryBody::RequestVote(_) => REC_REQUEST_VOTE,
+                            RecoveryBody::CommitRecovery(_) => REC_COMMIT,
+                            RecoveryBody::AbortRecovery(_) => REC_ABORT,
+                            _ => REC_TRUNCATE,
+                        });
+                        put_txn(out, *t);
+                    }
+                }
+            }
         }
     }
 
@@ -405,6 +520,72 @@ impl Message {
                 addr: r.addr()?,
                 slot_bytes: r.u32()?,
             },
+            MSG_RECOVERY => {
+                let config = ConfigId(r.u64()?);
+                let region = RegionId(r.u32()?);
+                let kind = r.u8()?;
+                let body = match kind {
+                    REC_NEED | REC_FETCH => {
+                        let n = r.count(20, "transaction count")?;
+                        let mut ts = Vec::with_capacity(n);
+                        for _ in 0..n {
+                            ts.push(r.txn()?);
+                        }
+                        if kind == REC_NEED {
+                            RecoveryBody::NeedRecovery(ts)
+                        } else {
+                            RecoveryBody::FetchTxState(ts)
+                        }
+                    }
+                    REC_SEND | REC_REPLICATE => {
+                        let t = r.txn()?;
+                        let ws = r.write_set()?;
+                        if kind == REC_SEND {
+                            RecoveryBody::SendTxState(t, ws)
+                        } else {
+                            RecoveryBody::ReplicateTxState(t, ws)
+                        }
+                    }
+                    REC_VOTE => {
+                        let t = r.txn()?;
+                        let n = r.count(4, "region count")?;
+                        let mut regions = Vec::with_capacity(n);
+                        for _ in 0..n {
+                            regions.push(RegionId(r.u32()?));
+                        }
+                        let vote = match r.u8()? {
+                            0 => WireVote::CommitPrimary,
+                            1 => WireVote::CommitBackup,
+                            2 => WireVote::Lock,
+                            3 => WireVote::Abort,
+                            4 => WireVote::Truncated,
+                            5 => WireVote::Unknown,
+                            v => {
+                                return Err(WireError::Invalid {
+                                    field: "vote",
+                                    value: v as u64,
+                                })
+                            }
+                        };
+                        RecoveryBody::RecoveryVote(t, regions, vote)
+                    }
+                    REC_REQUEST_VOTE => RecoveryBody::RequestVote(r.txn()?),
+                    REC_COMMIT => RecoveryBody::CommitRecovery(r.txn()?),
+                    REC_ABORT => RecoveryBody::AbortRecovery(r.txn()?),
+                    REC_TRUNCATE => RecoveryBody::TruncateRecovery(r.txn()?),
+                    kind => {
+                        return Err(WireError::Kind {
+                            what: "recovery message",
+                            kind,
+                        })
+                    }
+                };
+                Message::Recovery {
+                    config,
+                    region,
+                    body,
+                }
+            }
             kind => {
                 return Err(WireError::Kind {
                     what: "message",
@@ -656,6 +837,33 @@ mod tests {
                 slot_bytes: 128,
             },
         ];
+        let ws = match lock_record().body {
+            LogBody::Lock(ws) => ws,
+            _ => unreachable!(),
+        };
+        let recovery = [
+            RecoveryBody::NeedRecovery(vec![txn(), txn()]),
+            RecoveryBody::FetchTxState(vec![]),
+            RecoveryBody::SendTxState(txn(), ws.clone()),
+            RecoveryBody::ReplicateTxState(txn(), ws),
+            RecoveryBody::RecoveryVote(
+                txn(),
+                vec![RegionId(1), RegionId(4)],
+                WireVote::CommitBackup,
+            ),
+            RecoveryBody::RecoveryVote(txn(), vec![], WireVote::Unknown),
+            RecoveryBody::RequestVote(txn()),
+            RecoveryBody::CommitRecovery(txn()),
+            RecoveryBody::AbortRecovery(txn()),
+            RecoveryBody::TruncateRecovery(txn()),
+        ];
+        let msgs = msgs
+            .into_iter()
+            .chain(recovery.into_iter().map(|body| Message::Recovery {
+                config: ConfigId(5),
+                region: RegionId(3),
+                body,
+            }));
         for m in msgs {
             let mut buf = Vec::new();
             m.encode(&mut buf);
@@ -722,6 +930,45 @@ mod tests {
         assert!(matches!(
             Message::decode(&bad),
             Err(WireError::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn malformed_recovery_messages_are_errors() {
+        let mut buf = Vec::new();
+        let vote = RecoveryBody::RecoveryVote(txn(), vec![RegionId(1)], WireVote::Lock);
+        Message::Recovery {
+            config: ConfigId(2),
+            region: RegionId(1),
+            body: vote,
+        }
+        .encode(&mut buf);
+        for cut in 0..buf.len() {
+            assert!(Message::decode(&buf[..cut]).is_err(), "cut at {cut}");
+        }
+        let last = buf.len() - 1;
+        buf[last] = 9;
+        assert_eq!(
+            Message::decode(&buf),
+            Err(WireError::Invalid {
+                field: "vote",
+                value: 9
+            })
+        );
+        let mut bad = Vec::new();
+        Message::Recovery {
+            config: ConfigId(2),
+            region: RegionId(1),
+            body: RecoveryBody::RequestVote(txn()),
+        }
+        .encode(&mut bad);
+        bad[2 + 8 + 4] = 77;
+        assert!(matches!(
+            Message::decode(&bad),
+            Err(WireError::Kind {
+                what: "recovery message",
+                kind: 77
+            })
         ));
     }
 

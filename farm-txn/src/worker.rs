@@ -309,6 +309,8 @@ impl Worker {
                         })
                         .free(addr.offset, slot_bytes);
                 }
+                // Transaction state recovery (§5.3) will consume these; nothing sends them yet.
+                Ok(Message::Recovery { .. }) => {}
                 Ok(reply) => self.replies.push((sender, reply)),
                 Err(e) => panic!("corrupt message from {sender} with a valid checksum: {e}"),
             }
