@@ -317,6 +317,30 @@ impl<'w> Tx<'w> {
     }
 }
 
+/// Consumes the replies for `txn` that `kind` recognizes (returning their transaction and
+/// outcome): each one from an awaited machine is struck off, and a negative one sets `failed`.
+/// Stale replies of earlier transactions are dropped; other replies stay for whoever waits.
+fn take_replies(
+    replies: &mut Vec<(MachineId, Message)>,
+    txn: TxnId,
+    awaiting: &mut BTreeSet<MachineId>,
+    failed: &mut bool,
+    kind: impl Fn(&Message) -> Option<(TxnId, bool)>,
+) {
+    replies.retain(|(from, m)| match kind(m) {
+        Some((t, ok)) if t == txn => {
+            if awaiting.remove(from) && !ok {
+                *failed = true;
+            }
+            false
+        }
+        // A late reply for an earlier transaction of this thread (one that ended when a new
+        // configuration overtook it): nobody will ever wait for it.
+        Some((t, _)) if t.local < txn.local => false,
+        _ => true,
+    });
+}
+
 /// Where a commit stands.
 #[derive(Debug)]
 enum Phase {
@@ -640,15 +664,9 @@ impl Worker {
                     }
                 }
                 Phase::Lock { awaiting, failed } => {
-                    let txn = c.txn;
-                    self.replies.retain(|(from, m)| match m {
-                        Message::LockReply { txn: t, ok } if *t == txn => {
-                            if awaiting.remove(from) && !ok {
-                                *failed = true;
-                            }
-                            false
-                        }
-                        _ => true,
+                    take_replies(&mut self.replies, c.txn, awaiting, failed, |m| match m {
+                        Message::LockReply { txn, ok } => Some((*txn, *ok)),
+                        _ => None,
                     });
                     if !awaiting.is_empty() {
                         return None;
@@ -661,15 +679,9 @@ impl Worker {
                     c.phase = self.start_validation(c);
                 }
                 Phase::Validate { awaiting, failed } => {
-                    let txn = c.txn;
-                    self.replies.retain(|(from, m)| match m {
-                        Message::ValidateReply { txn: t, ok } if *t == txn => {
-                            if awaiting.remove(from) && !ok {
-                                *failed = true;
-                            }
-                            false
-                        }
-                        _ => true,
+                    take_replies(&mut self.replies, c.txn, awaiting, failed, |m| match m {
+                        Message::ValidateReply { txn, ok } => Some((*txn, *ok)),
+                        _ => None,
                     });
                     if !awaiting.is_empty() {
                         return None;
