@@ -2,48 +2,16 @@
 //! machine, it ignores that machine's log records and messages: a LOCK from a removed
 //! coordinator takes no lock and gets no answer, while members are served as before.
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
+mod common;
 
-use farm_core::config::{Configuration, RegionMap};
-use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
-use farm_core::ring::RingLayout;
-use farm_core::{Addr, ConfigId, MachineId, ThreadId};
-use farm_txn::{MachineState, Params, Tx, Worker};
+use std::collections::BTreeSet;
+
+use farm_core::config::Configuration;
+use farm_core::{Addr, ConfigId, MachineId};
+use farm_txn::{Tx, Worker};
 
 fn cluster() -> Vec<Worker> {
-    let layout = RingLayout {
-        machines_max: 3,
-        threads: 1,
-        log_bytes: 256 << 10,
-        queue_bytes: 256 << 10,
-    };
-    let params = Params {
-        layout,
-        region_bytes: 2 << 20,
-        validate_rpc_threshold: 4,
-    };
-    let fabric = Arc::new(MemFabric::new(MemFabricConfig {
-        machines_max: 3,
-        threads_max: 1,
-        seed: 0,
-        datagrams_queued_max: 8,
-    }));
-    (0..3)
-        .map(|m| {
-            let s = MachineState::new(
-                MachineId(m),
-                params,
-                Configuration::initial(3),
-                RegionMap::striped(3, 1, 1),
-                fabric.clone() as Arc<dyn Fabric>,
-                None,
-            )
-            .unwrap();
-            Worker::new(s, ThreadId(0))
-        })
-        .collect()
+    common::workers(2 << 20, 1)
 }
 
 fn poll_all(w: &mut [Worker], now: &mut u64) {

@@ -2,50 +2,15 @@
 //! and commits once the receiver catches up and frees space; nothing is lost and nothing stays
 //! reserved.
 
-use std::sync::Arc;
+mod common;
 
-use farm_core::config::{Configuration, RegionMap};
-use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
-use farm_core::ring::RingLayout;
-use farm_core::{Addr, MachineId, ThreadId};
-use farm_txn::{MachineState, Params, Tx, TxError, Worker};
+use farm_core::Addr;
+use farm_txn::{Tx, TxError, Worker};
 
 const OBJ: usize = 16_000;
 
 fn cluster() -> Vec<Worker> {
-    let layout = RingLayout {
-        machines_max: 3,
-        threads: 1,
-        log_bytes: 256 << 10,
-        queue_bytes: 256 << 10,
-    };
-    let params = Params {
-        layout,
-        region_bytes: 4 << 20,
-        validate_rpc_threshold: 4,
-    };
-    let fabric = Arc::new(MemFabric::new(MemFabricConfig {
-        machines_max: 3,
-        threads_max: 1,
-        seed: 0,
-        datagrams_queued_max: 8,
-    }));
-    let map = RegionMap::striped(3, 1, 2);
-    (0..3)
-        .map(|m| {
-            let state = MachineState::new(
-                MachineId(m),
-                params,
-                Configuration::initial(3),
-                map.clone(),
-                fabric.clone() as Arc<dyn Fabric>,
-                None,
-            )
-            .unwrap();
-            Worker::new(state, ThreadId(0))
-        })
-        .collect()
+    common::workers(4 << 20, 2)
 }
 
 /// Polls the commit on worker `c` at most `polls` times, polling the `serve` workers between.
