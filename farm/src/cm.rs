@@ -138,14 +138,7 @@ fn run(mut s: CmShared) {
         if !s.reconfigure {
             continue;
         }
-        // The newest configuration any live machine has (a partitioned minority may lag).
-        let Some(view) = s
-            .machines
-            .iter()
-            .filter(|m| s.fabric.is_alive(m.id))
-            .map(|m| m.view())
-            .max_by_key(|v| v.config.id)
-        else {
+        let Some(view) = newest_view(&s) else {
             continue;
         };
         let config = view.config.clone();
@@ -224,6 +217,18 @@ fn run(mut s: CmShared) {
             BTreeSet::from([cm]),
         );
     }
+}
+
+/// The newest configuration any live member has (a partitioned minority may lag behind; spare
+/// machines, outside every configuration, know nothing).
+fn newest_view(s: &CmShared) -> Option<Arc<farm_txn::machine::View>> {
+    s.machines
+        .iter()
+        .filter(|m| s.fabric.is_alive(m.id))
+        .map(|m| (m.id, m.view()))
+        .filter(|(id, v)| v.config.contains(*id))
+        .map(|(_, v)| v)
+        .max_by_key(|v| v.config.id)
 }
 
 fn params(s: &CmShared) -> ReconfigParams {
@@ -381,12 +386,7 @@ pub(crate) enum Request {
 }
 
 fn serve(s: &mut CmShared, request: Request, changes: &mut BTreeMap<RegionId, RegionChanges>) {
-    let Some(view) = s
-        .machines
-        .iter()
-        .find(|m| s.fabric.is_alive(m.id) && m.view().config.contains(m.id))
-        .map(|m| m.view())
-    else {
+    let Some(view) = newest_view(s) else {
         return;
     };
     let cm = view.config.cm;
@@ -472,7 +472,7 @@ fn allocate_region(
             map.insert(region, p);
             // COMMIT: every member learns the mapping; replicas use their prepared NVRAM.
             for m in &view.config.members {
-                if s.fabric.is_alive(*m) {
+                if s.fabric.reachable(view.config.cm, *m) {
                     let target = &s.machines[m.0 as usize];
                     let current = target.view();
                     target
