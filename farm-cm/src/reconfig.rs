@@ -379,9 +379,7 @@ impl Reconfig {
 /// The `k` backup CMs of `config`: the CM's successors on a consistent-hashing ring of the
 /// members (§5.2). They take over reconfiguration when the CM is suspected.
 pub fn backup_cms(config: &Configuration, k: usize) -> Vec<MachineId> {
-    let point = |m: MachineId| farm_core::rng::Rng::new(0xc0de ^ m.0 as u64).next_u64();
-    let mut ring: Vec<(u64, MachineId)> = config.members.iter().map(|m| (point(*m), *m)).collect();
-    ring.sort();
+    let ring = hash_ring(config);
     let at = ring
         .iter()
         .position(|(_, m)| *m == config.cm)
@@ -390,6 +388,25 @@ pub fn backup_cms(config: &Configuration, k: usize) -> Vec<MachineId> {
         .map(|i| ring[(at + i) % ring.len()].1)
         .take(k)
         .collect()
+}
+
+/// The consistent-hashing ring of `config`'s members: (point, machine), sorted by point. Every
+/// machine computes the same ring from the same configuration.
+pub fn hash_ring(config: &Configuration) -> Vec<(u64, MachineId)> {
+    let point = |m: MachineId| farm_core::rng::Rng::new(0xc0de ^ m.0 as u64).next_u64();
+    let mut ring: Vec<(u64, MachineId)> = config.members.iter().map(|m| (point(*m), *m)).collect();
+    ring.sort();
+    ring
+}
+
+/// The member that owns `key` on the ring: the first clockwise from it.
+pub fn ring_owner(config: &Configuration, key: u64) -> MachineId {
+    let ring = hash_ring(config);
+    ring.iter()
+        .find(|(p, _)| *p >= key)
+        .or(ring.first())
+        .expect("a configuration has members")
+        .1
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use farm_cm::reconfig::ring_owner;
 use farm_cm::remap::RegionChanges;
 use farm_core::config::Configuration;
 use farm_core::{ConfigId, MachineId, RegionId, TxnId};
@@ -43,15 +44,7 @@ pub fn recovery_coordinator(txn: TxnId, now: &Configuration) -> MachineId {
         txn.config.0 ^ (txn.machine.0 as u64) << 48 ^ (txn.thread.0 as u64) << 32 ^ txn.local,
     )
     .next_u64();
-    let point = |m: MachineId| farm_core::rng::Rng::new(0x5eed ^ m.0 as u64).next_u64();
-    // The first member clockwise from the key on the ring.
-    let mut ring: Vec<(u64, MachineId)> = now.members.iter().map(|m| (point(*m), *m)).collect();
-    ring.sort();
-    ring.iter()
-        .find(|(p, _)| *p >= key)
-        .or(ring.first())
-        .expect("a configuration has members")
-        .1
+    ring_owner(now, key)
 }
 
 /// What the replicas of one region saw of a transaction.

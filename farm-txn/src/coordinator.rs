@@ -672,8 +672,7 @@ impl Worker {
                         return None;
                     }
                     if *failed {
-                        let all: BTreeSet<MachineId> = c.primaries.keys().copied().collect();
-                        self.abort(c, &all);
+                        self.abort_at_primaries(c);
                         return Some(Err(TxError::Conflict(Conflict::Lock)));
                     }
                     c.phase = self.start_validation(c);
@@ -687,8 +686,7 @@ impl Worker {
                         return None;
                     }
                     if *failed {
-                        let all: BTreeSet<MachineId> = c.primaries.keys().copied().collect();
-                        self.abort(c, &all);
+                        self.abort_at_primaries(c);
                         return Some(Err(TxError::Conflict(Conflict::Validate)));
                     }
                     if c.primaries.is_empty() {
@@ -700,9 +698,7 @@ impl Worker {
                         match self.send_log(c, b, LogBody::CommitBackup(ws)) {
                             Ok(t) => tickets.push((b, t)),
                             Err(e) => {
-                                let all: BTreeSet<MachineId> =
-                                    c.primaries.keys().copied().collect();
-                                self.abort(c, &all);
+                                self.abort_at_primaries(c);
                                 return Some(Err(e));
                             }
                         }
@@ -722,8 +718,7 @@ impl Worker {
                         }
                     }
                     if let Some(dead) = failed {
-                        let all: BTreeSet<MachineId> = c.primaries.keys().copied().collect();
-                        self.abort(c, &all);
+                        self.abort_at_primaries(c);
                         return Some(Err(TxError::Unavailable(
                             farm_core::fabric::FabricError::Unreachable(dead),
                         )));
@@ -978,6 +973,12 @@ impl Worker {
             Some(ticket) => Ok(ticket),
             None => panic!("log to {dst} full despite a reservation for {}", c.txn),
         }
+    }
+
+    /// ABORT to every primary of the transaction (all got a LOCK).
+    fn abort_at_primaries(&mut self, c: &mut Commit) {
+        let all: BTreeSet<MachineId> = c.primaries.keys().copied().collect();
+        self.abort(c, &all);
     }
 
     /// ABORT to `primaries` (those that got a LOCK); everything else reserved is returned.

@@ -65,29 +65,14 @@ impl Stats {
 
     /// Adds `other` into `self`.
     pub fn add(&mut self, other: &Stats) {
-        // Destructured so that a new counter cannot be forgotten here.
-        let Stats {
-            commits,
-            aborts_read_locked,
-            aborts_read_torn,
-            aborts_lock,
-            aborts_validate,
-            aborts_other,
-            reads,
-            reads_locked,
-            reads_torn,
-            locks_processed,
-            backup_applied,
-            truncates_sent,
-            validate_rpcs,
-            reserve_waits,
-            queue_full_waits,
-            allocs,
-            allocs_remote,
-            frees,
-        } = other;
-        macro_rules! sum { ($($f:ident),*) => { $( self.$f += $f; )* } }
-        sum!(
+        // The pattern lists every field without `..`, so a new counter cannot be forgotten.
+        macro_rules! sum_all {
+            ($($f:ident),*) => {{
+                let Stats { $($f),* } = other;
+                $( self.$f += $f; )*
+            }};
+        }
+        sum_all!(
             commits,
             aborts_read_locked,
             aborts_read_torn,
