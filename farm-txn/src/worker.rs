@@ -85,6 +85,8 @@ pub struct Worker {
     backlog: std::collections::VecDeque<(MachineId, Vec<u8>)>,
     /// ALLOC-REPLYs waiting for their block header to reach the backups.
     alloc_replies: Vec<PendingAllocReply>,
+    /// Encoding and framing buffers of outgoing messages.
+    msg_bufs: (Vec<u8>, Vec<u8>),
 }
 
 /// An ALLOC-REPLY (to the machine named first) held until its block-header writes are acked.
@@ -154,6 +156,7 @@ impl Worker {
             framed: Vec::new(),
             backlog: std::collections::VecDeque::new(),
             alloc_replies: Vec::new(),
+            msg_bufs: (Vec::new(), Vec::new()),
         }
     }
 
@@ -692,15 +695,17 @@ impl Worker {
     /// queue to `dst` is full the message waits in a bounded backlog that [`Worker::poll`]
     /// retries, so a handler never blocks on a slow peer.
     pub(crate) fn send_message(&mut self, dst: MachineId, msg: &Message) {
-        let mut payload = Vec::new();
+        // Reused buffers: a LOCK-REPLY goes out for every LOCK, so this is a hot path.
+        let (mut payload, mut framed) = std::mem::take(&mut self.msg_bufs);
+        payload.clear();
         msg.encode(&mut payload);
-        let mut framed = Vec::new();
         frame(&payload, &mut framed);
         if self.backlog.iter().any(|(d, _)| *d == dst) || !self.try_send_framed(dst, &framed) {
             assert!(self.backlog.len() < BACKLOG_MAX, "message backlog overflow");
             self.stats.queue_full_waits += 1;
-            self.backlog.push_back((dst, framed));
+            self.backlog.push_back((dst, framed.clone()));
         }
+        self.msg_bufs = (payload, framed);
     }
 
     /// Whether the message was placed (or its peer is dead: nobody will read it).
