@@ -67,6 +67,11 @@ pub fn class_for(payload: usize) -> Result<usize, AllocError> {
         .ok_or(AllocError::TooLarge(payload))
 }
 
+/// Offset in block 0 of the word holding the configuration in which the region last became
+/// active at its primary (§5.3 step 4): written only at the primary, read by coordinators of
+/// other machines while their view still shows the region blocked.
+pub const REGION_ACTIVE_OFFSET: usize = BLOCK_BYTES - 8;
+
 /// Offset of the header word of `block`.
 pub const fn block_header_offset(block: u32) -> usize {
     8 * block as usize
@@ -105,7 +110,7 @@ impl BlockPool {
             "a region needs at least 2 blocks of {BLOCK_BYTES} bytes"
         );
         assert!(
-            blocks as usize * 8 <= BLOCK_BYTES,
+            block_header_offset(blocks) <= REGION_ACTIVE_OFFSET,
             "block headers must fit in block 0"
         );
         Self {

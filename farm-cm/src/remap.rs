@@ -8,17 +8,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use farm_core::config::{Configuration, Placement, RegionMap};
-use farm_core::{ConfigId, MachineId, RegionId};
+use farm_core::{MachineId, RegionId};
 
-/// When each region last changed primary and replicas (`LastPrimaryChange`,
-/// `LastReplicaChange` of §5.2).
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-pub struct RegionChanges {
-    /// Configuration in which the primary last changed.
-    pub last_primary_change: ConfigId,
-    /// Configuration in which any replica last changed.
-    pub last_replica_change: ConfigId,
-}
+pub use farm_core::config::RegionChanges;
 
 /// The outcome of remapping.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -129,6 +121,7 @@ pub fn remap(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use farm_core::ConfigId;
 
     fn config(id: u64, members: &[u16]) -> Configuration {
         let mut c = Configuration::initial(8);

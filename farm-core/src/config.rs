@@ -40,6 +40,16 @@ impl Configuration {
     }
 }
 
+/// When each region last changed primary and replicas (`LastPrimaryChange`,
+/// `LastReplicaChange` of §5.2).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct RegionChanges {
+    /// Configuration in which the primary last changed.
+    pub last_primary_change: ConfigId,
+    /// Configuration in which any replica last changed.
+    pub last_replica_change: ConfigId,
+}
+
 /// Replicas of one region: a primary and `f` backups, all distinct.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct Placement {

@@ -174,8 +174,9 @@ pub enum RecoveryBody {
     NeedRecovery(Vec<TxnId>),
     /// Primary to backup: send the state of these transactions.
     FetchTxState(Vec<TxnId>),
-    /// Backup to primary: the LOCK-record contents of a transaction asked for.
-    SendTxState(TxnId, WriteSet),
+    /// Backup to primary: the LOCK-record contents of a transaction asked for, and whether the
+    /// backup saw its COMMIT-BACKUP (evidence for the region's vote, §5.3 step 6).
+    SendTxState(TxnId, WriteSet, bool),
     /// Primary to backup: a transaction's LOCK-record contents the backup is missing.
     ReplicateTxState(TxnId, WriteSet),
     /// Primary to the recovery coordinator: the region's vote, with every region the
@@ -249,6 +250,7 @@ const REC_REQUEST_VOTE: u8 = 6;
 const REC_COMMIT: u8 = 7;
 const REC_ABORT: u8 = 8;
 const REC_TRUNCATE: u8 = 9;
+const REC_SEND_COMMIT_BACKUP: u8 = 10;
 
 fn put_txn(out: &mut Vec<u8>, t: TxnId) {
     out.extend_from_slice(&t.config.0.to_le_bytes());
@@ -433,12 +435,17 @@ impl Message {
                         out.push(REC_FETCH);
                         put_txns(out, ts);
                     }
-                    RecoveryBody::SendTxState(t, ws) | RecoveryBody::ReplicateTxState(t, ws) => {
-                        out.push(if matches!(body, RecoveryBody::SendTxState(..)) {
-                            REC_SEND
+                    RecoveryBody::SendTxState(t, ws, commit_backup) => {
+                        out.push(if *commit_backup {
+                            REC_SEND_COMMIT_BACKUP
                         } else {
-                            REC_REPLICATE
+                            REC_SEND
                         });
+                        put_txn(out, *t);
+                        put_write_set(out, ws);
+                    }
+                    RecoveryBody::ReplicateTxState(t, ws) => {
+                        out.push(REC_REPLICATE);
                         put_txn(out, *t);
                         put_write_set(out, ws);
                     }
@@ -537,13 +544,13 @@ impl Message {
                             RecoveryBody::FetchTxState(ts)
                         }
                     }
-                    REC_SEND | REC_REPLICATE => {
+                    REC_SEND | REC_SEND_COMMIT_BACKUP | REC_REPLICATE => {
                         let t = r.txn()?;
                         let ws = r.write_set()?;
-                        if kind == REC_SEND {
-                            RecoveryBody::SendTxState(t, ws)
-                        } else {
+                        if kind == REC_REPLICATE {
                             RecoveryBody::ReplicateTxState(t, ws)
+                        } else {
+                            RecoveryBody::SendTxState(t, ws, kind == REC_SEND_COMMIT_BACKUP)
                         }
                     }
                     REC_VOTE => {
@@ -844,7 +851,8 @@ mod tests {
         let recovery = [
             RecoveryBody::NeedRecovery(vec![txn(), txn()]),
             RecoveryBody::FetchTxState(vec![]),
-            RecoveryBody::SendTxState(txn(), ws.clone()),
+            RecoveryBody::SendTxState(txn(), ws.clone(), false),
+            RecoveryBody::SendTxState(txn(), ws.clone(), true),
             RecoveryBody::ReplicateTxState(txn(), ws),
             RecoveryBody::RecoveryVote(
                 txn(),

@@ -59,6 +59,9 @@ pub(crate) struct CoordinatorState {
     trunc_reserved: Vec<usize>,
     /// When a truncatable transaction first waited, for the lazy explicit flush.
     truncatable_since: Option<u64>,
+    /// Own transactions whose outcome recovery decides: they hold the truncation low bound
+    /// down, so that no replica votes them truncated (§5.3 step 6).
+    pub(crate) recovering: BTreeSet<u64>,
     active: Option<Commit>,
 }
 
@@ -71,6 +74,7 @@ impl CoordinatorState {
             outstanding: vec![BTreeSet::new(); peers],
             trunc_reserved: vec![0; peers],
             truncatable_since: None,
+            recovering: BTreeSet::new(),
             active: None,
         }
     }
@@ -205,9 +209,10 @@ impl<'w> Tx<'w> {
     /// Allocates an object with room for `len` bytes, zeroed, in a region this machine is
     /// primary for: the region of `near` when it is one, else the first with space (§5.5).
     pub fn alloc(&mut self, len: usize, near: Option<Addr>) -> Result<Addr, TxError> {
+        let near_blocked = near.is_some_and(|n| self.worker.region_blocked(n.region));
         let remote = near.filter(|n| {
             self.poller.is_some()
-                && !self.worker.view.is_blocked(n.region)
+                && !near_blocked
                 && self
                     .worker
                     .view
@@ -355,10 +360,15 @@ enum Phase {
     },
     Backup {
         tickets: Vec<(MachineId, Option<WriteTicket>)>,
+        /// A COMMIT-BACKUP could not be written (its backup is dead): wait for recovery.
+        failed: bool,
     },
     Primary {
         tickets: Vec<(MachineId, Option<WriteTicket>)>,
     },
+    /// A new configuration made the transaction recovering after COMMIT-BACKUP went out: its
+    /// acks are ignored and recovery decides (§5.3 step 3).
+    Recovering,
 }
 
 /// A transaction in its commit phase.
@@ -393,13 +403,16 @@ impl Worker {
     pub fn read_object_into(&mut self, addr: Addr, buf: &mut [u8]) -> Result<Header, TxError> {
         // Lock-free reads come here without a transaction: see the newest view first.
         self.refresh_view();
-        let placement = self.view.map.get(addr.region).ok_or(TxError::BadAddress {
-            addr,
-            why: "no such region",
-        })?;
-        if self.view.is_blocked(addr.region) {
+        if self.view.map.get(addr.region).is_none() {
+            return Err(TxError::BadAddress {
+                addr,
+                why: "no such region",
+            });
+        }
+        if self.region_blocked(addr.region) {
             return Err(TxError::RegionBlocked(addr.region));
         }
+        let placement = self.view.map.get(addr.region).expect("checked");
         let end = addr.offset as usize + buf.len();
         if !addr.offset.is_multiple_of(8) || end > self.machine.params.region_bytes {
             return Err(TxError::BadAddress {
@@ -453,7 +466,7 @@ impl Worker {
                 .copied()
                 .filter(|r| Some(*r) != near.map(|n| n.region)),
         );
-        candidates.retain(|r| !self.view.is_blocked(*r));
+        candidates.retain(|r| !self.region_blocked(*r));
         let mut last_err = None;
         for region in candidates {
             let pool = self.view.pool(region).expect("primary has a pool");
@@ -540,6 +553,12 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Drops the commit in progress without any protocol step: this worker's machine died
+    /// (the runtime's stand-in for a process that is gone).
+    pub fn abandon_commit(&mut self) {
+        self.coord.active = None;
     }
 
     /// Whether a commit is in progress on this worker.
@@ -693,37 +712,27 @@ impl Worker {
                         return Some(Ok(()));
                     }
                     let mut tickets = Vec::new();
+                    let mut failed = false;
                     for b in c.backups.keys().copied().collect::<Vec<_>>() {
                         let ws = c.backups[&b].clone();
+                        // Once one COMMIT-BACKUP may be out, only recovery may abort.
                         match self.send_log(c, b, LogBody::CommitBackup(ws)) {
                             Ok(t) => tickets.push((b, t)),
-                            Err(e) => {
-                                self.abort_at_primaries(c);
-                                return Some(Err(e));
-                            }
+                            Err(_) => failed = true,
                         }
                     }
-                    c.phase = Phase::Backup { tickets };
+                    c.phase = Phase::Backup { tickets, failed };
                 }
-                Phase::Backup { tickets } => {
+                Phase::Backup { tickets, failed } => {
                     // §4 step 3: every backup must hold the record before any primary exposes
-                    // the writes, or a failure could lose them.
-                    let mut failed = None;
-                    let mut pending = false;
-                    for (b, t) in tickets.iter() {
-                        match self.write_status(*b, *t) {
-                            WriteStatus::Done => {}
-                            WriteStatus::Pending => pending = true,
-                            WriteStatus::Failed => failed = Some(*b),
-                        }
-                    }
-                    if let Some(dead) = failed {
-                        self.abort_at_primaries(c);
-                        return Some(Err(TxError::Unavailable(
-                            farm_core::fabric::FabricError::Unreachable(dead),
-                        )));
-                    }
-                    if pending {
+                    // the writes, or a failure could lose them. A backup that failed leaves
+                    // the outcome to recovery once the configuration changes: some backups may
+                    // hold COMMIT-BACKUP, so the coordinator may no longer abort on its own.
+                    if *failed
+                        || tickets
+                            .iter()
+                            .any(|(b, t)| self.write_status(*b, *t) != WriteStatus::Done)
+                    {
                         return None;
                     }
                     let mut tickets = Vec::new();
@@ -742,6 +751,14 @@ impl Worker {
                         let me = self.machine.id;
                         self.poll_log(me);
                     }
+                }
+                Phase::Recovering => {
+                    let decision = self.recovery.decided.remove(&c.txn)?;
+                    self.coord.recovering.remove(&c.txn.local);
+                    return Some(match decision {
+                        crate::recovery::Decision::Commit => Ok(()),
+                        crate::recovery::Decision::Abort => Err(TxError::ConfigurationChanged),
+                    });
                 }
                 Phase::Primary { tickets } => {
                     // §4 step 4: success once one COMMIT-PRIMARY is acked (or written locally).
@@ -772,61 +789,70 @@ impl Worker {
         }
     }
 
-    /// Ends a commit that a new configuration overtook: participants left the configuration or
-    /// a written region is blocked. Before any COMMIT-BACKUP was sent, the transaction aborts
-    /// (ABORT to the primaries still there) and `txn()` retries; once only removed primaries
-    /// could still commit it, its outcome is recovery's to decide (§5.3) and the caller is told
-    /// it is unknown.
+    /// Checks a commit against a new view (§5.3 step 3). A transaction is recovering when it
+    /// started committing in an earlier configuration and a replica of a region it wrote or its
+    /// coordinator changed; replicas find the same from their records. Before COMMIT-BACKUP
+    /// went out it cannot commit, so it ends at once and `txn()` retries (recovery releases its
+    /// locks); after, recovery decides and the acks of the old configuration are ignored. A
+    /// transaction whose read region changed primary aborts if it is still validating.
     fn check_view(&mut self, c: &mut Commit) -> Option<Result<(), TxError>> {
         let view = self.view.clone();
-        let gone: Vec<MachineId> = c
-            .primaries
-            .keys()
-            .chain(c.backups.keys())
-            .copied()
-            .filter(|m| !view.config.contains(*m))
-            .collect();
-        let blocked = c
+        let written: Vec<RegionId> = c
             .primaries
             .values()
-            .flat_map(|ws| &ws.regions)
-            .find(|r| view.is_blocked(**r))
-            .copied();
-        if gone.is_empty() && blocked.is_none() {
-            return None;
-        }
-        let live: BTreeSet<MachineId> = c
-            .primaries
-            .keys()
-            .copied()
-            .filter(|m| view.config.contains(*m))
-            .collect();
+            .next()
+            .map(|ws| ws.regions.clone())
+            .unwrap_or_default();
+        let recovering = view.is_recovering(c.txn, &written);
+        let read_moved = c.txn.config < view.config.id
+            && c.state.objects.iter().any(|(a, e)| {
+                !e.written
+                    && view
+                        .changes
+                        .get(&a.region)
+                        .is_some_and(|ch| ch.last_primary_change >= view.config.id)
+            });
+        let blocked = written.iter().copied().find(|r| self.region_blocked(*r));
         match &c.phase {
-            Phase::Reserve => Some(Err(match blocked {
-                Some(r) => TxError::RegionBlocked(r),
-                None => TxError::ConfigurationChanged,
-            })),
-            Phase::Lock { .. } | Phase::Validate { .. } => {
-                self.abort(c, &live);
-                Some(Err(TxError::ConfigurationChanged))
-            }
-            // Failed writes to removed backups end this phase through the abort path.
-            Phase::Backup { .. } => None,
-            Phase::Primary { tickets } => {
-                let acked = tickets
-                    .iter()
-                    .any(|(p, t)| self.write_status(*p, *t) == WriteStatus::Done);
-                let decided_elsewhere = tickets.iter().all(|(p, _)| !view.config.contains(*p));
-                if acked || !decided_elsewhere || gone.is_empty() {
+            Phase::Reserve => {
+                if !recovering && !read_moved && blocked.is_none() {
                     return None;
                 }
-                for (m, left) in std::mem::take(&mut c.reserved) {
-                    self.outbound[m.0 as usize].log.unreserve(left);
-                }
-                Some(Err(TxError::Unavailable(
-                    farm_core::fabric::FabricError::Unreachable(gone[0]),
-                )))
+                self.return_reservations(c);
+                Some(Err(match blocked {
+                    Some(r) => TxError::RegionBlocked(r),
+                    None => TxError::ConfigurationChanged,
+                }))
             }
+            Phase::Lock { .. } | Phase::Validate { .. } => {
+                if recovering {
+                    self.return_reservations(c);
+                    Some(Err(TxError::ConfigurationChanged))
+                } else if read_moved {
+                    self.abort_at_primaries(c);
+                    Some(Err(TxError::ConfigurationChanged))
+                } else {
+                    None
+                }
+            }
+            Phase::Backup { .. } | Phase::Primary { .. } => {
+                if !recovering {
+                    return None;
+                }
+                self.return_reservations(c);
+                self.coord.recovering.insert(c.txn.local);
+                self.await_recovery(c.txn, written);
+                c.phase = Phase::Recovering;
+                None
+            }
+            Phase::Recovering => None,
+        }
+    }
+
+    /// Gives back every log reservation a commit still holds.
+    fn return_reservations(&mut self, c: &mut Commit) {
+        for (m, left) in std::mem::take(&mut c.reserved) {
+            self.outbound[m.0 as usize].log.unreserve(left);
         }
     }
 
@@ -923,6 +949,7 @@ impl Worker {
             .copied()
             .into_iter()
             .chain(active)
+            .chain(self.coord.recovering.first().copied())
             .min()
             .unwrap_or(self.coord.next_local + 1);
         let out = &mut self.coord.outstanding[dst.0 as usize];

@@ -18,9 +18,14 @@ pub enum TxError {
     /// it; `txn()` retries in the new configuration.
     #[error("the configuration changed during the commit")]
     ConfigurationChanged,
-    /// A machine the transaction needs does not answer.
+    /// A machine the transaction needs does not answer; nothing of the transaction committed.
+    /// `txn()` retries: a new configuration without the machine will serve it (§5.2).
     #[error("unavailable: {0}")]
     Unavailable(#[from] FabricError),
+    /// The coordinator's own machine failed during the commit: recovery decides the outcome
+    /// (§5.3), and the caller cannot know it. Never retried.
+    #[error("the coordinator machine {0} failed during the commit; recovery decides the outcome")]
+    CoordinatorFailed(MachineId),
     /// The address names no object (no such region, outside it, or not allocated).
     #[error("bad address {addr}: {why}")]
     BadAddress {
@@ -69,7 +74,10 @@ impl TxError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            TxError::Conflict(_) | TxError::RegionBlocked(_) | TxError::ConfigurationChanged
+            TxError::Conflict(_)
+                | TxError::RegionBlocked(_)
+                | TxError::ConfigurationChanged
+                | TxError::Unavailable(_)
         )
     }
 }

@@ -5,12 +5,14 @@
 //! messages) and a coordinator (it executes [`Tx`]s and drives their commit). Nothing here
 //! blocks, reads a clock, spawns a thread or draws a random number: the runtime in `farm` and the
 //! simulator in `farm-sim` drive the same code by calling [`Worker::poll`] and
-//! [`Worker::poll_commit`] with the current tick.
+//! [`Worker::poll_commit`] with the current tick. Transaction state recovery (§5.3) runs in the
+//! same workers ([`recovery`]).
 #![deny(missing_docs)]
 
 pub mod coordinator;
 pub mod error;
 pub mod machine;
+pub mod recovery;
 pub mod stats;
 pub mod worker;
 

@@ -2,19 +2,19 @@
 //! of the configuration and region map, and its handle on the fabric. Worker threads of the same
 //! machine share it; other machines reach it only through the fabric.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use farm_alloc::BlockPool;
-use farm_core::config::{Configuration, RegionMap};
+use farm_core::config::{Configuration, RegionChanges, RegionMap};
 use farm_core::fabric::{Fabric, MemKey};
 use farm_core::nvram::Nvram;
 use farm_core::ring::RingLayout;
 use farm_core::wire::RECORD_BYTES_MAX;
-use farm_core::{MachineId, RegionId};
+use farm_core::{ConfigId, MachineId, RegionId};
 
 /// Parameters every machine of a cluster agrees on.
 #[derive(Clone, Copy, Debug)]
@@ -61,7 +61,11 @@ pub struct View {
     pub config: Configuration,
     /// Where every region lives.
     pub map: RegionMap,
-    /// Regions nobody may access until recovery unblocks them.
+    /// When each region last changed primary and replicas (NEW-CONFIG carries these, §5.3
+    /// step 3: they decide which transactions are recovering).
+    pub changes: BTreeMap<RegionId, RegionChanges>,
+    /// Regions whose replicas changed in this configuration: nobody may access them until lock
+    /// recovery at their primary makes them active (§5.3 steps 1 and 4).
     pub blocked: BTreeSet<RegionId>,
     regions: Vec<Option<Arc<Nvram>>>,
     pools: Vec<Option<Arc<BlockPool>>>,
@@ -78,9 +82,24 @@ impl View {
         self.pools.get(region.0 as usize).and_then(Option::as_deref)
     }
 
-    /// Whether `region` is blocked.
+    /// Whether `region` was blocked when this configuration was installed (it may have become
+    /// active since: see `Worker::region_blocked`).
     pub fn is_blocked(&self, region: RegionId) -> bool {
         self.blocked.contains(&region)
+    }
+
+    /// Whether a transaction that started committing in an earlier configuration and wrote
+    /// `written` is recovering in this one (§5.3 step 3, as replicas see it: a replica of a
+    /// written region or the coordinator changed). The condition on read regions is the
+    /// coordinator's: see `Worker::check_view`.
+    pub fn is_recovering(&self, txn: farm_core::TxnId, written: &[RegionId]) -> bool {
+        txn.config < self.config.id
+            && (!self.config.contains(txn.machine)
+                || written.iter().any(|r| {
+                    self.changes
+                        .get(r)
+                        .is_some_and(|c| c.last_replica_change >= self.config.id)
+                }))
     }
 }
 
@@ -96,6 +115,15 @@ pub struct MachineState {
     nvram_dir: Option<PathBuf>,
     /// Regions prepared for allocation (§3) and not yet committed into a view.
     prepared: Mutex<std::collections::BTreeMap<RegionId, Arc<Nvram>>>,
+    /// The newest configuration whose NEW-CONFIG-COMMIT this machine received (§5.2 step 7);
+    /// transaction recovery for it starts then (§5.3 step 2).
+    committed: AtomicU64,
+    /// Per region being recovered here as primary: the configuration and the threads whose
+    /// lock recovery is done (§5.3 step 4; the region is active when all are).
+    lock_recovery: Mutex<BTreeMap<RegionId, (ConfigId, BTreeSet<u16>)>>,
+    /// Objects locked by transaction recovery, with the number of recovering transactions
+    /// holding each (two recovering transactions may have written the same object in turn).
+    recovery_locks: Mutex<BTreeMap<(RegionId, u32), u32>>,
     /// Inbound logs and message queues.
     pub rings: Arc<Nvram>,
     /// Truncation feedback written by receivers of this machine's records.
@@ -133,6 +161,7 @@ impl MachineState {
         let empty = View {
             config: config.clone(),
             map: RegionMap::default(),
+            changes: BTreeMap::new(),
             blocked: BTreeSet::new(),
             regions: Vec::new(),
             pools: Vec::new(),
@@ -144,11 +173,14 @@ impl MachineState {
             view_generation: AtomicU64::new(0),
             nvram_dir,
             prepared: Mutex::new(std::collections::BTreeMap::new()),
+            committed: AtomicU64::new(config.id.0),
+            lock_recovery: Mutex::new(BTreeMap::new()),
+            recovery_locks: Mutex::new(BTreeMap::new()),
             rings,
             feedback,
             fabric,
         });
-        state.install(config, region_map, BTreeSet::new())?;
+        state.install(config, region_map, BTreeMap::new())?;
         Ok(state)
     }
 
@@ -171,8 +203,13 @@ impl MachineState {
         &self,
         config: Configuration,
         map: RegionMap,
-        blocked: BTreeSet<RegionId>,
+        changes: BTreeMap<RegionId, RegionChanges>,
     ) -> io::Result<()> {
+        let blocked = changes
+            .iter()
+            .filter(|(_, c)| c.last_replica_change == config.id)
+            .map(|(r, _)| *r)
+            .collect();
         let mut guard = self.view.lock().expect("view poisoned");
         let old = guard.clone();
         let first = old.map.iter().next().is_none();
@@ -212,6 +249,7 @@ impl MachineState {
         *guard = Arc::new(View {
             config,
             map,
+            changes,
             blocked,
             regions,
             pools,
@@ -242,6 +280,81 @@ impl MachineState {
             .expect("prepared poisoned")
             .insert(region, mem);
         Ok(())
+    }
+
+    /// NEW-CONFIG-COMMIT (§5.2 step 7): transaction recovery for `config` may start.
+    pub fn commit_config(&self, config: ConfigId) {
+        self.committed.fetch_max(config.0, Ordering::AcqRel);
+    }
+
+    /// The newest configuration committed here.
+    pub fn committed_config(&self) -> ConfigId {
+        ConfigId(self.committed.load(Ordering::Acquire))
+    }
+
+    /// Records that `thread` finished lock recovery of `region` for `config` (§5.3 step 4).
+    /// When every thread has, the region becomes active: the configuration is written where
+    /// coordinators look for it (local memory here, one-sided reads elsewhere).
+    pub(crate) fn lock_recovered(&self, region: RegionId, config: ConfigId, thread: u16) {
+        let mut all = self.lock_recovery.lock().expect("poisoned");
+        let entry = all.entry(region).or_insert((config, BTreeSet::new()));
+        if entry.0 != config {
+            *entry = (config, BTreeSet::new());
+        }
+        entry.1.insert(thread);
+        if entry.1.len() == self.params.layout.threads as usize {
+            all.remove(&region);
+            if let Some(mem) = self.view().region(region) {
+                mem.store_u64(
+                    farm_alloc::REGION_ACTIVE_OFFSET,
+                    config.0,
+                    Ordering::Release,
+                );
+            }
+        }
+    }
+
+    /// Locks an object for a recovering transaction (§5.3 step 4), whatever its version.
+    pub(crate) fn recovery_lock(&self, mem: &Nvram, region: RegionId, offset: u32) {
+        let mut locks = self.recovery_locks.lock().expect("poisoned");
+        let n = locks.entry((region, offset)).or_insert(0);
+        if *n == 0 {
+            let off = offset as usize;
+            let h = farm_core::object::Header(mem.load_u64(off, Ordering::Acquire));
+            mem.store_u64(off, h.with_lock().0, Ordering::Release);
+        }
+        *n += 1;
+    }
+
+    /// Applies a recovered commit to an object locked by recovery if it is newer, and drops
+    /// one recovery lock (unlocking when it was the last).
+    pub(crate) fn recovery_unlock(
+        &self,
+        mem: &Nvram,
+        region: RegionId,
+        offset: u32,
+        commit: Option<(&[u8], farm_core::object::Header)>,
+    ) {
+        let mut locks = self.recovery_locks.lock().expect("poisoned");
+        let n = locks
+            .get_mut(&(region, offset))
+            .expect("recovery lock held");
+        let off = offset as usize;
+        let current = farm_core::object::Header(mem.load_u64(off, Ordering::Acquire));
+        let mut h = current.without_lock();
+        if let Some((data, new)) = commit {
+            if new.version() > h.version() || h.0 == 0 {
+                mem.write(off + farm_core::object::HEADER_BYTES, data);
+                h = new;
+            }
+        }
+        *n -= 1;
+        if *n == 0 {
+            locks.remove(&(region, offset));
+            mem.store_u64(off, h.0, Ordering::Release);
+        } else {
+            mem.store_u64(off, h.with_lock().0, Ordering::Release);
+        }
     }
 
     /// ABORT of region allocation: forgets a prepared region.

@@ -41,6 +41,12 @@ pub struct Stats {
     pub allocs_remote: u64,
     /// Objects freed at this primary.
     pub frees: u64,
+    /// RECOVERY-VOTEs sent (§5.3 step 6).
+    pub recovery_votes: u64,
+    /// Recovering transactions this thread decided to commit (§5.3 step 7).
+    pub recovered_commits: u64,
+    /// Recovering transactions this thread decided to abort.
+    pub recovered_aborts: u64,
 }
 
 impl Stats {
@@ -90,7 +96,10 @@ impl Stats {
             queue_full_waits,
             allocs,
             allocs_remote,
-            frees
+            frees,
+            recovery_votes,
+            recovered_commits,
+            recovered_aborts
         );
     }
 }

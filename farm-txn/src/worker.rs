@@ -25,31 +25,50 @@ use crate::stats::Stats;
 /// Locks held at this primary for a transaction, from its LOCK record until COMMIT-PRIMARY or
 /// ABORT.
 #[derive(Debug)]
-struct HeldLocks {
-    record: RecordPos,
-    writes: WriteSet,
+pub(crate) struct HeldLocks {
+    pub(crate) txn: TxnId,
+    pub(crate) record: RecordPos,
+    pub(crate) writes: WriteSet,
     /// Whether every lock was taken (LOCK-REPLY ok).
-    ok: bool,
+    pub(crate) ok: bool,
 }
 
 /// Records of one transaction of one sender kept until truncation.
-#[derive(Debug, Default)]
-struct Retained {
-    records: Vec<RecordPos>,
+#[derive(Debug)]
+pub(crate) struct Retained {
+    pub(crate) txn: TxnId,
+    pub(crate) records: Vec<RecordPos>,
+    /// The LOCK writes of a transaction whose COMMIT-PRIMARY was applied here.
+    pub(crate) primary_writes: Option<WriteSet>,
     /// COMMIT-BACKUP writes to apply at truncation (backups apply then, §4 step 5).
-    backup_writes: Option<WriteSet>,
+    pub(crate) backup_writes: Option<WriteSet>,
+}
+
+impl Retained {
+    fn new(txn: TxnId) -> Self {
+        Self {
+            txn,
+            records: Vec::new(),
+            primary_writes: None,
+            backup_writes: None,
+        }
+    }
 }
 
 /// Inbound state for one peer (sender) machine on this thread.
 #[derive(Debug)]
-struct Inbound {
-    log: RingReader,
+pub(crate) struct Inbound {
+    pub(crate) log: RingReader,
     queue: RingReader,
     /// Freed log position last reported to the sender.
     log_reported: u64,
     queue_reported: u64,
-    locks: BTreeMap<u64, HeldLocks>,
-    retained: BTreeMap<u64, Retained>,
+    pub(crate) locks: BTreeMap<u64, HeldLocks>,
+    pub(crate) retained: BTreeMap<u64, Retained>,
+    /// Truncation seen from the sender: every transaction below the bound, and these above it
+    /// (§5.3 step 6: primaries without records vote truncated or unknown by it).
+    pub(crate) truncated_below: u64,
+    pub(crate) truncated_ids: BTreeSet<u64>,
 }
 
 /// Outbound state for one peer (receiver) machine on this thread.
@@ -67,7 +86,7 @@ pub struct Worker {
     pub(crate) view: Arc<View>,
     pub(crate) view_generation: u64,
     pub(crate) thread: ThreadId,
-    inbound: Vec<Inbound>,
+    pub(crate) inbound: Vec<Inbound>,
     pub(crate) outbound: Vec<Outbound>,
     /// One-sided read handles to the primary of each region, resolved on first use (§3: threads
     /// cache region mappings with their RDMA references).
@@ -87,6 +106,12 @@ pub struct Worker {
     alloc_replies: Vec<PendingAllocReply>,
     /// Encoding and framing buffers of outgoing messages.
     msg_bufs: (Vec<u8>, Vec<u8>),
+    /// Transaction state recovery (§5.3) of the transactions this thread coordinates.
+    pub(crate) recovery: crate::recovery::RecoveryState,
+    /// Regions blocked in this view that were found active at their primary.
+    active: BTreeSet<RegionId>,
+    /// The tick of the last poll.
+    pub(crate) now: u64,
 }
 
 /// An ALLOC-REPLY (to the machine named first) held until its block-header writes are acked.
@@ -121,6 +146,8 @@ impl Worker {
                     queue_reported: 0,
                     locks: BTreeMap::new(),
                     retained: BTreeMap::new(),
+                    truncated_below: 0,
+                    truncated_ids: BTreeSet::new(),
                 }
             })
             .collect();
@@ -132,6 +159,7 @@ impl Worker {
             .collect();
         let view_generation = machine.view_generation();
         let view = machine.view();
+        let view_config = view.config.id;
         let slabs = view
             .map
             .primary_of(machine.id)
@@ -157,6 +185,9 @@ impl Worker {
             backlog: std::collections::VecDeque::new(),
             alloc_replies: Vec::new(),
             msg_bufs: (Vec::new(), Vec::new()),
+            recovery: crate::recovery::RecoveryState::new(view_config),
+            active: BTreeSet::new(),
+            now: 0,
         }
     }
 
@@ -225,6 +256,7 @@ impl Worker {
         self.view_generation = generation;
         self.view = self.machine.view();
         self.remotes.clear();
+        self.active.clear();
         let me = self.machine.id;
         let view = self.view.clone();
         self.slabs.retain(|r, _| {
@@ -244,7 +276,9 @@ impl Worker {
     /// Runs every handler that has work: inbound logs and queues of every peer, then the
     /// coordinator's background work. Returns whether anything happened (for backoff).
     pub fn poll(&mut self, now: u64) -> bool {
+        self.now = now;
         let mut busy = self.refresh_view();
+        busy |= self.recovery_poll();
         busy |= self.flush_backlog();
         if !self.alloc_replies.is_empty() {
             busy |= self.flush_alloc_replies();
@@ -312,8 +346,11 @@ impl Worker {
                         })
                         .free(addr.offset, slot_bytes);
                 }
-                // Transaction state recovery (§5.3) will consume these; nothing sends them yet.
-                Ok(Message::Recovery { .. }) => {}
+                Ok(Message::Recovery {
+                    config,
+                    region,
+                    body,
+                }) => self.on_recovery_message(sender, config, region, body),
                 Ok(reply) => self.replies.push((sender, reply)),
                 Err(e) => panic!("corrupt message from {sender} with a valid checksum: {e}"),
             }
@@ -403,6 +440,13 @@ impl Worker {
 
     fn on_log_record(&mut self, sender: MachineId, pos: RecordPos, rec: LogRecord) {
         self.truncate_from(sender, rec.truncate_below, &rec.truncated);
+        // §5.3 step 2: once the logs are drained, records of recovering transactions are
+        // rejected; recovery decides them.
+        if !matches!(rec.body, LogBody::Truncate | LogBody::Abort) && self.reject_after_drain(&rec)
+        {
+            self.inbound[sender.0 as usize].log.release(pos);
+            return;
+        }
         let local = rec.txn.local;
         match rec.body {
             LogBody::Lock(writes) => {
@@ -412,6 +456,7 @@ impl Worker {
                 let prev = inbound.locks.insert(
                     local,
                     HeldLocks {
+                        txn: rec.txn,
                         record: pos,
                         writes,
                         ok,
@@ -430,7 +475,7 @@ impl Worker {
                 let r = self.inbound[sender.0 as usize]
                     .retained
                     .entry(local)
-                    .or_default();
+                    .or_insert_with(|| Retained::new(rec.txn));
                 r.records.push(pos);
                 r.backup_writes = Some(writes);
             }
@@ -448,9 +493,10 @@ impl Worker {
                 let r = self.inbound[sender.0 as usize]
                     .retained
                     .entry(local)
-                    .or_default();
+                    .or_insert_with(|| Retained::new(rec.txn));
                 r.records.push(held.record);
                 r.records.push(pos);
+                r.primary_writes = Some(held.writes);
             }
             LogBody::Abort => {
                 let inbound = &mut self.inbound[sender.0 as usize];
@@ -459,6 +505,10 @@ impl Worker {
                         self.unlock_all(&held.writes);
                     }
                     self.inbound[sender.0 as usize].log.release(held.record);
+                } else {
+                    // The LOCK already went to recovery (an ABORT sent before the coordinator
+                    // saw the new configuration): its locks go now.
+                    self.recovery_abort_record(rec.txn);
                 }
                 self.inbound[sender.0 as usize].log.release(pos);
             }
@@ -472,13 +522,15 @@ impl Worker {
         // A coordinator with an older view may lock where this machine is no longer primary,
         // or in a blocked region: refuse, it will retry in the new configuration.
         let me = self.machine.id;
+        let regions: BTreeSet<RegionId> = writes.writes.iter().map(|w| w.addr.region).collect();
+        if regions.into_iter().any(|r| self.region_blocked(r)) {
+            return false;
+        }
         let servable = writes.writes.iter().all(|w| {
-            !self.view.is_blocked(w.addr.region)
-                && self
-                    .view
-                    .map
-                    .get(w.addr.region)
-                    .is_some_and(|p| p.primary == me)
+            self.view
+                .map
+                .get(w.addr.region)
+                .is_some_and(|p| p.primary == me)
                 && self.view.region(w.addr.region).is_some()
         });
         if !servable {
@@ -500,7 +552,7 @@ impl Worker {
         true
     }
 
-    fn unlock_all(&mut self, writes: &WriteSet) {
+    pub(crate) fn unlock_all(&mut self, writes: &WriteSet) {
         for w in &writes.writes {
             object::unlock(
                 &self.primary_mem(w.addr.region),
@@ -525,7 +577,7 @@ impl Worker {
 
     /// §4 step 4: update in place, increment versions, unlock. Frees return the slot to this
     /// thread's slab (§5.5: free lists live at the primary).
-    fn apply_at_primary(&mut self, writes: &WriteSet) {
+    pub(crate) fn apply_at_primary(&mut self, writes: &WriteSet) {
         for w in &writes.writes {
             let mem = self.primary_mem(w.addr.region);
             let new = w.read.committed_successor(w.allocated);
@@ -547,6 +599,13 @@ impl Worker {
     /// of the sender below `below` or listed in `ids` is done; backups apply their writes now.
     fn truncate_from(&mut self, sender: MachineId, below: u64, ids: &[u64]) {
         let inbound = &mut self.inbound[sender.0 as usize];
+        if below > inbound.truncated_below {
+            inbound.truncated_below = below;
+            inbound.truncated_ids = inbound.truncated_ids.split_off(&below);
+        }
+        inbound
+            .truncated_ids
+            .extend(ids.iter().filter(|id| **id >= below));
         let mut done: Vec<u64> = inbound.retained.range(..below).map(|(k, _)| *k).collect();
         done.extend(
             ids.iter()
@@ -708,6 +767,58 @@ impl Worker {
         self.msg_bufs = (payload, framed);
     }
 
+    /// Sends a message now if its queue has room, returning the write's ticket (`None` for a
+    /// local write or a dead peer, which nobody waits for); `None` when it must be retried.
+    pub(crate) fn send_tracked(
+        &mut self,
+        dst: MachineId,
+        msg: &Message,
+    ) -> Option<Option<WriteTicket>> {
+        if self.backlog.iter().any(|(d, _)| *d == dst) {
+            return None;
+        }
+        let (mut payload, mut framed) = std::mem::take(&mut self.msg_bufs);
+        payload.clear();
+        msg.encode(&mut payload);
+        frame(&payload, &mut framed);
+        let placed = self.append_framed(dst, RingKind::Queue, &framed, 0);
+        self.msg_bufs = (payload, framed);
+        match placed {
+            Ok(Some(ticket)) => Some(ticket),
+            Ok(None) => None,
+            Err(_) => Some(None),
+        }
+    }
+
+    /// Whether `region` is blocked (§5.3 step 1): it was when this view was installed, and its
+    /// primary has not yet written this configuration as the one it became active in (local
+    /// memory at the primary, a one-sided read elsewhere: obtaining the region's reference
+    /// waits for lock recovery).
+    pub(crate) fn region_blocked(&mut self, region: RegionId) -> bool {
+        if !self.view.is_blocked(region) || self.active.contains(&region) {
+            return false;
+        }
+        let Some(placement) = self.view.map.get(region) else {
+            return true;
+        };
+        let word = if placement.primary == self.machine.id {
+            self.view
+                .region(region)
+                .map(|m| m.load_u64(farm_alloc::REGION_ACTIVE_OFFSET, Ordering::Acquire))
+        } else {
+            let mut buf = [0u8; 8];
+            self.remote(region)
+                .and_then(|r| r.read(farm_alloc::REGION_ACTIVE_OFFSET as u64, &mut buf))
+                .ok()
+                .map(|_| u64::from_le_bytes(buf))
+        };
+        if word.is_some_and(|w| w >= self.view.config.id.0) {
+            self.active.insert(region);
+            return false;
+        }
+        true
+    }
+
     /// Whether the message was placed (or its peer is dead: nobody will read it).
     fn try_send_framed(&mut self, dst: MachineId, framed: &[u8]) -> bool {
         !matches!(
@@ -757,13 +868,22 @@ impl Worker {
             .collect()
     }
 
-    /// Bytes of this worker's outbound logs and queues that are written but not yet freed by
-    /// their receivers, or reserved. At quiescence (every receiver polled and its feedback
-    /// reported) this is zero; anything else is a leaked reservation or an unfreed record.
+    /// Whether this worker's machine is a member of the configuration it knows.
+    pub fn is_member(&self) -> bool {
+        self.view.config.contains(self.machine.id)
+    }
+
+    /// Bytes of this worker's outbound logs and queues to members of the configuration that are
+    /// written but not yet freed by their receivers, or reserved. At quiescence (every receiver
+    /// polled and its feedback reported) this is zero; anything else is a leaked reservation
+    /// or an unfreed record. (What was sent to machines that left stays unfreed.)
     pub fn outbound_in_use(&mut self) -> usize {
         let mut total = 0;
         for peer in 0..self.outbound.len() {
             let m = MachineId(peer as u16);
+            if !self.view.config.contains(m) {
+                continue;
+            }
             self.refresh_head(m, RingKind::Log);
             self.refresh_head(m, RingKind::Queue);
             total += self.outbound[peer].log.in_use() + self.outbound[peer].queue.in_use();

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::collections::BTreeSet;
-
 use farm_core::config::Configuration;
 use farm_core::{Addr, ConfigId, MachineId};
 use farm_txn::{Tx, Worker};
@@ -52,7 +50,9 @@ fn records_from_a_removed_machine_are_ignored() {
     next.members = vec![MachineId(0), MachineId(1)];
     next.failure_domains.remove(&MachineId(2));
     let map = w[0].view().map.clone();
-    w[0].machine().install(next, map, BTreeSet::new()).unwrap();
+    w[0].machine()
+        .install(next, map, Default::default())
+        .unwrap();
     let locks_before = w[0].stats().locks_processed;
     for _ in 0..20 {
         poll_all(&mut w, &mut now);

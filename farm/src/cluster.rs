@@ -606,6 +606,7 @@ impl Cluster {
             heap.resize(8 + len, 0);
             &mut heap
         };
+        let mut attempt = 0;
         loop {
             let w = &mut host.workers[machine.0 as usize];
             match w.read_object_into(addr, buf) {
@@ -616,7 +617,8 @@ impl Cluster {
                         why: "object is not allocated",
                     })
                 }
-                Err(e) if e.is_retryable() => {
+                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
+                    attempt += 1;
                     let now = self.inner.now();
                     host.poll_all(now);
                     backoff.idle();
@@ -642,10 +644,15 @@ impl Cluster {
                     w.report_all_freed();
                 }
                 host.poll_all(now);
+                // Killed machines and machines outside the configuration hold what they held.
+                let fabric = &self.inner.fabric;
                 quiet &= host
                     .workers
                     .iter()
-                    .all(|w| w.coordinator_quiet() && w.retained_records() == 0);
+                    .filter(|w| w.is_member() && fabric.is_alive(w.machine().id))
+                    .all(|w| {
+                        w.coordinator_quiet() && w.retained_records() == 0 && w.recovery_idle()
+                    });
             }
             if quiet {
                 for h in &self.inner.hosts {
@@ -653,7 +660,12 @@ impl Cluster {
                     for w in &mut host.workers {
                         w.report_all_freed();
                     }
-                    for w in &mut host.workers {
+                    let fabric = &self.inner.fabric;
+                    for w in host
+                        .workers
+                        .iter_mut()
+                        .filter(|w| w.is_member() && fabric.is_alive(w.machine().id))
+                    {
                         let in_use = w.outbound_in_use();
                         assert_eq!(
                             in_use,
@@ -666,10 +678,26 @@ impl Cluster {
                 }
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "cluster did not quiesce within 30 s"
-            );
+            if Instant::now() >= deadline {
+                let mut report = Vec::new();
+                for h in &self.inner.hosts {
+                    let host = h.lock().expect("host poisoned");
+                    for w in &host.workers {
+                        report.push(format!(
+                            "{}/{}: quiet {} retained {} recovery: {}",
+                            w.machine().id,
+                            w.thread().0,
+                            w.coordinator_quiet(),
+                            w.retained_records(),
+                            w.recovery_summary()
+                        ));
+                    }
+                }
+                panic!(
+                    "cluster did not quiesce within 30 s:\n{}",
+                    report.join("\n")
+                );
+            }
             std::thread::yield_now();
         }
     }
@@ -823,6 +851,12 @@ fn run_once<R>(
     host.workers[machine.0 as usize].start_commit(state);
     let mut backoff = Backoff::new();
     loop {
+        if !inner.fabric.is_alive(machine) {
+            // The coordinator's machine died under the application (which in a deployment
+            // would have died with it): the outcome is recovery's to decide.
+            host.workers[machine.0 as usize].abandon_commit();
+            return Err(TxError::CoordinatorFailed(machine));
+        }
         let now = inner.now();
         if let Some(r) = host.workers[machine.0 as usize].poll_commit(now) {
             if r.is_ok() {

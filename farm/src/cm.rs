@@ -283,12 +283,16 @@ fn drive(
     let now = move || epoch.elapsed().as_micros() as u64;
     let mut probed = false;
     let deadline = Instant::now() + Duration::from_secs(30);
-    while r.outcome().is_none() {
+    loop {
         assert!(
             Instant::now() < deadline,
             "reconfiguration by {me} did not finish in 30 s"
         );
-        for e in r.take_effects() {
+        let effects = r.take_effects();
+        if effects.is_empty() && r.outcome().is_some() {
+            break;
+        }
+        for e in effects {
             match e {
                 Effect::Probe(m) => {
                     let ok = s
@@ -323,24 +327,20 @@ fn drive(
                                 at_us: now(),
                             });
                     }
-                    let blocked: BTreeSet<RegionId> = new
-                        .changes
-                        .iter()
-                        .filter(|(_, c)| {
-                            c.last_replica_change == new.config.id
-                                || c.last_primary_change == new.config.id
-                        })
-                        .map(|(r, _)| *r)
-                        .collect();
                     let target = &s.machines[m.0 as usize];
                     if s.fabric.reachable(me, m) {
                         target
-                            .install(new.config.clone(), new.map.clone(), blocked)
+                            .install(new.config.clone(), new.map.clone(), new.changes.clone())
                             .expect("NVRAM for new replicas");
                         r.on_ack(m, new.config.id, now());
                     }
                 }
-                Effect::SendCommit(..) => {}
+                // NEW-CONFIG-COMMIT: transaction recovery starts at the member (§5.3).
+                Effect::SendCommit(m, config) => {
+                    if s.fabric.reachable(me, m) {
+                        s.machines[m.0 as usize].commit_config(config);
+                    }
+                }
             }
         }
         r.tick(now());
@@ -476,7 +476,7 @@ fn allocate_region(
                     let target = &s.machines[m.0 as usize];
                     let current = target.view();
                     target
-                        .install(current.config.clone(), map.clone(), current.blocked.clone())
+                        .install(current.config.clone(), map.clone(), current.changes.clone())
                         .map_err(|e| format!("installing region {} at {m}: {e}", region.0))?;
                 }
             }

@@ -1,0 +1,973 @@
+//! Transaction state recovery (FaRM §5.3) at one worker thread, as part of the worker's
+//! deterministic state machine.
+//!
+//! Thread `t` of every machine recovers the transactions whose coordinator thread is `t`: their
+//! records arrive in thread `t`'s logs everywhere, and recovery messages go between peer threads,
+//! so the paper's sharding of lock recovery by coordinator thread falls out of the ring layout.
+//!
+//! At NEW-CONFIG-COMMIT a thread drains every log, the logs of machines that left included, and
+//! records the configuration as LastDrained (step 2). Records of recovering transactions (step 3,
+//! [`View::is_recovering`]) then move out of the normal-case maps into [`RecTx`]; later records
+//! of them are rejected. Backups send NEED-RECOVERY per region to the primary; the primary
+//! fetches write sets it lacks, locks the objects of recovering transactions in regions whose
+//! primary changed, and reports its thread done (step 4; the region is active once every thread
+//! is); it sends REPLICATE-TX-STATE to backups that lack records (step 5) and votes to each
+//! transaction's recovery coordinator (step 6), who decides by [`decide`] (step 7), sends
+//! COMMIT-RECOVERY or ABORT-RECOVERY to every replica, and TRUNCATE-RECOVERY once every one of
+//! those writes is acknowledged. Primaries without records answer REQUEST-VOTE with truncated or
+//! unknown from the truncation bounds each thread keeps per sender.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use farm_core::fabric::{WriteStatus, WriteTicket};
+use farm_core::object;
+use farm_core::ring::RecordPos;
+use farm_core::wire::{Message, RecoveryBody, WireVote, WriteEntry, WriteSet};
+use farm_core::{ConfigId, MachineId, RegionId, TxnId};
+use farm_recovery::vote::{decide, recovery_coordinator, vote, Evidence, Vote};
+
+pub use farm_recovery::vote::Decision;
+
+use crate::machine::View;
+use crate::worker::Worker;
+
+/// Ticks a recovery coordinator waits for votes before sending REQUEST-VOTE (the paper's
+/// 250 µs; ticks are microseconds in the runtime).
+pub const REQUEST_VOTE_TICKS: u64 = 250;
+
+/// Recovery state of one worker thread.
+#[derive(Debug)]
+pub(crate) struct RecoveryState {
+    /// LastDrained: the newest configuration whose logs this thread drained.
+    pub(crate) last_drained: ConfigId,
+    /// The view of `last_drained`, which decides which transactions are recovering.
+    drained_view: Option<Arc<View>>,
+    /// Recovering transactions with records (or decisions) here.
+    txs: BTreeMap<TxnId, RecTx>,
+    /// This round's lock recovery, per region this machine is primary for.
+    regions: BTreeMap<RegionId, RegionRound>,
+    /// Transactions this thread coordinates the recovery of.
+    coord: BTreeMap<TxnId, CoordRound>,
+    /// Transactions whose recovery this thread finished in this round: late votes (answers
+    /// to REQUEST-VOTE that crossed a vote) must not start them again.
+    finished: BTreeSet<TxnId>,
+    /// Messages of a configuration this thread has not drained yet.
+    early: Vec<(MachineId, ConfigId, RegionId, RecoveryBody)>,
+    /// This thread's own commits whose outcome recovery decides, and the decisions made.
+    pub(crate) waiting: BTreeSet<TxnId>,
+    pub(crate) decided: BTreeMap<TxnId, Decision>,
+}
+
+impl RecoveryState {
+    pub(crate) fn new(config: ConfigId) -> Self {
+        Self {
+            last_drained: config,
+            drained_view: None,
+            txs: BTreeMap::new(),
+            regions: BTreeMap::new(),
+            coord: BTreeMap::new(),
+            finished: BTreeSet::new(),
+            early: Vec::new(),
+            waiting: BTreeSet::new(),
+            decided: BTreeMap::new(),
+        }
+    }
+
+    /// Whether nothing is left to recover at this thread.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.txs.is_empty()
+            && self.coord.is_empty()
+            && self.regions.values().all(|r| r.done)
+            && self.waiting.is_empty()
+    }
+}
+
+/// What this machine knows of one recovering transaction.
+#[derive(Debug, Default)]
+struct RecTx {
+    /// Every region the transaction wrote.
+    regions: Vec<RegionId>,
+    /// Writes of the LOCK record processed here as primary.
+    lock: Option<WriteSet>,
+    /// Whether the LOCK record's locks are still held here.
+    locks_held: bool,
+    /// COMMIT-PRIMARY was applied here, or COMMIT-RECOVERY arrived.
+    commit_primary: bool,
+    /// Writes of the COMMIT-BACKUP record processed here.
+    commit_backup: Option<WriteSet>,
+    /// Writes learnt from other replicas (SEND-TX-STATE, REPLICATE-TX-STATE).
+    fetched: Vec<WriteEntry>,
+    /// Regions whose backups reported COMMIT-BACKUP in SEND-TX-STATE.
+    fetched_commit_backup: BTreeSet<RegionId>,
+    /// ABORT-RECOVERY arrived.
+    abort_recovery: bool,
+    /// The coordinator's own ABORT arrived (it aborts before any COMMIT-BACKUP).
+    aborted: bool,
+    decision: Option<Decision>,
+    /// The decision was carried out here.
+    applied: bool,
+    /// TRUNCATE-RECOVERY arrived.
+    truncated: bool,
+    /// Objects locked here by lock recovery.
+    recovery_locked: Vec<WriteEntry>,
+    /// Log records (in the coordinator's log at this thread) to free when forgotten.
+    records: Vec<RecordPos>,
+}
+
+impl RecTx {
+    /// Writes in `region` known here, each address once.
+    fn writes_in(&self, region: RegionId) -> Vec<WriteEntry> {
+        let mut seen = BTreeSet::new();
+        self.lock
+            .iter()
+            .chain(&self.commit_backup)
+            .flat_map(|ws| &ws.writes)
+            .chain(&self.fetched)
+            .filter(|w| w.addr.region == region && seen.insert(w.addr))
+            .cloned()
+            .collect()
+    }
+
+    fn has_data(&self) -> bool {
+        self.lock.is_some() || self.commit_backup.is_some() || !self.fetched.is_empty()
+    }
+
+    /// The evidence of this replica of `region` (§5.3 step 6).
+    fn evidence(&self, region: RegionId) -> Evidence {
+        let has = |ws: &Option<WriteSet>| {
+            ws.as_ref()
+                .is_some_and(|ws| ws.writes.iter().any(|w| w.addr.region == region))
+        };
+        Evidence {
+            commit_primary: self.commit_primary,
+            commit_backup: has(&self.commit_backup) || self.fetched_commit_backup.contains(&region),
+            lock: has(&self.lock) || self.fetched.iter().any(|w| w.addr.region == region),
+            abort_recovery: self.abort_recovery || self.aborted,
+        }
+    }
+}
+
+/// Lock recovery of one region at its primary.
+#[derive(Debug)]
+struct RegionRound {
+    /// Backups whose NEED-RECOVERY has not arrived.
+    awaiting: BTreeSet<MachineId>,
+    /// Recovering transactions that wrote the region, with the backups that have records.
+    listed: BTreeMap<TxnId, BTreeSet<MachineId>>,
+    /// Transactions whose write sets were asked of backups.
+    fetching: BTreeSet<TxnId>,
+    /// Locks taken and votes sent.
+    done: bool,
+}
+
+/// A recovering transaction at its recovery coordinator.
+#[derive(Debug)]
+struct CoordRound {
+    regions: Vec<RegionId>,
+    votes: BTreeMap<RegionId, Vote>,
+    /// When votes were last asked for.
+    since: u64,
+    decision: Option<Decision>,
+    /// Replicas not yet sent the decision.
+    to_send: Vec<MachineId>,
+    /// The decision's writes, acknowledged when landed.
+    tickets: Vec<(MachineId, Option<WriteTicket>)>,
+}
+
+/// Whether `region`'s primary changed after `t` started committing: the current primary then
+/// learnt the transaction only as a backup (or from one), not from its own LOCK record.
+fn primary_moved_since(view: &View, region: RegionId, t: TxnId) -> bool {
+    view.changes
+        .get(&region)
+        .is_some_and(|c| c.last_primary_change > t.config)
+}
+
+impl CoordRound {
+    fn new(regions: Vec<RegionId>, now: u64) -> Self {
+        Self {
+            regions,
+            votes: BTreeMap::new(),
+            since: now,
+            decision: None,
+            to_send: Vec::new(),
+            tickets: Vec::new(),
+        }
+    }
+}
+
+fn to_wire(v: Vote) -> WireVote {
+    match v {
+        Vote::CommitPrimary => WireVote::CommitPrimary,
+        Vote::CommitBackup => WireVote::CommitBackup,
+        Vote::Lock => WireVote::Lock,
+        Vote::Abort => WireVote::Abort,
+        Vote::Truncated => WireVote::Truncated,
+        Vote::Unknown => WireVote::Unknown,
+    }
+}
+
+fn from_wire(v: WireVote) -> Vote {
+    match v {
+        WireVote::CommitPrimary => Vote::CommitPrimary,
+        WireVote::CommitBackup => Vote::CommitBackup,
+        WireVote::Lock => Vote::Lock,
+        WireVote::Abort => Vote::Abort,
+        WireVote::Truncated => Vote::Truncated,
+        WireVote::Unknown => Vote::Unknown,
+    }
+}
+
+impl Worker {
+    /// Starts recovery for a newly committed configuration and advances the coordinator side.
+    pub(crate) fn recovery_poll(&mut self) -> bool {
+        let mut busy = false;
+        let view = self.view.clone();
+        if view.config.id > self.recovery.last_drained
+            && self.machine.committed_config() >= view.config.id
+        {
+            self.start_round(view);
+            busy = true;
+        }
+        if !self.recovery.coord.is_empty() {
+            busy |= self.coordinate();
+        }
+        busy
+    }
+
+    /// Whether this machine has nothing left to recover on this thread.
+    pub fn recovery_idle(&self) -> bool {
+        self.recovery.is_idle()
+    }
+
+    /// What recovery still holds at this thread, for diagnostics.
+    pub fn recovery_summary(&self) -> String {
+        let r = &self.recovery;
+        let txs: Vec<String> = r
+            .txs
+            .iter()
+            .map(|(t, tx)| {
+                format!(
+                    "{t}: decision {:?} applied {} truncated {} data {} locks_held {} regions {:?}",
+                    tx.decision,
+                    tx.applied,
+                    tx.truncated,
+                    tx.has_data(),
+                    tx.locks_held,
+                    tx.regions
+                )
+            })
+            .collect();
+        let coord: Vec<String> = r
+            .coord
+            .iter()
+            .map(|(t, c)| {
+                format!(
+                    "{t}: regions {:?} votes {:?} decision {:?} to_send {:?}",
+                    c.regions, c.votes, c.decision, c.to_send
+                )
+            })
+            .collect();
+        let regions: Vec<String> = r
+            .regions
+            .iter()
+            .filter(|(_, g)| !g.done)
+            .map(|(id, g)| {
+                format!(
+                    "{id:?}: awaiting {:?} fetching {:?}",
+                    g.awaiting, g.fetching
+                )
+            })
+            .collect();
+        format!(
+            "drained {:?}; txs {txs:?}; coordinating {coord:?}; regions {regions:?}; waiting {:?}; early {}",
+            r.last_drained,
+            r.waiting,
+            r.early.len()
+        )
+    }
+
+    /// LastDrained of this thread.
+    pub fn last_drained(&self) -> ConfigId {
+        self.recovery.last_drained
+    }
+
+    /// A record of a transaction that is recovering and whose logs were drained: rejected.
+    pub(crate) fn reject_after_drain(&self, rec: &farm_core::wire::LogRecord) -> bool {
+        let Some(view) = &self.recovery.drained_view else {
+            return false;
+        };
+        if rec.txn.config >= self.recovery.last_drained {
+            return false;
+        }
+        if self.recovery.txs.contains_key(&rec.txn) {
+            return true;
+        }
+        match &rec.body {
+            farm_core::wire::LogBody::Lock(ws) | farm_core::wire::LogBody::CommitBackup(ws) => {
+                view.is_recovering(rec.txn, &ws.regions)
+            }
+            _ => false,
+        }
+    }
+
+    /// A normal ABORT for a transaction whose LOCK recovery took over.
+    pub(crate) fn recovery_abort_record(&mut self, txn: TxnId) {
+        let Some(tx) = self.recovery.txs.get_mut(&txn) else {
+            return;
+        };
+        tx.aborted = true;
+        if tx.locks_held {
+            tx.locks_held = false;
+            let ws = tx.lock.clone().expect("held locks have a LOCK record");
+            self.unlock_all(&ws);
+        }
+    }
+
+    /// Steps 2-4 for configuration `view`: drain, find recovering transactions, NEED-RECOVERY,
+    /// and start lock recovery of the regions this machine is primary for.
+    fn start_round(&mut self, view: Arc<View>) {
+        let c = view.config.id;
+        let me = self.machine.id;
+        // Step 2: every log, also those of machines that left (their records may decide
+        // transactions). Records are processed as in the normal case.
+        for sender in 0..self.inbound.len() {
+            self.poll_log(MachineId(sender as u16));
+        }
+        self.recovery.last_drained = c;
+        self.recovery.drained_view = Some(view.clone());
+        tracing::debug!(
+            machine = me.0,
+            thread = self.thread.0,
+            config = c.0,
+            recovering = self.recovery.txs.len(),
+            "logs drained"
+        );
+        // Step 3: recovering transactions among the records held here.
+        for sender in 0..self.inbound.len() {
+            let inbound = &mut self.inbound[sender];
+            let locks: Vec<u64> = inbound
+                .locks
+                .iter()
+                .filter(|(_, h)| view.is_recovering(h.txn, &h.writes.regions))
+                .map(|(l, _)| *l)
+                .collect();
+            for l in locks {
+                let held = inbound.locks.remove(&l).expect("listed");
+                let tx = self.recovery.txs.entry(held.txn).or_default();
+                tx.regions = held.writes.regions.clone();
+                tx.locks_held = held.ok;
+                tx.lock = Some(held.writes);
+                tx.records.push(held.record);
+            }
+            let retained: Vec<u64> = inbound
+                .retained
+                .iter()
+                .filter(|(_, r)| {
+                    let ws = r.primary_writes.as_ref().or(r.backup_writes.as_ref());
+                    ws.is_some_and(|ws| view.is_recovering(r.txn, &ws.regions))
+                })
+                .map(|(l, _)| *l)
+                .collect();
+            for l in retained {
+                let r = inbound.retained.remove(&l).expect("listed");
+                let tx = self.recovery.txs.entry(r.txn).or_default();
+                if let Some(ws) = r.primary_writes.as_ref().or(r.backup_writes.as_ref()) {
+                    tx.regions = ws.regions.clone();
+                }
+                tx.commit_primary |= r.primary_writes.is_some();
+                if r.primary_writes.is_some() {
+                    tx.lock = r.primary_writes;
+                }
+                tx.commit_backup = r.backup_writes;
+                tx.records.extend(r.records);
+            }
+        }
+        // Decisions that arrived in an earlier round before the records they apply to.
+        let pending: Vec<TxnId> = self
+            .recovery
+            .txs
+            .iter()
+            .filter(|(_, tx)| tx.decision.is_some() && !tx.applied)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in pending {
+            self.apply_decision(t);
+        }
+        // A new round re-collects votes for what is still undecided.
+        self.recovery.regions.clear();
+        self.recovery.finished.clear();
+        let now = self.now;
+        for round in self.recovery.coord.values_mut() {
+            if round.decision.is_none() {
+                round.votes.clear();
+                round.since = now;
+            }
+        }
+        // NEED-RECOVERY from backups (step 3), for every region this machine backs up.
+        for (region, placement) in view.map.iter() {
+            if !placement.backups.contains(&me) {
+                continue;
+            }
+            let txns: Vec<TxnId> = self
+                .recovery
+                .txs
+                .iter()
+                .filter(|(_, tx)| !tx.writes_in(region).is_empty())
+                .map(|(t, _)| *t)
+                .collect();
+            self.send_recovery(
+                placement.primary,
+                c,
+                region,
+                RecoveryBody::NeedRecovery(txns),
+            );
+        }
+        // Lock recovery at primaries (step 4) starts once every backup has reported.
+        let primary_of: Vec<RegionId> = view.map.primary_of(me).collect();
+        for region in primary_of {
+            let placement = view.map.get(region).expect("mapped");
+            let listed = self
+                .recovery
+                .txs
+                .iter()
+                .filter(|(_, tx)| !tx.writes_in(region).is_empty())
+                .map(|(t, _)| (*t, BTreeSet::new()))
+                .collect();
+            let round = RegionRound {
+                awaiting: placement.backups.iter().copied().collect(),
+                listed,
+                fetching: BTreeSet::new(),
+                done: false,
+            };
+            let ready = round.awaiting.is_empty();
+            self.recovery.regions.insert(region, round);
+            if ready {
+                self.region_collected(region);
+            }
+        }
+        let early = std::mem::take(&mut self.recovery.early);
+        for (from, config, region, body) in early {
+            self.on_recovery_message(from, config, region, body);
+        }
+    }
+
+    fn send_recovery(
+        &mut self,
+        dst: MachineId,
+        config: ConfigId,
+        region: RegionId,
+        body: RecoveryBody,
+    ) {
+        self.send_message(
+            dst,
+            &Message::Recovery {
+                config,
+                region,
+                body,
+            },
+        );
+    }
+
+    /// A recovery message from `from`'s peer thread.
+    pub(crate) fn on_recovery_message(
+        &mut self,
+        from: MachineId,
+        config: ConfigId,
+        region: RegionId,
+        body: RecoveryBody,
+    ) {
+        // Nothing of a configuration is looked at before this thread drained its logs for it.
+        if config > self.recovery.last_drained {
+            self.recovery.early.push((from, config, region, body));
+            return;
+        }
+        // Decisions are final whatever the configuration; everything else belongs to a round.
+        match body {
+            RecoveryBody::CommitRecovery(t) => return self.on_decision(t, Decision::Commit),
+            RecoveryBody::AbortRecovery(t) => return self.on_decision(t, Decision::Abort),
+            RecoveryBody::TruncateRecovery(t) => return self.on_truncate_recovery(t),
+            _ => {}
+        }
+        if config < self.recovery.last_drained {
+            // A later round redoes this one's work.
+            if let RecoveryBody::ReplicateTxState(t, ws) = body {
+                self.on_replicate(t, ws);
+            }
+            return;
+        }
+        match body {
+            RecoveryBody::NeedRecovery(ts) => self.on_need_recovery(from, region, ts),
+            RecoveryBody::FetchTxState(ts) => {
+                for t in ts {
+                    let (regions, writes, cb) = match self.recovery.txs.get(&t) {
+                        Some(tx) => (
+                            tx.regions.clone(),
+                            tx.writes_in(region),
+                            tx.evidence(region).commit_backup,
+                        ),
+                        None => (Vec::new(), Vec::new(), false),
+                    };
+                    let ws = WriteSet { regions, writes };
+                    let body = RecoveryBody::SendTxState(t, ws, cb);
+                    self.send_recovery(from, config, region, body);
+                }
+            }
+            RecoveryBody::SendTxState(t, ws, cb) => self.on_send_tx_state(region, t, ws, cb),
+            RecoveryBody::ReplicateTxState(t, ws) => self.on_replicate(t, ws),
+            RecoveryBody::RecoveryVote(t, regions, v) => {
+                self.on_vote(region, t, regions, from_wire(v))
+            }
+            RecoveryBody::RequestVote(t) => self.on_request_vote(from, region, t),
+            RecoveryBody::CommitRecovery(_)
+            | RecoveryBody::AbortRecovery(_)
+            | RecoveryBody::TruncateRecovery(_) => unreachable!("handled above"),
+        }
+    }
+
+    fn on_need_recovery(&mut self, from: MachineId, region: RegionId, ts: Vec<TxnId>) {
+        let Some(round) = self.recovery.regions.get_mut(&region) else {
+            return; // Not primary of it in this configuration.
+        };
+        if !round.awaiting.remove(&from) {
+            return;
+        }
+        for t in ts {
+            round.listed.entry(t).or_default().insert(from);
+        }
+        if round.awaiting.is_empty() {
+            self.region_collected(region);
+        }
+    }
+
+    /// Every backup reported: fetch the write sets this primary lacks (step 4).
+    fn region_collected(&mut self, region: RegionId) {
+        let c = self.recovery.last_drained;
+        let round = &self.recovery.regions[&region];
+        let mut fetch: BTreeMap<MachineId, Vec<TxnId>> = BTreeMap::new();
+        for (t, holders) in &round.listed {
+            let lacking = self
+                .recovery
+                .txs
+                .get(t)
+                .is_none_or(|tx| tx.writes_in(region).is_empty());
+            if lacking {
+                let from = *holders.iter().next().expect("listed by a backup");
+                fetch.entry(from).or_default().push(*t);
+            }
+        }
+        let fetching: BTreeSet<TxnId> = fetch.values().flatten().copied().collect();
+        let empty = fetching.is_empty();
+        self.recovery
+            .regions
+            .get_mut(&region)
+            .expect("round")
+            .fetching = fetching;
+        for (b, ts) in fetch {
+            self.send_recovery(b, c, region, RecoveryBody::FetchTxState(ts));
+        }
+        if empty {
+            self.lock_region(region);
+        }
+    }
+
+    fn on_send_tx_state(&mut self, region: RegionId, t: TxnId, ws: WriteSet, cb: bool) {
+        self.merge_state(t, ws);
+        if cb {
+            if let Some(tx) = self.recovery.txs.get_mut(&t) {
+                tx.fetched_commit_backup.insert(region);
+            }
+        }
+        let Some(round) = self.recovery.regions.get_mut(&region) else {
+            return;
+        };
+        if round.fetching.remove(&t) && round.fetching.is_empty() && !round.done {
+            self.lock_region(region);
+        }
+    }
+
+    /// Adds writes learnt from another replica.
+    fn merge_state(&mut self, t: TxnId, ws: WriteSet) {
+        if ws.writes.is_empty() {
+            return;
+        }
+        let tx = self.recovery.txs.entry(t).or_default();
+        if tx.regions.is_empty() {
+            tx.regions = ws.regions;
+        }
+        for w in ws.writes {
+            if !tx.fetched.iter().any(|f| f.addr == w.addr) {
+                tx.fetched.push(w);
+            }
+        }
+    }
+
+    /// Step 4 (lock the objects of recovering transactions where the primary changed, then
+    /// the region is active as far as this thread goes), step 5 (replicate) and step 6 (vote).
+    fn lock_region(&mut self, region: RegionId) {
+        let c = self.recovery.last_drained;
+        let view = self.recovery.drained_view.clone().expect("drained");
+        let placement = view.map.get(region).expect("mapped").clone();
+        let mem = view
+            .region(region)
+            .expect("primary holds its region")
+            .clone();
+        let listed: Vec<(TxnId, BTreeSet<MachineId>)> = self.recovery.regions[&region]
+            .listed
+            .iter()
+            .map(|(t, b)| (*t, b.clone()))
+            .collect();
+        for (t, _) in &listed {
+            let Some(tx) = self.recovery.txs.get_mut(t) else {
+                continue;
+            };
+            // Where this machine was already the primary when the transaction committed, its
+            // own state is authoritative: the LOCK record's locks are held (or were never
+            // taken, and the transaction cannot commit), or the writes were applied. Where the
+            // primary changed since, the writes come from COMMIT-BACKUP or a backup's state:
+            // lock them now.
+            if tx.decision.is_some() || !primary_moved_since(&view, region, *t) {
+                continue;
+            }
+            for w in tx.writes_in(region) {
+                if tx.recovery_locked.iter().any(|l| l.addr == w.addr) {
+                    continue;
+                }
+                self.machine.recovery_lock(&mem, region, w.addr.offset);
+                tx.recovery_locked.push(w);
+            }
+        }
+        self.machine.lock_recovered(region, c, self.thread.0);
+        for (t, holders) in &listed {
+            let Some(tx) = self.recovery.txs.get(t) else {
+                continue;
+            };
+            let ws = WriteSet {
+                regions: tx.regions.clone(),
+                writes: tx.writes_in(region),
+            };
+            for b in placement.backups.iter().filter(|b| !holders.contains(b)) {
+                let body = RecoveryBody::ReplicateTxState(*t, ws.clone());
+                self.send_recovery(*b, c, region, body);
+            }
+        }
+        for (t, _) in &listed {
+            self.send_vote(region, *t, None);
+        }
+        self.recovery.regions.get_mut(&region).expect("round").done = true;
+    }
+
+    /// RECOVERY-VOTE for `t` in `region` to its recovery coordinator (or to `to`, answering a
+    /// REQUEST-VOTE).
+    fn send_vote(&mut self, region: RegionId, t: TxnId, to: Option<MachineId>) {
+        let c = self.recovery.last_drained;
+        let view = self.recovery.drained_view.clone().expect("drained");
+        let (regions, v) = match self.recovery.txs.get(&t) {
+            Some(tx) if !tx.writes_in(region).is_empty() || tx.decision.is_some() => {
+                (tx.regions.clone(), vote(tx.evidence(region)))
+            }
+            _ => {
+                // No records: truncated if this thread's truncation bound from the
+                // coordinator's thread passed it.
+                let inbound = &self.inbound[t.machine.0 as usize];
+                let truncated =
+                    t.local < inbound.truncated_below || inbound.truncated_ids.contains(&t.local);
+                let v = if truncated {
+                    Vote::Truncated
+                } else {
+                    Vote::Unknown
+                };
+                (Vec::new(), v)
+            }
+        };
+        self.stats.recovery_votes += 1;
+        let dst = to.unwrap_or_else(|| recovery_coordinator(t, &view.config));
+        self.send_recovery(
+            dst,
+            c,
+            region,
+            RecoveryBody::RecoveryVote(t, regions, to_wire(v)),
+        );
+    }
+
+    fn on_request_vote(&mut self, from: MachineId, region: RegionId, t: TxnId) {
+        if self.recovery.regions.get(&region).is_some_and(|r| r.done) {
+            self.send_vote(region, t, Some(from));
+        }
+    }
+
+    /// Registers this thread's own commit `t`, which wrote `regions`, as waiting for recovery.
+    pub(crate) fn await_recovery(&mut self, t: TxnId, regions: Vec<RegionId>) {
+        self.recovery.waiting.insert(t);
+        let now = self.now;
+        self.recovery
+            .coord
+            .entry(t)
+            .or_insert_with(|| CoordRound::new(regions, now));
+    }
+
+    fn on_vote(&mut self, region: RegionId, t: TxnId, regions: Vec<RegionId>, v: Vote) {
+        let now = self.now;
+        if self.recovery.finished.contains(&t) {
+            return;
+        }
+        if regions.is_empty() && !self.recovery.coord.contains_key(&t) {
+            return; // An answer for a round that is gone.
+        }
+        let round = self
+            .recovery
+            .coord
+            .entry(t)
+            .or_insert_with(|| CoordRound::new(regions, now));
+        if round.decision.is_some() {
+            return;
+        }
+        round.votes.insert(region, v);
+        if let Some(d) = decide(&round.regions, &round.votes) {
+            self.decide_tx(t, d);
+        }
+    }
+
+    /// Step 7: the decision goes to every replica of every region the transaction wrote.
+    fn decide_tx(&mut self, t: TxnId, d: Decision) {
+        let view = self.recovery.drained_view.clone().expect("drained");
+        let round = self.recovery.coord.get_mut(&t).expect("round");
+        round.decision = Some(d);
+        let mut to: BTreeSet<MachineId> = BTreeSet::new();
+        for r in &round.regions {
+            if let Some(p) = view.map.get(*r) {
+                to.insert(p.primary);
+                to.extend(p.backups.iter().copied());
+            }
+        }
+        round.to_send = to.into_iter().collect();
+        match d {
+            Decision::Commit => self.stats.recovered_commits += 1,
+            Decision::Abort => self.stats.recovered_aborts += 1,
+        }
+        tracing::debug!(txn = %t, decision = ?d, "recovery decided");
+        if self.recovery.waiting.remove(&t) {
+            self.recovery.decided.insert(t, d);
+        }
+    }
+
+    /// The coordinator side: REQUEST-VOTE after the timeout, decisions until acknowledged,
+    /// then TRUNCATE-RECOVERY.
+    fn coordinate(&mut self) -> bool {
+        let mut busy = false;
+        let now = self.now;
+        let c = self.recovery.last_drained;
+        let Some(view) = self.recovery.drained_view.clone() else {
+            return false;
+        };
+        let ids: Vec<TxnId> = self.recovery.coord.keys().copied().collect();
+        for t in ids {
+            let round = self.recovery.coord.get_mut(&t).expect("listed");
+            let region0 = round.regions.first().copied().unwrap_or(RegionId(0));
+            match round.decision {
+                None => {
+                    if now.saturating_sub(round.since) < REQUEST_VOTE_TICKS {
+                        continue;
+                    }
+                    round.since = now;
+                    let missing: Vec<RegionId> = round
+                        .regions
+                        .iter()
+                        .filter(|r| !round.votes.contains_key(r))
+                        .copied()
+                        .collect();
+                    for r in missing {
+                        if let Some(p) = view.map.get(r) {
+                            let p = p.primary;
+                            self.send_recovery(p, c, r, RecoveryBody::RequestVote(t));
+                            busy = true;
+                        }
+                    }
+                }
+                Some(d) => {
+                    let body = match d {
+                        Decision::Commit => RecoveryBody::CommitRecovery(t),
+                        Decision::Abort => RecoveryBody::AbortRecovery(t),
+                    };
+                    let to_send = std::mem::take(&mut round.to_send);
+                    let mut left = Vec::new();
+                    let mut placed = Vec::new();
+                    for m in to_send {
+                        let msg = Message::Recovery {
+                            config: c,
+                            region: region0,
+                            body: body.clone(),
+                        };
+                        match self.send_tracked(m, &msg) {
+                            Some(ticket) => placed.push((m, ticket)),
+                            None => left.push(m),
+                        }
+                    }
+                    busy |= !placed.is_empty();
+                    let round = self.recovery.coord.get_mut(&t).expect("listed");
+                    round.to_send = left;
+                    round.tickets.extend(placed);
+                    if !round.to_send.is_empty() {
+                        continue;
+                    }
+                    let tickets = round.tickets.clone();
+                    let landed = tickets
+                        .iter()
+                        .all(|(m, tk)| self.write_status(*m, *tk) != WriteStatus::Pending);
+                    if !landed {
+                        continue;
+                    }
+                    // Every replica holds the decision: it may forget the transaction.
+                    for (m, _) in tickets {
+                        let msg = Message::Recovery {
+                            config: c,
+                            region: region0,
+                            body: RecoveryBody::TruncateRecovery(t),
+                        };
+                        self.send_message(m, &msg);
+                    }
+                    self.recovery.coord.remove(&t);
+                    self.recovery.finished.insert(t);
+                    busy = true;
+                }
+            }
+        }
+        busy
+    }
+
+    fn on_decision(&mut self, t: TxnId, d: Decision) {
+        let tx = self.recovery.txs.entry(t).or_default();
+        if tx.decision.is_some() {
+            return;
+        }
+        tx.decision = Some(d);
+        match d {
+            Decision::Commit => tx.commit_primary = true,
+            Decision::Abort => tx.abort_recovery = true,
+        }
+        self.apply_decision(t);
+    }
+
+    fn on_replicate(&mut self, t: TxnId, ws: WriteSet) {
+        let known = self.recovery.txs.get(&t).is_some_and(|tx| tx.applied);
+        if known {
+            return;
+        }
+        self.merge_state(t, ws);
+        if self
+            .recovery
+            .txs
+            .get(&t)
+            .is_some_and(|tx| tx.decision.is_some())
+        {
+            self.apply_decision(t);
+        }
+    }
+
+    /// Carries out a decision here: at a primary like COMMIT-PRIMARY or ABORT (releasing the
+    /// LOCK record's locks or lock recovery's), at a backup like COMMIT-BACKUP at truncation.
+    /// Writes install only over older versions, so recovered transactions on the same object
+    /// may be decided in any order. A decision can arrive before this primary's lock recovery
+    /// of the region: the writes then install under a momentary recovery lock.
+    fn apply_decision(&mut self, t: TxnId) {
+        let view = self.view.clone();
+        let me = self.machine.id;
+        let Some(tx) = self.recovery.txs.get_mut(&t) else {
+            return;
+        };
+        let Some(d) = tx.decision else {
+            return;
+        };
+        if tx.applied || (d == Decision::Commit && !tx.has_data()) {
+            return; // A commit waits for REPLICATE-TX-STATE.
+        }
+        tx.applied = true;
+        let held = std::mem::replace(&mut tx.locks_held, false);
+        let lock_ws = tx.lock.clone();
+        let recovery_locked = std::mem::take(&mut tx.recovery_locked);
+        // Writes known from COMMIT-BACKUP or other replicas, not covered by a lock here.
+        let mut other: Vec<WriteEntry> = Vec::new();
+        if d == Decision::Commit {
+            let mut seen: BTreeSet<farm_core::Addr> =
+                recovery_locked.iter().map(|w| w.addr).collect();
+            seen.extend(
+                lock_ws
+                    .iter()
+                    .flat_map(|ws| ws.writes.iter().map(|w| w.addr)),
+            );
+            for w in tx
+                .commit_backup
+                .iter()
+                .flat_map(|ws| &ws.writes)
+                .chain(&tx.fetched)
+            {
+                if seen.insert(w.addr) {
+                    other.push(w.clone());
+                }
+            }
+        }
+        let truncated = tx.truncated;
+        if held {
+            let ws = lock_ws.expect("held locks have a LOCK record");
+            match d {
+                Decision::Commit => self.apply_at_primary(&ws),
+                Decision::Abort => self.unlock_all(&ws),
+            }
+        }
+        let install = |w: &WriteEntry| {
+            let new = w.read.committed_successor(w.allocated);
+            let data = if w.allocated { &w.data[..] } else { &[][..] };
+            (data.to_vec(), new)
+        };
+        for w in recovery_locked {
+            let Some(mem) = view.region(w.addr.region) else {
+                continue; // Moved away in a later configuration.
+            };
+            let (data, new) = install(&w);
+            let commit = (d == Decision::Commit).then_some((&data[..], new));
+            self.machine
+                .recovery_unlock(mem, w.addr.region, w.addr.offset, commit);
+        }
+        for w in other {
+            let (Some(placement), Some(mem)) =
+                (view.map.get(w.addr.region), view.region(w.addr.region))
+            else {
+                continue;
+            };
+            let (data, new) = install(&w);
+            if placement.primary == me {
+                if !primary_moved_since(&view, w.addr.region, t) {
+                    continue; // Applied or locked by this primary's own records.
+                }
+                self.machine
+                    .recovery_lock(mem, w.addr.region, w.addr.offset);
+                self.machine
+                    .recovery_unlock(mem, w.addr.region, w.addr.offset, Some((&data, new)));
+            } else {
+                object::install_at_backup(mem, w.addr.offset as u64, &data, new);
+            }
+        }
+        if truncated {
+            self.forget(t);
+        }
+    }
+
+    fn on_truncate_recovery(&mut self, t: TxnId) {
+        let Some(tx) = self.recovery.txs.get_mut(&t) else {
+            return;
+        };
+        tx.truncated = true;
+        if tx.applied {
+            self.forget(t);
+        }
+    }
+
+    /// Drops a recovered transaction and frees its log records.
+    fn forget(&mut self, t: TxnId) {
+        let tx = self.recovery.txs.remove(&t).expect("known");
+        let log = &mut self.inbound[t.machine.0 as usize].log;
+        for pos in tx.records {
+            log.release(pos);
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! Failure recovery on the threaded runtime (FaRM §5.3): machines are killed in the middle of a
+//! bank workload whose transfers span every machine, and afterwards every acknowledged transfer
+//! is reflected exactly once, no money appears or vanishes, and every account is readable and
+//! writable again (its region was blocked until lock recovery at the new primary).
+//!
+//! Clients coordinate on machines that survive: a coordinator killed under its application
+//! takes the application with it, and the outcome of its last transaction is unknown to anyone
+//! who could check it.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use farm::{Addr, Cluster, MachineId, ReconfigEvent};
+use farm_core::rng::Rng;
+use farm_core::ConfigId;
+
+const INITIAL: u64 = 1_000;
+
+fn cluster(machines: u16) -> Cluster {
+    Cluster::builder()
+        .machines(machines)
+        .workers(2)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(Duration::from_millis(20))
+        .build()
+        .unwrap()
+}
+
+/// Accounts spread over every machine's regions.
+fn accounts(c: &Cluster, per_machine: usize) -> Vec<Addr> {
+    let mut all = Vec::new();
+    for m in 0..c.machines() {
+        for _ in 0..per_machine {
+            all.push(c.txn(MachineId(m), |tx| tx.alloc(&INITIAL, None)).unwrap());
+        }
+    }
+    all
+}
+
+/// A transfer that committed.
+type Transfer = (usize, usize, u64);
+
+/// Runs transfers from `threads` client threads, coordinated by `coordinators`, until `stop`.
+fn run_clients(
+    c: &Arc<Cluster>,
+    accounts: &Arc<Vec<Addr>>,
+    coordinators: Vec<MachineId>,
+    threads: u64,
+    stop: &Arc<AtomicBool>,
+) -> Vec<std::thread::JoinHandle<Vec<Transfer>>> {
+    (0..threads)
+        .map(|seed| {
+            let (c, accounts, stop) = (c.clone(), accounts.clone(), stop.clone());
+            let coordinators = coordinators.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng::new(seed + 7);
+                let mut done = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let m = coordinators[rng.below(coordinators.len() as u64) as usize];
+                    let a = rng.below(accounts.len() as u64) as usize;
+                    let b =
+                        (a + 1 + rng.below(accounts.len() as u64 - 1) as usize) % accounts.len();
+                    let amount = 1 + rng.below(10);
+                    let (x, y) = (accounts[a], accounts[b]);
+                    let r = c.txn(m, |tx| {
+                        let from: u64 = tx.read(x)?;
+                        let to: u64 = tx.read(y)?;
+                        if from < amount {
+                            return Ok(false);
+                        }
+                        tx.write(x, &(from - amount))?;
+                        tx.write(y, &(to + amount))?;
+                        Ok(true)
+                    });
+                    match r {
+                        Ok(true) => done.push((a, b, amount)),
+                        Ok(false) => {}
+                        Err(e) => panic!("transfer at {m} failed: {e}"),
+                    }
+                }
+                done
+            })
+        })
+        .collect()
+}
+
+fn wait_for_config(c: &Cluster, observer: MachineId, id: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.view(observer).config.id < ConfigId(id) {
+        assert!(
+            Instant::now() < deadline,
+            "configuration {id} not reached: {:?}",
+            c.reconfig_events()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Kills `victims` in the middle of the workload and checks the bank afterwards.
+fn bank_through_failures(machines: u16, victims: &[MachineId]) {
+    let c = Arc::new(cluster(machines));
+    let accounts = Arc::new(accounts(&c, 6));
+    let survivors: Vec<MachineId> = (0..machines)
+        .map(MachineId)
+        .filter(|m| !victims.contains(m))
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = run_clients(&c, &accounts, survivors.clone(), 2, &stop);
+    std::thread::sleep(Duration::from_millis(300));
+    let before = c.stats().commits;
+    for v in victims {
+        c.kill(*v);
+    }
+    let observer = survivors[0];
+    wait_for_config(&c, observer, 2);
+    // The workload goes on through recovery and after it.
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let done: Vec<Transfer> = clients
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    assert!(
+        c.stats().commits > before,
+        "transactions commit after the failure"
+    );
+    c.quiesce();
+    let mut expected: BTreeMap<usize, u64> = (0..accounts.len()).map(|i| (i, INITIAL)).collect();
+    for (a, b, amount) in &done {
+        *expected.get_mut(a).unwrap() -= amount;
+        *expected.get_mut(b).unwrap() += amount;
+    }
+    let balances: Vec<u64> = c
+        .txn(observer, |tx| {
+            accounts.iter().map(|a| tx.read::<u64>(*a)).collect()
+        })
+        .unwrap();
+    let wrong: Vec<String> = balances
+        .iter()
+        .enumerate()
+        .filter(|(i, got)| **got != expected[i])
+        .map(|(i, got)| {
+            format!(
+                "account {i} at {}: {got}, expected {}",
+                accounts[i], expected[&i]
+            )
+        })
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "after {} acknowledged transfers (sum {}): {wrong:?}; events {:?}",
+        done.len(),
+        balances.iter().sum::<u64>(),
+        c.reconfig_events()
+    );
+    assert_eq!(
+        balances.iter().sum::<u64>(),
+        INITIAL * accounts.len() as u64
+    );
+    // Every account is writable again, the victims' former regions included.
+    for a in accounts.iter() {
+        c.txn(observer, |tx| {
+            let v: u64 = tx.read(*a)?;
+            tx.write(*a, &v)
+        })
+        .unwrap();
+    }
+    let stats = c.stats();
+    let committed = c
+        .reconfig_events()
+        .iter()
+        .filter(|e| matches!(e, ReconfigEvent::Committed { .. }))
+        .count();
+    println!(
+        "{} transfers; recovery decided {} commits and {} aborts; {} configurations committed",
+        done.len(),
+        stats.recovered_commits,
+        stats.recovered_aborts,
+        committed
+    );
+}
+
+#[test]
+fn a_member_killed_mid_workload_loses_nothing() {
+    bank_through_failures(4, &[MachineId(2)]);
+}
+
+#[test]
+fn the_cm_killed_mid_workload_loses_nothing() {
+    bank_through_failures(4, &[MachineId(0)]);
+}
+
+#[test]
+fn two_members_killed_at_once_lose_nothing_with_three_replicas() {
+    bank_through_failures(5, &[MachineId(1), MachineId(3)]);
+}
