@@ -154,7 +154,11 @@ pub fn apply_locked(mem: &Nvram, offset: u64, payload: &[u8], new: Header) {
         current.locked(),
         "applying a write to {offset:#x} without its lock"
     );
-    assert!(new.version() > current.version(), "version must grow");
+    assert!(
+        new.version() > current.version(),
+        "applying version {:?} over {current:?} at {offset:#x}: versions must grow",
+        new.version()
+    );
     // Seqlock writer: the lock is visible before any payload byte changes.
     fence(Ordering::Release);
     mem.write(offset as usize + HEADER_BYTES, payload);

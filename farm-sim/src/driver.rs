@@ -13,6 +13,7 @@ use farm_core::rng::Rng;
 use farm_core::{Addr, MachineId, ThreadId};
 use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
 
+use crate::cm::SimCm;
 use crate::history::{check, Anomaly, Op, TxnRecord};
 use crate::replicas::{check_replicas, ReplicaReport};
 
@@ -38,6 +39,10 @@ pub struct SimConfig {
     pub keys: u64,
     /// Scheduler steps before draining.
     pub steps: u64,
+    /// Machines that crash during the run (at seeded steps, landing a seeded prefix of their
+    /// held writes); each is suspected a seeded delay later and removed by the CM, and
+    /// transaction recovery runs (§5.2-5.3). At most `replicas - 1`.
+    pub crashes: u16,
 }
 
 impl Default for SimConfig {
@@ -49,6 +54,7 @@ impl Default for SimConfig {
             replicas: 3,
             keys: 6,
             steps: 3000,
+            crashes: 0,
         }
     }
 }
@@ -66,6 +72,13 @@ pub struct SimOutcome {
     pub stats: Stats,
     /// Objects allocated by committed transactions and still live at the end, all checked.
     pub live_objects: usize,
+    /// Machines crashed.
+    pub crashed: Vec<MachineId>,
+    /// Transactions whose coordinator crashed mid-commit, and how many of them turned out
+    /// committed (all their appends visible at the end; partial ones are anomalies).
+    pub unknown: (usize, usize),
+    /// Configurations the CM committed.
+    pub configurations: u64,
 }
 
 #[derive(Debug)]
@@ -95,8 +108,15 @@ pub struct Sim {
     /// Objects each client allocated and has not freed, with their values.
     temps: Vec<Vec<(Addr, u64)>>,
     history: Vec<TxnRecord>,
+    /// History entries whose coordinator crashed before the outcome was known.
+    unknown: Vec<usize>,
     next_value: u64,
     config: SimConfig,
+    cm: SimCm,
+    /// Steps at which a machine crashes, earliest last.
+    crash_at: Vec<u64>,
+    crashed: Vec<MachineId>,
+    step_no: u64,
 }
 
 impl Sim {
@@ -140,8 +160,22 @@ impl Sim {
             .collect::<Vec<_>>();
         let n_clients = workers.len();
         let clients = (0..n_clients).map(|_| Client::Idle).collect();
+        assert!(
+            config.crashes < config.replicas,
+            "{} crashes would lose regions with {} replicas",
+            config.crashes,
+            config.replicas
+        );
+        let mut rng = Rng::new(config.seed);
+        // Crashes between a fifth and four fifths of the run; a second one may land while the
+        // first is still being recovered.
+        let mut crash_at: Vec<u64> = (0..config.crashes)
+            .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
+            .collect();
+        crash_at.sort_unstable_by(|a, b| b.cmp(a));
+        let cm = SimCm::new(&machines, config.replicas as usize);
         let mut sim = Sim {
-            rng: Rng::new(config.seed),
+            rng,
             now: 0,
             fabric,
             machines,
@@ -150,8 +184,13 @@ impl Sim {
             keys: Vec::new(),
             temps: vec![Vec::new(); n_clients],
             history: Vec::new(),
+            unknown: Vec::new(),
             next_value: 1,
             config,
+            cm,
+            crash_at,
+            crashed: Vec::new(),
+            step_no: 0,
         };
         for k in 0..config.keys {
             let w = (k as usize * config.threads as usize) % sim.workers.len();
@@ -176,8 +215,11 @@ impl Sim {
         for _ in 0..SETUP_POLLS_MAX {
             self.now += 1;
             self.fabric.deliver_all();
-            for x in &mut self.workers {
-                x.poll(self.now);
+            self.cm.step(self.now, &self.fabric, &self.machines);
+            for x in self.workers.iter_mut() {
+                if self.fabric.is_alive(x.machine().id) {
+                    x.poll(self.now);
+                }
             }
             if let Some(res) = self.workers[w].poll_commit(self.now) {
                 res.expect("setup commit");
@@ -190,14 +232,53 @@ impl Sim {
         );
     }
 
-    /// One scheduler step: poll a worker, land a held write, or advance a client.
+    fn alive_worker(&self, w: usize) -> bool {
+        self.fabric.is_alive(self.workers[w].machine().id)
+    }
+
+    /// Crashes a random live machine (the CM included): a prefix of its held writes lands, its
+    /// clients' commits in flight get unknown outcomes, and the CM suspects it later.
+    fn crash_one(&mut self) {
+        let live: Vec<MachineId> = self
+            .machines
+            .iter()
+            .map(|m| m.id)
+            .filter(|m| self.fabric.is_alive(*m))
+            .collect();
+        let victim = live[self.rng.below(live.len() as u64) as usize];
+        self.fabric.crash(victim, &mut self.rng);
+        self.crashed.push(victim);
+        for c in 0..self.clients.len() {
+            if self.workers[c].machine().id != victim {
+                continue;
+            }
+            if let Client::Committing(rec, _) =
+                std::mem::replace(&mut self.clients[c], Client::Idle)
+            {
+                self.unknown.push(self.history.len());
+                self.history.push(rec);
+            }
+        }
+        let delay = 20 + self.rng.below(300);
+        self.cm.suspect(victim, self.now + delay);
+    }
+
+    /// One scheduler step: poll a worker, land a held write, advance a client, or step the CM.
     fn step(&mut self, start_new: bool) {
         self.now += 1;
-        match self.rng.below(3) {
+        self.step_no += 1;
+        if self.crash_at.last() == Some(&self.step_no) {
+            self.crash_at.pop();
+            self.crash_one();
+        }
+        match self.rng.below(4) {
             0 => {
                 let w = self.rng.below(self.workers.len() as u64) as usize;
-                self.workers[w].poll(self.now);
+                if self.alive_worker(w) {
+                    self.workers[w].poll(self.now);
+                }
             }
+            3 => self.cm.step(self.now, &self.fabric, &self.machines),
             1 => {
                 let held = self.fabric.held_links();
                 if !held.is_empty() {
@@ -207,7 +288,9 @@ impl Sim {
             }
             _ => {
                 let c = self.rng.below(self.clients.len() as u64) as usize;
-                self.advance_client(c, start_new);
+                if self.alive_worker(c) {
+                    self.advance_client(c, start_new);
+                }
             }
         }
     }
@@ -264,15 +347,19 @@ impl Sim {
         let (before, rest) = self.workers.split_at_mut(c);
         let (worker, after) = rest.split_first_mut().expect("client in range");
         let (now, rng, fabric) = (&mut self.now, &mut self.rng, &self.fabric);
+        let (cm, machines) = (&mut self.cm, &self.machines);
         let mut poll_others = || {
             *now += 1;
+            cm.step(*now, fabric, machines);
             let held = fabric.held_links();
             if !held.is_empty() {
                 let (src, dst, _) = held[rng.below(held.len() as u64) as usize];
                 fabric.deliver_next(src, dst);
             }
             for w in before.iter_mut().chain(after.iter_mut()) {
-                w.poll(*now);
+                if fabric.is_alive(w.machine().id) {
+                    w.poll(*now);
+                }
             }
             *now
         };
@@ -348,21 +435,48 @@ impl Sim {
         while self
             .clients
             .iter()
-            .any(|c| matches!(c, Client::Committing(..)))
+            .enumerate()
+            .any(|(c, s)| matches!(s, Client::Committing(..)) && self.alive_worker(c))
         {
             self.step(false);
             rounds += 1;
-            assert!(
-                rounds < 1_000_000,
-                "seed {}: clients did not finish",
-                self.config.seed
-            );
+            if rounds >= 1_000_000 {
+                let stuck: Vec<String> = (0..self.clients.len())
+                    .filter(|c| self.alive_worker(*c))
+                    .filter(|c| matches!(self.clients[*c], Client::Committing(..)))
+                    .map(|c| format!("client {c}: {}", self.workers[c].recovery_summary()))
+                    .collect();
+                let views: Vec<String> = self
+                    .machines
+                    .iter()
+                    .map(|m| {
+                        let v = m.view();
+                        format!(
+                            "{}: alive {} config {:?} committed {:?} members {:?}",
+                            m.id,
+                            self.fabric.is_alive(m.id),
+                            v.config.id,
+                            m.committed_config(),
+                            v.config.members
+                        )
+                    })
+                    .collect();
+                panic!(
+                    "seed {}: clients did not finish (CM busy {}, crashed {:?}): {stuck:#?}\n{views:#?}",
+                    self.config.seed,
+                    self.cm.busy(),
+                    self.crashed
+                );
+            }
         }
         self.quiesce();
         // A final read of every list, so that every committed append is ordered.
         let keys = self.keys.clone();
         let invoke = self.now;
-        let ops = self.setup_txn(0, |tx| {
+        let checker = (0..self.workers.len())
+            .find(|w| self.alive_worker(*w) && self.workers[*w].is_member())
+            .expect("a live member");
+        let ops = self.setup_txn(checker, |tx| {
             keys.iter()
                 .enumerate()
                 .map(|(k, a)| {
@@ -378,6 +492,7 @@ impl Sim {
                 })
                 .collect::<Result<Vec<_>, TxError>>()
         });
+        let unknown_committed = self.resolve_unknown(&ops);
         self.history.push(TxnRecord {
             ops,
             invoke,
@@ -385,9 +500,14 @@ impl Sim {
             committed: true,
         });
         // Every object allocated by a committed transaction and not freed holds its value.
-        let temps: Vec<(Addr, u64)> = self.temps.iter().flatten().copied().collect();
+        // (A crashed client's objects are left out: its last transaction, which may have freed
+        // one, has an unknown outcome.)
+        let temps: Vec<(Addr, u64)> = (0..self.temps.len())
+            .filter(|c| self.alive_worker(*c))
+            .flat_map(|c| self.temps[c].iter().copied())
+            .collect();
         let seed = self.config.seed;
-        self.setup_txn(0, |tx| {
+        self.setup_txn(checker, |tx| {
             for (a, v) in &temps {
                 let got = tx.read(*a, 16)?;
                 assert_eq!(
@@ -399,8 +519,15 @@ impl Sim {
             Ok(())
         });
         self.quiesce();
-        let anomalies = check(&self.history);
-        let replicas = check_replicas(&self.machines);
+        let mut anomalies = check(&self.history);
+        anomalies.extend(unknown_committed.1);
+        let live: Vec<Arc<MachineState>> = self
+            .machines
+            .iter()
+            .filter(|m| self.fabric.is_alive(m.id))
+            .cloned()
+            .collect();
+        let replicas = check_replicas(&live);
         let mut stats = Stats::default();
         for w in &self.workers {
             stats.add(w.stats());
@@ -411,33 +538,112 @@ impl Sim {
             replicas,
             stats,
             live_objects: temps.len(),
+            crashed: self.crashed,
+            unknown: (self.unknown.len(), unknown_committed.0),
+            configurations: self.cm.committed,
         }
     }
 
-    /// Lands every write and truncates everything, until no worker has anything retained.
+    /// Decides the transactions whose coordinator crashed from the final read: committed when
+    /// every append is visible (their completion then counts as unknown: no real-time order),
+    /// aborted when none is; a partial one is an atomicity violation.
+    fn resolve_unknown(&mut self, final_read: &[Op]) -> (usize, Vec<Anomaly>) {
+        let visible: std::collections::BTreeSet<u64> = final_read
+            .iter()
+            .flat_map(|op| match op {
+                Op::Read { values, .. } => values.clone(),
+                Op::Append { .. } => Vec::new(),
+            })
+            .collect();
+        let (mut committed, mut anomalies) = (0, Vec::new());
+        for &i in &self.unknown {
+            let t = &mut self.history[i];
+            let appends: Vec<u64> = t
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Append { value, .. } => Some(*value),
+                    Op::Read { .. } => None,
+                })
+                .collect();
+            let seen = appends.iter().filter(|v| visible.contains(v)).count();
+            if seen > 0 && seen == appends.len() {
+                t.committed = true;
+                t.complete = u64::MAX;
+                committed += 1;
+            } else if seen > 0 {
+                anomalies.push(Anomaly {
+                    name: "partial-commit",
+                    detail: format!(
+                        "T{i}, whose coordinator crashed, has {seen} of its appends {appends:?} visible"
+                    ),
+                });
+            }
+        }
+        (committed, anomalies)
+    }
+
+    /// Finishes reconfiguration and recovery, lands every write and truncates everything,
+    /// until no live member has anything retained or left to recover.
     fn quiesce(&mut self) {
         self.fabric.set_hold_writes(false);
-        for _ in 0..1000 {
+        for _ in 0..2000 {
             self.fabric.deliver_all();
-            self.now += 1_000;
-            for w in &mut self.workers {
+            self.now += 100;
+            self.cm.step(self.now, &self.fabric, &self.machines);
+            let fabric = &self.fabric;
+            for w in self
+                .workers
+                .iter_mut()
+                .filter(|w| fabric.is_alive(w.machine().id))
+            {
                 w.poll(self.now);
-                w.flush_truncations();
+                if !w.committing() {
+                    w.flush_truncations();
+                }
                 w.report_all_freed();
             }
-            for w in &mut self.workers {
+            for w in self
+                .workers
+                .iter_mut()
+                .filter(|w| fabric.is_alive(w.machine().id))
+            {
                 w.poll(self.now);
             }
-            if self
-                .workers
-                .iter()
-                .all(|w| w.coordinator_quiet() && w.retained_records() == 0)
-            {
+            let quiet = !self.cm.busy()
+                && self
+                    .workers
+                    .iter()
+                    .filter(|w| fabric.is_alive(w.machine().id) && w.is_member())
+                    .all(|w| {
+                        w.coordinator_quiet() && w.retained_records() == 0 && w.recovery_idle()
+                    });
+            if quiet {
                 self.fabric.set_hold_writes(true);
                 return;
             }
         }
-        panic!("seed {}: the cluster did not quiesce", self.config.seed);
+        let report: Vec<String> = self
+            .workers
+            .iter()
+            .map(|w| {
+                format!(
+                    "{}/{}: alive {} quiet {} retained {} recovery {}",
+                    w.machine().id,
+                    w.thread().0,
+                    self.fabric.is_alive(w.machine().id),
+                    w.coordinator_quiet(),
+                    w.retained_records(),
+                    w.recovery_summary()
+                )
+            })
+            .collect();
+        panic!(
+            "seed {}: the cluster did not quiesce (CM busy {}):\n{}",
+            self.config.seed,
+            self.cm.busy(),
+            report.join("\n")
+        );
     }
 }
 

@@ -6,6 +6,7 @@
 //! - [`replicas`]: replica equality at quiescence.
 #![deny(missing_docs)]
 
+pub mod cm;
 pub mod driver;
 pub mod history;
 pub mod replicas;

@@ -225,7 +225,19 @@ impl<'w> Tx<'w> {
                 Some(got) => got,
                 None => self.alloc_local(len, None)?,
             },
-            None => self.alloc_local(len, near)?,
+            None => match self.alloc_local(len, near) {
+                // Primary of no region: any other machine's region will do.
+                Err(TxError::NoRegion(_)) if self.poller.is_some() => {
+                    let elsewhere = self.region_elsewhere();
+                    match elsewhere {
+                        Some(r) => self
+                            .alloc_remote(r, len)?
+                            .ok_or(TxError::Alloc(farm_alloc::AllocError::RegionFull(r)))?,
+                        None => return Err(TxError::NoRegion(self.worker.machine.id)),
+                    }
+                }
+                other => other?,
+            },
         };
         assert!(
             !header.allocated() && !header.locked(),
@@ -246,6 +258,22 @@ impl<'w> Tx<'w> {
             "slot {addr} allocated twice in one transaction"
         );
         Ok(addr)
+    }
+
+    /// An unblocked region whose primary is another machine.
+    fn region_elsewhere(&mut self) -> Option<RegionId> {
+        let me = self.worker.machine.id;
+        let regions: Vec<RegionId> = self
+            .worker
+            .view
+            .map
+            .iter()
+            .filter(|(_, p)| p.primary != me)
+            .map(|(r, _)| r)
+            .collect();
+        regions
+            .into_iter()
+            .find(|r| !self.worker.region_blocked(*r))
     }
 
     /// A slot in a region this machine is primary for, and its header.
@@ -271,14 +299,16 @@ impl<'w> Tx<'w> {
         let primary = self.worker.view.map.get(region).expect("checked").primary;
         self.worker.coord.next_request += 1;
         let request = self.worker.coord.next_request;
-        self.worker.send_message(
-            primary,
-            &Message::Alloc {
-                request,
-                region,
-                len: len as u32,
-            },
-        );
+        let msg = Message::Alloc {
+            request,
+            region,
+            len: len as u32,
+        };
+        let ticket = self.worker.send_tracked(primary, &msg).flatten();
+        if ticket.is_none() && primary != self.worker.machine.id {
+            self.worker.send_message(primary, &msg);
+        }
+        let generation = self.worker.machine.view_generation();
         let poller = self
             .poller
             .as_mut()
@@ -305,6 +335,14 @@ impl<'w> Tx<'w> {
             }
             let now = poller();
             self.worker.poll(now);
+            // A primary that died, or left the configuration, will not answer.
+            if ticket.is_some() && self.worker.write_status(primary, ticket) == WriteStatus::Failed
+            {
+                break;
+            }
+            if self.worker.machine.view_generation() != generation {
+                return Err(TxError::ConfigurationChanged);
+            }
         }
         Err(TxError::Unavailable(
             farm_core::fabric::FabricError::Unreachable(primary),
@@ -344,6 +382,14 @@ fn take_replies(
         Some((t, _)) if t.local < txn.local => false,
         _ => true,
     });
+}
+
+/// Forgets which slots a transaction allocated: once it is recovering, the primaries that
+/// handed them out free them if recovery aborts it.
+fn leave_slots_to_recovery(state: &mut TxState) {
+    for e in state.objects.values_mut() {
+        e.fresh = None;
+    }
 }
 
 /// Where a commit stands.
@@ -486,9 +532,16 @@ impl Worker {
                 Err(e) => last_err = Some(e),
             }
         }
-        Err(TxError::Alloc(
-            last_err.unwrap_or(farm_alloc::AllocError::TooLarge(len)),
-        ))
+        if let Some(e) = last_err {
+            return Err(TxError::Alloc(e));
+        }
+        // No region to allocate in here: one being recovered (blocked, or its free lists not
+        // rebuilt yet, §5.5) will be back; otherwise this machine is primary of none.
+        let me = self.machine.id;
+        match self.view.map.primary_of(me).next() {
+            Some(r) => Err(TxError::RegionBlocked(r)),
+            None => Err(TxError::NoRegion(me)),
+        }
     }
 
     /// Writes a new block's header locally and to every backup (§5.5). The backup writes go on
@@ -564,6 +617,11 @@ impl Worker {
     /// Whether a commit is in progress on this worker.
     pub fn committing(&self) -> bool {
         self.coord.active.is_some()
+    }
+
+    /// The id of the commit in progress, if any (for diagnostics).
+    pub fn committing_txn(&self) -> Option<TxnId> {
+        self.coord.active.as_ref().map(|c| c.txn)
     }
 
     /// Starts committing `state`. Read-only transactions with at most one object commit at once
@@ -810,7 +868,7 @@ impl Worker {
                     && view
                         .changes
                         .get(&a.region)
-                        .is_some_and(|ch| ch.last_primary_change >= view.config.id)
+                        .is_some_and(|ch| ch.last_primary_change > c.txn.config)
             });
         let blocked = written.iter().copied().find(|r| self.region_blocked(*r));
         match &c.phase {
@@ -827,6 +885,7 @@ impl Worker {
             Phase::Lock { .. } | Phase::Validate { .. } => {
                 if recovering {
                     self.return_reservations(c);
+                    leave_slots_to_recovery(&mut c.state);
                     Some(Err(TxError::ConfigurationChanged))
                 } else if read_moved {
                     self.abort_at_primaries(c);
@@ -840,6 +899,7 @@ impl Worker {
                     return None;
                 }
                 self.return_reservations(c);
+                leave_slots_to_recovery(&mut c.state);
                 self.coord.recovering.insert(c.txn.local);
                 self.await_recovery(c.txn, written);
                 c.phase = Phase::Recovering;
@@ -1012,6 +1072,13 @@ impl Worker {
     fn abort(&mut self, c: &mut Commit, primaries: &BTreeSet<MachineId>) {
         for p in primaries {
             let _ = self.send_log(c, *p, LogBody::Abort);
+            // The primary frees the slots this transaction allocated there once it has
+            // unlocked them; a RELEASE could overtake the ABORT.
+            for w in &c.primaries[p].writes {
+                if let Some(e) = c.state.objects.get_mut(&w.addr) {
+                    e.fresh = None;
+                }
+            }
         }
         if primaries.contains(&self.machine.id) {
             let me = self.machine.id;
@@ -1032,8 +1099,9 @@ impl Worker {
             .unacked
             .iter()
             .filter(|(_, ts)| {
+                // A failed write went to a primary that died: recovery settles that region.
                 ts.iter()
-                    .all(|(p, t)| self.write_status(*p, *t) == WriteStatus::Done)
+                    .all(|(p, t)| self.write_status(*p, *t) != WriteStatus::Pending)
             })
             .map(|(l, _)| *l)
             .collect();

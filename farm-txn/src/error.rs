@@ -37,6 +37,10 @@ pub enum TxError {
     /// Allocation failed.
     #[error("allocation failed: {0}")]
     Alloc(#[from] farm_alloc::AllocError),
+    /// The machine is primary of no region to allocate in, and the transaction has no way to
+    /// ask another machine (no poller).
+    #[error("machine {0} is primary of no region to allocate in; allocate a region or allocate near an object elsewhere")]
+    NoRegion(MachineId),
     /// The transaction writes more than one log record can carry.
     #[error("transaction too large: {bytes} bytes of records for machine {machine} (max {max})")]
     TooLarge {

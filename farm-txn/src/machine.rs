@@ -64,8 +64,10 @@ pub struct View {
     /// When each region last changed primary and replicas (NEW-CONFIG carries these, §5.3
     /// step 3: they decide which transactions are recovering).
     pub changes: BTreeMap<RegionId, RegionChanges>,
-    /// Regions whose replicas changed in this configuration: nobody may access them until lock
-    /// recovery at their primary makes them active (§5.3 steps 1 and 4).
+    /// Regions whose replicas ever changed: each is blocked until lock recovery at its primary
+    /// made it active in a configuration at or after its last replica change (§5.3 steps 1
+    /// and 4), which may be a later configuration than the change when recovery was
+    /// interrupted by another failure.
     pub blocked: BTreeSet<RegionId>,
     regions: Vec<Option<Arc<Nvram>>>,
     pools: Vec<Option<Arc<BlockPool>>>,
@@ -82,15 +84,17 @@ impl View {
         self.pools.get(region.0 as usize).and_then(Option::as_deref)
     }
 
-    /// Whether `region` was blocked when this configuration was installed (it may have become
-    /// active since: see `Worker::region_blocked`).
+    /// Whether `region` may be blocked in this configuration (whether it is depends on its
+    /// primary: see `Worker::region_blocked`).
     pub fn is_blocked(&self, region: RegionId) -> bool {
         self.blocked.contains(&region)
     }
 
     /// Whether a transaction that started committing in an earlier configuration and wrote
     /// `written` is recovering in this one (§5.3 step 3, as replicas see it: a replica of a
-    /// written region or the coordinator changed). The condition on read regions is the
+    /// written region or the coordinator changed since the commit started). The paper states
+    /// it for one configuration change; "since the commit started" also covers a machine
+    /// whose view skipped a configuration. The condition on read regions is the
     /// coordinator's: see `Worker::check_view`.
     pub fn is_recovering(&self, txn: farm_core::TxnId, written: &[RegionId]) -> bool {
         txn.config < self.config.id
@@ -98,7 +102,7 @@ impl View {
                 || written.iter().any(|r| {
                     self.changes
                         .get(r)
-                        .is_some_and(|c| c.last_replica_change >= self.config.id)
+                        .is_some_and(|c| c.last_replica_change > txn.config)
                 }))
     }
 }
@@ -118,6 +122,9 @@ pub struct MachineState {
     /// The newest configuration whose NEW-CONFIG-COMMIT this machine received (§5.2 step 7);
     /// transaction recovery for it starts then (§5.3 step 2).
     committed: AtomicU64,
+    /// The newest configuration some thread drained its logs for, and the threads that did
+    /// (§5.3 step 4: lock recovery waits until every local log is drained).
+    drained: Mutex<(ConfigId, BTreeSet<u16>)>,
     /// Per region being recovered here as primary: the configuration and the threads whose
     /// lock recovery is done (§5.3 step 4; the region is active when all are).
     lock_recovery: Mutex<BTreeMap<RegionId, (ConfigId, BTreeSet<u16>)>>,
@@ -174,6 +181,7 @@ impl MachineState {
             nvram_dir,
             prepared: Mutex::new(std::collections::BTreeMap::new()),
             committed: AtomicU64::new(config.id.0),
+            drained: Mutex::new((config.id, BTreeSet::new())),
             lock_recovery: Mutex::new(BTreeMap::new()),
             recovery_locks: Mutex::new(BTreeMap::new()),
             rings,
@@ -207,7 +215,7 @@ impl MachineState {
     ) -> io::Result<()> {
         let blocked = changes
             .iter()
-            .filter(|(_, c)| c.last_replica_change == config.id)
+            .filter(|(_, c)| c.last_replica_change > ConfigId(0))
             .map(|(r, _)| *r)
             .collect();
         let mut guard = self.view.lock().expect("view poisoned");
@@ -292,23 +300,110 @@ impl MachineState {
         ConfigId(self.committed.load(Ordering::Acquire))
     }
 
+    /// Records that `thread` drained its logs for `config` (LastDrained, §5.3 step 2).
+    pub(crate) fn thread_drained(&self, config: ConfigId, thread: u16) {
+        let mut d = self.drained.lock().expect("poisoned");
+        if d.0 < config {
+            *d = (config, BTreeSet::new());
+        }
+        if d.0 == config {
+            d.1.insert(thread);
+        }
+    }
+
+    /// Whether every thread drained its logs for `config` (or a later one).
+    pub(crate) fn all_drained(&self, config: ConfigId) -> bool {
+        let d = self.drained.lock().expect("poisoned");
+        d.0 > config || (d.0 == config && d.1.len() == self.params.layout.threads as usize)
+    }
+
     /// Records that `thread` finished lock recovery of `region` for `config` (§5.3 step 4).
     /// When every thread has, the region becomes active: the configuration is written where
     /// coordinators look for it (local memory here, one-sided reads elsewhere).
     pub(crate) fn lock_recovered(&self, region: RegionId, config: ConfigId, thread: u16) {
         let mut all = self.lock_recovery.lock().expect("poisoned");
         let entry = all.entry(region).or_insert((config, BTreeSet::new()));
-        if entry.0 != config {
+        if entry.0 > config {
+            return; // A thread finishing an older round late.
+        }
+        if entry.0 < config {
             *entry = (config, BTreeSet::new());
         }
         entry.1.insert(thread);
         if entry.1.len() == self.params.layout.threads as usize {
             all.remove(&region);
-            if let Some(mem) = self.view().region(region) {
-                mem.store_u64(
-                    farm_alloc::REGION_ACTIVE_OFFSET,
-                    config.0,
-                    Ordering::Release,
+            let view = self.view();
+            let (Some(mem), Some(placement)) = (view.region(region), view.map.get(region)) else {
+                return;
+            };
+            if placement.primary == self.id {
+                self.merge_block_headers(region, mem, &placement.backups, thread);
+            }
+            mem.store_u64(
+                farm_alloc::REGION_ACTIVE_OFFSET,
+                config.0,
+                Ordering::Release,
+            );
+        }
+    }
+
+    /// Makes the block headers of `region` agree before it becomes active (§5.4: block headers
+    /// reach backups right after NEW-CONFIG-COMMIT): headers a backup has and this (possibly
+    /// promoted) primary lacks are taken over, by one-sided reads, and then every header goes
+    /// to every backup. A block's header is written once, by the primary that carves it, so
+    /// copies never disagree; a crash can only leave some replicas without it.
+    fn merge_block_headers(
+        &self,
+        region: RegionId,
+        mem: &Nvram,
+        backups: &[MachineId],
+        thread: u16,
+    ) {
+        let blocks = self.params.region_bytes / farm_alloc::BLOCK_BYTES;
+        let table = 8 * blocks;
+        for b in backups {
+            let mut theirs = vec![0u8; table];
+            let read = self
+                .fabric
+                .remote(self.id, *b, MemKey::Region(region))
+                .and_then(|r| r.read(0, &mut theirs));
+            if read.is_err() {
+                continue; // A dead backup: the next configuration handles it.
+            }
+            for (i, word) in theirs.chunks_exact(8).enumerate().skip(1) {
+                let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+                let at = farm_alloc::block_header_offset(i as u32);
+                if farm_alloc::slot_bytes_of(w).is_some()
+                    && mem.load_u64(at, Ordering::Acquire) == 0
+                {
+                    mem.store_u64(at, w, Ordering::Release);
+                }
+            }
+        }
+        let mut ours = vec![0u8; table];
+        mem.read(0, &mut ours);
+        let src = farm_core::fabric::Endpoint {
+            machine: self.id,
+            thread: farm_core::ThreadId(thread),
+        };
+        for b in backups {
+            // Runs of carved blocks, one write each.
+            let mut i = 1;
+            while i < blocks {
+                if ours[8 * i..8 * i + 8] == [0; 8] {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < blocks && ours[8 * i..8 * i + 8] != [0; 8] {
+                    i += 1;
+                }
+                let _ = self.fabric.write(
+                    src,
+                    *b,
+                    MemKey::Region(region),
+                    (8 * start) as u64,
+                    &ours[8 * start..8 * i],
                 );
             }
         }

@@ -49,9 +49,19 @@ pub(crate) struct RecoveryState {
     regions: BTreeMap<RegionId, RegionRound>,
     /// Transactions this thread coordinates the recovery of.
     coord: BTreeMap<TxnId, CoordRound>,
-    /// Transactions whose recovery this thread finished in this round: late votes (answers
-    /// to REQUEST-VOTE that crossed a vote) must not start them again.
-    finished: BTreeSet<TxnId>,
+    /// Transactions whose recovery this thread coordinated to the end, with the decision: a
+    /// later vote (an answer to REQUEST-VOTE that crossed a vote, or a next round's) gets the
+    /// same decision sent again to the region's current replicas (a new backup may have
+    /// received the records since), never a new one.
+    finished: BTreeMap<TxnId, Decision>,
+    /// Recovered transactions this thread forgot after TRUNCATE-RECOVERY: a decision repeated
+    /// by a later coordinator must not bring them back. Both sets hold only transactions that
+    /// were in flight at a failure.
+    forgotten: BTreeMap<TxnId, Decision>,
+    /// Decisions (and whether TRUNCATE-RECOVERY followed) for transactions this thread has no
+    /// records of, kept in case REPLICATE-TX-STATE brings them later (even in a later round).
+    /// Like `finished`, this holds only transactions that were in flight at a failure.
+    early_decisions: BTreeMap<TxnId, (Decision, bool)>,
     /// Messages of a configuration this thread has not drained yet.
     early: Vec<(MachineId, ConfigId, RegionId, RecoveryBody)>,
     /// This thread's own commits whose outcome recovery decides, and the decisions made.
@@ -67,7 +77,9 @@ impl RecoveryState {
             txs: BTreeMap::new(),
             regions: BTreeMap::new(),
             coord: BTreeMap::new(),
-            finished: BTreeSet::new(),
+            finished: BTreeMap::new(),
+            forgotten: BTreeMap::new(),
+            early_decisions: BTreeMap::new(),
             early: Vec::new(),
             waiting: BTreeSet::new(),
             decided: BTreeMap::new(),
@@ -102,6 +114,9 @@ struct RecTx {
     fetched_commit_backup: BTreeSet<RegionId>,
     /// ABORT-RECOVERY arrived.
     abort_recovery: bool,
+    /// The slots the transaction allocated here went back to the free lists (at most once,
+    /// whichever abort comes first).
+    slots_freed: bool,
     /// The coordinator's own ABORT arrived (it aborts before any COMMIT-BACKUP).
     aborted: bool,
     decision: Option<Decision>,
@@ -157,6 +172,9 @@ struct RegionRound {
     listed: BTreeMap<TxnId, BTreeSet<MachineId>>,
     /// Transactions whose write sets were asked of backups.
     fetching: BTreeSet<TxnId>,
+    /// Every backup reported and every missing write set arrived: lock recovery may run once
+    /// every local thread has drained its logs.
+    ready: bool,
     /// Locks taken and votes sent.
     done: bool,
 }
@@ -227,6 +245,19 @@ impl Worker {
             && self.machine.committed_config() >= view.config.id
         {
             self.start_round(view);
+            busy = true;
+        }
+        let waiting: Vec<RegionId> = self
+            .recovery
+            .regions
+            .iter()
+            .filter(|(_, r)| r.ready && !r.done)
+            .map(|(id, _)| *id)
+            .collect();
+        if !waiting.is_empty() && self.machine.all_drained(self.recovery.last_drained) {
+            for region in waiting {
+                self.lock_region(region);
+            }
             busy = true;
         }
         if !self.recovery.coord.is_empty() {
@@ -317,10 +348,16 @@ impl Worker {
             return;
         };
         tx.aborted = true;
-        if tx.locks_held {
-            tx.locks_held = false;
-            let ws = tx.lock.clone().expect("held locks have a LOCK record");
-            self.unlock_all(&ws);
+        let held = std::mem::replace(&mut tx.locks_held, false);
+        let ws = tx.lock.clone();
+        let free = !std::mem::replace(&mut tx.slots_freed, true);
+        if let Some(ws) = ws {
+            if held {
+                self.unlock_all(&ws);
+            }
+            if free {
+                self.free_fresh_slots(&ws);
+            }
         }
     }
 
@@ -330,12 +367,18 @@ impl Worker {
         let c = view.config.id;
         let me = self.machine.id;
         // Step 2: every log, also those of machines that left (their records may decide
-        // transactions). Records are processed as in the normal case.
+        // transactions). Records are processed as in the normal case. Message queues first:
+        // a decision of an earlier round that landed here must count before this round votes,
+        // even one from a coordinator that has left since.
+        for sender in 0..self.inbound.len() {
+            self.poll_queue(MachineId(sender as u16));
+        }
         for sender in 0..self.inbound.len() {
             self.poll_log(MachineId(sender as u16));
         }
         self.recovery.last_drained = c;
         self.recovery.drained_view = Some(view.clone());
+        self.machine.thread_drained(c, self.thread.0);
         tracing::debug!(
             machine = me.0,
             thread = self.thread.0,
@@ -396,7 +439,6 @@ impl Worker {
         }
         // A new round re-collects votes for what is still undecided.
         self.recovery.regions.clear();
-        self.recovery.finished.clear();
         let now = self.now;
         for round in self.recovery.coord.values_mut() {
             if round.decision.is_none() {
@@ -438,6 +480,7 @@ impl Worker {
                 awaiting: placement.backups.iter().copied().collect(),
                 listed,
                 fetching: BTreeSet::new(),
+                ready: false,
                 done: false,
             };
             let ready = round.awaiting.is_empty();
@@ -543,17 +586,17 @@ impl Worker {
     /// Every backup reported: fetch the write sets this primary lacks (step 4).
     fn region_collected(&mut self, region: RegionId) {
         let c = self.recovery.last_drained;
-        let round = &self.recovery.regions[&region];
+        let round = self.recovery.regions.get_mut(&region).expect("round");
+        let txs = &self.recovery.txs;
+        // Transactions this primary listed itself may have been decided and forgotten since.
+        round
+            .listed
+            .retain(|t, holders| !holders.is_empty() || txs.contains_key(t));
         let mut fetch: BTreeMap<MachineId, Vec<TxnId>> = BTreeMap::new();
         for (t, holders) in &round.listed {
-            let lacking = self
-                .recovery
-                .txs
-                .get(t)
-                .is_none_or(|tx| tx.writes_in(region).is_empty());
-            if lacking {
-                let from = *holders.iter().next().expect("listed by a backup");
-                fetch.entry(from).or_default().push(*t);
+            let lacking = txs.get(t).is_none_or(|tx| tx.writes_in(region).is_empty());
+            if let (true, Some(from)) = (lacking, holders.iter().next()) {
+                fetch.entry(*from).or_default().push(*t);
             }
         }
         let fetching: BTreeSet<TxnId> = fetch.values().flatten().copied().collect();
@@ -567,7 +610,7 @@ impl Worker {
             self.send_recovery(b, c, region, RecoveryBody::FetchTxState(ts));
         }
         if empty {
-            self.lock_region(region);
+            self.region_ready(region);
         }
     }
 
@@ -582,13 +625,13 @@ impl Worker {
             return;
         };
         if round.fetching.remove(&t) && round.fetching.is_empty() && !round.done {
-            self.lock_region(region);
+            self.region_ready(region);
         }
     }
 
     /// Adds writes learnt from another replica.
     fn merge_state(&mut self, t: TxnId, ws: WriteSet) {
-        if ws.writes.is_empty() {
+        if ws.writes.is_empty() || self.recovery.forgotten.contains_key(&t) {
             return;
         }
         let tx = self.recovery.txs.entry(t).or_default();
@@ -599,6 +642,19 @@ impl Worker {
             if !tx.fetched.iter().any(|f| f.addr == w.addr) {
                 tx.fetched.push(w);
             }
+        }
+        if let Some((d, truncated)) = self.recovery.early_decisions.remove(&t) {
+            tx.truncated |= truncated;
+            self.on_decision(t, d);
+        }
+    }
+
+    /// Marks a region's lock recovery ready and runs it if every local log is drained (another
+    /// thread may still act as a backup of the region until it drains).
+    fn region_ready(&mut self, region: RegionId) {
+        self.recovery.regions.get_mut(&region).expect("round").ready = true;
+        if self.machine.all_drained(self.recovery.last_drained) {
+            self.lock_region(region);
         }
     }
 
@@ -651,10 +707,33 @@ impl Worker {
                 self.send_recovery(*b, c, region, body);
             }
         }
-        for (t, _) in &listed {
+        for (t, holders) in &listed {
+            // Recovered and forgotten here already: backups that still hold it learn the
+            // outcome from this primary (its recovery coordinator may be gone).
+            if let Some(d) = self.recovery.forgotten.get(t).copied() {
+                for b in holders {
+                    let body = match d {
+                        Decision::Commit => RecoveryBody::CommitRecovery(*t),
+                        Decision::Abort => RecoveryBody::AbortRecovery(*t),
+                    };
+                    self.send_recovery(*b, c, region, body);
+                    self.send_recovery(*b, c, region, RecoveryBody::TruncateRecovery(*t));
+                }
+                continue;
+            }
             self.send_vote(region, *t, None);
         }
         self.recovery.regions.get_mut(&region).expect("round").done = true;
+        for (t, _) in &listed {
+            if self
+                .recovery
+                .txs
+                .get(t)
+                .is_some_and(|tx| tx.applied && tx.truncated)
+            {
+                self.forget(*t);
+            }
+        }
     }
 
     /// RECOVERY-VOTE for `t` in `region` to its recovery coordinator (or to `to`, answering a
@@ -698,6 +777,11 @@ impl Worker {
 
     /// Registers this thread's own commit `t`, which wrote `regions`, as waiting for recovery.
     pub(crate) fn await_recovery(&mut self, t: TxnId, regions: Vec<RegionId>) {
+        // Recovery may have finished it already, before this commit saw the new view.
+        if let Some(d) = self.recovery.finished.get(&t).copied() {
+            self.recovery.decided.insert(t, d);
+            return;
+        }
         self.recovery.waiting.insert(t);
         let now = self.now;
         self.recovery
@@ -708,18 +792,39 @@ impl Worker {
 
     fn on_vote(&mut self, region: RegionId, t: TxnId, regions: Vec<RegionId>, v: Vote) {
         let now = self.now;
-        if self.recovery.finished.contains(&t) {
+        if let Some(d) = self.recovery.finished.get(&t).copied() {
+            // Only a voter with records may have replicas that still lack the decision; an
+            // answer without records (truncated, unknown) is a duplicate.
+            if !regions.is_empty() && !self.recovery.coord.contains_key(&t) {
+                let mut round = CoordRound::new(vec![region], now);
+                round.votes.insert(region, v);
+                self.recovery.coord.insert(t, round);
+                self.decide_tx(t, d);
+            }
             return;
         }
         if regions.is_empty() && !self.recovery.coord.contains_key(&t) {
             return; // An answer for a round that is gone.
         }
+        let view = self.recovery.drained_view.clone().expect("drained");
+        let has_records = !regions.is_empty();
         let round = self
             .recovery
             .coord
             .entry(t)
             .or_insert_with(|| CoordRound::new(regions, now));
         if round.decision.is_some() {
+            // Decided, and the decision still on its way: replicas the region gained since
+            // (a new backup that got the records by REPLICATE-TX-STATE) need it too.
+            if let (true, Some(p)) = (has_records, view.map.get(region)) {
+                for m in std::iter::once(p.primary).chain(p.backups.iter().copied()) {
+                    let known =
+                        round.to_send.contains(&m) || round.tickets.iter().any(|(x, _)| *x == m);
+                    if !known {
+                        round.to_send.push(m);
+                    }
+                }
+            }
             return;
         }
         round.votes.insert(region, v);
@@ -741,14 +846,13 @@ impl Worker {
             }
         }
         round.to_send = to.into_iter().collect();
-        match d {
-            Decision::Commit => self.stats.recovered_commits += 1,
-            Decision::Abort => self.stats.recovered_aborts += 1,
+        if !self.recovery.finished.contains_key(&t) {
+            match d {
+                Decision::Commit => self.stats.recovered_commits += 1,
+                Decision::Abort => self.stats.recovered_aborts += 1,
+            }
         }
         tracing::debug!(txn = %t, decision = ?d, "recovery decided");
-        if self.recovery.waiting.remove(&t) {
-            self.recovery.decided.insert(t, d);
-        }
     }
 
     /// The coordinator side: REQUEST-VOTE after the timeout, decisions until acknowledged,
@@ -817,7 +921,11 @@ impl Worker {
                     if !landed {
                         continue;
                     }
-                    // Every replica holds the decision: it may forget the transaction.
+                    // Every replica holds the decision, so no later recovery can decide
+                    // otherwise: the application may learn it now, and replicas may forget.
+                    if self.recovery.waiting.remove(&t) {
+                        self.recovery.decided.insert(t, d);
+                    }
                     for (m, _) in tickets {
                         let msg = Message::Recovery {
                             config: c,
@@ -827,7 +935,7 @@ impl Worker {
                         self.send_message(m, &msg);
                     }
                     self.recovery.coord.remove(&t);
-                    self.recovery.finished.insert(t);
+                    self.recovery.finished.insert(t, d);
                     busy = true;
                 }
             }
@@ -836,7 +944,14 @@ impl Worker {
     }
 
     fn on_decision(&mut self, t: TxnId, d: Decision) {
-        let tx = self.recovery.txs.entry(t).or_default();
+        if self.recovery.forgotten.contains_key(&t) {
+            return;
+        }
+        let Some(tx) = self.recovery.txs.get_mut(&t) else {
+            // No records here: a REPLICATE-TX-STATE of this round may still bring them.
+            self.recovery.early_decisions.insert(t, (d, false));
+            return;
+        };
         if tx.decision.is_some() {
             return;
         }
@@ -849,6 +964,9 @@ impl Worker {
     }
 
     fn on_replicate(&mut self, t: TxnId, ws: WriteSet) {
+        if self.recovery.forgotten.contains_key(&t) {
+            return;
+        }
         let known = self.recovery.txs.get(&t).is_some_and(|tx| tx.applied);
         if known {
             return;
@@ -883,6 +1001,7 @@ impl Worker {
         }
         tx.applied = true;
         let held = std::mem::replace(&mut tx.locks_held, false);
+        let free_slots = d == Decision::Abort && !std::mem::replace(&mut tx.slots_freed, true);
         let lock_ws = tx.lock.clone();
         let recovery_locked = std::mem::take(&mut tx.recovery_locked);
         // Writes known from COMMIT-BACKUP or other replicas, not covered by a lock here.
@@ -907,11 +1026,16 @@ impl Worker {
             }
         }
         let truncated = tx.truncated;
-        if held {
-            let ws = lock_ws.expect("held locks have a LOCK record");
-            match d {
-                Decision::Commit => self.apply_at_primary(&ws),
-                Decision::Abort => self.unlock_all(&ws),
+        if let Some(ws) = &lock_ws {
+            if held {
+                match d {
+                    Decision::Commit => self.apply_at_primary(ws),
+                    Decision::Abort => self.unlock_all(ws),
+                }
+            }
+            // The coordinator left the transaction's fresh slots to this primary.
+            if free_slots {
+                self.free_fresh_slots(ws);
             }
         }
         let install = |w: &WriteEntry| {
@@ -936,8 +1060,14 @@ impl Worker {
             };
             let (data, new) = install(&w);
             if placement.primary == me {
-                if !primary_moved_since(&view, w.addr.region, t) {
-                    continue; // Applied or locked by this primary's own records.
+                // Where this primary had its own records, they were applied or are locked. A
+                // region already active got every write it needs at lock recovery (a
+                // transaction no replica listed then had been applied everywhere): its objects
+                // may now be locked by new transactions and must not be touched.
+                if !primary_moved_since(&view, w.addr.region, t)
+                    || !self.region_blocked(w.addr.region)
+                {
+                    continue;
                 }
                 self.machine
                     .recovery_lock(mem, w.addr.region, w.addr.offset);
@@ -954,6 +1084,9 @@ impl Worker {
 
     fn on_truncate_recovery(&mut self, t: TxnId) {
         let Some(tx) = self.recovery.txs.get_mut(&t) else {
+            if let Some((_, truncated)) = self.recovery.early_decisions.get_mut(&t) {
+                *truncated = true;
+            }
             return;
         };
         tx.truncated = true;
@@ -962,9 +1095,21 @@ impl Worker {
         }
     }
 
-    /// Drops a recovered transaction and frees its log records.
+    /// Drops a recovered transaction and frees its log records, unless lock recovery of a
+    /// region here has yet to replicate it to backups that lack it (step 5): then that does.
     fn forget(&mut self, t: TxnId) {
+        let pending = self
+            .recovery
+            .regions
+            .values()
+            .any(|r| !r.done && r.listed.contains_key(&t));
+        if pending {
+            return;
+        }
         let tx = self.recovery.txs.remove(&t).expect("known");
+        self.recovery
+            .forgotten
+            .insert(t, tx.decision.expect("forgotten after a decision"));
         let log = &mut self.inbound[t.machine.0 as usize].log;
         for pos in tx.records {
             log.release(pos);

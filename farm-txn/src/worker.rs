@@ -112,6 +112,8 @@ pub struct Worker {
     active: BTreeSet<RegionId>,
     /// The tick of the last poll.
     pub(crate) now: u64,
+    /// Frees at regions whose free lists allocator recovery has not rebuilt yet (§5.5).
+    pub(crate) queued_frees: Vec<(farm_core::Addr, u32)>,
 }
 
 /// An ALLOC-REPLY (to the machine named first) held until its block-header writes are acked.
@@ -188,6 +190,7 @@ impl Worker {
             recovery: crate::recovery::RecoveryState::new(view_config),
             active: BTreeSet::new(),
             now: 0,
+            queued_frees: Vec::new(),
         }
     }
 
@@ -317,13 +320,19 @@ impl Worker {
         busy
     }
 
-    fn poll_queue(&mut self, sender: MachineId) -> bool {
+    pub(crate) fn poll_queue(&mut self, sender: MachineId) -> bool {
         let mut busy = false;
         let mut buf = std::mem::take(&mut self.buf);
+        // Of a machine outside the configuration (read only when recovery drains), only
+        // recovery decisions count.
+        let member = self.view.config.contains(sender);
         while let Some(pos) = self.inbound[sender.0 as usize].queue.poll(&mut buf) {
             busy = true;
             let msg = Message::decode(&buf);
             self.inbound[sender.0 as usize].queue.release(pos);
+            if !member && !matches!(msg, Ok(Message::Recovery { .. })) {
+                continue;
+            }
             match msg {
                 Ok(Message::Validate { txn, reads }) => {
                     let ok = reads.iter().all(|(addr, seen)| {
@@ -339,12 +348,21 @@ impl Worker {
                     len,
                 }) => self.on_alloc(sender, request, region, len),
                 Ok(Message::Release { addr, slot_bytes }) => {
-                    self.slabs
-                        .get_mut(&addr.region)
-                        .unwrap_or_else(|| {
-                            panic!("RELEASE of {addr} at {}, not its primary", self.machine.id)
-                        })
-                        .free(addr.offset, slot_bytes);
+                    let me = self.machine.id;
+                    match self.slabs.get_mut(&addr.region) {
+                        Some(slabs) => slabs.free(addr.offset, slot_bytes),
+                        // A promoted primary's scan will find it (§5.5); elsewhere the slot
+                        // belongs to a primary that left, whose successor scans.
+                        None if self
+                            .view
+                            .map
+                            .get(addr.region)
+                            .is_some_and(|p| p.primary == me) =>
+                        {
+                            self.queued_frees.push((addr, slot_bytes))
+                        }
+                        None => {}
+                    }
                 }
                 Ok(Message::Recovery {
                     config,
@@ -445,6 +463,11 @@ impl Worker {
         if !matches!(rec.body, LogBody::Truncate | LogBody::Abort) && self.reject_after_drain(&rec)
         {
             self.inbound[sender.0 as usize].log.release(pos);
+            if let LogBody::Lock(ws) = &rec.body {
+                // Recovery aborts the transaction and never saw this LOCK: slots it allocated
+                // here go back to the free lists, as its coordinator leaves them to recovery.
+                self.free_fresh_slots(ws);
+            }
             return;
         }
         let local = rec.txn.local;
@@ -504,6 +527,9 @@ impl Worker {
                     if held.ok {
                         self.unlock_all(&held.writes);
                     }
+                    // Slots the transaction allocated here: the coordinator leaves them to
+                    // the primary that got its LOCK, so that they are free only once unlocked.
+                    self.free_fresh_slots(&held.writes);
                     self.inbound[sender.0 as usize].log.release(held.record);
                 } else {
                     // The LOCK already went to recovery (an ABORT sent before the coordinator
@@ -586,11 +612,43 @@ impl Worker {
                 let block = block_of(w.addr.offset);
                 let header = mem.load_u64(block_header_offset(block), Ordering::Acquire);
                 let slot = slot_bytes_of(header).expect("a freed object lies in a carved block");
-                self.slabs
-                    .get_mut(&w.addr.region)
-                    .expect("primary has slabs for its regions")
-                    .free(w.addr.offset, slot);
+                match self.slabs.get_mut(&w.addr.region) {
+                    Some(slabs) => slabs.free(w.addr.offset, slot),
+                    // A promoted primary rebuilds its free lists by a scan (§5.5); frees wait
+                    // for it.
+                    None => self.queued_frees.push((w.addr, slot)),
+                }
                 self.stats.frees += 1;
+            }
+        }
+    }
+
+    /// Returns to the free lists the slots of `writes` that its transaction allocated at this
+    /// primary, when it aborts after its LOCK reached this primary (its coordinator leaves
+    /// them to the primary: a free slot must not be locked).
+    pub(crate) fn free_fresh_slots(&mut self, writes: &WriteSet) {
+        let me = self.machine.id;
+        for w in &writes.writes {
+            if w.read.allocated() || !w.allocated {
+                continue;
+            }
+            let region = w.addr.region;
+            if self.view.map.get(region).is_none_or(|p| p.primary != me) {
+                continue;
+            }
+            let Some(mem) = self.view.region(region) else {
+                continue;
+            };
+            let header = mem.load_u64(
+                block_header_offset(block_of(w.addr.offset)),
+                Ordering::Acquire,
+            );
+            let Some(slot) = slot_bytes_of(header) else {
+                continue;
+            };
+            match self.slabs.get_mut(&region) {
+                Some(slabs) => slabs.free(w.addr.offset, slot),
+                None => self.queued_frees.push((w.addr, slot)),
             }
         }
     }
@@ -760,7 +818,14 @@ impl Worker {
         msg.encode(&mut payload);
         frame(&payload, &mut framed);
         if self.backlog.iter().any(|(d, _)| *d == dst) || !self.try_send_framed(dst, &framed) {
-            assert!(self.backlog.len() < BACKLOG_MAX, "message backlog overflow");
+            assert!(
+                self.backlog.len() < BACKLOG_MAX,
+                "{}/{}: message backlog to {dst} overflows (configuration {:?}, members {:?}); last: {msg:?}",
+                self.machine.id,
+                self.thread.0,
+                self.view.config.id,
+                self.view.config.members
+            );
             self.stats.queue_full_waits += 1;
             self.backlog.push_back((dst, framed.clone()));
         }
@@ -790,10 +855,10 @@ impl Worker {
         }
     }
 
-    /// Whether `region` is blocked (§5.3 step 1): it was when this view was installed, and its
-    /// primary has not yet written this configuration as the one it became active in (local
-    /// memory at the primary, a one-sided read elsewhere: obtaining the region's reference
-    /// waits for lock recovery).
+    /// Whether `region` is blocked (§5.3 step 1): its replicas changed, and its primary has not
+    /// yet recorded becoming active in a configuration at or after that change (local memory
+    /// at the primary, a one-sided read elsewhere: obtaining the region's reference waits for
+    /// lock recovery).
     pub(crate) fn region_blocked(&mut self, region: RegionId) -> bool {
         if !self.view.is_blocked(region) || self.active.contains(&region) {
             return false;
@@ -812,7 +877,12 @@ impl Worker {
                 .ok()
                 .map(|_| u64::from_le_bytes(buf))
         };
-        if word.is_some_and(|w| w >= self.view.config.id.0) {
+        let changed = self
+            .view
+            .changes
+            .get(&region)
+            .map_or(0, |c| c.last_replica_change.0);
+        if word.is_some_and(|w| w >= changed) {
             self.active.insert(region);
             return false;
         }

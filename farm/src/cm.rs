@@ -120,14 +120,13 @@ struct CmSuspicion {
 
 fn run(mut s: CmShared) {
     let mut seen = 0;
-    let mut changes: BTreeMap<RegionId, RegionChanges> = BTreeMap::new();
     let mut cm_suspicion: Option<CmSuspicion> = None;
     let tick = (s.lease / 10).max(Duration::from_micros(200));
     while !s.stop.load(Ordering::Relaxed) {
         std::thread::sleep(tick);
         let requests: Vec<Request> = s.requests.lock().expect("poisoned").drain(..).collect();
         for r in requests {
-            serve(&mut s, r, &mut changes);
+            serve(&mut s, r);
         }
         let fresh: Vec<Suspicion> = {
             let all = s.suspicions.lock().expect("poisoned");
@@ -179,7 +178,7 @@ fn run(mut s: CmShared) {
                 config.cm,
                 config.clone(),
                 view.map.clone(),
-                &mut changes,
+                view.changes.clone(),
                 suspects,
             );
             continue;
@@ -213,7 +212,7 @@ fn run(mut s: CmShared) {
             driver,
             config.clone(),
             view.map.clone(),
-            &mut changes,
+            view.changes.clone(),
             BTreeSet::from([cm]),
         );
     }
@@ -249,7 +248,7 @@ fn reconfigure(
     me: MachineId,
     config: farm_core::config::Configuration,
     map: farm_core::config::RegionMap,
-    changes: &mut BTreeMap<RegionId, RegionChanges>,
+    changes: BTreeMap<RegionId, RegionChanges>,
     suspects: BTreeSet<MachineId>,
 ) -> Result<ConfigId, String> {
     let epoch = s.epoch;
@@ -263,22 +262,17 @@ fn reconfigure(
         config,
         s.store_version,
         map,
-        changes.clone(),
+        changes,
         suspects,
         params,
         start,
         start,
     );
-    drive(s, me, r, changes)
+    drive(s, me, r)
 }
 
 /// Carries out a reconfiguration's effects until it ends; returns the committed configuration.
-fn drive(
-    s: &mut CmShared,
-    me: MachineId,
-    mut r: Reconfig,
-    changes: &mut BTreeMap<RegionId, RegionChanges>,
-) -> Result<ConfigId, String> {
+fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, String> {
     let epoch = s.epoch;
     let now = move || epoch.elapsed().as_micros() as u64;
     let mut probed = false;
@@ -348,7 +342,6 @@ fn drive(
     }
     match r.outcome().expect("finished") {
         Ok(new) => {
-            *changes = new.changes.clone();
             tracing::info!(config = new.config.id.0, members = ?new.config.members, cm = new.config.cm.0, "configuration committed");
             s.events
                 .lock()
@@ -385,7 +378,7 @@ pub(crate) enum Request {
     ),
 }
 
-fn serve(s: &mut CmShared, request: Request, changes: &mut BTreeMap<RegionId, RegionChanges>) {
+fn serve(s: &mut CmShared, request: Request) {
     let Some(view) = newest_view(s) else {
         return;
     };
@@ -409,12 +402,12 @@ fn serve(s: &mut CmShared, request: Request, changes: &mut BTreeMap<RegionId, Re
                     view.config.clone(),
                     s.store_version,
                     view.map.clone(),
-                    changes.clone(),
+                    view.changes.clone(),
                     joiners,
                     params(s),
                     now,
                 );
-                drive(s, cm, r, changes).and_then(|id| {
+                drive(s, cm, r).and_then(|id| {
                     if s.machines[m.0 as usize].view().config.contains(m) {
                         Ok(id)
                     } else {

@@ -1,0 +1,183 @@
+//! The configuration manager in the simulator: the same [`Reconfig`] state machine the runtime's
+//! CM thread drives (FaRM §5.2), stepped by the scheduler. A crashed machine is suspected a
+//! seeded delay after its crash (standing in for its lease expiring); the CM, or the first live
+//! backup CM when the CM is gone, probes, stores the new configuration in an embedded
+//! coordination store, installs it at every member (NEW-CONFIG), and commits it
+//! (NEW-CONFIG-COMMIT), which starts transaction recovery (§5.3) in the workers.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use farm_cm::reconfig::{backup_cms, Effect, Reconfig, ReconfigParams};
+use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreVersion};
+use farm_core::config::RegionMap;
+use farm_core::mem_fabric::MemFabric;
+use farm_core::MachineId;
+use farm_txn::MachineState;
+
+/// Lease length in ticks: a machine removed for a failed probe is waited out this long.
+const LEASE_TICKS: u64 = 50;
+
+/// The simulated CM.
+#[derive(Debug)]
+pub struct SimCm {
+    store: EmbeddedStore,
+    version: StoreVersion,
+    replicas: usize,
+    /// Machines suspected, with the tick from which the suspicion counts.
+    suspicions: Vec<(u64, MachineId)>,
+    /// The reconfiguration under way and the machine driving it.
+    active: Option<(MachineId, Reconfig)>,
+    /// Configurations committed.
+    pub committed: u64,
+}
+
+impl SimCm {
+    /// A CM whose store holds the machines' first configuration.
+    pub fn new(machines: &[Arc<MachineState>], replicas: usize) -> Self {
+        let store = EmbeddedStore::new();
+        let config = machines[0].view().config.clone();
+        let version = match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
+            Ok(CasOutcome::Written(v)) => v,
+            other => panic!("storing the first configuration: {other:?}"),
+        };
+        Self {
+            store,
+            version,
+            replicas,
+            suspicions: Vec::new(),
+            active: None,
+            committed: 0,
+        }
+    }
+
+    /// `machine` will be suspected from tick `at` on.
+    pub fn suspect(&mut self, machine: MachineId, at: u64) {
+        self.suspicions.push((at, machine));
+    }
+
+    /// Whether a reconfiguration is under way or due.
+    pub fn busy(&self) -> bool {
+        self.active.is_some() || !self.suspicions.is_empty()
+    }
+
+    /// One step: start a reconfiguration for due suspicions, or advance the one under way.
+    pub fn step(&mut self, now: u64, fabric: &MemFabric, machines: &[Arc<MachineState>]) {
+        if self.active.is_none() {
+            self.start(now, fabric, machines);
+        }
+        let Some((me, r)) = self.active.as_mut() else {
+            return;
+        };
+        let me = *me;
+        if !fabric.is_alive(me) {
+            // The driver died: its suspicions stand, a live machine takes over.
+            self.active = None;
+            return;
+        }
+        r.tick(now);
+        loop {
+            let effects = r.take_effects();
+            if effects.is_empty() {
+                break;
+            }
+            for e in effects {
+                match e {
+                    Effect::Probe(m) => r.on_probe(m, fabric.reachable(me, m), now),
+                    Effect::CompareAndSet { expected, data } => {
+                        let result = self.store.compare_and_set(Some(expected), &data);
+                        if let Ok(CasOutcome::Written(v)) = result {
+                            self.version = v;
+                        }
+                        r.on_store(result);
+                    }
+                    Effect::SendNewConfig(m, new) => {
+                        if fabric.reachable(me, m) {
+                            machines[m.0 as usize]
+                                .install(new.config.clone(), new.map.clone(), new.changes.clone())
+                                .expect("anonymous NVRAM");
+                            r.on_ack(m, new.config.id, now);
+                        }
+                    }
+                    Effect::SendCommit(m, config) => {
+                        if fabric.reachable(me, m) {
+                            machines[m.0 as usize].commit_config(config);
+                        }
+                    }
+                }
+            }
+        }
+        let Some(outcome) = r.outcome().cloned() else {
+            return;
+        };
+        self.active = None;
+        // On failure the suspicions stand: a later step tries again (another machine may have
+        // failed a probe meanwhile).
+        if let Ok(new) = outcome {
+            self.committed += 1;
+            self.suspicions.retain(|(_, m)| new.config.contains(*m));
+        }
+    }
+
+    fn start(&mut self, now: u64, fabric: &MemFabric, machines: &[Arc<MachineState>]) {
+        let due: BTreeSet<MachineId> = self
+            .suspicions
+            .iter()
+            .filter(|(at, _)| *at <= now)
+            .map(|(_, m)| *m)
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        // The newest configuration a live member holds.
+        let Some(view) = machines
+            .iter()
+            .filter(|m| fabric.is_alive(m.id))
+            .map(|m| m.view())
+            .filter(|v| v.config.members.iter().any(|m| fabric.is_alive(*m)))
+            .max_by_key(|v| v.config.id)
+        else {
+            return;
+        };
+        let config = view.config.clone();
+        let suspects: BTreeSet<MachineId> =
+            due.into_iter().filter(|m| config.contains(*m)).collect();
+        if suspects.is_empty() {
+            // Due suspicions of machines already removed are settled; later ones stand.
+            self.suspicions
+                .retain(|(at, m)| *at > now || config.contains(*m));
+            return;
+        }
+        let mut order = vec![config.cm];
+        order.extend(backup_cms(&config, config.members.len()));
+        let Some(driver) = order
+            .into_iter()
+            .find(|m| fabric.is_alive(*m) && !suspects.contains(m))
+        else {
+            return;
+        };
+        let params = ReconfigParams {
+            replicas: self.replicas,
+            regions_max: 4096,
+            probe_timeout_ticks: LEASE_TICKS,
+            lease_ticks: LEASE_TICKS,
+        };
+        let map: RegionMap = view.map.clone();
+        self.active = Some((
+            driver,
+            Reconfig::start(
+                driver,
+                config,
+                self.version,
+                map,
+                // The newest configuration's own history (a configuration installed but never
+                // committed, when its driver died, counts: its successor starts from it).
+                view.changes.clone(),
+                suspects,
+                params,
+                now,
+                now,
+            ),
+        ));
+    }
+}
