@@ -44,7 +44,7 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
     }
     let seeds: u64 = std::env::var("FARM_SIM_FAULT_SEEDS")
         .map(|s| s.parse().expect("a number"))
-        .unwrap_or(500);
+        .unwrap_or(1000);
     let (mut unknown, mut unknown_committed, mut recovered, mut double) = (0, 0, 0, 0);
     for seed in 0..seeds {
         let out = check_seed(seed);

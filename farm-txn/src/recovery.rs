@@ -90,7 +90,10 @@ impl RecoveryState {
     pub(crate) fn is_idle(&self) -> bool {
         self.txs.is_empty()
             && self.coord.is_empty()
-            && self.regions.values().all(|r| r.done)
+            && self
+                .regions
+                .values()
+                .all(|r| r.done && r.unvoted.is_empty())
             && self.waiting.is_empty()
     }
 }
@@ -175,8 +178,20 @@ struct RegionRound {
     /// Every backup reported and every missing write set arrived: lock recovery may run once
     /// every local thread has drained its logs.
     ready: bool,
-    /// Locks taken and votes sent.
+    /// Locks taken (votes follow replication).
     done: bool,
+    /// Transactions whose vote waits for their REPLICATE-TX-STATE writes to land (§5.3 step 6:
+    /// a primary votes after replication completes), with messages not yet placed in a full
+    /// queue and the tickets of those placed.
+    unvoted: Vec<PendingVote>,
+}
+
+/// A vote waiting for replication.
+#[derive(Debug)]
+struct PendingVote {
+    txn: TxnId,
+    unsent: Vec<(MachineId, Message)>,
+    sent: Vec<(MachineId, Option<WriteTicket>)>,
 }
 
 /// A recovering transaction at its recovery coordinator.
@@ -259,6 +274,16 @@ impl Worker {
                 self.lock_region(region);
             }
             busy = true;
+        }
+        let replicating: Vec<RegionId> = self
+            .recovery
+            .regions
+            .iter()
+            .filter(|(_, r)| !r.unvoted.is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        for region in replicating {
+            busy |= self.replicate_and_vote(region);
         }
         if !self.recovery.coord.is_empty() {
             busy |= self.coordinate();
@@ -441,9 +466,22 @@ impl Worker {
         self.recovery.regions.clear();
         let now = self.now;
         for round in self.recovery.coord.values_mut() {
-            if round.decision.is_none() {
-                round.votes.clear();
-                round.since = now;
+            // Votes are collected again (truncation waits for every region's, after its
+            // replication, at its current primary); a decision already made also goes to the
+            // regions' new replicas.
+            round.votes.clear();
+            round.since = now;
+            if round.decision.is_some() {
+                for r in &round.regions {
+                    let Some(p) = view.map.get(*r) else { continue };
+                    for m in std::iter::once(p.primary).chain(p.backups.iter().copied()) {
+                        let known = round.to_send.contains(&m)
+                            || round.tickets.iter().any(|(x, _)| *x == m);
+                        if !known {
+                            round.to_send.push(m);
+                        }
+                    }
+                }
             }
         }
         // NEED-RECOVERY from backups (step 3), for every region this machine backs up.
@@ -482,6 +520,7 @@ impl Worker {
                 fetching: BTreeSet::new(),
                 ready: false,
                 done: false,
+                unvoted: Vec::new(),
             };
             let ready = round.awaiting.is_empty();
             self.recovery.regions.insert(region, round);
@@ -629,7 +668,8 @@ impl Worker {
         }
     }
 
-    /// Adds writes learnt from another replica.
+    /// Adds writes learnt from another replica. Writes that arrive after the transaction's
+    /// commit was carried out here (another region's REPLICATE-TX-STATE) install at once.
     fn merge_state(&mut self, t: TxnId, ws: WriteSet) {
         if ws.writes.is_empty() || self.recovery.forgotten.contains_key(&t) {
             return;
@@ -638,11 +678,22 @@ impl Worker {
         if tx.regions.is_empty() {
             tx.regions = ws.regions;
         }
+        let mut late = Vec::new();
         for w in ws.writes {
             if !tx.fetched.iter().any(|f| f.addr == w.addr) {
+                if tx.applied && tx.decision == Some(Decision::Commit) {
+                    late.push(w.clone());
+                }
                 tx.fetched.push(w);
             }
         }
+        if !late.is_empty() {
+            self.install_recovered(t, late);
+            return;
+        }
+        let Some(tx) = self.recovery.txs.get_mut(&t) else {
+            return;
+        };
         if let Some((d, truncated)) = self.recovery.early_decisions.remove(&t) {
             tx.truncated |= truncated;
             self.on_decision(t, d);
@@ -694,19 +745,37 @@ impl Worker {
             }
         }
         self.machine.lock_recovered(region, c, self.thread.0);
+        let mut unvoted = Vec::new();
         for (t, holders) in &listed {
-            let Some(tx) = self.recovery.txs.get(t) else {
+            if self.recovery.forgotten.contains_key(t) {
                 continue;
-            };
-            let ws = WriteSet {
-                regions: tx.regions.clone(),
-                writes: tx.writes_in(region),
-            };
-            for b in placement.backups.iter().filter(|b| !holders.contains(b)) {
-                let body = RecoveryBody::ReplicateTxState(*t, ws.clone());
-                self.send_recovery(*b, c, region, body);
             }
+            let mut unsent = Vec::new();
+            if let Some(tx) = self.recovery.txs.get(t) {
+                let ws = WriteSet {
+                    regions: tx.regions.clone(),
+                    writes: tx.writes_in(region),
+                };
+                for b in placement.backups.iter().filter(|b| !holders.contains(b)) {
+                    let msg = Message::Recovery {
+                        config: c,
+                        region,
+                        body: RecoveryBody::ReplicateTxState(*t, ws.clone()),
+                    };
+                    unsent.push((*b, msg));
+                }
+            }
+            unvoted.push(PendingVote {
+                txn: *t,
+                unsent,
+                sent: Vec::new(),
+            });
         }
+        self.recovery
+            .regions
+            .get_mut(&region)
+            .expect("round")
+            .unvoted = unvoted;
         for (t, holders) in &listed {
             // Recovered and forgotten here already: backups that still hold it learn the
             // outcome from this primary (its recovery coordinator may be gone).
@@ -719,11 +788,10 @@ impl Worker {
                     self.send_recovery(*b, c, region, body);
                     self.send_recovery(*b, c, region, RecoveryBody::TruncateRecovery(*t));
                 }
-                continue;
             }
-            self.send_vote(region, *t, None);
         }
         self.recovery.regions.get_mut(&region).expect("round").done = true;
+        self.replicate_and_vote(region);
         for (t, _) in &listed {
             if self
                 .recovery
@@ -734,6 +802,54 @@ impl Worker {
                 self.forget(*t);
             }
         }
+    }
+
+    /// Step 5 then 6 for a region: places REPLICATE-TX-STATE messages as queue space allows and
+    /// votes for each transaction once its replication writes have landed (or failed: a dead
+    /// backup is the next configuration's business). Returns whether anything happened.
+    fn replicate_and_vote(&mut self, region: RegionId) -> bool {
+        let Some(round) = self.recovery.regions.get_mut(&region) else {
+            return false;
+        };
+        let mut pending = std::mem::take(&mut round.unvoted);
+        let mut busy = false;
+        let mut ready = Vec::new();
+        for p in &mut pending {
+            let unsent = std::mem::take(&mut p.unsent);
+            for (dst, msg) in unsent {
+                match self.send_tracked(dst, &msg) {
+                    Some(ticket) => {
+                        p.sent.push((dst, ticket));
+                        busy = true;
+                    }
+                    None => p.unsent.push((dst, msg)),
+                }
+            }
+            if p.unsent.is_empty()
+                && p.sent
+                    .iter()
+                    .all(|(m, t)| self.write_status(*m, *t) != WriteStatus::Pending)
+            {
+                ready.push(p.txn);
+            }
+        }
+        pending.retain(|p| !ready.contains(&p.txn));
+        if let Some(round) = self.recovery.regions.get_mut(&region) {
+            round.unvoted = pending;
+        }
+        for t in ready {
+            self.send_vote(region, t, None);
+            busy = true;
+            if self
+                .recovery
+                .txs
+                .get(&t)
+                .is_some_and(|tx| tx.applied && tx.truncated)
+            {
+                self.forget(t);
+            }
+        }
+        busy
     }
 
     /// RECOVERY-VOTE for `t` in `region` to its recovery coordinator (or to `to`, answering a
@@ -770,7 +886,14 @@ impl Worker {
     }
 
     fn on_request_vote(&mut self, from: MachineId, region: RegionId, t: TxnId) {
-        if self.recovery.regions.get(&region).is_some_and(|r| r.done) {
+        // Answered once lock recovery is done and the transaction's replication landed (a
+        // pending one votes by itself).
+        if self
+            .recovery
+            .regions
+            .get(&region)
+            .is_some_and(|r| r.done && !r.unvoted.iter().any(|p| p.txn == t))
+        {
             self.send_vote(region, t, Some(from));
         }
     }
@@ -793,9 +916,14 @@ impl Worker {
     fn on_vote(&mut self, region: RegionId, t: TxnId, regions: Vec<RegionId>, v: Vote) {
         let now = self.now;
         if let Some(d) = self.recovery.finished.get(&t).copied() {
+            // A round repeating the decision collects votes like any other.
+            if let Some(round) = self.recovery.coord.get_mut(&t) {
+                round.votes.insert(region, v);
+                return;
+            }
             // Only a voter with records may have replicas that still lack the decision; an
             // answer without records (truncated, unknown) is a duplicate.
-            if !regions.is_empty() && !self.recovery.coord.contains_key(&t) {
+            if !regions.is_empty() {
                 let mut round = CoordRound::new(vec![region], now);
                 round.votes.insert(region, v);
                 self.recovery.coord.insert(t, round);
@@ -814,6 +942,7 @@ impl Worker {
             .entry(t)
             .or_insert_with(|| CoordRound::new(regions, now));
         if round.decision.is_some() {
+            round.votes.insert(region, v);
             // Decided, and the decision still on its way: replicas the region gained since
             // (a new backup that got the records by REPLICATE-TX-STATE) need it too.
             if let (true, Some(p)) = (has_records, view.map.get(region)) {
@@ -868,26 +997,27 @@ impl Worker {
         for t in ids {
             let round = self.recovery.coord.get_mut(&t).expect("listed");
             let region0 = round.regions.first().copied().unwrap_or(RegionId(0));
-            match round.decision {
-                None => {
-                    if now.saturating_sub(round.since) < REQUEST_VOTE_TICKS {
-                        continue;
-                    }
-                    round.since = now;
-                    let missing: Vec<RegionId> = round
-                        .regions
-                        .iter()
-                        .filter(|r| !round.votes.contains_key(r))
-                        .copied()
-                        .collect();
-                    for r in missing {
-                        if let Some(p) = view.map.get(r) {
-                            let p = p.primary;
-                            self.send_recovery(p, c, r, RecoveryBody::RequestVote(t));
-                            busy = true;
-                        }
+            let missing: Vec<RegionId> = round
+                .regions
+                .iter()
+                .filter(|r| !round.votes.contains_key(r))
+                .copied()
+                .collect();
+            // Votes still missing are asked for after the timeout, also after a decision
+            // (truncation waits for every region's vote, which follows its replication).
+            if !missing.is_empty() && now.saturating_sub(round.since) >= REQUEST_VOTE_TICKS {
+                round.since = now;
+                for r in &missing {
+                    if let Some(p) = view.map.get(*r) {
+                        let p = p.primary;
+                        self.send_recovery(p, c, *r, RecoveryBody::RequestVote(t));
+                        busy = true;
                     }
                 }
+            }
+            let round = self.recovery.coord.get_mut(&t).expect("listed");
+            match round.decision {
+                None => {}
                 Some(d) => {
                     let body = match d {
                         Decision::Commit => RecoveryBody::CommitRecovery(t),
@@ -922,9 +1052,13 @@ impl Worker {
                         continue;
                     }
                     // Every replica holds the decision, so no later recovery can decide
-                    // otherwise: the application may learn it now, and replicas may forget.
+                    // otherwise: the application may learn it now. Replicas may forget the
+                    // transaction once every region voted, that is, replicated it.
                     if self.recovery.waiting.remove(&t) {
                         self.recovery.decided.insert(t, d);
+                    }
+                    if !missing.is_empty() {
+                        continue;
                     }
                     for (m, _) in tickets {
                         let msg = Message::Recovery {
@@ -967,10 +1101,6 @@ impl Worker {
         if self.recovery.forgotten.contains_key(&t) {
             return;
         }
-        let known = self.recovery.txs.get(&t).is_some_and(|tx| tx.applied);
-        if known {
-            return;
-        }
         self.merge_state(t, ws);
         if self
             .recovery
@@ -989,7 +1119,6 @@ impl Worker {
     /// of the region: the writes then install under a momentary recovery lock.
     fn apply_decision(&mut self, t: TxnId) {
         let view = self.view.clone();
-        let me = self.machine.id;
         let Some(tx) = self.recovery.txs.get_mut(&t) else {
             return;
         };
@@ -1052,13 +1181,29 @@ impl Worker {
             self.machine
                 .recovery_unlock(mem, w.addr.region, w.addr.offset, commit);
         }
-        for w in other {
+        self.install_recovered(t, other);
+        if truncated {
+            self.forget(t);
+        }
+    }
+
+    /// Installs writes of a committed recovering transaction `t` known from COMMIT-BACKUP or
+    /// other replicas: as a backup installs them, or at a primary that learnt them as a backup.
+    fn install_recovered(&mut self, t: TxnId, writes: Vec<WriteEntry>) {
+        let view = self.view.clone();
+        let me = self.machine.id;
+        for w in writes {
             let (Some(placement), Some(mem)) =
                 (view.map.get(w.addr.region), view.region(w.addr.region))
             else {
                 continue;
             };
-            let (data, new) = install(&w);
+            let new = w.read.committed_successor(w.allocated);
+            let data = if w.allocated {
+                w.data.clone()
+            } else {
+                Vec::new()
+            };
             if placement.primary == me {
                 // Where this primary had its own records, they were applied or are locked. A
                 // region already active got every write it needs at lock recovery (a
@@ -1077,9 +1222,6 @@ impl Worker {
                 object::install_at_backup(mem, w.addr.offset as u64, &data, new);
             }
         }
-        if truncated {
-            self.forget(t);
-        }
     }
 
     fn on_truncate_recovery(&mut self, t: TxnId) {
@@ -1096,13 +1238,12 @@ impl Worker {
     }
 
     /// Drops a recovered transaction and frees its log records, unless lock recovery of a
-    /// region here has yet to replicate it to backups that lack it (step 5): then that does.
+    /// region here has yet to replicate it to backups that lack it and vote (steps 5-6): then
+    /// that does.
     fn forget(&mut self, t: TxnId) {
-        let pending = self
-            .recovery
-            .regions
-            .values()
-            .any(|r| !r.done && r.listed.contains_key(&t));
+        let pending = self.recovery.regions.values().any(|r| {
+            r.listed.contains_key(&t) && (!r.done || r.unvoted.iter().any(|p| p.txn == t))
+        });
         if pending {
             return;
         }
