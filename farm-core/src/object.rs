@@ -166,17 +166,28 @@ pub fn apply_locked(mem: &Nvram, offset: u64, payload: &[u8], new: Header) {
 }
 
 /// Installs an object version at a backup (at truncation, §4 step 5) or during recovery. Only
-/// newer versions are installed; returns whether this one was.
+/// newer versions are installed; returns whether this one was. Installers of one object may
+/// run on several threads (records of different coordinator threads, data recovery): the lock
+/// bit, taken by compare-and-swap, orders them, so an older version never overwrites a newer.
 pub fn install_at_backup(mem: &Nvram, offset: u64, payload: &[u8], new: Header) -> bool {
-    let current = Header(mem.load_u64(offset as usize, Ordering::Acquire));
-    if current.version() >= new.version() && current.0 != 0 {
-        return false;
+    let off = offset as usize;
+    loop {
+        let current = Header(mem.load_u64(off, Ordering::Acquire));
+        if current.locked() {
+            std::hint::spin_loop(); // Another installer: a few stores long.
+            continue;
+        }
+        if current.version() >= new.version() && current.0 != 0 {
+            return false;
+        }
+        if mem.cas_u64(off, current.0, new.with_lock().0).is_err() {
+            continue;
+        }
+        fence(Ordering::Release);
+        mem.write(off + HEADER_BYTES, payload);
+        mem.store_u64(off, new.0, Ordering::Release);
+        return true;
     }
-    mem.store_u64(offset as usize, new.with_lock().0, Ordering::Relaxed);
-    fence(Ordering::Release);
-    mem.write(offset as usize + HEADER_BYTES, payload);
-    mem.store_u64(offset as usize, new.0, Ordering::Release);
-    true
 }
 
 #[cfg(test)]

@@ -84,7 +84,10 @@ impl AllocatorScan {
             self.next_block = self.block + 1;
             let per_block = BLOCK_BYTES / slot as usize;
             let offset = self.block as usize * BLOCK_BYTES + self.slot_index * slot as usize;
-            if !Header(mem.load_u64(offset, Ordering::Acquire)).allocated() {
+            // A locked free slot belongs to a transaction being recovered (an allocation it may
+            // still commit): not free. Should recovery abort it, the slot stays unused.
+            let h = Header(mem.load_u64(offset, Ordering::Acquire));
+            if !h.allocated() && !h.locked() {
                 self.free.insert((offset as u32, slot));
             }
             scanned += 1;
@@ -95,6 +98,11 @@ impl AllocatorScan {
             }
         }
         ScanProgress::Scanned(scanned)
+    }
+
+    /// The region being scanned.
+    pub fn region(&self) -> RegionId {
+        self.region
     }
 
     /// A free that committed during the scan: added when the scan finishes (§5.5: frees are

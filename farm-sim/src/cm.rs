@@ -30,6 +30,8 @@ pub struct SimCm {
     active: Option<(MachineId, Reconfig)>,
     /// Configurations committed.
     pub committed: u64,
+    /// The newest configuration announced with ALL-REGIONS-ACTIVE.
+    announced: farm_core::ConfigId,
 }
 
 impl SimCm {
@@ -48,6 +50,7 @@ impl SimCm {
             suspicions: Vec::new(),
             active: None,
             committed: 0,
+            announced: farm_core::ConfigId(1),
         }
     }
 
@@ -61,8 +64,41 @@ impl SimCm {
         self.active.is_some() || !self.suspicions.is_empty()
     }
 
+    /// REGIONS-ACTIVE / ALL-REGIONS-ACTIVE (§5.4): once every live member committed the newest
+    /// configuration and reports its regions active, every member is told.
+    fn announce_all_active(&mut self, fabric: &MemFabric, machines: &[Arc<MachineState>]) {
+        let Some(view) = machines
+            .iter()
+            .filter(|m| fabric.is_alive(m.id))
+            .map(|m| m.view())
+            .max_by_key(|v| v.config.id)
+        else {
+            return;
+        };
+        let config = &view.config;
+        if self.announced >= config.id {
+            return;
+        }
+        let members: Vec<&Arc<MachineState>> = config
+            .members
+            .iter()
+            .map(|m| &machines[m.0 as usize])
+            .filter(|m| fabric.is_alive(m.id))
+            .collect();
+        if members
+            .iter()
+            .all(|m| m.committed_config() >= config.id && m.regions_active())
+        {
+            for m in members {
+                m.all_regions_active(config.id);
+            }
+            self.announced = config.id;
+        }
+    }
+
     /// One step: start a reconfiguration for due suspicions, or advance the one under way.
     pub fn step(&mut self, now: u64, fabric: &MemFabric, machines: &[Arc<MachineState>]) {
+        self.announce_all_active(fabric, machines);
         if self.active.is_none() {
             self.start(now, fabric, machines);
         }

@@ -132,6 +132,7 @@ impl Sim {
             layout,
             region_bytes: 8 << 20,
             validate_rpc_threshold: 4,
+            recovery_interval_ticks: 2,
         };
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
             machines_max: config.machines,
@@ -616,7 +617,10 @@ impl Sim {
                     .iter()
                     .filter(|w| fabric.is_alive(w.machine().id) && w.is_member())
                     .all(|w| {
-                        w.coordinator_quiet() && w.retained_records() == 0 && w.recovery_idle()
+                        w.coordinator_quiet()
+                            && w.retained_records() == 0
+                            && w.recovery_idle()
+                            && w.machine().background_recovery_done()
                     });
             if quiet {
                 self.fabric.set_hold_writes(true);

@@ -3,7 +3,8 @@
 //! transaction recovery decides every transaction in flight. Every seed is checked for strict
 //! serializability of the list-append history, for atomicity of transactions whose
 //! coordinator crashed (all of their appends visible or none), and for no lost acknowledged
-//! commit (a committed append missing from the final read is a real-time cycle).
+//! commit (a committed append missing from the final read is a real-time cycle), and, once data
+//! recovery re-replicated every region, for replica equality.
 //! `FARM_SIM_SEED=N` replays one seed; `FARM_SIM_FAULT_SEEDS=N` runs more.
 
 use farm_sim::{run_seed, SimConfig, SimOutcome};
@@ -33,6 +34,10 @@ fn check_seed(seed: u64) -> SimOutcome {
         "seed {seed}: no configuration committed after crashing {:?}",
         out.crashed
     );
+    // Re-replication (§5.4) is done at quiescence: every backup equals its primary.
+    out.replicas
+        .as_ref()
+        .unwrap_or_else(|e| panic!("seed {seed}: replicas differ after recovery: {e}"));
     out
 }
 

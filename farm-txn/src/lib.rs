@@ -18,6 +18,6 @@ pub mod worker;
 
 pub use coordinator::{Tx, TxState};
 pub use error::{Conflict, TxError};
-pub use machine::{MachineState, Params};
+pub use machine::{MachineState, Params, RecoveryEvent};
 pub use stats::Stats;
 pub use worker::Worker;

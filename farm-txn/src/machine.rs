@@ -26,6 +26,9 @@ pub struct Params {
     /// Read-validation threshold: above this many read-only objects at one primary, validate by
     /// RPC instead of one-sided reads (§4, `tr = 4`).
     pub validate_rpc_threshold: usize,
+    /// Ticks between steps of data recovery (one 8 KB chunk) and allocator recovery (a batch of
+    /// slots), so that recovery does not take the machine from the foreground (§5.4-5.5).
+    pub recovery_interval_ticks: u64,
 }
 
 impl Params {
@@ -49,6 +52,35 @@ impl Params {
         }
         Ok(())
     }
+}
+
+/// A data or allocator recovery milestone at one machine, with the worker tick it happened at
+/// (microseconds since the cluster started in the runtime).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum RecoveryEvent {
+    /// This machine started copying a region it is a new backup of (§5.4).
+    DataRecoveryStarted {
+        /// The region.
+        region: RegionId,
+        /// When.
+        at: u64,
+    },
+    /// The copy is complete: the region has all its replicas again.
+    DataRecoveryDone {
+        /// The region.
+        region: RegionId,
+        /// Objects installed.
+        objects: usize,
+        /// When.
+        at: u64,
+    },
+    /// This (new) primary rebuilt the region's free lists (§5.5).
+    AllocatorRecovered {
+        /// The region.
+        region: RegionId,
+        /// When.
+        at: u64,
+    },
 }
 
 /// What a machine knows about the cluster in one configuration: the configuration, where every
@@ -131,6 +163,15 @@ pub struct MachineState {
     /// Objects locked by transaction recovery, with the number of recovering transactions
     /// holding each (two recovering transactions may have written the same object in turn).
     recovery_locks: Mutex<BTreeMap<(RegionId, u32), u32>>,
+    /// ALL-REGIONS-ACTIVE (§5.4): the newest configuration in which every region was active.
+    all_active: AtomicU64,
+    /// Regions this machine holds as a new backup, still to be copied from their primary.
+    to_copy: Mutex<BTreeSet<RegionId>>,
+    /// Frees committed at regions whose free lists allocator recovery has not rebuilt yet
+    /// (§5.5), or whose thread had no slabs yet.
+    queued_frees: Mutex<Vec<(farm_core::Addr, u32)>>,
+    /// Data and allocator recovery milestones, for timelines.
+    events: Mutex<Vec<RecoveryEvent>>,
     /// Inbound logs and message queues.
     pub rings: Arc<Nvram>,
     /// Truncation feedback written by receivers of this machine's records.
@@ -182,6 +223,10 @@ impl MachineState {
             prepared: Mutex::new(std::collections::BTreeMap::new()),
             committed: AtomicU64::new(config.id.0),
             drained: Mutex::new((config.id, BTreeSet::new())),
+            all_active: AtomicU64::new(config.id.0),
+            to_copy: Mutex::new(BTreeSet::new()),
+            queued_frees: Mutex::new(Vec::new()),
+            events: Mutex::new(Vec::new()),
             lock_recovery: Mutex::new(BTreeMap::new()),
             recovery_locks: Mutex::new(BTreeMap::new()),
             rings,
@@ -240,7 +285,14 @@ impl MachineState {
             let mem = match (old.region(region), prepared) {
                 (Some(m), _) => m.clone(),
                 (None, Some(m)) => m,
-                (None, None) => self.map_region(region)?,
+                (None, None) => {
+                    // A new backup of an existing region starts empty: data recovery copies it
+                    // (§5.4).
+                    if !first && old.map.get(region).is_some() {
+                        self.to_copy.lock().expect("poisoned").insert(region);
+                    }
+                    self.map_region(region)?
+                }
             };
             regions[idx] = Some(mem);
             if placement.primary == self.id {
@@ -298,6 +350,91 @@ impl MachineState {
     /// The newest configuration committed here.
     pub fn committed_config(&self) -> ConfigId {
         ConfigId(self.committed.load(Ordering::Acquire))
+    }
+
+    /// REGIONS-ACTIVE (§5.4): whether every region this machine is primary of is active in the
+    /// current view, that is, its lock recovery finished after its last replica change.
+    pub fn regions_active(&self) -> bool {
+        let view = self.view();
+        let active = view.map.primary_of(self.id).all(|r| {
+            let changed = view.changes.get(&r).map_or(0, |c| c.last_replica_change.0);
+            view.region(r).is_some_and(|m| {
+                m.load_u64(farm_alloc::REGION_ACTIVE_OFFSET, Ordering::Acquire) >= changed
+            })
+        });
+        active
+    }
+
+    /// ALL-REGIONS-ACTIVE from the CM (§5.4): data and allocator recovery may start.
+    pub fn all_regions_active(&self, config: ConfigId) {
+        self.all_active.fetch_max(config.0, Ordering::AcqRel);
+    }
+
+    /// The newest configuration announced with ALL-REGIONS-ACTIVE.
+    pub fn all_active_config(&self) -> ConfigId {
+        ConfigId(self.all_active.load(Ordering::Acquire))
+    }
+
+    /// Whether data and allocator recovery are complete here: every region this machine is a
+    /// new backup of is copied, and every region it is primary of has its free lists.
+    pub fn background_recovery_done(&self) -> bool {
+        let view = self.view();
+        let pools = view.map.primary_of(self.id).all(|r| view.pool(r).is_some());
+        pools && self.to_copy.lock().expect("poisoned").is_empty()
+    }
+
+    /// Regions still to be copied here (new backups, §5.4).
+    pub fn regions_to_copy(&self) -> BTreeSet<RegionId> {
+        self.to_copy.lock().expect("poisoned").clone()
+    }
+
+    pub(crate) fn copy_done(&self, region: RegionId) {
+        self.to_copy.lock().expect("poisoned").remove(&region);
+    }
+
+    /// Data and allocator recovery milestones so far.
+    pub fn recovery_events(&self) -> Vec<RecoveryEvent> {
+        self.events.lock().expect("poisoned").clone()
+    }
+
+    pub(crate) fn record(&self, event: RecoveryEvent) {
+        self.events.lock().expect("poisoned").push(event);
+    }
+
+    pub(crate) fn queue_free(&self, addr: farm_core::Addr, slot: u32) {
+        self.queued_frees
+            .lock()
+            .expect("poisoned")
+            .push((addr, slot));
+    }
+
+    /// Takes the queued frees of `region`.
+    pub(crate) fn take_queued_frees(&self, region: RegionId) -> Vec<(u32, u32)> {
+        let mut q = self.queued_frees.lock().expect("poisoned");
+        let (mine, rest): (Vec<_>, Vec<_>) = q.drain(..).partition(|(a, _)| a.region == region);
+        *q = rest;
+        mine.into_iter().map(|(a, s)| (a.offset, s)).collect()
+    }
+
+    /// Installs the block pool allocator recovery rebuilt for `region` (§5.5) in a new view.
+    pub(crate) fn install_pool(&self, region: RegionId, pool: BlockPool) {
+        let mut guard = self.view.lock().expect("view poisoned");
+        let old = guard.clone();
+        let mut pools = old.pools.clone();
+        let idx = region.0 as usize;
+        if pools.len() <= idx || old.region(region).is_none() {
+            return;
+        }
+        pools[idx] = Some(Arc::new(pool));
+        *guard = Arc::new(View {
+            config: old.config.clone(),
+            map: old.map.clone(),
+            changes: old.changes.clone(),
+            blocked: old.blocked.clone(),
+            regions: old.regions.clone(),
+            pools,
+        });
+        self.view_generation.fetch_add(1, Ordering::Release);
     }
 
     /// Records that `thread` drained its logs for `config` (LastDrained, §5.3 step 2).

@@ -112,9 +112,19 @@ pub struct Worker {
     active: BTreeSet<RegionId>,
     /// The tick of the last poll.
     pub(crate) now: u64,
-    /// Frees at regions whose free lists allocator recovery has not rebuilt yet (§5.5).
-    pub(crate) queued_frees: Vec<(farm_core::Addr, u32)>,
+    /// Data recovery copies and allocator recovery scans (run by thread 0 of each machine).
+    background: Background,
 }
+
+/// Data and allocator recovery in progress at this machine (§5.4-5.5).
+#[derive(Debug, Default)]
+struct Background {
+    copies: Vec<farm_recovery::RegionCopy>,
+    scans: Vec<farm_recovery::AllocatorScan>,
+}
+
+/// Slots an allocator recovery step looks at.
+const SCAN_SLOTS_PER_STEP: usize = 4096;
 
 /// An ALLOC-REPLY (to the machine named first) held until its block-header writes are acked.
 type PendingAllocReply = (MachineId, Message, Vec<(MachineId, WriteTicket)>);
@@ -190,7 +200,7 @@ impl Worker {
             recovery: crate::recovery::RecoveryState::new(view_config),
             active: BTreeSet::new(),
             now: 0,
-            queued_frees: Vec::new(),
+            background: Background::default(),
         }
     }
 
@@ -266,9 +276,124 @@ impl Worker {
             view.pool(*r).is_some() && view.map.get(*r).is_some_and(|p| p.primary == me)
         });
         for r in view.map.primary_of(me).filter(|r| view.pool(*r).is_some()) {
-            self.slabs.entry(r).or_insert_with(|| Slabs::new(r));
+            if let std::collections::btree_map::Entry::Vacant(v) = self.slabs.entry(r) {
+                let mut slabs = Slabs::new(r);
+                // Frees another thread queued while no slab of this one existed.
+                for (offset, slot) in self.machine.take_queued_frees(r) {
+                    slabs.free(offset, slot);
+                }
+                v.insert(slabs);
+            }
         }
         true
+    }
+
+    /// Data recovery (§5.4) and allocator recovery (§5.5), after ALL-REGIONS-ACTIVE: thread 0
+    /// copies regions this machine is a new backup of, paced, from their primaries with
+    /// one-sided reads, and rebuilds the free lists of regions it was promoted to primary of.
+    fn background_recovery(&mut self) -> bool {
+        let view = self.view.clone();
+        if self.thread.0 != 0 || self.machine.all_active_config() < view.config.id {
+            return false;
+        }
+        let me = self.machine.id;
+        let now = self.now;
+        let interval = self.machine.params.recovery_interval_ticks;
+        let region_bytes = self.machine.params.region_bytes;
+        for region in self.machine.regions_to_copy() {
+            let backup_here = view
+                .map
+                .get(region)
+                .is_some_and(|p| p.backups.contains(&me));
+            if !backup_here {
+                self.machine.copy_done(region); // Not (or no longer) a backup of it.
+                continue;
+            }
+            if self.background.copies.iter().all(|c| c.region() != region) {
+                let params = farm_recovery::CopyParams::paced(interval);
+                let copy = farm_recovery::RegionCopy::new(region, region_bytes, params, now);
+                self.background.copies.push(copy);
+                self.machine
+                    .record(crate::machine::RecoveryEvent::DataRecoveryStarted { region, at: now });
+            }
+        }
+        for region in view.map.primary_of(me) {
+            let promoted = view.pool(region).is_none();
+            if promoted && self.background.scans.iter().all(|s| s.region() != region) {
+                let scan = farm_recovery::AllocatorScan::new(
+                    region,
+                    region_bytes,
+                    SCAN_SLOTS_PER_STEP,
+                    interval,
+                    now,
+                );
+                self.background.scans.push(scan);
+            }
+        }
+        let mut busy = false;
+        let copies = std::mem::take(&mut self.background.copies);
+        for mut copy in copies {
+            let region = copy.region();
+            let (Some(local), Some(p)) = (view.region(region).cloned(), view.map.get(region))
+            else {
+                continue; // No longer held here.
+            };
+            if !p.backups.contains(&me) {
+                continue;
+            }
+            let progress = self
+                .remote(region)
+                .and_then(|primary| copy.poll(now, &*primary, &local));
+            match progress {
+                Ok(farm_recovery::Progress::Done) => {
+                    self.machine.copy_done(region);
+                    self.machine
+                        .record(crate::machine::RecoveryEvent::DataRecoveryDone {
+                            region,
+                            objects: copy.installed(),
+                            at: now,
+                        });
+                    busy = true;
+                }
+                Ok(farm_recovery::Progress::Waiting) => self.background.copies.push(copy),
+                Ok(_) => {
+                    busy = true;
+                    self.background.copies.push(copy);
+                }
+                // The primary is gone: the next configuration restarts the copy.
+                Err(_) => {}
+            }
+        }
+        let scans = std::mem::take(&mut self.background.scans);
+        for mut scan in scans {
+            let region = scan.region();
+            let Some(mem) = view.region(region).cloned() else {
+                continue;
+            };
+            match scan.poll(now, &mem) {
+                farm_recovery::ScanProgress::Done => {
+                    for (offset, slot) in self.machine.take_queued_frees(region) {
+                        scan.queue_free(offset, slot);
+                    }
+                    let (pool, slabs) = scan.finish();
+                    self.machine.install_pool(region, pool);
+                    self.refresh_view();
+                    self.slabs.insert(region, slabs);
+                    self.machine
+                        .record(crate::machine::RecoveryEvent::AllocatorRecovered {
+                            region,
+                            at: now,
+                        });
+                    busy = true;
+                }
+                farm_recovery::ScanProgress::Waiting => self.background.scans.push(scan),
+                _ => {
+                    busy = true;
+                    self.background.scans.push(scan);
+                }
+            }
+        }
+        busy
     }
 
     /// The configuration this worker is in.
@@ -282,6 +407,9 @@ impl Worker {
         self.now = now;
         let mut busy = self.refresh_view();
         busy |= self.recovery_poll();
+        if self.thread.0 == 0 {
+            busy |= self.background_recovery();
+        }
         busy |= self.flush_backlog();
         if !self.alloc_replies.is_empty() {
             busy |= self.flush_alloc_replies();
@@ -359,7 +487,7 @@ impl Worker {
                             .get(addr.region)
                             .is_some_and(|p| p.primary == me) =>
                         {
-                            self.queued_frees.push((addr, slot_bytes))
+                            self.machine.queue_free(addr, slot_bytes)
                         }
                         None => {}
                     }
@@ -616,7 +744,7 @@ impl Worker {
                     Some(slabs) => slabs.free(w.addr.offset, slot),
                     // A promoted primary rebuilds its free lists by a scan (§5.5); frees wait
                     // for it.
-                    None => self.queued_frees.push((w.addr, slot)),
+                    None => self.machine.queue_free(w.addr, slot),
                 }
                 self.stats.frees += 1;
             }
@@ -648,7 +776,7 @@ impl Worker {
             };
             match self.slabs.get_mut(&region) {
                 Some(slabs) => slabs.free(w.addr.offset, slot),
-                None => self.queued_frees.push((w.addr, slot)),
+                None => self.machine.queue_free(w.addr, slot),
             }
         }
     }

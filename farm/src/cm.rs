@@ -55,6 +55,14 @@ pub enum ReconfigEvent {
         /// When.
         at_us: u64,
     },
+    /// Every region was active again (REGIONS-ACTIVE from every member, §5.4) and the CM sent
+    /// ALL-REGIONS-ACTIVE: data recovery and allocator recovery start.
+    AllActive {
+        /// The configuration.
+        config: ConfigId,
+        /// When.
+        at_us: u64,
+    },
     /// An attempt ended without a new configuration.
     Failed {
         /// Why.
@@ -121,6 +129,7 @@ struct CmSuspicion {
 fn run(mut s: CmShared) {
     let mut seen = 0;
     let mut cm_suspicion: Option<CmSuspicion> = None;
+    let mut announced = ConfigId(1);
     let tick = (s.lease / 10).max(Duration::from_micros(200));
     while !s.stop.load(Ordering::Relaxed) {
         std::thread::sleep(tick);
@@ -141,6 +150,18 @@ fn run(mut s: CmShared) {
             continue;
         };
         let config = view.config.clone();
+        // Timestamped before the members hear of it, so that it precedes what it starts.
+        let at_us = s.epoch.elapsed().as_micros() as u64;
+        if announced < config.id && all_regions_active(&s, &config) {
+            announced = config.id;
+            s.events
+                .lock()
+                .expect("poisoned")
+                .push(ReconfigEvent::AllActive {
+                    config: config.id,
+                    at_us,
+                });
+        }
         if cm_suspicion.as_ref().is_some_and(|c| c.config != config.id) {
             cm_suspicion = None; // Resolved by a new configuration.
         }
@@ -216,6 +237,28 @@ fn run(mut s: CmShared) {
             BTreeSet::from([cm]),
         );
     }
+}
+
+/// REGIONS-ACTIVE and ALL-REGIONS-ACTIVE (§5.4), in-process: once every live member of
+/// `config` has committed it and reports every region it is primary of active, every member
+/// is told, and data and allocator recovery start. Returns whether that happened.
+fn all_regions_active(s: &CmShared, config: &farm_core::config::Configuration) -> bool {
+    let cm = config.cm;
+    let members: Vec<&Arc<MachineState>> = config
+        .members
+        .iter()
+        .map(|m| &s.machines[m.0 as usize])
+        .filter(|m| s.fabric.reachable(cm, m.id))
+        .collect();
+    let ready = members
+        .iter()
+        .all(|m| m.committed_config() >= config.id && m.regions_active());
+    if ready {
+        for m in members {
+            m.all_regions_active(config.id);
+        }
+    }
+    ready
 }
 
 /// The newest configuration any live member has (a partitioned minority may lag behind; spare

@@ -356,6 +356,17 @@ fn the_timeline_counts_commits_and_records_reconfiguration() {
     c.kill(victim);
     wait_for_config(&c, MachineId(0), 2);
     transfers(&c, a, b, 100);
+    // The victim held replicas: new backups copy them once every region is active (§5.4).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c
+        .timeline()
+        .recovery
+        .iter()
+        .any(|(_, e)| matches!(e, farm_txn::RecoveryEvent::DataRecoveryDone { .. }))
+    {
+        assert!(Instant::now() < deadline, "no data recovery finished");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let t = c.timeline();
     assert_eq!(
         t.committed_per_ms.iter().sum::<u64>(),
@@ -371,14 +382,43 @@ fn the_timeline_counts_commits_and_records_reconfiguration() {
             ReconfigEvent::Stored { .. } => "zookeeper",
             ReconfigEvent::Committed { .. } => "config-commit",
             ReconfigEvent::Failed { .. } => "failed",
+            ReconfigEvent::AllActive { .. } => "all-active",
         })
         .collect();
     assert_eq!(
         names,
-        vec!["suspect", "probe", "zookeeper", "config-commit"]
+        vec![
+            "suspect",
+            "probe",
+            "zookeeper",
+            "config-commit",
+            "all-active"
+        ]
     );
+    let at = |name: &str| {
+        t.recovery
+            .iter()
+            .filter_map(|(_, e)| match (name, e) {
+                ("start", farm_txn::RecoveryEvent::DataRecoveryStarted { at, .. }) => Some(*at),
+                ("done", farm_txn::RecoveryEvent::DataRecoveryDone { at, .. }) => Some(*at),
+                _ => None,
+            })
+            .min()
+            .expect("recovery event")
+    };
+    let all_active = match t.events[4] {
+        ReconfigEvent::AllActive { at_us, .. } => at_us,
+        _ => unreachable!(),
+    };
+    assert!(all_active <= at("start") && at("start") <= at("done"));
     let json: serde_json::Value = serde_json::from_str(&t.to_json()).unwrap();
     assert_eq!(json["events"][3]["event"], "config-commit");
+    assert_eq!(json["events"][4]["event"], "all-active");
+    assert!(json["recovery"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["event"] == "data-recovery-done"));
     assert_eq!(
         json["committed_per_ms"].as_array().unwrap().len(),
         t.committed_per_ms.len()

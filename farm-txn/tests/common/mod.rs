@@ -22,6 +22,7 @@ pub fn workers(region_bytes: usize, backups: u16) -> Vec<Worker> {
         layout,
         region_bytes,
         validate_rpc_threshold: 4,
+        recovery_interval_ticks: 2,
     };
     let fabric = Arc::new(MemFabric::new(MemFabricConfig {
         machines_max: 3,
