@@ -854,6 +854,16 @@ impl Cluster {
         }
     }
 
+    /// Whether data recovery and allocator recovery are complete at every live member (§5.4-5.5):
+    /// every region has all its replicas copied and every primary its free lists.
+    pub fn background_recovery_done(&self) -> bool {
+        self.inner
+            .machines
+            .iter()
+            .filter(|m| self.inner.fabric.is_alive(m.id) && m.view().config.contains(m.id))
+            .all(|m| m.background_recovery_done())
+    }
+
     /// Every lease expiry noticed so far, in order.
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.inner

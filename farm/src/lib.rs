@@ -30,6 +30,6 @@ pub use cluster::{AdminError, BuildError, Cluster, ClusterBuilder, Timeline, TXN
 pub use cm::ReconfigEvent;
 pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 pub use farm_core::{Addr, ConfigId, MachineId, RegionId};
-pub use farm_txn::{Conflict, Stats, TxError};
+pub use farm_txn::{Conflict, RecoveryEvent, Stats, TxError};
 pub use lease_thread::Suspicion;
 pub use txn::Txn;

@@ -362,7 +362,7 @@ fn the_timeline_counts_commits_and_records_reconfiguration() {
         .timeline()
         .recovery
         .iter()
-        .any(|(_, e)| matches!(e, farm_txn::RecoveryEvent::DataRecoveryDone { .. }))
+        .any(|(_, e)| matches!(e, farm::RecoveryEvent::DataRecoveryDone { .. }))
     {
         assert!(Instant::now() < deadline, "no data recovery finished");
         std::thread::sleep(Duration::from_millis(1));
@@ -399,8 +399,8 @@ fn the_timeline_counts_commits_and_records_reconfiguration() {
         t.recovery
             .iter()
             .filter_map(|(_, e)| match (name, e) {
-                ("start", farm_txn::RecoveryEvent::DataRecoveryStarted { at, .. }) => Some(*at),
-                ("done", farm_txn::RecoveryEvent::DataRecoveryDone { at, .. }) => Some(*at),
+                ("start", farm::RecoveryEvent::DataRecoveryStarted { at, .. }) => Some(*at),
+                ("done", farm::RecoveryEvent::DataRecoveryDone { at, .. }) => Some(*at),
                 _ => None,
             })
             .min()
