@@ -177,8 +177,10 @@ pub enum RecoveryBody {
     /// Backup to primary: the LOCK-record contents of a transaction asked for, and whether the
     /// backup saw its COMMIT-BACKUP (evidence for the region's vote, §5.3 step 6).
     SendTxState(TxnId, WriteSet, bool),
-    /// Primary to backup: a transaction's LOCK-record contents the backup is missing.
-    ReplicateTxState(TxnId, WriteSet),
+    /// Primary to backup: a transaction's LOCK-record contents the backup is missing, and
+    /// whether some replica of the region saw its COMMIT-BACKUP (so that the evidence survives
+    /// the replicas that held it).
+    ReplicateTxState(TxnId, WriteSet, bool),
     /// Primary to the recovery coordinator: the region's vote, with every region the
     /// transaction modified.
     RecoveryVote(TxnId, Vec<RegionId>, WireVote),
@@ -251,6 +253,7 @@ const REC_COMMIT: u8 = 7;
 const REC_ABORT: u8 = 8;
 const REC_TRUNCATE: u8 = 9;
 const REC_SEND_COMMIT_BACKUP: u8 = 10;
+const REC_REPLICATE_COMMIT_BACKUP: u8 = 11;
 
 fn put_txn(out: &mut Vec<u8>, t: TxnId) {
     out.extend_from_slice(&t.config.0.to_le_bytes());
@@ -444,8 +447,12 @@ impl Message {
                         put_txn(out, *t);
                         put_write_set(out, ws);
                     }
-                    RecoveryBody::ReplicateTxState(t, ws) => {
-                        out.push(REC_REPLICATE);
+                    RecoveryBody::ReplicateTxState(t, ws, commit_backup) => {
+                        out.push(if *commit_backup {
+                            REC_REPLICATE_COMMIT_BACKUP
+                        } else {
+                            REC_REPLICATE
+                        });
                         put_txn(out, *t);
                         put_write_set(out, ws);
                     }
@@ -544,11 +551,18 @@ impl Message {
                             RecoveryBody::FetchTxState(ts)
                         }
                     }
-                    REC_SEND | REC_SEND_COMMIT_BACKUP | REC_REPLICATE => {
+                    REC_SEND
+                    | REC_SEND_COMMIT_BACKUP
+                    | REC_REPLICATE
+                    | REC_REPLICATE_COMMIT_BACKUP => {
                         let t = r.txn()?;
                         let ws = r.write_set()?;
-                        if kind == REC_REPLICATE {
-                            RecoveryBody::ReplicateTxState(t, ws)
+                        if kind == REC_REPLICATE || kind == REC_REPLICATE_COMMIT_BACKUP {
+                            RecoveryBody::ReplicateTxState(
+                                t,
+                                ws,
+                                kind == REC_REPLICATE_COMMIT_BACKUP,
+                            )
                         } else {
                             RecoveryBody::SendTxState(t, ws, kind == REC_SEND_COMMIT_BACKUP)
                         }
@@ -853,7 +867,8 @@ mod tests {
             RecoveryBody::FetchTxState(vec![]),
             RecoveryBody::SendTxState(txn(), ws.clone(), false),
             RecoveryBody::SendTxState(txn(), ws.clone(), true),
-            RecoveryBody::ReplicateTxState(txn(), ws),
+            RecoveryBody::ReplicateTxState(txn(), ws.clone(), false),
+            RecoveryBody::ReplicateTxState(txn(), ws, true),
             RecoveryBody::RecoveryVote(
                 txn(),
                 vec![RegionId(1), RegionId(4)],

@@ -11,8 +11,12 @@ use farm_core::config::Configuration;
 use farm_core::{ConfigId, MachineId, RegionId, TxnId};
 
 /// Whether `txn`, which wrote `written` and read `read`, is recovering in configuration `now`
-/// (step 3): its commit started in an earlier configuration and a replica of a written region,
-/// the primary of a read region, or its coordinator changed.
+/// (step 3): its commit started in an earlier configuration and, since then, a replica of a
+/// written region, the primary of a read region, or its coordinator changed. (The paper states
+/// it for one configuration change, c - 1 to c; "since the commit started" is the same there
+/// and also holds for a machine whose view skipped a configuration, or a recovery interrupted by
+/// another failure.) Replicas know only the written regions and pass no read regions; the
+/// coordinator checks the read condition itself.
 pub fn is_recovering(
     txn: TxnId,
     written: &[RegionId],
@@ -24,7 +28,7 @@ pub fn is_recovering(
         return false;
     }
     let changed = |r: &RegionId, f: fn(&RegionChanges) -> ConfigId| {
-        changes.get(r).is_some_and(|c| f(c) >= now.id)
+        changes.get(r).is_some_and(|c| f(c) > txn.config)
     };
     written
         .iter()

@@ -862,14 +862,16 @@ impl Worker {
             .map(|ws| ws.regions.clone())
             .unwrap_or_default();
         let recovering = view.is_recovering(c.txn, &written);
-        let read_moved = c.txn.config < view.config.id
-            && c.state.objects.iter().any(|(a, e)| {
-                !e.written
-                    && view
-                        .changes
-                        .get(&a.region)
-                        .is_some_and(|ch| ch.last_primary_change > c.txn.config)
-            });
+        let read: Vec<RegionId> = c
+            .state
+            .objects
+            .iter()
+            .filter(|(_, e)| !e.written)
+            .map(|(a, _)| a.region)
+            .collect();
+        // The paper's condition with the read regions: recovering for the coordinator only.
+        let read_moved = !recovering
+            && farm_recovery::vote::is_recovering(c.txn, &[], &read, &view.config, &view.changes);
         let blocked = written.iter().copied().find(|r| self.region_blocked(*r));
         match &c.phase {
             Phase::Reserve => {

@@ -123,19 +123,11 @@ impl View {
     }
 
     /// Whether a transaction that started committing in an earlier configuration and wrote
-    /// `written` is recovering in this one (§5.3 step 3, as replicas see it: a replica of a
-    /// written region or the coordinator changed since the commit started). The paper states
-    /// it for one configuration change; "since the commit started" also covers a machine
-    /// whose view skipped a configuration. The condition on read regions is the
-    /// coordinator's: see `Worker::check_view`.
+    /// `written` is recovering in this one, as replicas see it (§5.3 step 3,
+    /// [`farm_recovery::vote::is_recovering`]); the condition on read regions is the
+    /// coordinator's (`Worker::check_view`).
     pub fn is_recovering(&self, txn: farm_core::TxnId, written: &[RegionId]) -> bool {
-        txn.config < self.config.id
-            && (!self.config.contains(txn.machine)
-                || written.iter().any(|r| {
-                    self.changes
-                        .get(r)
-                        .is_some_and(|c| c.last_replica_change > txn.config)
-                }))
+        farm_recovery::vote::is_recovering(txn, written, &[], &self.config, &self.changes)
     }
 }
 

@@ -174,7 +174,7 @@ struct RegionRound {
     /// Recovering transactions that wrote the region, with the backups that have records.
     listed: BTreeMap<TxnId, BTreeSet<MachineId>>,
     /// Transactions whose write sets were asked of backups.
-    fetching: BTreeSet<TxnId>,
+    fetching: BTreeSet<(TxnId, MachineId)>,
     /// Every backup reported and every missing write set arrived: lock recovery may run once
     /// every local thread has drained its logs.
     ready: bool,
@@ -573,8 +573,8 @@ impl Worker {
         }
         if config < self.recovery.last_drained {
             // A later round redoes this one's work.
-            if let RecoveryBody::ReplicateTxState(t, ws) = body {
-                self.on_replicate(t, ws);
+            if let RecoveryBody::ReplicateTxState(t, ws, cb) = body {
+                self.on_replicate(region, t, ws, cb);
             }
             return;
         }
@@ -595,8 +595,8 @@ impl Worker {
                     self.send_recovery(from, config, region, body);
                 }
             }
-            RecoveryBody::SendTxState(t, ws, cb) => self.on_send_tx_state(region, t, ws, cb),
-            RecoveryBody::ReplicateTxState(t, ws) => self.on_replicate(t, ws),
+            RecoveryBody::SendTxState(t, ws, cb) => self.on_send_tx_state(from, region, t, ws, cb),
+            RecoveryBody::ReplicateTxState(t, ws, cb) => self.on_replicate(region, t, ws, cb),
             RecoveryBody::RecoveryVote(t, regions, v) => {
                 self.on_vote(region, t, regions, from_wire(v))
             }
@@ -622,7 +622,9 @@ impl Worker {
         }
     }
 
-    /// Every backup reported: fetch the write sets this primary lacks (step 4).
+    /// Every backup reported: fetch the records this primary lacks (step 4): write sets it
+    /// does not have, and, unless it has COMMIT-BACKUP or commit evidence itself, what every
+    /// backup holding the transaction saw (the region's vote counts any replica's evidence).
     fn region_collected(&mut self, region: RegionId) {
         let c = self.recovery.last_drained;
         let round = self.recovery.regions.get_mut(&region).expect("round");
@@ -633,12 +635,20 @@ impl Worker {
             .retain(|t, holders| !holders.is_empty() || txs.contains_key(t));
         let mut fetch: BTreeMap<MachineId, Vec<TxnId>> = BTreeMap::new();
         for (t, holders) in &round.listed {
-            let lacking = txs.get(t).is_none_or(|tx| tx.writes_in(region).is_empty());
-            if let (true, Some(from)) = (lacking, holders.iter().next()) {
-                fetch.entry(*from).or_default().push(*t);
+            let lacking = txs.get(t).is_none_or(|tx| {
+                let e = tx.evidence(region);
+                tx.writes_in(region).is_empty() || !(e.commit_backup || e.commit_primary)
+            });
+            if lacking {
+                for from in holders {
+                    fetch.entry(*from).or_default().push(*t);
+                }
             }
         }
-        let fetching: BTreeSet<TxnId> = fetch.values().flatten().copied().collect();
+        let fetching: BTreeSet<(TxnId, MachineId)> = fetch
+            .iter()
+            .flat_map(|(b, ts)| ts.iter().map(move |t| (*t, *b)))
+            .collect();
         let empty = fetching.is_empty();
         self.recovery
             .regions
@@ -653,7 +663,14 @@ impl Worker {
         }
     }
 
-    fn on_send_tx_state(&mut self, region: RegionId, t: TxnId, ws: WriteSet, cb: bool) {
+    fn on_send_tx_state(
+        &mut self,
+        from: MachineId,
+        region: RegionId,
+        t: TxnId,
+        ws: WriteSet,
+        cb: bool,
+    ) {
         self.merge_state(t, ws);
         if cb {
             if let Some(tx) = self.recovery.txs.get_mut(&t) {
@@ -663,7 +680,7 @@ impl Worker {
         let Some(round) = self.recovery.regions.get_mut(&region) else {
             return;
         };
-        if round.fetching.remove(&t) && round.fetching.is_empty() && !round.done {
+        if round.fetching.remove(&(t, from)) && round.fetching.is_empty() && !round.done {
             self.region_ready(region);
         }
     }
@@ -756,11 +773,12 @@ impl Worker {
                     regions: tx.regions.clone(),
                     writes: tx.writes_in(region),
                 };
+                let cb = tx.evidence(region).commit_backup;
                 for b in placement.backups.iter().filter(|b| !holders.contains(b)) {
                     let msg = Message::Recovery {
                         config: c,
                         region,
-                        body: RecoveryBody::ReplicateTxState(*t, ws.clone()),
+                        body: RecoveryBody::ReplicateTxState(*t, ws.clone(), cb),
                     };
                     unsent.push((*b, msg));
                 }
@@ -1097,11 +1115,16 @@ impl Worker {
         self.apply_decision(t);
     }
 
-    fn on_replicate(&mut self, t: TxnId, ws: WriteSet) {
+    fn on_replicate(&mut self, region: RegionId, t: TxnId, ws: WriteSet, cb: bool) {
         if self.recovery.forgotten.contains_key(&t) {
             return;
         }
         self.merge_state(t, ws);
+        if cb {
+            if let Some(tx) = self.recovery.txs.get_mut(&t) {
+                tx.fetched_commit_backup.insert(region);
+            }
+        }
         if self
             .recovery
             .txs

@@ -3,11 +3,13 @@
 //! when a member is suspected; the first backup CM when the CM is), carrying out its effects:
 //! probes are one-sided reads through the fabric, the compare-and-set goes to the coordination
 //! store (embedded or ZooKeeper), NEW-CONFIG installs the configuration at each member, and
-//! NEW-CONFIG-COMMIT ends it. Regions whose replicas changed stay blocked, because recovering
-//! their transactions is the next layer's work (§5.3).
+//! NEW-CONFIG-COMMIT ends it and starts transaction recovery in the members' workers (§5.3).
+//! Once every member reports its regions active (REGIONS-ACTIVE), it announces
+//! ALL-REGIONS-ACTIVE, which starts data and allocator recovery (§5.4-5.5).
 //!
-//! In-process, NEW-CONFIG and its ack are a call into the member's state rather than a message
-//! through its queue; the message encoding arrives with one process per machine.
+//! In-process, NEW-CONFIG and its ack, NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE
+//! are calls into the members' state rather than messages through their queues; the message
+//! encoding arrives with one process per machine.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
