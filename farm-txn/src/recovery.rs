@@ -255,12 +255,13 @@ impl Worker {
     /// Starts recovery for a newly committed configuration and advances the coordinator side.
     pub(crate) fn recovery_poll(&mut self) -> bool {
         let mut busy = false;
-        let view = self.view.clone();
-        if view.config.id > self.recovery.last_drained
-            && self.machine.committed_config() >= view.config.id
-        {
-            self.start_round(view);
+        let config = self.view.config.id;
+        if config > self.recovery.last_drained && self.machine.committed_config() >= config {
+            self.start_round(self.view.clone());
             busy = true;
+        }
+        if self.recovery.regions.is_empty() && self.recovery.coord.is_empty() {
+            return busy;
         }
         let waiting: Vec<RegionId> = self
             .recovery

@@ -16,7 +16,7 @@ use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus
 use farm_core::object;
 use farm_core::ring::{frame, skip_marker, RecordPos, RingKind, RingReader, RingWriter};
 use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, WriteSet};
-use farm_core::{MachineId, RegionId, ThreadId, TxnId};
+use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
 use crate::coordinator::CoordinatorState;
 use crate::machine::{MachineState, View};
@@ -121,6 +121,9 @@ pub struct Worker {
 struct Background {
     copies: Vec<farm_recovery::RegionCopy>,
     scans: Vec<farm_recovery::AllocatorScan>,
+    /// The ALL-REGIONS-ACTIVE configuration and view generation last looked at for new work
+    /// (so that a poll with nothing to recover costs two loads).
+    checked: (ConfigId, u64),
 }
 
 /// Slots an allocator recovery step looks at.
@@ -292,8 +295,14 @@ impl Worker {
     /// copies regions this machine is a new backup of, paced, from their primaries with
     /// one-sided reads, and rebuilds the free lists of regions it was promoted to primary of.
     fn background_recovery(&mut self) -> bool {
+        let all_active = self.machine.all_active_config();
+        let fresh = self.background.checked != (all_active, self.view_generation);
+        if !fresh && self.background.copies.is_empty() && self.background.scans.is_empty() {
+            return false;
+        }
+        self.background.checked = (all_active, self.view_generation);
         let view = self.view.clone();
-        if self.thread.0 != 0 || self.machine.all_active_config() < view.config.id {
+        if self.thread.0 != 0 || all_active < view.config.id {
             return false;
         }
         let me = self.machine.id;
