@@ -265,8 +265,8 @@ impl MemFabric {
     }
 
     /// Crashes `machine` the way a power failure mid-transfer does: on every link from it, a
-    /// prefix of the held writes lands (chosen by `rng`), the next one possibly cut at any byte;
-    /// then the machine is killed.
+    /// prefix of the held writes lands (chosen by `rng`), the next one possibly cut at any
+    /// aligned 8-byte word; then the machine is killed.
     pub fn crash(&self, machine: MachineId, rng: &mut Rng) {
         for t in 0..self.config.threads_max {
             let src = Endpoint {
@@ -283,7 +283,12 @@ impl MemFabric {
                     link.landed.store(w.seq, Ordering::SeqCst);
                 }
                 if let Some(w) = held.front() {
+                    // Cut between aligned 8-byte words: a NIC's DMA does not tear an aligned
+                    // word (a block header, an object header), but a record spanning many
+                    // words can land in part.
                     let cut = rng.below(w.data.len() as u64 + 1) as usize;
+                    let end = (w.offset as usize + cut) & !7;
+                    let cut = end.saturating_sub(w.offset as usize);
                     if cut > 0 {
                         w.mem.write(w.offset as usize, &w.data[..cut]);
                     }
