@@ -62,6 +62,8 @@ pub enum RecoveryEvent {
     DataRecoveryStarted {
         /// The region.
         region: RegionId,
+        /// Copied without pauses: the region was down to one replica holding its data.
+        aggressive: bool,
         /// When.
         at: u64,
     },
@@ -158,7 +160,9 @@ pub struct MachineState {
     /// ALL-REGIONS-ACTIVE (§5.4): the newest configuration in which every region was active.
     all_active: AtomicU64,
     /// Regions this machine holds as a new backup, still to be copied from their primary.
-    to_copy: Mutex<BTreeSet<RegionId>>,
+    /// With whether the region is down to one replica that holds its data (then the copy runs
+    /// at the aggressive pace, §5.4).
+    to_copy: Mutex<BTreeMap<RegionId, bool>>,
     /// Frees committed at regions whose free lists allocator recovery has not rebuilt yet
     /// (§5.5), or whose thread had no slabs yet.
     queued_frees: Mutex<Vec<(farm_core::Addr, u32)>>,
@@ -216,7 +220,7 @@ impl MachineState {
             committed: AtomicU64::new(config.id.0),
             drained: Mutex::new((config.id, BTreeSet::new())),
             all_active: AtomicU64::new(config.id.0),
-            to_copy: Mutex::new(BTreeSet::new()),
+            to_copy: Mutex::new(BTreeMap::new()),
             queued_frees: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
             lock_recovery: Mutex::new(BTreeMap::new()),
@@ -280,8 +284,23 @@ impl MachineState {
                 (None, None) => {
                     // A new backup of an existing region starts empty: data recovery copies it
                     // (§5.4).
-                    if !first && old.map.get(region).is_some() {
-                        self.to_copy.lock().expect("poisoned").insert(region);
+                    if let (false, Some(before)) = (first, old.map.get(region)) {
+                        // Replicas that held the region before and still do: one means the
+                        // region is down to a single copy of its data. So may it be when the
+                        // previous configuration changed its replicas too (their copies may
+                        // not be complete).
+                        let kept = std::iter::once(placement.primary)
+                            .chain(placement.backups.iter().copied())
+                            .filter(|m| before.holds(*m))
+                            .count();
+                        let changed_before = old
+                            .changes
+                            .get(&region)
+                            .is_some_and(|c| c.last_replica_change == old.config.id);
+                        self.to_copy
+                            .lock()
+                            .expect("poisoned")
+                            .insert(region, kept <= 1 || changed_before);
                     }
                     self.map_region(region)?
                 }
@@ -376,7 +395,8 @@ impl MachineState {
     }
 
     /// Regions still to be copied here (new backups, §5.4).
-    pub fn regions_to_copy(&self) -> BTreeSet<RegionId> {
+    /// With whether each is down to one replica holding its data (copied aggressively).
+    pub fn regions_to_copy(&self) -> BTreeMap<RegionId, bool> {
         self.to_copy.lock().expect("poisoned").clone()
     }
 

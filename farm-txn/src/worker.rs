@@ -309,7 +309,7 @@ impl Worker {
         let now = self.now;
         let interval = self.machine.params.recovery_interval_ticks;
         let region_bytes = self.machine.params.region_bytes;
-        for region in self.machine.regions_to_copy() {
+        for (region, aggressive) in self.machine.regions_to_copy() {
             let backup_here = view
                 .map
                 .get(region)
@@ -319,11 +319,20 @@ impl Worker {
                 continue;
             }
             if self.background.copies.iter().all(|c| c.region() != region) {
-                let params = farm_recovery::CopyParams::paced(interval);
+                // A region down to one replica with its data is copied without pauses (§5.4).
+                let params = if aggressive {
+                    farm_recovery::CopyParams::aggressive()
+                } else {
+                    farm_recovery::CopyParams::paced(interval)
+                };
                 let copy = farm_recovery::RegionCopy::new(region, region_bytes, params, now);
                 self.background.copies.push(copy);
                 self.machine
-                    .record(crate::machine::RecoveryEvent::DataRecoveryStarted { region, at: now });
+                    .record(crate::machine::RecoveryEvent::DataRecoveryStarted {
+                        region,
+                        aggressive,
+                        at: now,
+                    });
             }
         }
         for region in view.map.primary_of(me) {

@@ -86,10 +86,14 @@ impl Timeline {
             .iter()
             .map(|(m, e)| {
                 let (name, at, extra) = match e {
-                    farm_txn::RecoveryEvent::DataRecoveryStarted { region, at } => (
+                    farm_txn::RecoveryEvent::DataRecoveryStarted {
+                        region,
+                        aggressive,
+                        at,
+                    } => (
                         "data-recovery-start",
                         at,
-                        format!(",\"region\":{}", region.0),
+                        format!(",\"region\":{},\"aggressive\":{aggressive}", region.0),
                     ),
                     farm_txn::RecoveryEvent::DataRecoveryDone {
                         region,

@@ -184,6 +184,18 @@ fn bank_through_failures(machines: u16, victims: &[MachineId]) {
         .collect();
     let report = farm_sim::check_replicas(&live).unwrap();
     assert!(report.objects >= accounts.len());
+    // With two of three replicas gone, some region was down to one copy of its data and was
+    // copied without pauses (§5.4); with one gone, none was.
+    let aggressive = c.timeline().recovery.iter().any(|(_, e)| {
+        matches!(
+            e,
+            farm::RecoveryEvent::DataRecoveryStarted {
+                aggressive: true,
+                ..
+            }
+        )
+    });
+    assert_eq!(aggressive, victims.len() == 2);
     let stats = c.stats();
     let committed = c
         .reconfig_events()
