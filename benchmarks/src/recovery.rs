@@ -210,6 +210,11 @@ fn xorshift(seed: u64) -> impl FnMut() -> u64 {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Warnings (a commit that waits for seconds logs its host's recovery state) go to stderr.
+    tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+        .with_writer(std::io::stderr)
+        .init();
     if args.runs == 0 || args.machines < 3 || args.lease_ms == 0 || args.accounts == 0 {
         bail!("need --runs >= 1, --machines >= 3, --lease-ms >= 1 and --accounts >= 1");
     }

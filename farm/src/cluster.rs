@@ -920,6 +920,8 @@ fn run_once<R>(
     };
     host.workers[machine.0 as usize].start_commit(state);
     let mut backoff = Backoff::new();
+    let started = inner.now();
+    let mut reported = false;
     loop {
         if !inner.fabric.is_alive(machine) {
             // The coordinator's machine died under the application (which in a deployment
@@ -939,8 +941,30 @@ fn run_once<R>(
         } else {
             backoff.idle();
         }
+        if !reported && now.saturating_sub(started) > STUCK_COMMIT_US {
+            // A commit normally ends within milliseconds, recovery included: say what this
+            // host's workers hold, once, so that a stuck one can be diagnosed.
+            reported = true;
+            let w = &host.workers[machine.0 as usize];
+            tracing::warn!(
+                txn = ?w.committing_txn(),
+                waited_ms = (now - started) / 1000,
+                "commit still waiting"
+            );
+            for w in &host.workers {
+                tracing::warn!(
+                    machine = w.machine().id.0,
+                    thread = w.thread().0,
+                    recovery = %w.recovery_summary(),
+                    "worker state"
+                );
+            }
+        }
     }
 }
+
+/// A commit waiting this long (µs) gets its host's state logged once.
+const STUCK_COMMIT_US: u64 = 10_000_000;
 
 impl Drop for Cluster {
     fn drop(&mut self) {
