@@ -22,6 +22,11 @@ pub enum TxError {
     /// `txn()` retries: a new configuration without the machine will serve it (§5.2).
     #[error("unavailable: {0}")]
     Unavailable(#[from] FabricError),
+    /// The coordinator's machine was removed from the configuration while alive (suspected
+    /// of failure, or cut off): it can no longer commit until it rejoins; a commit in flight is
+    /// decided by recovery (§5.3), and the caller cannot know how. Never retried.
+    #[error("machine {0} was removed from the configuration; it must rejoin before coordinating")]
+    Evicted(MachineId),
     /// The coordinator's own machine failed during the commit: recovery decides the outcome
     /// (§5.3), and the caller cannot know it. Never retried.
     #[error("the coordinator machine {0} failed during the commit; recovery decides the outcome")]

@@ -159,6 +159,9 @@ pub struct MachineState {
     recovery_locks: Mutex<BTreeMap<(RegionId, u32), u32>>,
     /// ALL-REGIONS-ACTIVE (§5.4): the newest configuration in which every region was active.
     all_active: AtomicU64,
+    /// Removed from the configuration while alive (a false suspicion or a partition): its
+    /// coordinators can no longer commit, since members ignore its logs (§5.2).
+    evicted: std::sync::atomic::AtomicBool,
     /// Regions this machine holds as a new backup, still to be copied from their primary.
     /// With whether the region is down to one replica that holds its data (then the copy runs
     /// at the aggressive pace, §5.4).
@@ -220,6 +223,7 @@ impl MachineState {
             committed: AtomicU64::new(config.id.0),
             drained: Mutex::new((config.id, BTreeSet::new())),
             all_active: AtomicU64::new(config.id.0),
+            evicted: std::sync::atomic::AtomicBool::new(false),
             to_copy: Mutex::new(BTreeMap::new()),
             queued_frees: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
@@ -374,6 +378,17 @@ impl MachineState {
             })
         });
         active
+    }
+
+    /// Marks this machine removed from (or, with `false`, back in) the configuration. A
+    /// deployed machine learns it when its lease is not renewed; in-process the CM says so.
+    pub fn set_evicted(&self, evicted: bool) {
+        self.evicted.store(evicted, Ordering::Release);
+    }
+
+    /// Whether this machine was removed from the configuration while alive.
+    pub fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::Acquire)
     }
 
     /// ALL-REGIONS-ACTIVE from the CM (§5.4): data and allocator recovery may start.

@@ -895,6 +895,9 @@ fn run_once<R>(
     machine: MachineId,
     f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
 ) -> Result<R, TxError> {
+    if inner.machines[machine.0 as usize].is_evicted() {
+        return Err(TxError::Evicted(machine));
+    }
     let (value, state) = {
         // The coordinator worker executes; the poller serves the host's other workers while the
         // execution waits (an allocation at a remote primary hosted by this very thread).
@@ -928,6 +931,10 @@ fn run_once<R>(
             // would have died with it): the outcome is recovery's to decide.
             host.workers[machine.0 as usize].abandon_commit();
             return Err(TxError::CoordinatorFailed(machine));
+        }
+        if inner.machines[machine.0 as usize].is_evicted() {
+            host.workers[machine.0 as usize].abandon_commit();
+            return Err(TxError::Evicted(machine));
         }
         let now = inner.now();
         if let Some(r) = host.workers[machine.0 as usize].poll_commit(now) {

@@ -387,6 +387,11 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
     }
     match r.outcome().expect("finished") {
         Ok(new) => {
+            // Members removed while alive learn it (their leases are not renewed; in-process,
+            // a call), and members of the new configuration are in.
+            for m in &s.machines {
+                m.set_evicted(!new.config.contains(m.id) && m.view().config.contains(m.id));
+            }
             tracing::info!(config = new.config.id.0, members = ?new.config.members, cm = new.config.cm.0, "configuration committed");
             s.events
                 .lock()

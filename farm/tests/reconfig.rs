@@ -339,6 +339,16 @@ fn a_minority_partition_cannot_reconfigure_and_the_majority_goes_on() {
     c.fabric().heal();
     assert_eq!(c.read::<u64>(MachineId(4), a).unwrap(), 150);
     assert!(!c.view(MachineId(4)).config.contains(MachineId(0)));
+    // The cut-off machine cannot coordinate until it rejoins: an error, not a commit that
+    // waits forever for members that ignore it.
+    assert_eq!(
+        c.txn(MachineId(0), |tx| {
+            let v: u64 = tx.read(a)?;
+            tx.write(a, &(v + 1))
+        })
+        .unwrap_err(),
+        farm::TxError::Evicted(MachineId(0))
+    );
 }
 
 /// The timeline counts every committed transaction once, in the millisecond it committed, and
