@@ -64,6 +64,11 @@ impl Placement {
     pub fn holds(&self, m: MachineId) -> bool {
         self.primary == m || self.backups.contains(&m)
     }
+
+    /// Every replica, the primary first.
+    pub fn replicas(&self) -> impl Iterator<Item = MachineId> + '_ {
+        std::iter::once(self.primary).chain(self.backups.iter().copied())
+    }
 }
 
 /// Region id -> placement. Region ids are dense (the CM's counter), so this is a vector.

@@ -64,22 +64,10 @@ pub struct Evidence {
     pub abort_recovery: bool,
 }
 
-/// A region's vote (step 6).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-pub enum Vote {
-    /// Some replica saw COMMIT-PRIMARY or COMMIT-RECOVERY.
-    CommitPrimary,
-    /// Some replica saw COMMIT-BACKUP and none ABORT-RECOVERY.
-    CommitBackup,
-    /// Some replica saw LOCK and none ABORT-RECOVERY.
-    Lock,
-    /// Nothing that allows a commit.
-    Abort,
-    /// No records, and the transaction was truncated here.
-    Truncated,
-    /// No records, and not known to be truncated.
-    Unknown,
-}
+/// A region's vote (step 6): the wire format's own enum, so that votes cross the network as
+/// they are (commit-primary, commit-backup, lock, abort; truncated and unknown for primaries
+/// without records).
+pub use farm_core::wire::WireVote as Vote;
 
 /// The vote of a region whose replicas have records of the transaction.
 pub fn vote(e: Evidence) -> Vote {

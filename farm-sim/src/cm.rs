@@ -85,13 +85,7 @@ impl SimCm {
             .map(|m| &machines[m.0 as usize])
             .filter(|m| fabric.is_alive(m.id))
             .collect();
-        if members
-            .iter()
-            .all(|m| m.committed_config() >= config.id && m.regions_active())
-        {
-            for m in members {
-                m.all_regions_active(config.id);
-            }
+        if MachineState::announce_all_active(&members, config.id) {
             self.announced = config.id;
         }
     }

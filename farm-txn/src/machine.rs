@@ -293,10 +293,7 @@ impl MachineState {
                         // region is down to a single copy of its data. So may it be when the
                         // previous configuration changed its replicas too (their copies may
                         // not be complete).
-                        let kept = std::iter::once(placement.primary)
-                            .chain(placement.backups.iter().copied())
-                            .filter(|m| before.holds(*m))
-                            .count();
+                        let kept = placement.replicas().filter(|m| before.holds(*m)).count();
                         let changed_before = old
                             .changes
                             .get(&region)
@@ -389,6 +386,21 @@ impl MachineState {
     /// Whether this machine was removed from the configuration while alive.
     pub fn is_evicted(&self) -> bool {
         self.evicted.load(Ordering::Acquire)
+    }
+
+    /// The CM's side of REGIONS-ACTIVE / ALL-REGIONS-ACTIVE (§5.4), in-process: once every one
+    /// of `members` (the live members of configuration `config`) committed it and reports its
+    /// regions active, each is told. Returns whether that happened.
+    pub fn announce_all_active(members: &[&Arc<MachineState>], config: ConfigId) -> bool {
+        let ready = members
+            .iter()
+            .all(|m| m.committed_config() >= config && m.regions_active());
+        if ready {
+            for m in members {
+                m.all_regions_active(config);
+            }
+        }
+        ready
     }
 
     /// ALL-REGIONS-ACTIVE from the CM (§5.4): data and allocator recovery may start.

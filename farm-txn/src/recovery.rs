@@ -23,7 +23,7 @@ use std::sync::Arc;
 use farm_core::fabric::{WriteStatus, WriteTicket};
 use farm_core::object;
 use farm_core::ring::RecordPos;
-use farm_core::wire::{Message, RecoveryBody, WireVote, WriteEntry, WriteSet};
+use farm_core::wire::{Message, RecoveryBody, WriteEntry, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, TxnId};
 use farm_recovery::vote::{decide, recovery_coordinator, vote, Evidence, Vote};
 
@@ -217,6 +217,16 @@ fn primary_moved_since(view: &View, region: RegionId, t: TxnId) -> bool {
 }
 
 impl CoordRound {
+    /// Adds the replicas of `placement` not yet sent the decision.
+    fn also_send_to(&mut self, placement: &farm_core::config::Placement) {
+        for m in placement.replicas() {
+            let known = self.to_send.contains(&m) || self.tickets.iter().any(|(x, _)| *x == m);
+            if !known {
+                self.to_send.push(m);
+            }
+        }
+    }
+
     fn new(regions: Vec<RegionId>, now: u64) -> Self {
         Self {
             regions,
@@ -229,25 +239,11 @@ impl CoordRound {
     }
 }
 
-fn to_wire(v: Vote) -> WireVote {
-    match v {
-        Vote::CommitPrimary => WireVote::CommitPrimary,
-        Vote::CommitBackup => WireVote::CommitBackup,
-        Vote::Lock => WireVote::Lock,
-        Vote::Abort => WireVote::Abort,
-        Vote::Truncated => WireVote::Truncated,
-        Vote::Unknown => WireVote::Unknown,
-    }
-}
-
-fn from_wire(v: WireVote) -> Vote {
-    match v {
-        WireVote::CommitPrimary => Vote::CommitPrimary,
-        WireVote::CommitBackup => Vote::CommitBackup,
-        WireVote::Lock => Vote::Lock,
-        WireVote::Abort => Vote::Abort,
-        WireVote::Truncated => Vote::Truncated,
-        WireVote::Unknown => Vote::Unknown,
+/// The message that carries decision `d` on `t` to a replica (step 7).
+fn decision_body(d: Decision, t: TxnId) -> RecoveryBody {
+    match d {
+        Decision::Commit => RecoveryBody::CommitRecovery(t),
+        Decision::Abort => RecoveryBody::AbortRecovery(t),
     }
 }
 
@@ -473,14 +469,9 @@ impl Worker {
             round.votes.clear();
             round.since = now;
             if round.decision.is_some() {
-                for r in &round.regions {
-                    let Some(p) = view.map.get(*r) else { continue };
-                    for m in std::iter::once(p.primary).chain(p.backups.iter().copied()) {
-                        let known = round.to_send.contains(&m)
-                            || round.tickets.iter().any(|(x, _)| *x == m);
-                        if !known {
-                            round.to_send.push(m);
-                        }
+                for r in round.regions.clone() {
+                    if let Some(p) = view.map.get(r) {
+                        round.also_send_to(p);
                     }
                 }
             }
@@ -598,9 +589,7 @@ impl Worker {
             }
             RecoveryBody::SendTxState(t, ws, cb) => self.on_send_tx_state(from, region, t, ws, cb),
             RecoveryBody::ReplicateTxState(t, ws, cb) => self.on_replicate(region, t, ws, cb),
-            RecoveryBody::RecoveryVote(t, regions, v) => {
-                self.on_vote(region, t, regions, from_wire(v))
-            }
+            RecoveryBody::RecoveryVote(t, regions, v) => self.on_vote(region, t, regions, v),
             RecoveryBody::RequestVote(t) => self.on_request_vote(from, region, t),
             RecoveryBody::CommitRecovery(_)
             | RecoveryBody::AbortRecovery(_)
@@ -800,10 +789,7 @@ impl Worker {
             // outcome from this primary (its recovery coordinator may be gone).
             if let Some(d) = self.recovery.forgotten.get(t).copied() {
                 for b in holders {
-                    let body = match d {
-                        Decision::Commit => RecoveryBody::CommitRecovery(*t),
-                        Decision::Abort => RecoveryBody::AbortRecovery(*t),
-                    };
+                    let body = decision_body(d, *t);
                     self.send_recovery(*b, c, region, body);
                     self.send_recovery(*b, c, region, RecoveryBody::TruncateRecovery(*t));
                 }
@@ -896,12 +882,7 @@ impl Worker {
         };
         self.stats.recovery_votes += 1;
         let dst = to.unwrap_or_else(|| recovery_coordinator(t, &view.config));
-        self.send_recovery(
-            dst,
-            c,
-            region,
-            RecoveryBody::RecoveryVote(t, regions, to_wire(v)),
-        );
+        self.send_recovery(dst, c, region, RecoveryBody::RecoveryVote(t, regions, v));
     }
 
     fn on_request_vote(&mut self, from: MachineId, region: RegionId, t: TxnId) {
@@ -965,13 +946,7 @@ impl Worker {
             // Decided, and the decision still on its way: replicas the region gained since
             // (a new backup that got the records by REPLICATE-TX-STATE) need it too.
             if let (true, Some(p)) = (has_records, view.map.get(region)) {
-                for m in std::iter::once(p.primary).chain(p.backups.iter().copied()) {
-                    let known =
-                        round.to_send.contains(&m) || round.tickets.iter().any(|(x, _)| *x == m);
-                    if !known {
-                        round.to_send.push(m);
-                    }
-                }
+                round.also_send_to(p);
             }
             return;
         }
@@ -989,8 +964,7 @@ impl Worker {
         let mut to: BTreeSet<MachineId> = BTreeSet::new();
         for r in &round.regions {
             if let Some(p) = view.map.get(*r) {
-                to.insert(p.primary);
-                to.extend(p.backups.iter().copied());
+                to.extend(p.replicas());
             }
         }
         round.to_send = to.into_iter().collect();
@@ -1038,10 +1012,7 @@ impl Worker {
             match round.decision {
                 None => {}
                 Some(d) => {
-                    let body = match d {
-                        Decision::Commit => RecoveryBody::CommitRecovery(t),
-                        Decision::Abort => RecoveryBody::AbortRecovery(t),
-                    };
+                    let body = decision_body(d, t);
                     let to_send = std::mem::take(&mut round.to_send);
                     let mut left = Vec::new();
                     let mut placed = Vec::new();

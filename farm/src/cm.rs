@@ -252,15 +252,7 @@ fn all_regions_active(s: &CmShared, config: &farm_core::config::Configuration) -
         .map(|m| &s.machines[m.0 as usize])
         .filter(|m| s.fabric.reachable(cm, m.id))
         .collect();
-    let ready = members
-        .iter()
-        .all(|m| m.committed_config() >= config.id && m.regions_active());
-    if ready {
-        for m in members {
-            m.all_regions_active(config.id);
-        }
-    }
-    ready
+    MachineState::announce_all_active(&members, config.id)
 }
 
 /// The newest configuration any live member has (a partitioned minority may lag behind; spare
