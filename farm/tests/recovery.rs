@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use farm::{Addr, Cluster, MachineId, ReconfigEvent};
 use farm_core::rng::Rng;
 use farm_core::ConfigId;
@@ -261,27 +263,7 @@ fn list_append_through_a_killed_member_is_strictly_serializable() {
                     let invoke = start.elapsed().as_nanos() as u64;
                     let ops = c
                         .txn(m, |tx| {
-                            let mut ops = Vec::new();
-                            for (j, (key, append)) in plan.iter().enumerate() {
-                                let mut list: List = tx.read(keys[*key])?;
-                                let len = list[0] as usize;
-                                if *append && len < CAP {
-                                    let value = value_base | j as u64;
-                                    list[1 + len] = value;
-                                    list[0] += 1;
-                                    tx.write(keys[*key], &list)?;
-                                    ops.push(Op::Append {
-                                        key: *key as u64,
-                                        value,
-                                    });
-                                } else {
-                                    ops.push(Op::Read {
-                                        key: *key as u64,
-                                        values: list[1..=len].to_vec(),
-                                    });
-                                }
-                            }
-                            Ok(ops)
+                            common::list_append::<{ CAP + 1 }>(tx, &keys, &plan, value_base)
                         })
                         .unwrap();
                     let complete = start.elapsed().as_nanos() as u64;

@@ -1,0 +1,39 @@
+//! Helpers shared by the threaded runtime's tests.
+
+use farm::{Addr, TxError, Txn};
+use farm_sim::Op;
+
+/// One list-append transaction body: for each `(key, append)` of `plan`, reads the list at
+/// `keys[key]` (a length word, then up to `N - 1` values) and appends `value_base | j` when
+/// asked and there is room, else records the read. Returns the operations for the checker.
+pub fn list_append<const N: usize>(
+    tx: &mut Txn<'_>,
+    keys: &[Addr],
+    plan: &[(usize, bool)],
+    value_base: u64,
+) -> Result<Vec<Op>, TxError>
+where
+    [u64; N]: bytemuck::Pod,
+{
+    let mut ops = Vec::new();
+    for (j, (key, append)) in plan.iter().enumerate() {
+        let mut list: [u64; N] = tx.read(keys[*key])?;
+        let len = list[0] as usize;
+        if *append && len < N - 1 {
+            let value = value_base | j as u64;
+            list[1 + len] = value;
+            list[0] += 1;
+            tx.write(keys[*key], &list)?;
+            ops.push(Op::Append {
+                key: *key as u64,
+                value,
+            });
+        } else {
+            ops.push(Op::Read {
+                key: *key as u64,
+                values: list[1..=len].to_vec(),
+            });
+        }
+    }
+    Ok(ops)
+}
