@@ -3,14 +3,14 @@
 //! - [`store`]: the coordination-store contract (read; compare-and-set by version) and the
 //!   embedded store; the ZooKeeper store lives in the runtime crate, as protocol crates never
 //!   talk to servers themselves.
-//! - [`codec`]: how a configuration is stored.
+//! - [`codec`]: how a configuration is stored (re-exported from `farm_core::codec`).
 //! - [`lease`]: leases over datagrams with the 3-way handshake, as deterministic state machines.
 //! - [`placement`]: region allocation (§3): ids, replica choice, two-phase prepare/commit.
 //! - [`reconfig`]: reconfiguration steps 2-7 as a state machine, and backup CMs.
 //! - [`remap`]: region remapping at reconfiguration (promotion, re-replication, change history).
 #![deny(missing_docs)]
 
-pub mod codec;
+pub use farm_core::codec;
 pub mod lease;
 pub mod placement;
 pub mod reconfig;

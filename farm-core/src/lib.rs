@@ -2,6 +2,7 @@
 //!
 //! - [`ids`]: newtype identifiers and global addresses;
 //! - [`config`]: configurations and the region map;
+//! - [`codec`]: how configurations and machines' views are stored;
 //! - [`nvram`]: memory-mapped NVRAM, the only module with raw-memory code;
 //! - [`object`]: object headers, locking and consistent reads;
 //! - [`fabric`] and [`mem_fabric`]: one-sided reads and writes, datagrams, fault injection;
@@ -21,6 +22,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod codec;
 pub mod config;
 pub mod fabric;
 pub mod ids;

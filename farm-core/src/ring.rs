@@ -12,6 +12,12 @@
 //! everything before it: a torn append (the sender died mid-write; writes land in address order)
 //! is never accepted. Records never wrap: a skip marker (`len` with [`SKIP_FLAG`], trailer right
 //! after it) pads to the end of the buffer.
+//!
+//! Restart: a receiver keeps its head (how far it freed) in a word of its own NVRAM, stored
+//! before the freed bytes are zeroed, and a sender never fills the last word of a ring. A
+//! restarted receiver ([`RingReader::resume`]) therefore finds its live records from the head
+//! word to the first incomplete one, and everything after them up to the head word's lap is
+//! garbage to zero (a torn append, or a batch whose zeroing the stop interrupted).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -25,6 +31,8 @@ pub const SKIP_FLAG: u32 = 1 << 31;
 pub const FRAME_BYTES: usize = 8;
 /// A skip marker is one framing word pair.
 pub const SKIP_BYTES: usize = 8;
+/// Bytes of every ring a sender leaves unused.
+pub const RING_SLACK_BYTES: usize = 8;
 
 /// Which ring of a pair.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -176,9 +184,25 @@ impl RingWriter {
         self.head = self.head.max(head);
     }
 
-    /// Bytes neither used nor reserved.
+    /// Resumes writing a ring whose receiver freed everything before `head` and holds records
+    /// up to `tail` (what [`RingReader::resume`] found).
+    pub fn resume(capacity: usize, head: u64, tail: u64) -> Self {
+        let mut w = Self::new(capacity);
+        assert!(
+            head <= tail && tail - head < capacity as u64,
+            "resumed ring {head}..{tail} does not fit {capacity} bytes"
+        );
+        w.head = head;
+        w.tail = tail;
+        w
+    }
+
+    /// Bytes neither used nor reserved. The last word of the ring is never used (see the
+    /// module docs: it keeps a restarted receiver from reading the previous lap's bytes as the
+    /// next record).
     pub fn free_bytes(&self) -> usize {
-        self.capacity - (self.tail - self.head) as usize - self.reserved
+        (self.capacity - RING_SLACK_BYTES)
+            .saturating_sub((self.tail - self.head) as usize + self.reserved)
     }
 
     /// Bytes to reserve for a record of `len` framed bytes: the record and the worst skip.
@@ -235,6 +259,11 @@ impl RingWriter {
         self.tail
     }
 
+    /// The head position the receiver last reported.
+    pub fn head(&self) -> u64 {
+        self.head
+    }
+
     /// Bytes written but not yet reported free, plus bytes reserved: zero for an idle ring whose
     /// receiver has caught up.
     pub fn in_use(&self) -> usize {
@@ -247,6 +276,30 @@ impl RingWriter {
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub struct RecordPos(pub u64);
 
+/// The word in the receiver's NVRAM where a reader keeps its head.
+#[derive(Clone, Debug)]
+pub struct HeadWord {
+    /// The memory holding it.
+    pub mem: Arc<Nvram>,
+    /// Its offset.
+    pub offset: usize,
+}
+
+/// What a restarted receiver keeps of a ring's contents ([`RingReader::resume`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Resume {
+    /// Every complete record after the head (transaction logs: they are NVRAM state).
+    KeepRecords,
+    /// Nothing (message queues: their messages belong to threads that are gone).
+    Discard,
+}
+
+/// A valid frame on a ring, with its length.
+enum Framed {
+    Skip(usize),
+    Record(usize),
+}
+
 /// The receiver's side of one ring in its own NVRAM.
 #[derive(Debug)]
 pub struct RingReader {
@@ -255,12 +308,14 @@ pub struct RingReader {
     capacity: usize,
     next: u64,
     freed: u64,
+    head_word: Option<HeadWord>,
     /// Polled records not yet fully freed: (start, end, released). Bounded by capacity / 8.
     live: VecDeque<(u64, u64, bool)>,
 }
 
 impl RingReader {
-    /// A reader of the ring at `base..base + capacity` of `mem`, which must be zeroed.
+    /// A reader of the ring at `base..base + capacity` of `mem`, which must be zeroed, keeping
+    /// no head word.
     pub fn new(mem: Arc<Nvram>, base: usize, capacity: usize) -> Self {
         assert!(
             base.is_multiple_of(8) && capacity.is_multiple_of(8) && base + capacity <= mem.len()
@@ -271,58 +326,114 @@ impl RingReader {
             capacity,
             next: 0,
             freed: 0,
+            head_word: None,
             live: VecDeque::new(),
         }
+    }
+
+    /// Keeps the head in `head` from now on (a reader of a fresh ring: the word is zero).
+    pub fn with_head_word(mut self, head: HeadWord) -> Self {
+        self.head_word = Some(head);
+        self
+    }
+
+    /// A reader of a ring that may hold records from before a restart: it starts at the
+    /// position in `head` (which it keeps up to date from now on), keeps the complete records
+    /// that follow it or none (`what`), and zeroes every other byte of the ring. Returns the
+    /// reader and the tail, the position after the records kept, where the sender goes on.
+    pub fn resume(
+        mem: Arc<Nvram>,
+        base: usize,
+        capacity: usize,
+        head: HeadWord,
+        what: Resume,
+    ) -> (Self, u64) {
+        let mut r = Self::new(mem, base, capacity);
+        let start = head
+            .mem
+            .load_u64(head.offset, std::sync::atomic::Ordering::Acquire);
+        r.next = start;
+        r.freed = start;
+        r.head_word = Some(head);
+        let mut tail = start;
+        if what == Resume::KeepRecords {
+            let mut buf = Vec::new();
+            while let Some(Framed::Skip(len) | Framed::Record(len)) = r.framed_at(tail, &mut buf) {
+                if tail + len as u64 - start >= capacity as u64 {
+                    break; // The last word is never used: this is the previous lap.
+                }
+                tail += len as u64;
+            }
+        }
+        // Everything from the tail to the head's next lap is garbage or already zero.
+        let cap = capacity as u64;
+        let mut at = tail;
+        while at < start + cap {
+            let off = base + (at % cap) as usize;
+            if r.mem.load_u64(off, std::sync::atomic::Ordering::Relaxed) != 0 {
+                r.mem
+                    .store_u64(off, 0, std::sync::atomic::Ordering::Relaxed);
+            }
+            at += 8;
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+        (r, tail)
+    }
+
+    /// What lies at position `pos`: a valid skip marker, or a complete record (copied, framing
+    /// included, into `buf`), or `None`.
+    fn framed_at(&self, pos: u64, buf: &mut Vec<u8>) -> Option<Framed> {
+        let at = (pos % self.capacity as u64) as usize;
+        let first = self
+            .mem
+            .load_u64(self.base + at, std::sync::atomic::Ordering::Acquire);
+        let len_word = first as u32;
+        if len_word == 0 {
+            return None;
+        }
+        if len_word & SKIP_FLAG != 0 {
+            let len = (len_word & !SKIP_FLAG) as usize;
+            let ok = (first >> 32) as u32 == trailer(&len_word.to_le_bytes())
+                && len == self.capacity - at;
+            return ok.then_some(Framed::Skip(len));
+        }
+        let len = len_word as usize;
+        if !len.is_multiple_of(8) || len < FRAME_BYTES || at + len > self.capacity {
+            return None;
+        }
+        let last = self.mem.load_u64(
+            self.base + at + len - 8,
+            std::sync::atomic::Ordering::Acquire,
+        );
+        let stored = (last >> 32) as u32;
+        if stored == 0 {
+            return None;
+        }
+        buf.clear();
+        buf.resize(len, 0);
+        self.mem.read(self.base + at, buf);
+        (trailer(&buf[..len - 4]) == stored).then_some(Framed::Record(len))
     }
 
     /// Polls the head: copies the next complete record's payload (with its padding) into `buf`
     /// and returns its position, or `None` when no complete record is there.
     pub fn poll(&mut self, buf: &mut Vec<u8>) -> Option<RecordPos> {
         loop {
-            let at = (self.next % self.capacity as u64) as usize;
-            let first = self
-                .mem
-                .load_u64(self.base + at, std::sync::atomic::Ordering::Acquire);
-            let len_word = first as u32;
-            if len_word == 0 {
-                return None;
-            }
-            if len_word & SKIP_FLAG != 0 {
-                let len = (len_word & !SKIP_FLAG) as usize;
-                let expect = trailer(&len_word.to_le_bytes());
-                if (first >> 32) as u32 != expect || len != self.capacity - at {
-                    return None;
-                }
-                let start = self.next;
-                self.next += len as u64;
-                self.live.push_back((start, self.next, true));
-                self.advance_freed();
-                continue;
-            }
-            let len = len_word as usize;
-            if !len.is_multiple_of(8) || len < FRAME_BYTES || at + len > self.capacity {
-                return None;
-            }
-            let last = self.mem.load_u64(
-                self.base + at + len - 8,
-                std::sync::atomic::Ordering::Acquire,
-            );
-            let stored = (last >> 32) as u32;
-            if stored == 0 {
-                return None;
-            }
-            buf.clear();
-            buf.resize(len, 0);
-            self.mem.read(self.base + at, buf);
-            if trailer(&buf[..len - 4]) != stored {
-                return None;
-            }
-            buf.truncate(len - 4);
-            buf.drain(..4);
             let start = self.next;
-            self.next += len as u64;
-            self.live.push_back((start, self.next, false));
-            return Some(RecordPos(start));
+            match self.framed_at(start, buf)? {
+                Framed::Skip(len) => {
+                    self.next += len as u64;
+                    self.live.push_back((start, self.next, true));
+                    self.advance_freed();
+                }
+                Framed::Record(len) => {
+                    buf.truncate(len - 4);
+                    buf.drain(..4);
+                    self.next += len as u64;
+                    self.live.push_back((start, self.next, false));
+                    return Some(RecordPos(start));
+                }
+            }
         }
     }
 
@@ -339,12 +450,27 @@ impl RingReader {
     }
 
     fn advance_freed(&mut self) {
+        let from = self.freed;
         while let Some(&(start, end, true)) = self.live.front() {
             debug_assert_eq!(start, self.freed);
-            let at = (start % self.capacity as u64) as usize;
-            self.mem.zero(self.base + at, (end - start) as usize);
             self.freed = end;
             self.live.pop_front();
+        }
+        if self.freed == from {
+            return;
+        }
+        // The head word first: a stop in the middle of zeroing leaves garbage only behind it.
+        if let Some(h) = &self.head_word {
+            h.mem
+                .store_u64(h.offset, self.freed, std::sync::atomic::Ordering::Release);
+        }
+        let cap = self.capacity as u64;
+        let mut at = from;
+        while at < self.freed {
+            let off = (at % cap) as usize;
+            let len = ((self.capacity - off) as u64).min(self.freed - at) as usize;
+            self.mem.zero(self.base + off, len);
+            at += len as u64;
         }
     }
 
@@ -403,8 +529,10 @@ mod tests {
         assert!(append(&mem, 0, &mut w, &[1; 24]));
         assert!(append(&mem, 0, &mut w, &[2; 24]));
         assert!(append(&mem, 0, &mut w, &[3; 24]));
-        assert!(append(&mem, 0, &mut w, &[4; 24]));
-        assert!(!append(&mem, 0, &mut w, &[5; 24]), "ring is full");
+        assert!(
+            !append(&mem, 0, &mut w, &[4; 24]),
+            "ring is full (its last word stays unused)"
+        );
         let a = r.poll(&mut buf).unwrap();
         let b = r.poll(&mut buf).unwrap();
         r.release(b);
@@ -412,12 +540,12 @@ mod tests {
         r.release(a);
         assert_eq!(r.freed(), 64);
         w.update_head(r.freed());
-        assert!(append(&mem, 0, &mut w, &[5; 24]));
+        assert!(append(&mem, 0, &mut w, &[4; 24]));
     }
 
     #[test]
     fn reservations_hold_space() {
-        let mut w = RingWriter::new(128);
+        let mut w = RingWriter::new(128 + RING_SLACK_BYTES);
         assert!(w.reserve(RingWriter::reservation(32)));
         assert!(w.reserve(RingWriter::reservation(32)));
         assert!(!w.reserve(8), "everything is reserved");
@@ -447,6 +575,75 @@ mod tests {
                 assert!(got.is_none() || identical, "record cut at {cut} accepted");
             }
         }
+    }
+
+    /// A restarted receiver finds exactly the records it had not freed, across a wrap, and
+    /// zeroes a torn append and an interrupted zeroing, so that a resumed sender's records
+    /// after them are read correctly.
+    #[test]
+    fn resume_keeps_unfreed_records_and_zeroes_garbage() {
+        let cap = 256;
+        let mem = Arc::new(Nvram::anonymous(cap + 8).unwrap());
+        let head = HeadWord {
+            mem: mem.clone(),
+            offset: cap,
+        };
+        let (mut r, tail) =
+            RingReader::resume(mem.clone(), 0, cap, head.clone(), Resume::KeepRecords);
+        assert_eq!(tail, 0, "a zeroed ring resumes empty");
+        let mut w = RingWriter::new(cap);
+        let mut buf = Vec::new();
+        // Seven records of 40 bytes: the seventh wraps (after a skip marker); the first four
+        // are freed, the sixth is released out of order (not freed: the fifth is held).
+        let mut pos = Vec::new();
+        for i in 0..7u8 {
+            assert!(append(&mem, 0, &mut w, &[i + 1; 28]), "append {i}");
+            let p = r.poll(&mut buf).expect("record");
+            pos.push(p);
+            if i < 4 {
+                r.release(p);
+                w.update_head(r.freed());
+            }
+        }
+        r.release(pos[5]);
+        let freed = r.freed();
+        assert_eq!(freed, 160);
+        assert!(w.tail() > cap as u64, "the ring wrapped");
+        assert_eq!(
+            head.mem.load_u64(cap, std::sync::atomic::Ordering::Relaxed),
+            freed
+        );
+        // A torn append after the last record: its length word and a byte of payload.
+        let mut framed = Vec::new();
+        frame(&[9; 40], &mut framed);
+        let torn_at = (w.tail() % cap as u64) as usize;
+        mem.write(torn_at, &framed[..16]);
+        let (mut r2, tail) =
+            RingReader::resume(mem.clone(), 0, cap, head.clone(), Resume::KeepRecords);
+        assert_eq!(tail, w.tail(), "records 5-7 are live");
+        let mut seen = Vec::new();
+        while let Some(p) = r2.poll(&mut buf) {
+            seen.push(buf[0]);
+            r2.release(p);
+        }
+        assert_eq!(seen, vec![5, 6, 7]);
+        assert_eq!(
+            mem.load_u64(torn_at, std::sync::atomic::Ordering::Relaxed),
+            0,
+            "the torn append is zeroed"
+        );
+        // The sender resumes: its records after the zeroed garbage are read in order.
+        let mut w2 = RingWriter::resume(cap, r2.freed(), tail);
+        assert!(append(&mem, 0, &mut w2, &[8; 8]));
+        assert!(r2.poll(&mut buf).is_some());
+        assert_eq!(buf[0], 8);
+        // Queues resume empty, wherever they were.
+        let (mut r3, tail) = RingReader::resume(mem.clone(), 0, cap, head, Resume::Discard);
+        assert_eq!(tail, r3.freed());
+        assert!(r3.poll(&mut buf).is_none());
+        assert!((0..cap)
+            .step_by(8)
+            .all(|o| mem.load_u64(o, std::sync::atomic::Ordering::Relaxed) == 0));
     }
 
     #[test]

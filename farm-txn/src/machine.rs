@@ -171,8 +171,19 @@ pub struct MachineState {
     queued_frees: Mutex<Vec<(farm_core::Addr, u32)>>,
     /// Data and allocator recovery milestones, for timelines.
     events: Mutex<Vec<RecoveryEvent>>,
+    /// The configuration this machine restarted into after the whole cluster stopped, if it
+    /// did: its first round of transaction recovery recovers every transaction in its logs.
+    restart: Option<ConfigId>,
+    /// Per local thread, the newest configuration whose transaction recovery that thread
+    /// finished (it drained the configuration and holds no recovering transaction).
+    settled_threads: Mutex<BTreeMap<u16, ConfigId>>,
+    /// Persistent state: [`STATE_MAGIC`] and the newest configuration this machine settled in.
+    state: Arc<Nvram>,
     /// Inbound logs and message queues.
     pub rings: Arc<Nvram>,
+    /// Per inbound ring, how far this machine freed it ([`farm_core::ring::HeadWord`]), at the
+    /// offsets of feedback slots.
+    pub heads: Arc<Nvram>,
     /// Truncation feedback written by receivers of this machine's records.
     pub feedback: Arc<Nvram>,
     /// The network.
@@ -190,12 +201,68 @@ impl MachineState {
         fabric: Arc<dyn Fabric>,
         nvram_dir: Option<&Path>,
     ) -> io::Result<Arc<Self>> {
+        let state = Self::open(id, params, &config, fabric, nvram_dir, None)?;
+        state
+            .state
+            .store_u64(STATE_SETTLED_OFFSET, config.id.0, Ordering::Release);
+        state.install(config, region_map, BTreeMap::new())?;
+        Ok(state)
+    }
+
+    /// Reopens the NVRAM a machine left when the whole cluster stopped (files under
+    /// `nvram_dir/m<id>/`), with the view it had then (`stored`, see [`read_persisted`]), and
+    /// installs `restart`: the same members and regions in a new configuration in which every
+    /// region changed primary and replicas, so that transaction recovery recovers every
+    /// transaction in the logs (§5.3) and allocator recovery rebuilds every free list (§5.5).
+    /// The caller commits `restart` once every machine is open.
+    pub fn restore(
+        id: MachineId,
+        params: Params,
+        stored: farm_core::codec::StoredView,
+        restart: ConfigId,
+        fabric: Arc<dyn Fabric>,
+        nvram_dir: &Path,
+    ) -> io::Result<Arc<Self>> {
+        let farm_core::codec::StoredView {
+            config,
+            map,
+            changes,
+        } = stored;
+        assert!(restart > config.id, "a restart needs a new configuration");
+        let state = Self::open(id, params, &config, fabric, Some(nvram_dir), Some(restart))?;
+        state.install_view(config.clone(), map.clone(), changes, false)?;
+        let all_changed = map
+            .iter()
+            .map(|(r, _)| {
+                let c = RegionChanges {
+                    last_primary_change: restart,
+                    last_replica_change: restart,
+                };
+                (r, c)
+            })
+            .collect();
+        let new = Configuration {
+            id: restart,
+            ..config
+        };
+        state.install_view(new, map, all_changed, false)?;
+        Ok(state)
+    }
+
+    fn open(
+        id: MachineId,
+        params: Params,
+        config: &Configuration,
+        fabric: Arc<dyn Fabric>,
+        nvram_dir: Option<&Path>,
+        restart: Option<ConfigId>,
+    ) -> io::Result<Arc<Self>> {
         params
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let nvram_dir = match nvram_dir {
             Some(d) => {
-                let dir = d.join(format!("m{}", id.0));
+                let dir = machine_dir(d, id);
                 std::fs::create_dir_all(&dir)?;
                 Some(dir)
             }
@@ -203,6 +270,20 @@ impl MachineState {
         };
         let rings = map_area(&nvram_dir, "rings", params.layout.rings_area_bytes())?;
         let feedback = map_area(&nvram_dir, "feedback", params.layout.feedback_area_bytes())?;
+        let heads = map_area(&nvram_dir, "heads", params.layout.feedback_area_bytes())?;
+        let state = map_area(&nvram_dir, "state", STATE_BYTES)?;
+        match state.load_u64(0, Ordering::Acquire) {
+            0 => state.store_u64(0, STATE_MAGIC, Ordering::Release),
+            STATE_MAGIC => {}
+            other => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "NVRAM state of machine {id} has magic {other:#x}, not a farm-rs machine's"
+                    ),
+                ))
+            }
+        }
         fabric.register(id, MemKey::Rings, rings.clone());
         fabric.register(id, MemKey::Feedback, feedback.clone());
         let empty = View {
@@ -213,7 +294,7 @@ impl MachineState {
             regions: Vec::new(),
             pools: Vec::new(),
         };
-        let state = Arc::new(Self {
+        Ok(Arc::new(Self {
             id,
             params,
             view: Mutex::new(Arc::new(empty)),
@@ -229,12 +310,45 @@ impl MachineState {
             events: Mutex::new(Vec::new()),
             lock_recovery: Mutex::new(BTreeMap::new()),
             recovery_locks: Mutex::new(BTreeMap::new()),
+            restart,
+            settled_threads: Mutex::new(BTreeMap::new()),
+            state,
             rings,
+            heads,
             feedback,
             fabric,
-        });
-        state.install(config, region_map, BTreeMap::new())?;
-        Ok(state)
+        }))
+    }
+
+    /// The configuration this machine restarted into, if the cluster restarted from NVRAM.
+    pub fn restart_config(&self) -> Option<ConfigId> {
+        self.restart
+    }
+
+    /// Records that `thread` finished transaction recovery for `config` (nothing recovering,
+    /// logs drained for it). Once every thread has, and data and allocator recovery are done,
+    /// the machine is settled in `config`, which it records in NVRAM: a whole-cluster restart
+    /// needs every member settled in the newest configuration (see [`read_persisted`]).
+    pub(crate) fn thread_settled(&self, config: ConfigId, thread: u16) {
+        let mut threads = self.settled_threads.lock().expect("poisoned");
+        threads.insert(thread, config);
+        let all = threads.len() == self.params.layout.threads as usize
+            && threads.values().all(|c| *c >= config);
+        drop(threads);
+        if all
+            && self.view().config.id == config
+            && self.committed_config() >= config
+            && self.all_active_config() >= config
+            && self.background_recovery_done()
+        {
+            self.state
+                .store_u64(STATE_SETTLED_OFFSET, config.0, Ordering::Release);
+        }
+    }
+
+    /// The newest configuration this machine settled in (see [`MachineState::thread_settled`]).
+    pub fn settled_config(&self) -> ConfigId {
+        ConfigId(self.state.load_u64(STATE_SETTLED_OFFSET, Ordering::Acquire))
     }
 
     /// The current view.
@@ -258,14 +372,29 @@ impl MachineState {
         map: RegionMap,
         changes: BTreeMap<RegionId, RegionChanges>,
     ) -> io::Result<()> {
+        self.install_view(config, map, changes, true)
+    }
+
+    /// [`MachineState::install`]; without `new_pools`, regions new to this machine's view get
+    /// no block pool (a restarted machine's regions hold objects: allocator recovery scans them).
+    fn install_view(
+        &self,
+        config: Configuration,
+        map: RegionMap,
+        changes: BTreeMap<RegionId, RegionChanges>,
+        new_pools: bool,
+    ) -> io::Result<()> {
         let blocked = changes
             .iter()
             .filter(|(_, c)| c.last_replica_change > ConfigId(0))
             .map(|(r, _)| *r)
             .collect();
         let mut guard = self.view.lock().expect("view poisoned");
+        if let Some(dir) = &self.nvram_dir {
+            persist_view(dir, &config, &map, &changes)?;
+        }
         let old = guard.clone();
-        let first = old.map.iter().next().is_none();
+        let first = old.map.iter().next().is_none() && new_pools;
         let mut regions = Vec::new();
         let mut pools = Vec::new();
         for (region, placement) in map.iter() {
@@ -311,7 +440,7 @@ impl MachineState {
                 pools[idx] = match old.pools.get(idx).and_then(Option::as_ref) {
                     Some(p) => Some(p.clone()),
                     // A region new to the map (first configuration, or just allocated) is empty.
-                    None if first || old.map.get(region).is_none() => {
+                    None if new_pools && (first || old.map.get(region).is_none()) => {
                         Some(Arc::new(BlockPool::new(self.params.region_bytes)))
                     }
                     None => None,
@@ -635,6 +764,63 @@ impl MachineState {
             .expect("prepared poisoned")
             .remove(&region);
     }
+}
+
+/// First word of a machine's state file.
+const STATE_MAGIC: u64 = u64::from_le_bytes(*b"farmstat");
+/// Where the state file keeps the newest settled configuration.
+const STATE_SETTLED_OFFSET: usize = 8;
+const STATE_BYTES: usize = 64;
+/// The file holding a machine's view, replaced atomically at every install.
+const VIEW_FILE: &str = "view";
+
+/// The directory of machine `id`'s NVRAM under a cluster's NVRAM directory.
+pub fn machine_dir(nvram_dir: &Path, id: MachineId) -> PathBuf {
+    nvram_dir.join(format!("m{}", id.0))
+}
+
+fn persist_view(
+    dir: &Path,
+    config: &Configuration,
+    map: &RegionMap,
+    changes: &BTreeMap<RegionId, RegionChanges>,
+) -> io::Result<()> {
+    let bytes = farm_core::codec::encode_view(config, map, changes);
+    let tmp = dir.join(format!("{VIEW_FILE}.new"));
+    let mut f = std::fs::File::create(&tmp)?;
+    io::Write::write_all(&mut f, &bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(VIEW_FILE))
+}
+
+/// What a machine left in its NVRAM directory: its last view and the newest configuration it
+/// settled in (transaction, data and allocator recovery all finished there). `None` when the
+/// directory holds no view (the machine never ran there).
+pub fn read_persisted(
+    nvram_dir: &Path,
+    id: MachineId,
+) -> io::Result<Option<(farm_core::codec::StoredView, ConfigId)>> {
+    let dir = machine_dir(nvram_dir, id);
+    let bytes = match std::fs::read(dir.join(VIEW_FILE)) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let view = farm_core::codec::decode_view(&bytes).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("view of machine {id} in {}: {e}", dir.display()),
+        )
+    })?;
+    let state = Nvram::file(&dir.join("state"), STATE_BYTES)?;
+    if state.load_u64(0, Ordering::Acquire) != STATE_MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} holds no farm-rs machine state", dir.display()),
+        ));
+    }
+    let settled = ConfigId(state.load_u64(STATE_SETTLED_OFFSET, Ordering::Acquire));
+    Ok(Some((view, settled)))
 }
 
 fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvram>> {

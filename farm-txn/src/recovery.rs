@@ -23,7 +23,7 @@ use std::sync::Arc;
 use farm_core::fabric::{WriteStatus, WriteTicket};
 use farm_core::object;
 use farm_core::ring::RecordPos;
-use farm_core::wire::{Message, RecoveryBody, WriteEntry, WriteSet};
+use farm_core::wire::{LogBody, Message, RecoveryBody, WriteEntry, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, TxnId};
 use farm_recovery::vote::{decide, recovery_coordinator, vote, Evidence, Vote};
 
@@ -395,8 +395,13 @@ impl Worker {
         for sender in 0..self.inbound.len() {
             self.poll_queue(MachineId(sender as u16));
         }
+        let restart = self.machine.restart_config() == Some(c);
         for sender in 0..self.inbound.len() {
-            self.poll_log(MachineId(sender as u16));
+            if restart {
+                self.restart_drain_log(MachineId(sender as u16), c);
+            } else {
+                self.poll_log(MachineId(sender as u16));
+            }
         }
         self.recovery.last_drained = c;
         self.recovery.drained_view = Some(view.clone());
@@ -524,6 +529,63 @@ impl Worker {
         for (from, config, region, body) in early {
             self.on_recovery_message(from, config, region, body);
         }
+    }
+
+    /// Step 2 after a whole-cluster restart into configuration `restart`: every record left in
+    /// the log from `sender` belongs to a transaction whose coordinator's state is gone, so each
+    /// goes to recovery as it is, nothing applied or locked (the previous life's locks are
+    /// NVRAM state that lock recovery takes over, as every region's primary "changed").
+    /// Records of transactions no region can vote on (an ABORT whose LOCK was freed, a
+    /// COMMIT-PRIMARY whose LOCK was truncated) are done with: freed.
+    fn restart_drain_log(&mut self, sender: MachineId, restart: ConfigId) {
+        let mut buf = std::mem::take(&mut self.buf);
+        let mut seen = BTreeSet::new();
+        while let Some(pos) = self.inbound[sender.0 as usize].log.poll(&mut buf) {
+            let rec = farm_core::wire::LogRecord::decode(&buf).unwrap_or_else(|e| {
+                panic!(
+                    "corrupt log record from {sender} at {} with a valid checksum: {e}",
+                    pos.0
+                )
+            });
+            if rec.txn.config >= restart {
+                self.on_log_record(sender, pos, rec);
+                continue;
+            }
+            self.truncate_from(sender, rec.truncate_below, &rec.truncated);
+            if matches!(rec.body, LogBody::Truncate) {
+                self.inbound[sender.0 as usize].log.release(pos);
+                continue;
+            }
+            seen.insert(rec.txn);
+            let tx = self.recovery.txs.entry(rec.txn).or_default();
+            // The allocator scan after restart finds free slots from the headers (§5.5):
+            // freeing an aborted transaction's slots as well would free them twice.
+            tx.slots_freed = true;
+            tx.records.push(pos);
+            match rec.body {
+                LogBody::Lock(ws) => {
+                    tx.regions = ws.regions.clone();
+                    tx.lock = Some(ws);
+                }
+                LogBody::CommitBackup(ws) => {
+                    tx.regions = ws.regions.clone();
+                    tx.commit_backup = Some(ws);
+                }
+                LogBody::CommitPrimary => tx.commit_primary = true,
+                LogBody::Abort => tx.aborted = true,
+                LogBody::Truncate => unreachable!("handled above"),
+            }
+        }
+        self.buf = buf;
+        for t in seen {
+            if self.recovery.txs.get(&t).is_some_and(|tx| !tx.has_data()) {
+                let tx = self.recovery.txs.remove(&t).expect("present");
+                for pos in tx.records {
+                    self.inbound[sender.0 as usize].log.release(pos);
+                }
+            }
+        }
+        self.report_freed(sender, farm_core::ring::RingKind::Log, true);
     }
 
     fn send_recovery(
@@ -868,10 +930,17 @@ impl Worker {
             }
             _ => {
                 // No records: truncated if this thread's truncation bound from the
-                // coordinator's thread passed it.
+                // coordinator's thread passed it. After a whole-cluster restart, also if the
+                // transaction is from before it: a primary frees a LOCK record only once its
+                // transaction aborted or was truncated, and a restart needs every machine
+                // settled (no recovery decision half-applied), so a transaction that any
+                // replica holds COMMIT-BACKUP of and this primary has no record of was
+                // truncated; one whose LOCK never arrived has no COMMIT-BACKUP anywhere and
+                // aborts whatever this vote says.
                 let inbound = &self.inbound[t.machine.0 as usize];
-                let truncated =
-                    t.local < inbound.truncated_below || inbound.truncated_ids.contains(&t.local);
+                let truncated = t.local < inbound.truncated_below
+                    || inbound.truncated_ids.contains(&t.local)
+                    || self.machine.restart_config().is_some_and(|r| t.config < r);
                 let v = if truncated {
                     Vote::Truncated
                 } else {

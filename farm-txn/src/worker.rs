@@ -14,7 +14,9 @@ use std::sync::Arc;
 use farm_alloc::{block_header_offset, block_of, slot_bytes_of, AllocError, Slabs};
 use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
 use farm_core::object;
-use farm_core::ring::{frame, skip_marker, RecordPos, RingKind, RingReader, RingWriter};
+use farm_core::ring::{
+    frame, skip_marker, HeadWord, RecordPos, Resume, RingKind, RingReader, RingWriter,
+};
 use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
@@ -69,6 +71,9 @@ pub(crate) struct Inbound {
     /// (§5.3 step 6: primaries without records vote truncated or unknown by it).
     pub(crate) truncated_below: u64,
     pub(crate) truncated_ids: BTreeSet<u64>,
+    /// Where the sender's log and queue tails were when this worker started (after a restart,
+    /// past the records kept; the sender resumes there: [`Worker::resume_outbound`]).
+    started_tails: [u64; 2],
 }
 
 /// Outbound state for one peer (receiver) machine on this thread.
@@ -97,7 +102,7 @@ pub struct Worker {
     /// Replies for this thread's coordinator, in arrival order.
     pub(crate) replies: Vec<(MachineId, Message)>,
     pub(crate) stats: Stats,
-    buf: Vec<u8>,
+    pub(crate) buf: Vec<u8>,
     pub(crate) scratch: Vec<u8>,
     pub(crate) framed: Vec<u8>,
     /// Messages waiting for queue space, in order.
@@ -145,24 +150,45 @@ impl Worker {
             "thread {thread:?} beyond the layout"
         );
         let peers = layout.machines_max;
+        let restart = machine.restart_config();
         let inbound = (0..peers)
             .map(|s| {
+                let sender = MachineId(s);
+                // Every reader keeps its head in NVRAM; after a restart it resumes there, with
+                // the log records it had not freed (§5.3 recovers their transactions) and no
+                // messages (their senders' threads are gone).
                 let ring = |kind| {
-                    RingReader::new(
+                    let head = HeadWord {
+                        mem: machine.heads.clone(),
+                        offset: layout.feedback_offset(sender, thread, kind),
+                    };
+                    let (mem, base, bytes) = (
                         machine.rings.clone(),
-                        layout.ring_offset(MachineId(s), thread, kind),
+                        layout.ring_offset(sender, thread, kind),
                         layout.ring_bytes(kind),
-                    )
+                    );
+                    let what = match kind {
+                        RingKind::Log => Resume::KeepRecords,
+                        RingKind::Queue => Resume::Discard,
+                    };
+                    if restart.is_some() {
+                        RingReader::resume(mem, base, bytes, head, what)
+                    } else {
+                        (RingReader::new(mem, base, bytes).with_head_word(head), 0)
+                    }
                 };
+                let (log, log_tail) = ring(RingKind::Log);
+                let (queue, queue_tail) = ring(RingKind::Queue);
                 Inbound {
-                    log: ring(RingKind::Log),
-                    queue: ring(RingKind::Queue),
-                    log_reported: 0,
-                    queue_reported: 0,
+                    log_reported: log.freed(),
+                    queue_reported: queue.freed(),
+                    log,
+                    queue,
                     locks: BTreeMap::new(),
                     retained: BTreeMap::new(),
                     truncated_below: 0,
                     truncated_ids: BTreeSet::new(),
+                    started_tails: [log_tail, queue_tail],
                 }
             })
             .collect();
@@ -181,7 +207,13 @@ impl Worker {
             .filter(|r| view.pool(*r).is_some())
             .map(|r| (r, Slabs::new(r)))
             .collect();
-        let coord = CoordinatorState::new(peers as usize);
+        let mut coord = CoordinatorState::new(peers as usize);
+        if restart.is_some() {
+            // Transactions of this life must not share local counters with the records of the
+            // previous one that recovery still holds (truncation bounds compare them): a life
+            // that starts in configuration c counts from c << 40.
+            coord.next_local = view_config.0 << 40;
+        }
         Self {
             machine,
             view,
@@ -200,11 +232,39 @@ impl Worker {
             backlog: std::collections::VecDeque::new(),
             alloc_replies: Vec::new(),
             msg_bufs: (Vec::new(), Vec::new()),
-            recovery: crate::recovery::RecoveryState::new(view_config),
+            // After a restart, the restart configuration is still to be drained (§5.3 step 2).
+            recovery: crate::recovery::RecoveryState::new(match restart {
+                Some(c) if c == view_config => ConfigId(c.0 - 1),
+                _ => view_config,
+            }),
+
             active: BTreeSet::new(),
             now: 0,
             background: Background::default(),
         }
+    }
+
+    /// Where the sender's log and queue to this worker stood when it started: `(head, tail)` of
+    /// each, for the sender's [`Worker::resume_outbound`].
+    pub fn inbound_start(&self, sender: MachineId) -> [(u64, u64); 2] {
+        let i = &self.inbound[sender.0 as usize];
+        [
+            (i.log.freed(), i.started_tails[0]),
+            (i.queue.freed(), i.started_tails[1]),
+        ]
+    }
+
+    /// After a restart, continues this worker's log and queue to `receiver` where the
+    /// receiver's worker found them ([`Worker::inbound_start`]), before anything is sent.
+    pub fn resume_outbound(&mut self, receiver: MachineId, start: [(u64, u64); 2]) {
+        let layout = self.machine.params.layout;
+        let out = &mut self.outbound[receiver.0 as usize];
+        assert!(
+            out.log.tail() == 0 && out.queue.tail() == 0,
+            "resuming a ring already written"
+        );
+        out.log = RingWriter::resume(layout.log_bytes, start[0].0, start[0].1);
+        out.queue = RingWriter::resume(layout.queue_bytes, start[1].0, start[1].1);
     }
 
     /// This worker's machine.
@@ -443,6 +503,16 @@ impl Worker {
             busy |= self.poll_queue(peer);
         }
         busy |= self.coordinator_background(now);
+        // One atomic load in the normal case; during recovery, each idle thread reports until
+        // the machine is settled.
+        let config = self.view.config.id;
+        if self.machine.settled_config() < config
+            && self.recovery.last_drained == config
+            && self.recovery_idle()
+            && self.view.config.contains(self.machine.id)
+        {
+            self.machine.thread_settled(config, self.thread.0);
+        }
         busy
     }
 
@@ -602,7 +672,7 @@ impl Worker {
         busy
     }
 
-    fn on_log_record(&mut self, sender: MachineId, pos: RecordPos, rec: LogRecord) {
+    pub(crate) fn on_log_record(&mut self, sender: MachineId, pos: RecordPos, rec: LogRecord) {
         self.truncate_from(sender, rec.truncate_below, &rec.truncated);
         // §5.3 step 2: once the logs are drained, records of recovering transactions are
         // rejected; recovery decides them.
@@ -801,7 +871,7 @@ impl Worker {
 
     /// Truncation piggybacked on a record from `sender` (§4 step 5): every retained transaction
     /// of the sender below `below` or listed in `ids` is done; backups apply their writes now.
-    fn truncate_from(&mut self, sender: MachineId, below: u64, ids: &[u64]) {
+    pub(crate) fn truncate_from(&mut self, sender: MachineId, below: u64, ids: &[u64]) {
         let inbound = &mut self.inbound[sender.0 as usize];
         if below > inbound.truncated_below {
             inbound.truncated_below = below;
@@ -836,7 +906,7 @@ impl Worker {
 
     /// Tells `sender` how far this thread freed its ring, lazily: when an eighth of the ring was
     /// freed since the last report, or when the ring is drained (`force` or nothing held).
-    fn report_freed(&mut self, sender: MachineId, kind: RingKind, force: bool) {
+    pub(crate) fn report_freed(&mut self, sender: MachineId, kind: RingKind, force: bool) {
         let layout = self.machine.params.layout;
         let inbound = &mut self.inbound[sender.0 as usize];
         let (ring, reported) = match kind {

@@ -166,6 +166,7 @@ pub struct ClusterBuilder {
     recovery_interval: Duration,
     store: Option<Arc<dyn CoordinationStore>>,
     reconfigure: bool,
+    restart: bool,
 }
 
 impl Default for ClusterBuilder {
@@ -186,6 +187,7 @@ impl Default for ClusterBuilder {
             recovery_interval: Duration::from_micros(50),
             store: None,
             reconfigure: true,
+            restart: false,
         }
     }
 }
@@ -259,7 +261,8 @@ impl ClusterBuilder {
     }
 
     /// The coordination store holding the configuration (default: an embedded store; use
-    /// [`crate::zk::ZkStore`] for ZooKeeper). It must not hold a configuration yet.
+    /// [`crate::zk::ZkStore`] for ZooKeeper). It must not hold a configuration yet, unless the
+    /// cluster [restarts](ClusterBuilder::restart).
     pub fn store(mut self, store: Arc<dyn CoordinationStore>) -> Self {
         self.store = Some(store);
         self
@@ -269,6 +272,24 @@ impl ClusterBuilder {
     /// recorded, which is how false positives are counted.
     pub fn reconfigure(mut self, on: bool) -> Self {
         self.reconfigure = on;
+        self
+    }
+
+    /// Restarts a cluster that stopped as a whole (a power loss, §2: NVRAM survives) instead of
+    /// starting a new one: the same [`store`](ClusterBuilder::store) and
+    /// [`NVRAM directory`](ClusterBuilder::nvram_dir), and the same machines, workers, ring
+    /// and region sizes as before. The machines of the newest configuration come back with
+    /// their regions and logs; a new configuration with the same members and regions is
+    /// stored and committed, in which every region counts as having changed primary and
+    /// replicas, so that transaction recovery (§5.3) decides every transaction the logs hold
+    /// (committing exactly those that may have been acknowledged) and allocator recovery
+    /// (§5.5) rebuilds every free list. Regions serve again once their locks are recovered.
+    ///
+    /// Refused, with the reason, when the cluster stopped in the middle of a reconfiguration
+    /// or of recovery (some member had not settled in the newest configuration): recovery
+    /// decisions are not logged yet, so a half-applied one could not be told apart.
+    pub fn restart(mut self) -> Self {
+        self.restart = true;
         self
     }
 
@@ -304,38 +325,85 @@ impl ClusterBuilder {
             seed: 0,
             datagrams_queued_max: 1024,
         }));
-        let config = Configuration::initial(self.machines);
-        // Regions are allocated through the CM once it runs (below); machines start empty.
-        let map = RegionMap::default();
-        let machines = (0..self.machines + self.spare_machines)
-            .map(|m| {
-                MachineState::new(
-                    MachineId(m),
-                    params,
-                    config.clone(),
-                    map.clone(),
-                    fabric.clone() as Arc<dyn Fabric>,
-                    self.nvram_dir.as_deref(),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let hosts: Vec<Mutex<Host>> = (0..self.workers)
-            .map(|t| {
-                Mutex::new(Host {
-                    workers: machines
-                        .iter()
-                        .map(|m| Worker::new(m.clone(), ThreadId(t)))
-                        .collect(),
-                    committed_per_ms: Vec::new(),
-                })
-            })
-            .collect();
         if self.lease < Duration::from_millis(1) {
             return Err(BuildError::Invalid(format!(
                 "lease {:?} is shorter than 1 ms",
                 self.lease
             )));
         }
+        let store = self
+            .store
+            .clone()
+            .unwrap_or_else(|| Arc::new(EmbeddedStore::new()));
+        let all = self.machines + self.spare_machines;
+        let (machines, store_version) = if self.restart {
+            self.restore_machines(params, &fabric, &*store)?
+        } else {
+            if let Some(dir) = &self.nvram_dir {
+                for m in 0..all {
+                    let held = farm_txn::machine::read_persisted(dir, MachineId(m))
+                        .map_or(true, |v| v.is_some());
+                    if held {
+                        return Err(BuildError::Invalid(format!(
+                            "NVRAM directory {} already holds machine {}'s state: restart that \
+                             cluster with ClusterBuilder::restart, or give a new one an empty directory",
+                            dir.display(),
+                            MachineId(m)
+                        )));
+                    }
+                }
+            }
+            let config = Configuration::initial(self.machines);
+            // Regions are allocated through the CM once it runs (below); machines start empty.
+            let map = RegionMap::default();
+            let machines = (0..all)
+                .map(|m| {
+                    MachineState::new(
+                        MachineId(m),
+                        params,
+                        config.clone(),
+                        map.clone(),
+                        fabric.clone() as Arc<dyn Fabric>,
+                        self.nvram_dir.as_deref(),
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let version = match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
+                Ok(CasOutcome::Written(v)) => v,
+                Ok(CasOutcome::Conflict) => return Err(BuildError::Invalid(
+                    "the coordination store already holds a configuration: restart that cluster \
+                         with ClusterBuilder::restart, or give a new cluster a store of its own"
+                        .into(),
+                )),
+                Err(e) => {
+                    return Err(BuildError::Invalid(format!(
+                        "storing the first configuration: {e}"
+                    )))
+                }
+            };
+            (machines, version)
+        };
+        let hosts: Vec<Mutex<Host>> = (0..self.workers)
+            .map(|t| {
+                let mut workers: Vec<Worker> = machines
+                    .iter()
+                    .map(|m| Worker::new(m.clone(), ThreadId(t)))
+                    .collect();
+                if self.restart {
+                    // Senders go on where receivers found their rings.
+                    for receiver in 0..workers.len() {
+                        for sender in 0..workers.len() {
+                            let start = workers[receiver].inbound_start(MachineId(sender as u16));
+                            workers[sender].resume_outbound(MachineId(receiver as u16), start);
+                        }
+                    }
+                }
+                Mutex::new(Host {
+                    workers,
+                    committed_per_ms: Vec::new(),
+                })
+            })
+            .collect();
         let epoch = Instant::now();
         let suspicions = Arc::new(Mutex::new(Vec::new()));
         let lease_stop = Arc::new(AtomicBool::new(false));
@@ -347,21 +415,6 @@ impl ClusterBuilder {
             lease_stop.clone(),
             suspicions.clone(),
         );
-        let store = self
-            .store
-            .clone()
-            .unwrap_or_else(|| Arc::new(EmbeddedStore::new()));
-        let store_version = match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
-            Ok(CasOutcome::Written(v)) => v,
-            Ok(CasOutcome::Conflict) => {
-                return Err(BuildError::Invalid(
-                    "the coordination store already holds a configuration; restarting a cluster from its \
-                     store is not supported yet, give a new cluster a store of its own"
-                        .into(),
-                ))
-            }
-            Err(e) => return Err(BuildError::Invalid(format!("storing the first configuration: {e}"))),
-        };
         let reconfig_events = Arc::new(Mutex::new(Vec::new()));
         let requests = Arc::new(Mutex::new(Vec::new()));
         let cm = CmDriver::start(CmShared {
@@ -427,12 +480,142 @@ impl ClusterBuilder {
             cm,
         };
         // The initial regions, allocated by the CM like any later one (§3).
-        for _ in 0..self.machines as u32 * self.regions_per_machine {
+        let initial = if self.restart {
+            0
+        } else {
+            self.machines as u32 * self.regions_per_machine
+        };
+        for _ in 0..initial {
             cluster
                 .allocate_region(None)
                 .map_err(|e| BuildError::Invalid(format!("allocating the initial regions: {e}")))?;
         }
         Ok(cluster)
+    }
+}
+
+impl ClusterBuilder {
+    /// The machines of a restart ([`ClusterBuilder::restart`]): checks that the stored
+    /// configuration is the newest view in NVRAM and that every member settled in it, stores
+    /// the restart configuration, reopens the members' NVRAM and commits it there. Machines
+    /// outside the configuration start empty (their NVRAM is stale: they were removed).
+    fn restore_machines(
+        &self,
+        params: Params,
+        fabric: &Arc<MemFabric>,
+        store: &dyn CoordinationStore,
+    ) -> Result<(Vec<Arc<MachineState>>, farm_cm::StoreVersion), BuildError> {
+        let Some(dir) = &self.nvram_dir else {
+            return Err(BuildError::Invalid(
+                "a restart needs the NVRAM directory the cluster ran on".into(),
+            ));
+        };
+        let invalid = BuildError::Invalid;
+        let (version, bytes) = store
+            .read()
+            .map_err(|e| invalid(format!("reading the stored configuration: {e}")))?
+            .ok_or_else(|| {
+                invalid("the coordination store holds no configuration: nothing to restart".into())
+            })?;
+        let stored = farm_cm::codec::decode(&bytes)
+            .map_err(|e| invalid(format!("the coordination store's configuration: {e}")))?;
+        let all = self.machines + self.spare_machines;
+        let mut persisted = Vec::new();
+        for m in 0..all {
+            let p = farm_txn::machine::read_persisted(dir, MachineId(m))
+                .map_err(|e| invalid(format!("reading machine {}'s NVRAM: {e}", MachineId(m))))?;
+            persisted.push(p);
+        }
+        let newest = persisted
+            .iter()
+            .flatten()
+            .map(|(v, _)| v)
+            .max_by_key(|v| (v.config.id, v.map.iter().count()))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "{} holds no machine's NVRAM: nothing to restart",
+                    dir.display()
+                ))
+            })?
+            .clone();
+        if newest.config.id != stored.id {
+            return Err(invalid(format!(
+                "the coordination store holds configuration {} but the newest one in NVRAM is {}: \
+                 the cluster stopped in the middle of a reconfiguration, and restarting from \
+                 that state is not supported",
+                stored.id.0, newest.config.id.0
+            )));
+        }
+        if let Some(m) = newest.config.members.iter().find(|m| m.0 >= all) {
+            return Err(invalid(format!(
+                "machine {m} is a member of configuration {} but the cluster is built with {all} \
+                 machines and spares",
+                stored.id.0
+            )));
+        }
+        for m in &newest.config.members {
+            let settled = persisted[m.0 as usize].as_ref().map(|(_, s)| *s);
+            if settled != Some(stored.id) {
+                return Err(invalid(format!(
+                    "machine {m} had not finished recovering configuration {} when the cluster \
+                     stopped (settled in {}): restarting from that state is not supported",
+                    stored.id.0,
+                    settled.map_or("none".into(), |s| s.0.to_string())
+                )));
+            }
+        }
+        let restart = farm_core::ConfigId(stored.id.0 + 1);
+        let config = Configuration {
+            id: restart,
+            ..newest.config.clone()
+        };
+        let version =
+            match store.compare_and_set(Some(version), &farm_cm::codec::encode(&config)) {
+                Ok(CasOutcome::Written(v)) => v,
+                Ok(CasOutcome::Conflict) => return Err(invalid(
+                    "the stored configuration changed during the restart: is the cluster running?"
+                        .into(),
+                )),
+                Err(e) => return Err(invalid(format!("storing the restart configuration: {e}"))),
+            };
+        let mut machines = Vec::new();
+        for m in (0..all).map(MachineId) {
+            let fabric = fabric.clone() as Arc<dyn Fabric>;
+            let state = if config.contains(m) {
+                MachineState::restore(m, params, newest.clone(), restart, fabric, dir)
+            } else {
+                let stale = farm_txn::machine::machine_dir(dir, m);
+                if stale.exists() {
+                    std::fs::remove_dir_all(&stale)?;
+                }
+                MachineState::new(
+                    m,
+                    params,
+                    config.clone(),
+                    RegionMap::default(),
+                    fabric,
+                    Some(dir),
+                )
+            };
+            machines.push(state.map_err(|e| {
+                invalid(format!(
+                    "reopening machine {m}'s NVRAM in {}: {e}",
+                    dir.display()
+                ))
+            })?);
+        }
+        // NEW-CONFIG-COMMIT: recovery starts at the first poll of each worker.
+        for m in &machines {
+            if config.contains(m.id) {
+                m.commit_config(restart);
+            }
+        }
+        tracing::info!(
+            config = restart.0,
+            members = ?config.members,
+            "cluster restarting from NVRAM"
+        );
+        Ok((machines, version))
     }
 }
 
@@ -764,6 +947,16 @@ impl Cluster {
         self.inner.fabric.kill(machine);
     }
 
+    /// Stops every machine at once, as a power loss does: every NIC stops (nothing more lands
+    /// anywhere) and transactions end with [`TxError::CoordinatorFailed`]; NVRAM keeps what
+    /// it holds. Drop the cluster, then [restart](ClusterBuilder::restart) it.
+    pub fn power_off(&self) {
+        tracing::warn!("power off: every machine stops");
+        for m in 0..self.machines() {
+            self.inner.fabric.kill(MachineId(m));
+        }
+    }
+
     /// Microseconds since the cluster started (the clock of [`Suspicion::at_us`]).
     pub fn now_us(&self) -> u64 {
         self.inner.now()
@@ -897,6 +1090,9 @@ fn run_once<R>(
 ) -> Result<R, TxError> {
     if inner.machines[machine.0 as usize].is_evicted() {
         return Err(TxError::Evicted(machine));
+    }
+    if !inner.fabric.is_alive(machine) {
+        return Err(TxError::CoordinatorFailed(machine));
     }
     let (value, state) = {
         // The coordinator worker executes; the poller serves the host's other workers while the

@@ -319,6 +319,14 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
             Instant::now() < deadline,
             "reconfiguration by {me} did not finish in 30 s"
         );
+        if s.stop.load(Ordering::Relaxed) || !s.fabric.is_alive(me) {
+            // The driver's machine crashed (or the cluster is going away): so does the attempt.
+            tracing::warn!(
+                driver = me.0,
+                "reconfiguration abandoned: its driver stopped"
+            );
+            return Err(format!("driver {me} stopped"));
+        }
         let effects = r.take_effects();
         if effects.is_empty() && r.outcome().is_some() {
             break;

@@ -68,16 +68,7 @@ fn run_clients(
                         (a + 1 + rng.below(accounts.len() as u64 - 1) as usize) % accounts.len();
                     let amount = 1 + rng.below(10);
                     let (x, y) = (accounts[a], accounts[b]);
-                    let r = c.txn(m, |tx| {
-                        let from: u64 = tx.read(x)?;
-                        let to: u64 = tx.read(y)?;
-                        if from < amount {
-                            return Ok(false);
-                        }
-                        tx.write(x, &(from - amount))?;
-                        tx.write(y, &(to + amount))?;
-                        Ok(true)
-                    });
+                    let r = common::transfer(&c, m, x, y, amount);
                     match r {
                         Ok(true) => done.push((a, b, amount)),
                         Ok(false) => {}

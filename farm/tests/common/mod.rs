@@ -1,11 +1,12 @@
 //! Helpers shared by the threaded runtime's tests.
 
-use farm::{Addr, TxError, Txn};
+use farm::{Addr, Cluster, MachineId, TxError, Txn};
 use farm_sim::Op;
 
 /// One list-append transaction body: for each `(key, append)` of `plan`, reads the list at
 /// `keys[key]` (a length word, then up to `N - 1` values) and appends `value_base | j` when
 /// asked and there is room, else records the read. Returns the operations for the checker.
+#[allow(dead_code)] // Not every test binary that shares this module checks list-append.
 pub fn list_append<const N: usize>(
     tx: &mut Txn<'_>,
     keys: &[Addr],
@@ -36,4 +37,20 @@ where
         }
     }
     Ok(ops)
+}
+
+/// One bank transfer coordinated on `m`: moves `amount` from `x` to `y` if `x` has it.
+/// Returns whether it moved money.
+#[allow(dead_code)] // Not every test binary that shares this module runs a bank.
+pub fn transfer(c: &Cluster, m: MachineId, x: Addr, y: Addr, amount: u64) -> Result<bool, TxError> {
+    c.txn(m, |tx| {
+        let from: u64 = tx.read(x)?;
+        let to: u64 = tx.read(y)?;
+        if from < amount {
+            return Ok(false);
+        }
+        tx.write(x, &(from - amount))?;
+        tx.write(y, &(to + amount))?;
+        Ok(true)
+    })
 }
