@@ -54,6 +54,18 @@ impl SimCm {
         }
     }
 
+    /// The configuration in the coordination store.
+    pub fn stored_config(&self) -> farm_core::ConfigId {
+        let (_, bytes) = self
+            .store
+            .read()
+            .expect("embedded store")
+            .expect("a configuration is stored from the start");
+        farm_cm::codec::decode(&bytes)
+            .expect("the CM stores valid configurations")
+            .id
+    }
+
     /// `machine` will be suspected from tick `at` on.
     pub fn suspect(&mut self, machine: MachineId, at: u64) {
         self.suspicions.push((at, machine));

@@ -43,6 +43,10 @@ pub struct SimConfig {
     /// held writes); each is suspected a seeded delay later and removed by the CM, and
     /// transaction recovery runs (§5.2-5.3). At most `replicas - 1`.
     pub crashes: u16,
+    /// Whole-cluster power losses (at seeded steps, each postponed until no reconfiguration or
+    /// recovery is under way): every machine crashes at once, each landing a seeded prefix of
+    /// its held writes, and the cluster restarts from its NVRAM (`MachineState::restore`).
+    pub power_losses: u16,
 }
 
 impl Default for SimConfig {
@@ -55,6 +59,7 @@ impl Default for SimConfig {
             keys: 6,
             steps: 3000,
             crashes: 0,
+            power_losses: 0,
         }
     }
 }
@@ -79,6 +84,8 @@ pub struct SimOutcome {
     pub unknown: (usize, usize),
     /// Configurations the CM committed.
     pub configurations: u64,
+    /// Whole-cluster restarts after a power loss.
+    pub restarts: u64,
 }
 
 #[derive(Debug)]
@@ -116,6 +123,10 @@ pub struct Sim {
     /// Steps at which a machine crashes, earliest last.
     crash_at: Vec<u64>,
     crashed: Vec<MachineId>,
+    /// Steps from which the power may go, earliest last.
+    power_loss_at: Vec<u64>,
+    restarts: u64,
+    params: Params,
     step_no: u64,
 }
 
@@ -174,6 +185,10 @@ impl Sim {
             .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
             .collect();
         crash_at.sort_unstable_by(|a, b| b.cmp(a));
+        let mut power_loss_at: Vec<u64> = (0..config.power_losses)
+            .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
+            .collect();
+        power_loss_at.sort_unstable_by(|a, b| b.cmp(a));
         let cm = SimCm::new(&machines, config.replicas as usize);
         let mut sim = Sim {
             rng,
@@ -191,6 +206,9 @@ impl Sim {
             cm,
             crash_at,
             crashed: Vec::new(),
+            power_loss_at,
+            restarts: 0,
+            params,
             step_no: 0,
         };
         for k in 0..config.keys {
@@ -264,6 +282,126 @@ impl Sim {
         self.cm.suspect(victim, self.now + delay);
     }
 
+    /// Whether every member of the newest configuration settled in it and the CM has nothing
+    /// under way: a power loss now can be restarted from (see `farm_txn::machine::restart_view`).
+    fn settled(&self) -> bool {
+        let Some(view) = self
+            .machines
+            .iter()
+            .map(|m| m.view())
+            .max_by_key(|v| v.config.id)
+        else {
+            return false;
+        };
+        !self.cm.busy()
+            && view
+                .config
+                .members
+                .iter()
+                .all(|m| self.machines[m.0 as usize].settled_config() == view.config.id)
+    }
+
+    /// The power goes: every live machine crashes at once, landing a prefix of its held writes,
+    /// and every commit in flight gets an unknown outcome. Then the cluster restarts from its
+    /// memory, which survived as NVRAM does: the members of the stored configuration reopen it
+    /// in a new configuration whose recovery decides every transaction the logs hold; machines
+    /// removed before stay down.
+    fn power_loss(&mut self) {
+        for m in 0..self.machines.len() {
+            let m = MachineId(m as u16);
+            if self.fabric.is_alive(m) {
+                self.fabric.crash(m, &mut self.rng);
+            }
+        }
+        for c in 0..self.clients.len() {
+            if let Client::Committing(rec, effects) =
+                std::mem::replace(&mut self.clients[c], Client::Idle)
+            {
+                self.unknown.push(self.history.len());
+                self.history.push(rec);
+                // Whether its free happened is unknown: the object is no longer checked.
+                if let Some(a) = effects.freed {
+                    self.temps[c].retain(|(t, _)| *t != a);
+                }
+            }
+        }
+        let seed = self.config.seed;
+        let stored = self.cm.stored_config();
+        let persisted: Vec<_> = self
+            .machines
+            .iter()
+            .map(|m| {
+                let v = m.view();
+                let view = farm_core::codec::StoredView {
+                    config: v.config.clone(),
+                    map: v.map.clone(),
+                    changes: v.changes.clone(),
+                };
+                Some((view, m.settled_config()))
+            })
+            .collect();
+        let view = farm_txn::machine::restart_view(stored, &persisted)
+            .unwrap_or_else(|e| panic!("seed {seed}: restart refused: {e}"));
+        let restart = farm_core::ConfigId(stored.0 + 1);
+        let config = Configuration {
+            id: restart,
+            ..view.config.clone()
+        };
+        let fabric = Arc::new(MemFabric::new(MemFabricConfig {
+            machines_max: self.config.machines,
+            threads_max: self.config.threads,
+            seed: self.rng.below(u64::MAX),
+            datagrams_queued_max: 64,
+        }));
+        let machines: Vec<Arc<MachineState>> = self
+            .machines
+            .iter()
+            .map(|old| {
+                let f = fabric.clone() as Arc<dyn Fabric>;
+                if config.contains(old.id) {
+                    let from = farm_txn::machine::Reopen::Memory(old);
+                    MachineState::restore(old.id, self.params, view.clone(), restart, f, from)
+                } else {
+                    fabric.kill(old.id);
+                    MachineState::new(
+                        old.id,
+                        self.params,
+                        config.clone(),
+                        RegionMap::default(),
+                        f,
+                        None,
+                    )
+                }
+                .expect("anonymous NVRAM")
+            })
+            .collect();
+        for m in machines.iter().filter(|m| config.contains(m.id)) {
+            m.commit_config(restart);
+        }
+        let threads = self.config.threads as usize;
+        let mut workers: Vec<Worker> = machines
+            .iter()
+            .flat_map(|m| (0..threads).map(move |t| Worker::new(m.clone(), ThreadId(t as u16))))
+            .collect();
+        // Senders go on where receivers found their rings.
+        for t in 0..threads {
+            for r in 0..machines.len() {
+                for s in 0..machines.len() {
+                    let start = workers[r * threads + t].inbound_start(MachineId(s as u16));
+                    workers[s * threads + t].resume_outbound(MachineId(r as u16), start);
+                }
+            }
+        }
+        fabric.set_hold_writes(true);
+        let committed = self.cm.committed;
+        self.cm = SimCm::new(&machines, self.config.replicas as usize);
+        self.cm.committed = committed;
+        self.fabric = fabric;
+        self.machines = machines;
+        self.workers = workers;
+        self.restarts += 1;
+    }
+
     /// One scheduler step: poll a worker, land a held write, advance a client, or step the CM.
     fn step(&mut self, start_new: bool) {
         self.now += 1;
@@ -271,6 +409,15 @@ impl Sim {
         if self.crash_at.last() == Some(&self.step_no) {
             self.crash_at.pop();
             self.crash_one();
+        }
+        if self
+            .power_loss_at
+            .last()
+            .is_some_and(|at| *at <= self.step_no)
+            && self.settled()
+        {
+            self.power_loss_at.pop();
+            self.power_loss();
         }
         match self.rng.below(4) {
             0 => {
@@ -542,6 +689,7 @@ impl Sim {
             crashed: self.crashed,
             unknown: (self.unknown.len(), unknown_committed.0),
             configurations: self.cm.committed,
+            restarts: self.restarts,
         }
     }
 

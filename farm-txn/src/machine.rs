@@ -184,6 +184,10 @@ pub struct MachineState {
     /// Per inbound ring, how far this machine freed it ([`farm_core::ring::HeadWord`]), at the
     /// offsets of feedback slots.
     pub heads: Arc<Nvram>,
+    /// Per inbound log, the truncation bound its sender thread piggybacked last
+    /// ([`MachineState::truncation_offset`]): after a restart, a primary promoted since still
+    /// knows which transactions of the previous life finished (§5.3 step 6 votes).
+    pub truncation: Arc<Nvram>,
     /// Truncation feedback written by receivers of this machine's records.
     pub feedback: Arc<Nvram>,
     /// The network.
@@ -201,7 +205,14 @@ impl MachineState {
         fabric: Arc<dyn Fabric>,
         nvram_dir: Option<&Path>,
     ) -> io::Result<Arc<Self>> {
-        let state = Self::open(id, params, &config, fabric, nvram_dir, None)?;
+        let state = Self::open(
+            id,
+            params,
+            &config,
+            fabric,
+            nvram_dir.map(Reopen::Dir),
+            None,
+        )?;
         state
             .state
             .store_u64(STATE_SETTLED_OFFSET, config.id.0, Ordering::Release);
@@ -209,8 +220,8 @@ impl MachineState {
         Ok(state)
     }
 
-    /// Reopens the NVRAM a machine left when the whole cluster stopped (files under
-    /// `nvram_dir/m<id>/`), with the view it had then (`stored`, see [`read_persisted`]), and
+    /// Reopens the NVRAM a machine left when the whole cluster stopped (`from`), with the view
+    /// it had then (`stored`, see [`read_persisted`] and [`restart_view`]), and
     /// installs `restart`: the same members and regions in a new configuration in which every
     /// region changed primary and replicas, so that transaction recovery recovers every
     /// transaction in the logs (§5.3) and allocator recovery rebuilds every free list (§5.5).
@@ -221,7 +232,7 @@ impl MachineState {
         stored: farm_core::codec::StoredView,
         restart: ConfigId,
         fabric: Arc<dyn Fabric>,
-        nvram_dir: &Path,
+        from: Reopen<'_>,
     ) -> io::Result<Arc<Self>> {
         let farm_core::codec::StoredView {
             config,
@@ -229,7 +240,7 @@ impl MachineState {
             changes,
         } = stored;
         assert!(restart > config.id, "a restart needs a new configuration");
-        let state = Self::open(id, params, &config, fabric, Some(nvram_dir), Some(restart))?;
+        let state = Self::open(id, params, &config, fabric, Some(from), Some(restart))?;
         state.install_view(config.clone(), map.clone(), changes, false)?;
         let all_changed = map
             .iter()
@@ -249,29 +260,54 @@ impl MachineState {
         Ok(state)
     }
 
+    /// Maps (or, from the memory of a stopped machine, takes over) this machine's NVRAM areas.
     fn open(
         id: MachineId,
         params: Params,
         config: &Configuration,
         fabric: Arc<dyn Fabric>,
-        nvram_dir: Option<&Path>,
+        from: Option<Reopen<'_>>,
         restart: Option<ConfigId>,
     ) -> io::Result<Arc<Self>> {
         params
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let nvram_dir = match nvram_dir {
-            Some(d) => {
+        let nvram_dir = match from {
+            Some(Reopen::Dir(d)) => {
                 let dir = machine_dir(d, id);
                 std::fs::create_dir_all(&dir)?;
                 Some(dir)
             }
-            None => None,
+            _ => None,
         };
-        let rings = map_area(&nvram_dir, "rings", params.layout.rings_area_bytes())?;
-        let feedback = map_area(&nvram_dir, "feedback", params.layout.feedback_area_bytes())?;
-        let heads = map_area(&nvram_dir, "heads", params.layout.feedback_area_bytes())?;
-        let state = map_area(&nvram_dir, "state", STATE_BYTES)?;
+        let mut prepared = BTreeMap::new();
+        let truncation_bytes = params.layout.feedback_area_bytes() / 2;
+        let (rings, feedback, heads, truncation, state) = match from {
+            Some(Reopen::Memory(old)) => {
+                // Its regions come back as if prepared: the views installed next use them.
+                let view = old.view();
+                for (region, _) in view.map.iter() {
+                    if let Some(mem) = view.region(region) {
+                        fabric.register(id, MemKey::Region(region), mem.clone());
+                        prepared.insert(region, mem.clone());
+                    }
+                }
+                (
+                    old.rings.clone(),
+                    old.feedback.clone(),
+                    old.heads.clone(),
+                    old.truncation.clone(),
+                    old.state.clone(),
+                )
+            }
+            _ => (
+                map_area(&nvram_dir, "rings", params.layout.rings_area_bytes())?,
+                map_area(&nvram_dir, "feedback", params.layout.feedback_area_bytes())?,
+                map_area(&nvram_dir, "heads", params.layout.feedback_area_bytes())?,
+                map_area(&nvram_dir, "truncation", truncation_bytes)?,
+                map_area(&nvram_dir, "state", STATE_BYTES)?,
+            ),
+        };
         match state.load_u64(0, Ordering::Acquire) {
             0 => state.store_u64(0, STATE_MAGIC, Ordering::Release),
             STATE_MAGIC => {}
@@ -300,7 +336,7 @@ impl MachineState {
             view: Mutex::new(Arc::new(empty)),
             view_generation: AtomicU64::new(0),
             nvram_dir,
-            prepared: Mutex::new(std::collections::BTreeMap::new()),
+            prepared: Mutex::new(prepared),
             committed: AtomicU64::new(config.id.0),
             drained: Mutex::new((config.id, BTreeSet::new())),
             all_active: AtomicU64::new(config.id.0),
@@ -315,9 +351,15 @@ impl MachineState {
             state,
             rings,
             heads,
+            truncation,
             feedback,
             fabric,
         }))
+    }
+
+    /// Offset in [`MachineState::truncation`] of the bound from `sender`'s thread `thread`.
+    pub fn truncation_offset(&self, sender: MachineId, thread: u16) -> usize {
+        (sender.0 as usize * self.params.layout.threads as usize + thread as usize) * 8
     }
 
     /// The configuration this machine restarted into, if the cluster restarted from NVRAM.
@@ -764,6 +806,57 @@ impl MachineState {
             .expect("prepared poisoned")
             .remove(&region);
     }
+}
+
+/// Where a restarted machine finds its NVRAM.
+#[derive(Clone, Copy, Debug)]
+pub enum Reopen<'a> {
+    /// Files under a cluster's NVRAM directory (the runtime).
+    Dir(&'a Path),
+    /// The memory of the machine state that stopped (the simulator: anonymous memory outlives
+    /// the state that used it, as NVRAM outlives a power loss).
+    Memory(&'a MachineState),
+}
+
+/// The view a whole-cluster restart resumes from, given the configuration in the coordination
+/// store (`stored`) and what each machine left (`persisted`, by machine id; see
+/// [`read_persisted`]): the newest view (most regions among equals), provided it is the stored
+/// configuration and every member settled in it. Otherwise why restarting is refused: a
+/// reconfiguration or a recovery was under way, and recovery decisions are not logged, so a
+/// half-applied one could not be told apart from the logs.
+pub fn restart_view(
+    stored: ConfigId,
+    persisted: &[Option<(farm_core::codec::StoredView, ConfigId)>],
+) -> Result<farm_core::codec::StoredView, String> {
+    let newest = persisted
+        .iter()
+        .flatten()
+        .map(|(v, _)| v)
+        .max_by_key(|v| (v.config.id, v.map.iter().count()))
+        .ok_or("no machine left a view: nothing to restart")?;
+    if newest.config.id != stored {
+        return Err(format!(
+            "the coordination store holds configuration {} but the newest one in NVRAM is {}: the \
+             cluster stopped in the middle of a reconfiguration, and restarting from that state \
+             is not supported",
+            stored.0, newest.config.id.0
+        ));
+    }
+    for m in &newest.config.members {
+        let settled = persisted
+            .get(m.0 as usize)
+            .and_then(Option::as_ref)
+            .map(|(_, s)| *s);
+        if settled != Some(stored) {
+            return Err(format!(
+                "machine {m} had not finished recovering configuration {} when the cluster \
+                 stopped (settled in {}): restarting from that state is not supported",
+                stored.0,
+                settled.map_or("none".into(), |s| s.0.to_string())
+            ));
+        }
+    }
+    Ok(newest.clone())
 }
 
 /// First word of a machine's state file.

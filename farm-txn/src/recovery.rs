@@ -395,10 +395,15 @@ impl Worker {
         for sender in 0..self.inbound.len() {
             self.poll_queue(MachineId(sender as u16));
         }
-        let restart = self.machine.restart_config() == Some(c);
+        // The first drain after a whole-cluster restart (which may be of a later configuration,
+        // when another failure came first) takes the previous life's records to recovery.
+        let restart = self
+            .machine
+            .restart_config()
+            .filter(|r| self.recovery.last_drained < *r);
         for sender in 0..self.inbound.len() {
-            if restart {
-                self.restart_drain_log(MachineId(sender as u16), c);
+            if let Some(r) = restart {
+                self.restart_drain_log(MachineId(sender as u16), r);
             } else {
                 self.poll_log(MachineId(sender as u16));
             }
@@ -577,6 +582,10 @@ impl Worker {
             }
         }
         self.buf = buf;
+        // Truncations piggybacked on the records just drained are the previous life's too.
+        let inbound = &mut self.inbound[sender.0 as usize];
+        inbound.restart_truncated_below =
+            inbound.restart_truncated_below.max(inbound.truncated_below);
         for t in seen {
             if self.recovery.txs.get(&t).is_some_and(|tx| !tx.has_data()) {
                 let tx = self.recovery.txs.remove(&t).expect("present");
@@ -931,16 +940,31 @@ impl Worker {
             _ => {
                 // No records: truncated if this thread's truncation bound from the
                 // coordinator's thread passed it. After a whole-cluster restart, also if the
-                // transaction is from before it: a primary frees a LOCK record only once its
-                // transaction aborted or was truncated, and a restart needs every machine
-                // settled (no recovery decision half-applied), so a transaction that any
-                // replica holds COMMIT-BACKUP of and this primary has no record of was
-                // truncated; one whose LOCK never arrived has no COMMIT-BACKUP anywhere and
-                // aborts whatever this vote says.
+                // transaction is from before it and this machine has been the region's primary
+                // since the restart (so it was its primary before and kept its logs): a
+                // primary frees a LOCK record only once its transaction aborted or was
+                // truncated, and a restart needs every machine settled (no recovery decision
+                // half-applied), so a transaction that any replica holds COMMIT-BACKUP of and
+                // this primary has no record of was truncated; one whose LOCK never arrived
+                // has no COMMIT-BACKUP anywhere and aborts whatever this vote says. (A primary
+                // promoted since may never have seen the LOCK: no such inference.)
                 let inbound = &self.inbound[t.machine.0 as usize];
-                let truncated = t.local < inbound.truncated_below
-                    || inbound.truncated_ids.contains(&t.local)
-                    || self.machine.restart_config().is_some_and(|r| t.config < r);
+                let restarted_before = self.machine.restart_config().is_some_and(|r| t.config < r);
+                let below = if restarted_before {
+                    inbound.restart_truncated_below
+                } else {
+                    inbound.truncated_below
+                };
+                let primary_since_restart = self.machine.restart_config().is_some_and(|r| {
+                    t.config < r
+                        && view
+                            .changes
+                            .get(&region)
+                            .is_some_and(|ch| ch.last_primary_change == r)
+                });
+                let truncated = t.local < below
+                    || (!restarted_before && inbound.truncated_ids.contains(&t.local))
+                    || primary_since_restart;
                 let v = if truncated {
                     Vote::Truncated
                 } else {
@@ -985,9 +1009,15 @@ impl Worker {
     fn on_vote(&mut self, region: RegionId, t: TxnId, regions: Vec<RegionId>, v: Vote) {
         let now = self.now;
         if let Some(d) = self.recovery.finished.get(&t).copied() {
-            // A round repeating the decision collects votes like any other.
+            // A round repeating the decision collects votes like any other, and the decision
+            // goes to the replicas of every region that votes with records (a later round's
+            // new backup of a region may have received them by REPLICATE-TX-STATE).
+            let view = self.recovery.drained_view.clone().expect("drained");
             if let Some(round) = self.recovery.coord.get_mut(&t) {
                 round.votes.insert(region, v);
+                if let (false, Some(p)) = (regions.is_empty(), view.map.get(region)) {
+                    round.also_send_to(p);
+                }
                 return;
             }
             // Only a voter with records may have replicas that still lack the decision; an
@@ -1197,19 +1227,18 @@ impl Worker {
         let free_slots = d == Decision::Abort && !std::mem::replace(&mut tx.slots_freed, true);
         let lock_ws = tx.lock.clone();
         let recovery_locked = std::mem::take(&mut tx.recovery_locked);
-        // Writes known from COMMIT-BACKUP or other replicas, not covered by a lock here.
+        // Writes known from COMMIT-BACKUP, other replicas, or a LOCK record whose locks are
+        // not held here (after a restart, before lock recovery took them over), not covered by
+        // a lock here.
         let mut other: Vec<WriteEntry> = Vec::new();
         if d == Decision::Commit {
             let mut seen: BTreeSet<farm_core::Addr> =
                 recovery_locked.iter().map(|w| w.addr).collect();
-            seen.extend(
-                lock_ws
-                    .iter()
-                    .flat_map(|ws| ws.writes.iter().map(|w| w.addr)),
-            );
-            for w in tx
-                .commit_backup
-                .iter()
+            let held_ws = lock_ws.iter().filter(|_| held);
+            seen.extend(held_ws.flat_map(|ws| ws.writes.iter().map(|w| w.addr)));
+            let unheld_ws = lock_ws.iter().filter(|_| !held);
+            for w in unheld_ws
+                .chain(&tx.commit_backup)
                 .flat_map(|ws| &ws.writes)
                 .chain(&tx.fetched)
             {

@@ -71,6 +71,9 @@ pub(crate) struct Inbound {
     /// (§5.3 step 6: primaries without records vote truncated or unknown by it).
     pub(crate) truncated_below: u64,
     pub(crate) truncated_ids: BTreeSet<u64>,
+    /// After a restart, the bound of the previous life (kept in NVRAM): it answers for
+    /// transactions from before the restart, whose local counters the new life's bounds pass.
+    pub(crate) restart_truncated_below: u64,
     /// Where the sender's log and queue tails were when this worker started (after a restart,
     /// past the records kept; the sender resumes there: [`Worker::resume_outbound`]).
     started_tails: [u64; 2],
@@ -188,6 +191,13 @@ impl Worker {
                     retained: BTreeMap::new(),
                     truncated_below: 0,
                     truncated_ids: BTreeSet::new(),
+                    restart_truncated_below: match restart {
+                        Some(_) => machine.truncation.load_u64(
+                            machine.truncation_offset(sender, thread.0),
+                            Ordering::Acquire,
+                        ),
+                        None => 0,
+                    },
                     started_tails: [log_tail, queue_tail],
                 }
             })
@@ -875,6 +885,15 @@ impl Worker {
         let inbound = &mut self.inbound[sender.0 as usize];
         if below > inbound.truncated_below {
             inbound.truncated_below = below;
+            // Kept in NVRAM for a restart (monotonic across lives: a new life counts from
+            // above the old one's transactions).
+            let slot = self.machine.truncation_offset(sender, self.thread.0);
+            let stored = self.machine.truncation.load_u64(slot, Ordering::Relaxed);
+            if below > stored {
+                self.machine
+                    .truncation
+                    .store_u64(slot, below, Ordering::Release);
+            }
             inbound.truncated_ids = inbound.truncated_ids.split_off(&below);
         }
         inbound

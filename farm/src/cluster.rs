@@ -526,44 +526,20 @@ impl ClusterBuilder {
                 .map_err(|e| invalid(format!("reading machine {}'s NVRAM: {e}", MachineId(m))))?;
             persisted.push(p);
         }
-        let newest = persisted
-            .iter()
-            .flatten()
-            .map(|(v, _)| v)
-            .max_by_key(|v| (v.config.id, v.map.iter().count()))
-            .ok_or_else(|| {
-                invalid(format!(
-                    "{} holds no machine's NVRAM: nothing to restart",
-                    dir.display()
-                ))
-            })?
-            .clone();
-        if newest.config.id != stored.id {
+        if persisted.iter().all(Option::is_none) {
             return Err(invalid(format!(
-                "the coordination store holds configuration {} but the newest one in NVRAM is {}: \
-                 the cluster stopped in the middle of a reconfiguration, and restarting from \
-                 that state is not supported",
-                stored.id.0, newest.config.id.0
+                "{} holds no machine's NVRAM: nothing to restart",
+                dir.display()
             )));
         }
-        if let Some(m) = newest.config.members.iter().find(|m| m.0 >= all) {
+        if let Some(m) = stored.members.iter().find(|m| m.0 >= all) {
             return Err(invalid(format!(
                 "machine {m} is a member of configuration {} but the cluster is built with {all} \
                  machines and spares",
                 stored.id.0
             )));
         }
-        for m in &newest.config.members {
-            let settled = persisted[m.0 as usize].as_ref().map(|(_, s)| *s);
-            if settled != Some(stored.id) {
-                return Err(invalid(format!(
-                    "machine {m} had not finished recovering configuration {} when the cluster \
-                     stopped (settled in {}): restarting from that state is not supported",
-                    stored.id.0,
-                    settled.map_or("none".into(), |s| s.0.to_string())
-                )));
-            }
-        }
+        let newest = farm_txn::machine::restart_view(stored.id, &persisted).map_err(invalid)?;
         let restart = farm_core::ConfigId(stored.id.0 + 1);
         let config = Configuration {
             id: restart,
@@ -582,7 +558,14 @@ impl ClusterBuilder {
         for m in (0..all).map(MachineId) {
             let fabric = fabric.clone() as Arc<dyn Fabric>;
             let state = if config.contains(m) {
-                MachineState::restore(m, params, newest.clone(), restart, fabric, dir)
+                MachineState::restore(
+                    m,
+                    params,
+                    newest.clone(),
+                    restart,
+                    fabric,
+                    farm_txn::machine::Reopen::Dir(dir),
+                )
             } else {
                 let stale = farm_txn::machine::machine_dir(dir, m);
                 if stale.exists() {
