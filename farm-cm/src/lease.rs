@@ -215,6 +215,12 @@ impl CmLeases {
         self.members.get(&member).map(|m| m.member_expires)
     }
 
+    /// When the newest lease the CM holds at any member ends, if it holds one: past it, a CM
+    /// that was removed knows it is no longer anyone's CM.
+    pub fn cm_lease_expires(&self) -> Option<u64> {
+        self.members.values().filter_map(|m| m.cm_expires).max()
+    }
+
     /// Whether the CM holds a valid lease at `member` at `now`.
     pub fn holds_lease_at(&self, member: MachineId, now: u64) -> bool {
         self.members
@@ -323,6 +329,12 @@ impl MemberLease {
     /// Whether this member's lease at the CM is valid at `now`.
     pub fn lease_valid(&self, now: u64) -> bool {
         self.lease_expires.is_some_and(|e| now <= e)
+    }
+
+    /// When this member's lease at the CM ends, once granted: past it, a member that was
+    /// removed from the configuration knows it is out.
+    pub fn lease_expires(&self) -> Option<u64> {
+        self.lease_expires
     }
 
     /// When the lease this member granted the CM ends.

@@ -463,6 +463,10 @@ impl Fabric for MemFabric {
         }
     }
 
+    fn is_up(&self, machine: MachineId) -> bool {
+        self.is_alive(machine)
+    }
+
     fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
         let d = self.machine(dst).ok()?;
         if !d.alive.load(Ordering::SeqCst) {

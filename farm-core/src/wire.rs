@@ -155,6 +155,9 @@ pub enum Message {
         addr: Addr,
         /// Its size.
         slot_bytes: u32,
+        /// The configuration the slot was handed out in (a primary promoted since ignores it:
+        /// its allocator recovery counted the slot free).
+        config: ConfigId,
     },
     /// Recovery (Table 2; §5.3), sent in configuration `config` about `region`.
     Recovery {
@@ -410,10 +413,15 @@ impl Message {
                     AllocOutcome::NotPrimary => out.push(3),
                 }
             }
-            Message::Release { addr, slot_bytes } => {
+            Message::Release {
+                addr,
+                slot_bytes,
+                config,
+            } => {
                 out.push(MSG_RELEASE);
                 put_addr(out, *addr);
                 out.extend_from_slice(&slot_bytes.to_le_bytes());
+                out.extend_from_slice(&config.0.to_le_bytes());
             }
             Message::Recovery {
                 config,
@@ -533,6 +541,7 @@ impl Message {
             MSG_RELEASE => Message::Release {
                 addr: r.addr()?,
                 slot_bytes: r.u32()?,
+                config: ConfigId(r.u64()?),
             },
             MSG_RECOVERY => {
                 let config = ConfigId(r.u64()?);
@@ -856,6 +865,7 @@ mod tests {
             Message::Release {
                 addr: Addr::new(RegionId(2), 1 << 20),
                 slot_bytes: 128,
+                config: ConfigId(3),
             },
         ];
         let ws = match lock_record().body {

@@ -1,9 +1,9 @@
 //! The configuration manager in the simulator: the same [`Reconfig`] state machine the runtime's
-//! CM thread drives (FaRM §5.2), stepped by the scheduler. A crashed machine is suspected a
-//! seeded delay after its crash (standing in for its lease expiring); the CM, or the first live
-//! backup CM when the CM is gone, probes, stores the new configuration in an embedded
-//! coordination store, installs it at every member (NEW-CONFIG), and commits it
-//! (NEW-CONFIG-COMMIT), which starts transaction recovery (§5.3) in the workers.
+//! CM thread drives (FaRM §5.2), stepped by the scheduler. Suspicions come from leases
+//! ([`crate::leases`]); the CM, or the first live backup CM when the CM is suspected, probes,
+//! stores the new configuration in an embedded coordination store, installs it at every member
+//! (NEW-CONFIG), and commits it (NEW-CONFIG-COMMIT), which starts transaction recovery (§5.3)
+//! in the workers. A paused machine does not drive.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -15,8 +15,9 @@ use farm_core::mem_fabric::MemFabric;
 use farm_core::MachineId;
 use farm_txn::MachineState;
 
-/// Lease length in ticks: a machine removed for a failed probe is waited out this long.
-const LEASE_TICKS: u64 = 50;
+/// Lease length in ticks (the leases of [`crate::leases`]; a machine removed for a failed probe
+/// is waited out this long).
+pub const LEASE_TICKS: u64 = 50;
 
 /// The simulated CM.
 #[derive(Debug)]
@@ -32,6 +33,8 @@ pub struct SimCm {
     pub committed: u64,
     /// The newest configuration announced with ALL-REGIONS-ACTIVE.
     announced: farm_core::ConfigId,
+    /// Machines paused now (they neither drive nor answer).
+    paused: BTreeSet<MachineId>,
 }
 
 impl SimCm {
@@ -51,6 +54,7 @@ impl SimCm {
             active: None,
             committed: 0,
             announced: farm_core::ConfigId(1),
+            paused: BTreeSet::new(),
         }
     }
 
@@ -64,6 +68,15 @@ impl SimCm {
         farm_cm::codec::decode(&bytes)
             .expect("the CM stores valid configurations")
             .id
+    }
+
+    /// Marks `machine` paused or running again.
+    pub fn set_paused(&mut self, machine: MachineId, paused: bool) {
+        if paused {
+            self.paused.insert(machine);
+        } else {
+            self.paused.remove(&machine);
+        }
     }
 
     /// `machine` will be suspected from tick `at` on.
@@ -112,6 +125,9 @@ impl SimCm {
             return;
         };
         let me = *me;
+        if self.paused.contains(&me) {
+            return; // A paused driver does nothing until it runs again.
+        }
         if !fabric.is_alive(me) {
             // The driver died: its suspicions stand, a live machine takes over.
             self.active = None;
@@ -194,7 +210,7 @@ impl SimCm {
         order.extend(backup_cms(&config, config.members.len()));
         let Some(driver) = order
             .into_iter()
-            .find(|m| fabric.is_alive(*m) && !suspects.contains(m))
+            .find(|m| fabric.is_alive(*m) && !self.paused.contains(m) && !suspects.contains(m))
         else {
             return;
         };

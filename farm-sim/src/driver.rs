@@ -3,18 +3,20 @@
 //! when each one-sided write lands (DESIGN.md, Determinism). It runs the same protocol code as
 //! the threaded runtime (`farm_txn::Worker`), prints its seed first, and a seed replays exactly.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
+use farm_core::mem_fabric::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::rng::Rng;
 use farm_core::{Addr, MachineId, ThreadId};
 use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
 
-use crate::cm::SimCm;
+use crate::cm::{SimCm, LEASE_TICKS};
 use crate::history::{check, Anomaly, Op, TxnRecord};
+use crate::leases::SimLeases;
 use crate::replicas::{check_replicas, ReplicaReport};
 
 /// Polls a setup or final-check transaction may take, with every write landing at once.
@@ -40,9 +42,17 @@ pub struct SimConfig {
     /// Scheduler steps before draining.
     pub steps: u64,
     /// Machines that crash during the run (at seeded steps, landing a seeded prefix of their
-    /// held writes); each is suspected a seeded delay later and removed by the CM, and
+    /// held writes); each is suspected when its lease runs out and removed by the CM, and
     /// transaction recovery runs (§5.2-5.3). At most `replicas - 1`.
     pub crashes: u16,
+    /// Machines paused during the run, at seeded steps, for two to five leases: they stop
+    /// running and answering (cut off from the network, as a stopped process's NIC thread
+    /// is), are suspected and removed, then run again on their stale view until their own
+    /// lease tells them they are out, and stop.
+    pub pauses: u16,
+    /// Lose 1% of datagrams and delay each by up to a tenth of a lease (leases must ride it
+    /// out; a false suspicion removes a live machine, which then stops like a paused one).
+    pub lossy_datagrams: bool,
     /// Whole-cluster power losses (at seeded steps, each postponed until no reconfiguration or
     /// recovery is under way): every machine crashes at once, each landing a seeded prefix of
     /// its held writes, and the cluster restarts from its NVRAM (`MachineState::restore`).
@@ -59,6 +69,8 @@ impl Default for SimConfig {
             keys: 6,
             steps: 3000,
             crashes: 0,
+            pauses: 0,
+            lossy_datagrams: false,
             power_losses: 0,
         }
     }
@@ -86,6 +98,10 @@ pub struct SimOutcome {
     pub configurations: u64,
     /// Whole-cluster restarts after a power loss.
     pub restarts: u64,
+    /// Machines paused.
+    pub paused: u64,
+    /// Machines that stopped because their own lease told them they had been removed.
+    pub evicted: u64,
 }
 
 #[derive(Debug)]
@@ -125,6 +141,15 @@ pub struct Sim {
     crashed: Vec<MachineId>,
     /// Steps from which the power may go, earliest last.
     power_loss_at: Vec<u64>,
+    /// Steps at which a machine pauses, earliest last.
+    pause_at: Vec<u64>,
+    /// Paused machines, with the tick they run again.
+    paused: BTreeMap<MachineId, u64>,
+    /// Resumed machines, with the tick until which they run without looking at their leases.
+    grace: BTreeMap<MachineId, u64>,
+    leases: SimLeases,
+    pauses_done: u64,
+    evicted: u64,
     restarts: u64,
     params: Params,
     step_no: u64,
@@ -173,9 +198,11 @@ impl Sim {
         let n_clients = workers.len();
         let clients = (0..n_clients).map(|_| Client::Idle).collect();
         assert!(
-            config.crashes < config.replicas,
-            "{} crashes would lose regions with {} replicas",
+            config.crashes + config.pauses < config.replicas,
+            "{} crashes and {} pauses (a paused machine is removed) would lose regions with {} \
+             replicas",
             config.crashes,
+            config.pauses,
             config.replicas
         );
         let mut rng = Rng::new(config.seed);
@@ -189,6 +216,11 @@ impl Sim {
             .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
             .collect();
         power_loss_at.sort_unstable_by(|a, b| b.cmp(a));
+        let mut pause_at: Vec<u64> = (0..config.pauses)
+            .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
+            .collect();
+        pause_at.sort_unstable_by(|a, b| b.cmp(a));
+        let leases = SimLeases::new(&cfg, LEASE_TICKS, 0);
         let cm = SimCm::new(&machines, config.replicas as usize);
         let mut sim = Sim {
             rng,
@@ -207,6 +239,12 @@ impl Sim {
             crash_at,
             crashed: Vec::new(),
             power_loss_at,
+            pause_at,
+            paused: BTreeMap::new(),
+            grace: BTreeMap::new(),
+            leases,
+            pauses_done: 0,
+            evicted: 0,
             restarts: 0,
             params,
             step_no: 0,
@@ -221,7 +259,104 @@ impl Sim {
             sim.keys.push(addr);
         }
         sim.fabric.set_hold_writes(true);
+        sim.fabric.set_datagram_policy(sim.datagram_policy());
         sim
+    }
+
+    /// The datagram behaviour of the randomized run.
+    fn datagram_policy(&self) -> DatagramPolicy {
+        if self.config.lossy_datagrams {
+            DatagramPolicy {
+                drop_per_million: 10_000,
+                delay_ticks_max: LEASE_TICKS / 10,
+            }
+        } else {
+            DatagramPolicy {
+                drop_per_million: 0,
+                delay_ticks_max: 0,
+            }
+        }
+    }
+
+    /// Whether machine `m` runs: alive and not paused.
+    fn running(&self, m: MachineId) -> bool {
+        running(&self.fabric, &self.paused, m)
+    }
+
+    /// The newest configuration committed at a running machine.
+    fn newest_committed(&self) -> Option<Configuration> {
+        newest_committed(&self.fabric, &self.paused, &self.machines)
+    }
+
+    /// Leases, then stops the machines that learnt from theirs that they are out.
+    fn lease_step(&mut self) {
+        let out = lease_round(
+            &mut self.leases,
+            &mut self.cm,
+            &self.fabric,
+            &self.machines,
+            (&self.paused, &self.grace),
+            self.now,
+        );
+        self.stop_evicted(out);
+    }
+
+    /// Stops machines whose own lease told them they were removed (fail-stop); those stopped
+    /// in the middle of an execution already had their fabric side crashed.
+    fn stop_evicted(&mut self, out: Vec<MachineId>) {
+        for m in out {
+            if self.fabric.is_alive(m) {
+                self.fabric.crash(m, &mut self.rng);
+            }
+            if !self.crashed.contains(&m) {
+                self.evicted += 1;
+                self.crashed_now(m);
+            }
+        }
+    }
+
+    /// Pauses a random running machine for two to five leases: it is cut off (a partition of
+    /// its own) and not scheduled.
+    fn pause_one(&mut self) {
+        let running: Vec<MachineId> = (0..self.machines.len() as u16)
+            .map(MachineId)
+            .filter(|m| self.running(*m))
+            .collect();
+        let m = running[self.rng.below(running.len() as u64) as usize];
+        let until = self.now + LEASE_TICKS * (2 + self.rng.below(4));
+        self.paused.insert(m, until);
+        self.cm.set_paused(m, true);
+        self.pauses_done += 1;
+        self.cut_off_paused();
+    }
+
+    /// Resumes paused machines whose time came: reachable again, scheduled again, and not
+    /// looking at their leases for up to a lease.
+    fn resume_due(&mut self) {
+        let now = self.now;
+        let due: Vec<MachineId> = self
+            .paused
+            .iter()
+            .filter(|(_, until)| **until <= now)
+            .map(|(m, _)| *m)
+            .collect();
+        for m in &due {
+            self.paused.remove(m);
+            self.cm.set_paused(*m, false);
+            let grace = self.rng.below(LEASE_TICKS);
+            self.grace.insert(*m, now + grace);
+        }
+        if !due.is_empty() {
+            self.cut_off_paused();
+        }
+    }
+
+    /// Each paused machine on a side of its own.
+    fn cut_off_paused(&self) {
+        let alone: Vec<[MachineId; 1]> = self.paused.keys().map(|m| [*m]).collect();
+        let mut sides: Vec<&[MachineId]> = vec![&[]];
+        sides.extend(alone.iter().map(|a| &a[..]));
+        self.fabric.partition(&sides);
     }
 
     /// Runs a transaction to completion with every write landing at once (setup and final
@@ -234,6 +369,7 @@ impl Sim {
         for _ in 0..SETUP_POLLS_MAX {
             self.now += 1;
             self.fabric.deliver_all();
+            self.lease_step();
             self.cm.step(self.now, &self.fabric, &self.machines);
             for x in self.workers.iter_mut() {
                 if self.fabric.is_alive(x.machine().id) {
@@ -252,34 +388,52 @@ impl Sim {
     }
 
     fn alive_worker(&self, w: usize) -> bool {
-        self.fabric.is_alive(self.workers[w].machine().id)
+        self.running(self.workers[w].machine().id)
     }
 
-    /// Crashes a random live machine (the CM included): a prefix of its held writes lands, its
-    /// clients' commits in flight get unknown outcomes, and the CM suspects it later.
+    /// Crashes a random running machine (the CM included); its lease expiry tells the CM.
     fn crash_one(&mut self) {
         let live: Vec<MachineId> = self
             .machines
             .iter()
             .map(|m| m.id)
-            .filter(|m| self.fabric.is_alive(*m))
+            .filter(|m| self.running(*m))
             .collect();
         let victim = live[self.rng.below(live.len() as u64) as usize];
+        self.crash(victim);
+    }
+
+    /// Crashes `victim`: a prefix of its held writes lands and its clients' commits in flight
+    /// get unknown outcomes.
+    fn crash(&mut self, victim: MachineId) {
         self.fabric.crash(victim, &mut self.rng);
+        self.crashed_now(victim);
+    }
+
+    /// What follows a crash of `victim` (whose fabric side is done): its clients' commits in
+    /// flight get unknown outcomes.
+    fn crashed_now(&mut self, victim: MachineId) {
         self.crashed.push(victim);
         for c in 0..self.clients.len() {
-            if self.workers[c].machine().id != victim {
-                continue;
-            }
-            if let Client::Committing(rec, _) =
-                std::mem::replace(&mut self.clients[c], Client::Idle)
-            {
-                self.unknown.push(self.history.len());
-                self.history.push(rec);
+            if self.workers[c].machine().id == victim {
+                self.commit_unknown(c);
             }
         }
-        let delay = 20 + self.rng.below(300);
-        self.cm.suspect(victim, self.now + delay);
+    }
+
+    /// Client `c`'s commit in flight, if any, has an unknown outcome (its coordinator crashed
+    /// or the power went): recorded as such, and an object it freed is no longer checked (a
+    /// power loss may bring the client back).
+    fn commit_unknown(&mut self, c: usize) {
+        if let Client::Committing(rec, effects) =
+            std::mem::replace(&mut self.clients[c], Client::Idle)
+        {
+            self.unknown.push(self.history.len());
+            self.history.push(rec);
+            if let Some(a) = effects.freed {
+                self.temps[c].retain(|(t, _)| *t != a);
+            }
+        }
     }
 
     /// Whether every member of the newest configuration settled in it and the CM has nothing
@@ -314,16 +468,7 @@ impl Sim {
             }
         }
         for c in 0..self.clients.len() {
-            if let Client::Committing(rec, effects) =
-                std::mem::replace(&mut self.clients[c], Client::Idle)
-            {
-                self.unknown.push(self.history.len());
-                self.history.push(rec);
-                // Whether its free happened is unknown: the object is no longer checked.
-                if let Some(a) = effects.freed {
-                    self.temps[c].retain(|(t, _)| *t != a);
-                }
-            }
+            self.commit_unknown(c);
         }
         let seed = self.config.seed;
         let stored = self.cm.stored_config();
@@ -393,10 +538,14 @@ impl Sim {
             }
         }
         fabric.set_hold_writes(true);
+        self.paused.clear();
+        self.grace.clear();
+        self.leases = SimLeases::new(&config, LEASE_TICKS, self.now);
         let committed = self.cm.committed;
         self.cm = SimCm::new(&machines, self.config.replicas as usize);
         self.cm.committed = committed;
         self.fabric = fabric;
+        self.fabric.set_datagram_policy(self.datagram_policy());
         self.machines = machines;
         self.workers = workers;
         self.restarts += 1;
@@ -410,6 +559,12 @@ impl Sim {
             self.crash_at.pop();
             self.crash_one();
         }
+        if self.pause_at.last() == Some(&self.step_no) {
+            self.pause_at.pop();
+            self.pause_one();
+        }
+        self.resume_due();
+        self.lease_step();
         if self
             .power_loss_at
             .last()
@@ -495,9 +650,17 @@ impl Sim {
         let (before, rest) = self.workers.split_at_mut(c);
         let (worker, after) = rest.split_first_mut().expect("client in range");
         let (now, rng, fabric) = (&mut self.now, &mut self.rng, &self.fabric);
-        let (cm, machines) = (&mut self.cm, &self.machines);
+        let (cm, machines, paused) = (&mut self.cm, &self.machines, &self.paused);
+        let (leases, grace) = (&mut self.leases, &self.grace);
+        let mut evicted = Vec::new();
         let mut poll_others = || {
             *now += 1;
+            // A machine that learns it is out stops at once (an execution waiting on it, or
+            // coordinated by it, then ends); the rest of its stop follows the execution.
+            for m in lease_round(leases, cm, fabric, machines, (paused, grace), *now) {
+                fabric.crash(m, rng);
+                evicted.push(m);
+            }
             cm.step(*now, fabric, machines);
             let held = fabric.held_links();
             if !held.is_empty() {
@@ -505,7 +668,8 @@ impl Sim {
                 fabric.deliver_next(src, dst);
             }
             for w in before.iter_mut().chain(after.iter_mut()) {
-                if fabric.is_alive(w.machine().id) {
+                let m = w.machine().id;
+                if fabric.is_alive(m) && !paused.contains_key(&m) {
                     w.poll(*now);
                 }
             }
@@ -563,15 +727,20 @@ impl Sim {
                 self.clients[c] = Client::Committing(rec, effects);
             }
             Err(e) => {
+                let me = self.workers[c].machine().id;
+                // A coordinator that crashed or stopped under its execution fails as it may.
                 assert!(
-                    e.is_retryable(),
-                    "seed {}: unexpected execution error {e}",
-                    self.config.seed
+                    e.is_retryable() || !self.fabric.is_alive(me),
+                    "seed {}: unexpected execution error {e} at {me} (view {:?}, newest {:?})",
+                    self.config.seed,
+                    self.workers[c].view().config,
+                    self.newest_committed().map(|c| c.id)
                 );
                 self.workers[c].abort_execution(state, &e);
                 self.history.push(rec);
             }
         }
+        self.stop_evicted(evicted);
     }
 
     /// Runs the configured steps, drains every client, quiesces and checks.
@@ -580,12 +749,11 @@ impl Sim {
             self.step(true);
         }
         let mut rounds = 0u64;
-        while self
-            .clients
-            .iter()
-            .enumerate()
-            .any(|(c, s)| matches!(s, Client::Committing(..)) && self.alive_worker(c))
-        {
+        // Paused clients count: they run again (or stop) within a few leases.
+        while self.clients.iter().enumerate().any(|(c, s)| {
+            matches!(s, Client::Committing(..))
+                && self.fabric.is_alive(self.workers[c].machine().id)
+        }) {
             self.step(false);
             rounds += 1;
             if rounds >= 1_000_000 {
@@ -610,9 +778,9 @@ impl Sim {
                     })
                     .collect();
                 panic!(
-                    "seed {}: clients did not finish (CM busy {}, crashed {:?}): {stuck:#?}\n{views:#?}",
+                    "seed {}: clients did not finish (CM {:?}, crashed {:?}): {stuck:#?}\n{views:#?}",
                     self.config.seed,
-                    self.cm.busy(),
+                    self.cm,
                     self.crashed
                 );
             }
@@ -690,6 +858,8 @@ impl Sim {
             unknown: (self.unknown.len(), unknown_committed.0),
             configurations: self.cm.committed,
             restarts: self.restarts,
+            paused: self.pauses_done,
+            evicted: self.evicted,
         }
     }
 
@@ -733,8 +903,27 @@ impl Sim {
     }
 
     /// Finishes reconfiguration and recovery, lands every write and truncates everything,
-    /// until no live member has anything retained or left to recover.
+    /// until no live member has anything retained or left to recover. Paused machines run
+    /// again first, and machines outside the configuration stop, as their leases would make
+    /// them; datagrams are no longer lost.
     fn quiesce(&mut self) {
+        for m in std::mem::take(&mut self.paused).into_keys() {
+            self.cm.set_paused(m, false);
+        }
+        self.fabric.heal();
+        self.fabric.set_datagram_policy(DatagramPolicy {
+            drop_per_million: 0,
+            delay_ticks_max: 0,
+        });
+        if let Some(config) = self.newest_committed() {
+            for m in 0..self.machines.len() as u16 {
+                let m = MachineId(m);
+                if self.fabric.is_alive(m) && !config.contains(m) {
+                    self.evicted += 1;
+                    self.crash(m);
+                }
+            }
+        }
         self.fabric.set_hold_writes(false);
         for _ in 0..2000 {
             self.fabric.deliver_all();
@@ -772,6 +961,10 @@ impl Sim {
                     });
             if quiet {
                 self.fabric.set_hold_writes(true);
+                // Time jumped without lease renewals: the leases start again.
+                if let Some(config) = self.newest_committed() {
+                    self.leases = SimLeases::new(&config, LEASE_TICKS, self.now);
+                }
                 return;
             }
         }
@@ -797,6 +990,59 @@ impl Sim {
             report.join("\n")
         );
     }
+}
+
+fn running(fabric: &MemFabric, paused: &BTreeMap<MachineId, u64>, m: MachineId) -> bool {
+    fabric.is_alive(m) && !paused.contains_key(&m)
+}
+
+fn newest_committed(
+    fabric: &MemFabric,
+    paused: &BTreeMap<MachineId, u64>,
+    machines: &[Arc<MachineState>],
+) -> Option<Configuration> {
+    machines
+        .iter()
+        .filter(|m| running(fabric, paused, m.id))
+        .map(|m| (m.view(), m.committed_config()))
+        .filter(|(v, committed)| *committed >= v.config.id)
+        .map(|(v, _)| v.config.clone())
+        .max_by_key(|c| c.id)
+}
+
+/// Leases (§5.1) at `now`: every running machine takes its datagrams and renews; expiries go to
+/// the CM as suspicions. Returns the machines removed from the configuration whose own lease
+/// ran out (a resumed machine looks at its leases only after its grace period, acting on its
+/// stale view until then): they stop. Runs wherever time passes, executions included, as the
+/// runtime's lease threads do.
+fn lease_round(
+    leases: &mut SimLeases,
+    cm: &mut SimCm,
+    fabric: &MemFabric,
+    machines: &[Arc<MachineState>],
+    (paused, grace): (&BTreeMap<MachineId, u64>, &BTreeMap<MachineId, u64>),
+    now: u64,
+) -> Vec<MachineId> {
+    if let Some(config) = newest_committed(fabric, paused, machines) {
+        if config.id > leases.config() {
+            leases.reconfigure(&config, now);
+        }
+    }
+    let mut out = Vec::new();
+    for m in machines.iter().map(|m| m.id) {
+        if !running(fabric, paused, m) || grace.get(&m).is_some_and(|until| now < *until) {
+            continue;
+        }
+        if leases.orphan_expired(m, now) {
+            leases.forget_orphan(m);
+            out.push(m);
+            continue;
+        }
+        for x in leases.step_machine(m, fabric, now) {
+            cm.suspect(x, now);
+        }
+    }
+    out
 }
 
 /// Runs one seed, printing it first so that a failure can be replayed.

@@ -25,7 +25,7 @@ use farm_core::wire::{
     log_header_bytes, write_set_bytes, AllocOutcome, LogBody, LogRecord, Message, WriteEntry,
     WriteSet, RECORD_BYTES_MAX, TRUNCATED_IDS_MAX,
 };
-use farm_core::{Addr, MachineId, RegionId, TxnId};
+use farm_core::{Addr, ConfigId, MachineId, RegionId, TxnId};
 
 use crate::error::{Conflict, TxError};
 use crate::worker::Worker;
@@ -90,8 +90,10 @@ struct Entry {
     written: bool,
     /// Allocated bit after commit.
     allocated: bool,
-    /// Slot size, when this transaction allocated the object (to give it back on abort).
-    fresh: Option<u32>,
+    /// Slot size, when this transaction allocated the object (to give it back on abort), and
+    /// the configuration it was handed out in: a primary promoted since rebuilt its free lists
+    /// from the headers (§5.5) and counts the slot free already.
+    fresh: Option<(u32, ConfigId)>,
 }
 
 /// The execution state of a transaction: its read set and buffered writes.
@@ -250,7 +252,7 @@ impl<'w> Tx<'w> {
                 data: vec![0; len],
                 written: true,
                 allocated: true,
-                fresh: Some(slot),
+                fresh: Some((slot, self.worker.view.config.id)),
             },
         );
         assert!(
@@ -335,6 +337,11 @@ impl<'w> Tx<'w> {
             }
             let now = poller();
             self.worker.poll(now);
+            // Nor will anyone answer a coordinator whose own machine died under it.
+            let me = self.worker.machine.id;
+            if !self.worker.machine.fabric.is_up(me) {
+                return Err(TxError::CoordinatorFailed(me));
+            }
             // A primary that died, or left the configuration, will not answer.
             if ticket.is_some() && self.worker.write_status(primary, ticket) == WriteStatus::Failed
             {
@@ -382,6 +389,18 @@ fn take_replies(
         Some((t, _)) if t.local < txn.local => false,
         _ => true,
     });
+}
+
+/// Whether `region`'s primary changed after configuration `config` in `view`: slots handed out
+/// before belong to the new primary's allocator recovery, which found them free.
+pub(crate) fn primary_changed_since(
+    view: &crate::machine::View,
+    region: farm_core::RegionId,
+    config: ConfigId,
+) -> bool {
+    view.changes
+        .get(&region)
+        .is_some_and(|c| c.last_primary_change > config)
 }
 
 /// Forgets which slots a transaction allocated: once it is recovering, the primaries that
@@ -586,7 +605,12 @@ impl Worker {
     /// RELEASE to the primary that handed the slot out.
     pub fn discard(&mut self, state: TxState) {
         for (addr, e) in state.objects {
-            let Some(slot) = e.fresh else { continue };
+            let Some((slot, config)) = e.fresh else {
+                continue;
+            };
+            if primary_changed_since(&self.view, addr.region, config) {
+                continue;
+            }
             match self.slabs.get_mut(&addr.region) {
                 Some(slabs) => slabs.free(addr.offset, slot),
                 None => {
@@ -601,6 +625,7 @@ impl Worker {
                         &Message::Release {
                             addr,
                             slot_bytes: slot,
+                            config,
                         },
                     );
                 }
@@ -872,10 +897,16 @@ impl Worker {
         // The paper's condition with the read regions: recovering for the coordinator only.
         let read_moved = !recovering
             && farm_recovery::vote::is_recovering(c.txn, &[], &read, &view.config, &view.changes);
+        // A slot handed out by a primary that has been replaced since: the new primary's
+        // allocator recovery counts it free, so this transaction must not commit it.
+        let stale_slot = c.state.objects.iter().any(|(a, e)| {
+            e.fresh
+                .is_some_and(|(_, handed)| primary_changed_since(&view, a.region, handed))
+        });
         let blocked = written.iter().copied().find(|r| self.region_blocked(*r));
         match &c.phase {
             Phase::Reserve => {
-                if !recovering && !read_moved && blocked.is_none() {
+                if !recovering && !read_moved && !stale_slot && blocked.is_none() {
                     return None;
                 }
                 self.return_reservations(c);

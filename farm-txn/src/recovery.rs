@@ -64,6 +64,10 @@ pub(crate) struct RecoveryState {
     early_decisions: BTreeMap<TxnId, (Decision, bool)>,
     /// Messages of a configuration this thread has not drained yet.
     early: Vec<(MachineId, ConfigId, RegionId, RecoveryBody)>,
+    /// Machines outside the configuration whose logs and queues a drain already took in: a
+    /// machine that left is drained once, in the first round without it; what it writes later
+    /// (a paused machine resuming on its stale view, §5.2 precise membership) is never read.
+    left_drained: BTreeSet<MachineId>,
     /// This thread's own commits whose outcome recovery decides, and the decisions made.
     pub(crate) waiting: BTreeSet<TxnId>,
     pub(crate) decided: BTreeMap<TxnId, Decision>,
@@ -81,6 +85,7 @@ impl RecoveryState {
             forgotten: BTreeMap::new(),
             early_decisions: BTreeMap::new(),
             early: Vec::new(),
+            left_drained: BTreeSet::new(),
             waiting: BTreeSet::new(),
             decided: BTreeMap::new(),
         }
@@ -392,8 +397,14 @@ impl Worker {
         // transactions). Records are processed as in the normal case. Message queues first:
         // a decision of an earlier round that landed here must count before this round votes,
         // even one from a coordinator that has left since.
-        for sender in 0..self.inbound.len() {
-            self.poll_queue(MachineId(sender as u16));
+        let left = &mut self.recovery.left_drained;
+        left.retain(|m| !view.config.contains(*m));
+        let senders: Vec<MachineId> = (0..self.inbound.len() as u16)
+            .map(MachineId)
+            .filter(|m| !left.contains(m))
+            .collect();
+        for &sender in &senders {
+            self.poll_queue(sender);
         }
         // The first drain after a whole-cluster restart (which may be of a later configuration,
         // when another failure came first) takes the previous life's records to recovery.
@@ -401,13 +412,16 @@ impl Worker {
             .machine
             .restart_config()
             .filter(|r| self.recovery.last_drained < *r);
-        for sender in 0..self.inbound.len() {
+        for &sender in &senders {
             if let Some(r) = restart {
-                self.restart_drain_log(MachineId(sender as u16), r);
+                self.restart_drain_log(sender, r);
             } else {
-                self.poll_log(MachineId(sender as u16));
+                self.poll_log(sender);
             }
         }
+        self.recovery
+            .left_drained
+            .extend(senders.iter().filter(|m| !view.config.contains(**m)));
         self.recovery.last_drained = c;
         self.recovery.drained_view = Some(view.clone());
         self.machine.thread_drained(c, self.thread.0);

@@ -573,8 +573,17 @@ impl Worker {
                     region,
                     len,
                 }) => self.on_alloc(sender, request, region, len),
-                Ok(Message::Release { addr, slot_bytes }) => {
+                Ok(Message::Release {
+                    addr,
+                    slot_bytes,
+                    config,
+                }) => {
                     let me = self.machine.id;
+                    // Handed out by an earlier primary: this one's allocator recovery counted
+                    // the slot free already (freeing it again would hand it out twice).
+                    if crate::coordinator::primary_changed_since(&self.view, addr.region, config) {
+                        continue;
+                    }
                     match self.slabs.get_mut(&addr.region) {
                         Some(slabs) => slabs.free(addr.offset, slot_bytes),
                         // A promoted primary's scan will find it (§5.5); elsewhere the slot
