@@ -272,3 +272,55 @@ fn a_restart_is_refused_with_the_reason() {
         "{e}"
     );
 }
+
+/// The same power loss with the configuration in a real ZooKeeper: the restart reads it back
+/// through a new session and stores the restart configuration there.
+#[test]
+fn a_cluster_restarts_from_zookeeper_and_nvram() {
+    let Ok(connect) = std::env::var("ZK_CONNECT") else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI=true but ZK_CONNECT is not set"
+        );
+        eprintln!("skipping: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
+        return;
+    };
+    let root = format!(
+        "/farm-test/restart-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let zk = |root: &str| -> Arc<dyn CoordinationStore> {
+        Arc::new(farm::zk::ZkStore::connect(&connect, root, Duration::from_secs(10)).unwrap())
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let c = Arc::new(builder(dir.path(), zk(&root)).build().unwrap());
+    let accounts: Vec<Addr> = (0..c.machines())
+        .flat_map(|m| {
+            let c = &c;
+            (0..4).map(move |_| c.txn(MachineId(m), |tx| tx.alloc(&INITIAL, None)).unwrap())
+        })
+        .collect();
+    let accounts = Arc::new(accounts);
+    wait_settled(&c);
+    let outcomes = transfers_until_power_off(&c, &accounts, Duration::from_millis(200));
+    drop(Arc::into_inner(c).expect("clients are gone"));
+    // A new session, as a restarted process would open.
+    let store = zk(&root);
+    let restarted = builder(dir.path(), store.clone())
+        .restart()
+        .build()
+        .unwrap();
+    let (_, bytes) = store.read().unwrap().expect("stored");
+    assert_eq!(farm_cm::codec::decode(&bytes).unwrap().id.0, 2);
+    check_bank(
+        &restarted,
+        &accounts,
+        &vec![INITIAL; accounts.len()],
+        &outcomes,
+    );
+    check_replicas(&restarted, &accounts);
+}
