@@ -718,6 +718,9 @@ pub struct Cluster {
 /// Lock-free reads of objects up to this size use a stack buffer.
 const LOCK_FREE_STACK_BYTES: usize = 256;
 
+/// Most polls of its host a `txn()` retry makes while the host's workers have work.
+const HOST_POLLS_PER_RETRY: usize = 64;
+
 /// Most attempts of one `txn()` call before it gives up with the last conflict.
 pub const TXN_ATTEMPTS_MAX: u32 = 10_000;
 
@@ -801,9 +804,14 @@ impl Cluster {
             let result = run_once(&self.inner, &mut host, machine, &mut f);
             match result {
                 Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
-                    // Let conflicting commits finish: they may need this very host's workers.
-                    let now = self.inner.now();
-                    host.poll_all(now);
+                    // Let conflicting commits (or recovery, for a blocked region) finish: they
+                    // may need this very host's workers, which no poller serves while it is
+                    // held. Poll until they are idle (bounded), then back off.
+                    for _ in 0..HOST_POLLS_PER_RETRY {
+                        if !host.poll_all(self.inner.now()) {
+                            break;
+                        }
+                    }
                     backoff.conflict(attempt);
                 }
                 other => return other,
