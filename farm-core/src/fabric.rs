@@ -132,6 +132,15 @@ pub trait Fabric: Send + Sync + fmt::Debug {
     /// Takes one datagram for `dst` that is due at `now` into `buf`, returning its sender.
     fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId>;
 
+    /// Precise membership at the target (§5.2): from now on `machine` takes one-sided writes
+    /// only from `members` (itself included); a write from anyone else, or one still in flight
+    /// from a machine removed since, fails without landing, as a NIC does once the queue pairs
+    /// of removed machines are torn down. Reads are not affected (the CM probes, new backups
+    /// copy). Fabrics that cannot fence leave it to the receivers, which ignore non-members.
+    fn admit(&self, machine: MachineId, members: &[MachineId]) {
+        let _ = (machine, members);
+    }
+
     /// Whether `machine` is up. A crashed process takes its threads with it, so a machine's
     /// own code always sees itself up; fabrics that stop a machine while its threads go on
     /// (the in-process `mem` fabric's kill) say so here, and waits on others end.

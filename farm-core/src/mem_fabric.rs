@@ -46,6 +46,8 @@ pub struct DatagramPolicy {
 #[derive(Debug)]
 struct Machine {
     alive: Arc<AtomicBool>,
+    /// Machines whose writes land here (`None`: everyone, until the first `admit`).
+    admitted: RwLock<Option<Vec<MachineId>>>,
     areas: RwLock<BTreeMap<MemKey, Arc<Nvram>>>,
     datagrams: Mutex<VecDeque<Datagram>>,
 }
@@ -150,6 +152,7 @@ impl MemFabric {
         let machines = (0..config.machines_max)
             .map(|_| Machine {
                 alive: Arc::new(AtomicBool::new(true)),
+                admitted: RwLock::new(None),
                 areas: RwLock::new(BTreeMap::new()),
                 datagrams: Mutex::new(VecDeque::new()),
             })
@@ -173,6 +176,17 @@ impl MemFabric {
         self.machines
             .get(id.0 as usize)
             .ok_or(FabricError::Unreachable(id))
+    }
+
+    /// Whether writes from `src` land at `dst` (see [`Fabric::admit`]).
+    fn admits(&self, dst: MachineId, src: MachineId) -> bool {
+        src == dst
+            || self.machines[dst.0 as usize]
+                .admitted
+                .read()
+                .expect("fabric lock poisoned")
+                .as_ref()
+                .is_none_or(|m| m.binary_search(&src).is_ok())
     }
 
     fn link(&self, src: Endpoint, dst: MachineId) -> &Link {
@@ -274,6 +288,9 @@ impl MemFabric {
                 thread: ThreadId(t),
             };
             for dst in 0..self.config.machines_max {
+                if !self.admits(MachineId(dst), machine) {
+                    continue; // Dropped with the link when the machine is killed below.
+                }
                 let link = self.link(src, MachineId(dst));
                 let mut held = link.held.lock().expect("fabric lock poisoned");
                 let land = rng.below(held.len() as u64 + 1) as usize;
@@ -331,6 +348,17 @@ impl MemFabric {
 
     /// Lands the oldest held write from `src` to `dst`; returns whether there was one.
     pub fn deliver_next(&self, src: Endpoint, dst: MachineId) -> bool {
+        if !self.admits(dst, src.machine) {
+            // The target removed the sender since: what was in flight is dropped.
+            let any = !self
+                .link(src, dst)
+                .held
+                .lock()
+                .expect("poisoned")
+                .is_empty();
+            self.fail_link(src, dst);
+            return any;
+        }
         let link = self.link(src, dst);
         let mut held = link.held.lock().expect("fabric lock poisoned");
         match held.pop_front() {
@@ -396,6 +424,7 @@ impl Fabric for MemFabric {
         }
         if !self.machine(dst)?.alive.load(Ordering::SeqCst)
             || !same_side(&self.groups, src.machine, dst)
+            || !self.admits(dst, src.machine)
         {
             return Err(FabricError::Unreachable(dst));
         }
@@ -460,6 +489,14 @@ impl Fabric for MemFabric {
                 due: now + delay,
                 data: data.to_vec(),
             });
+        }
+    }
+
+    fn admit(&self, machine: MachineId, members: &[MachineId]) {
+        let mut sorted = members.to_vec();
+        sorted.sort_unstable();
+        if let Ok(m) = self.machine(machine) {
+            *m.admitted.write().expect("fabric lock poisoned") = Some(sorted);
         }
     }
 
@@ -570,6 +607,29 @@ mod tests {
             0,
             "a failed write never lands"
         );
+    }
+
+    /// Precise membership at the target: once machine 1 admits only 1 and 2, a write from 0
+    /// fails, and one 0 posted before (held in flight) is dropped, not landed.
+    #[test]
+    fn writes_from_machines_a_target_removed_do_not_land() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        f.set_hold_writes(true);
+        let early = f.write(ep(0), MachineId(1), MemKey::Rings, 0, &[7; 8]).unwrap();
+        let kept = f.write(ep(2), MachineId(1), MemKey::Rings, 8, &[9; 8]).unwrap();
+        f.admit(MachineId(1), &[MachineId(2), MachineId(1)]);
+        assert!(matches!(
+            f.write(ep(0), MachineId(1), MemKey::Rings, 16, &[1; 8]),
+            Err(FabricError::Unreachable(_))
+        ));
+        f.deliver_all();
+        assert_eq!(f.write_status(ep(0), MachineId(1), early), WriteStatus::Failed);
+        assert_eq!(f.write_status(ep(2), MachineId(1), kept), WriteStatus::Done);
+        let mut buf = [0u8; 16];
+        mem.read(0, &mut buf);
+        assert_eq!(buf, [[0u8; 8], [9u8; 8]].concat()[..]);
     }
 
     #[test]

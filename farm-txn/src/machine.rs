@@ -435,6 +435,9 @@ impl MachineState {
         if let Some(dir) = &self.nvram_dir {
             persist_view(dir, &config, &map, &changes)?;
         }
+        // Precise membership (§5.2): writes from machines outside the configuration stop
+        // landing here, those still in flight included.
+        self.fabric.admit(self.id, &config.members);
         let old = guard.clone();
         let first = old.map.iter().next().is_none() && new_pools;
         let mut regions = Vec::new();
