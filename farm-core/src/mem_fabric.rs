@@ -617,15 +617,22 @@ mod tests {
         let mem = Arc::new(Nvram::anonymous(64).unwrap());
         f.register(MachineId(1), MemKey::Rings, mem.clone());
         f.set_hold_writes(true);
-        let early = f.write(ep(0), MachineId(1), MemKey::Rings, 0, &[7; 8]).unwrap();
-        let kept = f.write(ep(2), MachineId(1), MemKey::Rings, 8, &[9; 8]).unwrap();
+        let early = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[7; 8])
+            .unwrap();
+        let kept = f
+            .write(ep(2), MachineId(1), MemKey::Rings, 8, &[9; 8])
+            .unwrap();
         f.admit(MachineId(1), &[MachineId(2), MachineId(1)]);
         assert!(matches!(
             f.write(ep(0), MachineId(1), MemKey::Rings, 16, &[1; 8]),
             Err(FabricError::Unreachable(_))
         ));
         f.deliver_all();
-        assert_eq!(f.write_status(ep(0), MachineId(1), early), WriteStatus::Failed);
+        assert_eq!(
+            f.write_status(ep(0), MachineId(1), early),
+            WriteStatus::Failed
+        );
         assert_eq!(f.write_status(ep(2), MachineId(1), kept), WriteStatus::Done);
         let mut buf = [0u8; 16];
         mem.read(0, &mut buf);

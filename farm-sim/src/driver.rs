@@ -996,6 +996,22 @@ fn running(fabric: &MemFabric, paused: &BTreeMap<MachineId, u64>, m: MachineId) 
     fabric.is_alive(m) && !paused.contains_key(&m)
 }
 
+/// The newest configuration a running member installed (NEW-CONFIG): leases follow it, since
+/// NEW-CONFIG-ACK grants the new CM its leases (§5.2 step 6), so a driver that dies before
+/// committing is suspected under it.
+fn newest_installed(
+    fabric: &MemFabric,
+    paused: &BTreeMap<MachineId, u64>,
+    machines: &[Arc<MachineState>],
+) -> Option<Configuration> {
+    machines
+        .iter()
+        .filter(|m| running(fabric, paused, m.id))
+        .map(|m| m.view().config.clone())
+        .filter(|c| c.members.iter().any(|m| running(fabric, paused, *m)))
+        .max_by_key(|c| c.id)
+}
+
 fn newest_committed(
     fabric: &MemFabric,
     paused: &BTreeMap<MachineId, u64>,
@@ -1023,7 +1039,7 @@ fn lease_round(
     (paused, grace): (&BTreeMap<MachineId, u64>, &BTreeMap<MachineId, u64>),
     now: u64,
 ) -> Vec<MachineId> {
-    if let Some(config) = newest_committed(fabric, paused, machines) {
+    if let Some(config) = newest_installed(fabric, paused, machines) {
         if config.id > leases.config() {
             leases.reconfigure(&config, now);
         }

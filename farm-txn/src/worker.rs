@@ -502,6 +502,12 @@ impl Worker {
         if !self.alloc_replies.is_empty() {
             busy |= self.flush_alloc_replies();
         }
+        // After a whole-cluster restart, the logs hold the previous life's records, which only
+        // the first drain may take (to recovery); until it ran, logs wait.
+        let restart_drain_pending = self
+            .machine
+            .restart_config()
+            .is_some_and(|r| self.recovery.last_drained < r);
         for peer in 0..self.inbound.len() {
             let peer = MachineId(peer as u16);
             // Precise membership (§5.2): records and messages from machines outside the
@@ -509,7 +515,9 @@ impl Worker {
             if !self.view.config.contains(peer) {
                 continue;
             }
-            busy |= self.poll_log(peer);
+            if !restart_drain_pending {
+                busy |= self.poll_log(peer);
+            }
             busy |= self.poll_queue(peer);
         }
         busy |= self.coordinator_background(now);
