@@ -599,6 +599,16 @@ impl Sim {
     }
 
     fn advance_client(&mut self, c: usize, start_new: bool) {
+        // A machine checks its own lease before it tells an application anything (FaRM relies
+        // on bounded clock drift here, §5.1): one removed meanwhile stops instead, however long
+        // it took to notice for its other work. Otherwise a resumed machine could report a
+        // read-only transaction served from its stale replicas.
+        let m = self.workers[c].machine().id;
+        if self.leases.orphan_expired(m, self.now) {
+            self.leases.forget_orphan(m);
+            self.stop_evicted(vec![m]);
+            return;
+        }
         match std::mem::replace(&mut self.clients[c], Client::Idle) {
             Client::Idle if start_new => self.start_txn(c),
             Client::Idle => {}
