@@ -46,8 +46,9 @@ pub struct DatagramPolicy {
 #[derive(Debug)]
 struct Machine {
     alive: Arc<AtomicBool>,
-    /// Machines whose writes land here (`None`: everyone, until the first `admit`).
-    admitted: RwLock<Option<Vec<MachineId>>>,
+    /// Machines whose writes land here, a bit per machine (every bit set until the first
+    /// `admit`): one atomic load on the write path.
+    admitted: Box<[AtomicU64]>,
     areas: RwLock<BTreeMap<MemKey, Arc<Nvram>>>,
     datagrams: Mutex<VecDeque<Datagram>>,
 }
@@ -152,7 +153,9 @@ impl MemFabric {
         let machines = (0..config.machines_max)
             .map(|_| Machine {
                 alive: Arc::new(AtomicBool::new(true)),
-                admitted: RwLock::new(None),
+                admitted: (0..(config.machines_max as usize).div_ceil(64))
+                    .map(|_| AtomicU64::new(u64::MAX))
+                    .collect(),
                 areas: RwLock::new(BTreeMap::new()),
                 datagrams: Mutex::new(VecDeque::new()),
             })
@@ -180,13 +183,9 @@ impl MemFabric {
 
     /// Whether writes from `src` land at `dst` (see [`Fabric::admit`]).
     fn admits(&self, dst: MachineId, src: MachineId) -> bool {
-        src == dst
-            || self.machines[dst.0 as usize]
-                .admitted
-                .read()
-                .expect("fabric lock poisoned")
-                .as_ref()
-                .is_none_or(|m| m.binary_search(&src).is_ok())
+        let word =
+            self.machines[dst.0 as usize].admitted[src.0 as usize / 64].load(Ordering::Acquire);
+        src == dst || word & (1 << (src.0 % 64)) != 0
     }
 
     fn link(&self, src: Endpoint, dst: MachineId) -> &Link {
@@ -493,10 +492,15 @@ impl Fabric for MemFabric {
     }
 
     fn admit(&self, machine: MachineId, members: &[MachineId]) {
-        let mut sorted = members.to_vec();
-        sorted.sort_unstable();
-        if let Ok(m) = self.machine(machine) {
-            *m.admitted.write().expect("fabric lock poisoned") = Some(sorted);
+        let Ok(m) = self.machine(machine) else {
+            return;
+        };
+        for (i, word) in m.admitted.iter().enumerate() {
+            let bits = members
+                .iter()
+                .filter(|x| x.0 as usize / 64 == i)
+                .fold(0u64, |b, x| b | 1 << (x.0 % 64));
+            word.store(bits, Ordering::Release);
         }
     }
 
