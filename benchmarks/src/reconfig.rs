@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Parser;
 use farm::{Cluster, MachineId, ReconfigEvent};
+use farm_benchmarks::quantile;
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -46,10 +47,6 @@ struct Summary {
     kill_to_suspect_median_us: u64,
     kill_to_suspect_p99_us: u64,
     samples: Vec<Run>,
-}
-
-fn quantile(sorted: &[u64], q: f64) -> u64 {
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 fn main() -> anyhow::Result<()> {

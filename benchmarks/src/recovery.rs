@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Parser;
 use farm::{Addr, Cluster, MachineId, ReconfigEvent};
+use farm_benchmarks::{move_one, quantile, xorshift};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -70,10 +71,6 @@ struct Summary {
     samples: Vec<Run>,
 }
 
-fn quantile(sorted: &[u64], q: f64) -> u64 {
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
-}
-
 /// Window over which recovered throughput is measured.
 const WINDOW_MS: usize = 5;
 
@@ -116,15 +113,7 @@ fn one_run(args: &Args, run: usize, victim: MachineId) -> anyhow::Result<Run> {
                     if a == b {
                         continue;
                     }
-                    c.txn(m, |tx| {
-                        let x: u64 = tx.read(a)?;
-                        let y: u64 = tx.read(b)?;
-                        if x > 0 {
-                            tx.write(a, &(x - 1))?;
-                            tx.write(b, &(y + 1))?;
-                        }
-                        Ok(())
-                    })?;
+                    move_one(&c, m, a, b)?;
                 }
                 Ok(())
             })
@@ -195,17 +184,6 @@ fn one_run(args: &Args, run: usize, victim: MachineId) -> anyhow::Result<Run> {
         suspect_to_rereplicated_us: rereplicated.saturating_sub(suspect),
         timeline: serde_json::from_str(&t.to_json())?,
     })
-}
-
-/// A small xorshift generator per client (the workload only needs spread, not quality).
-fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    }
 }
 
 fn main() -> anyhow::Result<()> {

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Parser;
 use farm::{Addr, Cluster, ClusterBuilder, CoordinationStore, EmbeddedStore, MachineId, TxError};
+use farm_benchmarks::{move_one, quantile, xorshift};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -66,10 +67,6 @@ struct Summary {
     samples: Vec<Run>,
 }
 
-fn quantile(sorted: &[u64], q: f64) -> u64 {
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
-}
-
 fn builder(
     args: &Args,
     dir: &std::path::Path,
@@ -91,11 +88,9 @@ fn workload(c: &Arc<Cluster>, accounts: &Arc<Vec<Addr>>, args: &Args) -> usize {
             let (c, accounts, stop) = (c.clone(), accounts.clone(), stop.clone());
             std::thread::spawn(move || {
                 let mut done = 0;
-                let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                let mut rng = xorshift(seed);
                 while !stop.load(Ordering::Relaxed) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng();
                     let n = accounts.len() as u64;
                     let (a, b) = (x % n, (x / n) % n);
                     if a == b {
@@ -103,15 +98,7 @@ fn workload(c: &Arc<Cluster>, accounts: &Arc<Vec<Addr>>, args: &Args) -> usize {
                     }
                     let m = MachineId((x % c.machines() as u64) as u16);
                     let (from, to) = (accounts[a as usize], accounts[b as usize]);
-                    let r = c.txn(m, |tx| {
-                        let f: u64 = tx.read(from)?;
-                        let t: u64 = tx.read(to)?;
-                        if f == 0 {
-                            return Ok(());
-                        }
-                        tx.write(from, &(f - 1))?;
-                        tx.write(to, &(t + 1))
-                    });
+                    let r = move_one(&c, m, from, to);
                     match r {
                         Ok(()) => done += 1,
                         Err(TxError::CoordinatorFailed(_)) => break,

@@ -285,7 +285,7 @@ impl Sim {
 
     /// The newest configuration committed at a running machine.
     fn newest_committed(&self) -> Option<Configuration> {
-        newest_committed(&self.fabric, &self.paused, &self.machines)
+        newest_view(&self.fabric, &self.paused, &self.machines, true).map(|v| v.config.clone())
     }
 
     /// Leases, then stops the machines that learnt from theirs that they are out.
@@ -528,14 +528,12 @@ impl Sim {
             .iter()
             .flat_map(|m| (0..threads).map(move |t| Worker::new(m.clone(), ThreadId(t as u16))))
             .collect();
-        // Senders go on where receivers found their rings.
         for t in 0..threads {
-            for r in 0..machines.len() {
-                for s in 0..machines.len() {
-                    let start = workers[r * threads + t].inbound_start(MachineId(s as u16));
-                    workers[s * threads + t].resume_outbound(MachineId(r as u16), start);
-                }
-            }
+            let mut peers: Vec<&mut Worker> = workers
+                .iter_mut()
+                .filter(|w| w.thread().0 as usize == t)
+                .collect();
+            Worker::resume_rings(&mut peers);
         }
         fabric.set_hold_writes(true);
         self.paused.clear();
@@ -1006,34 +1004,29 @@ fn running(fabric: &MemFabric, paused: &BTreeMap<MachineId, u64>, m: MachineId) 
     fabric.is_alive(m) && !paused.contains_key(&m)
 }
 
-/// The newest configuration a running member installed (NEW-CONFIG): leases follow it, since
-/// NEW-CONFIG-ACK grants the new CM its leases (§5.2 step 6), so a driver that dies before
-/// committing is suspected under it.
-fn newest_installed(
+/// The newest view of a running machine: committed there (NEW-CONFIG-COMMIT) with
+/// `committed`, else installed (NEW-CONFIG) with a running member. Leases follow the installed
+/// one, since NEW-CONFIG-ACK grants the new CM its leases (§5.2 step 6), so a driver that dies
+/// before committing is suspected under it.
+fn newest_view(
     fabric: &MemFabric,
     paused: &BTreeMap<MachineId, u64>,
     machines: &[Arc<MachineState>],
-) -> Option<Configuration> {
-    machines
-        .iter()
-        .filter(|m| running(fabric, paused, m.id))
-        .map(|m| m.view().config.clone())
-        .filter(|c| c.members.iter().any(|m| running(fabric, paused, *m)))
-        .max_by_key(|c| c.id)
-}
-
-fn newest_committed(
-    fabric: &MemFabric,
-    paused: &BTreeMap<MachineId, u64>,
-    machines: &[Arc<MachineState>],
-) -> Option<Configuration> {
+    committed: bool,
+) -> Option<Arc<farm_txn::machine::View>> {
     machines
         .iter()
         .filter(|m| running(fabric, paused, m.id))
         .map(|m| (m.view(), m.committed_config()))
-        .filter(|(v, committed)| *committed >= v.config.id)
-        .map(|(v, _)| v.config.clone())
-        .max_by_key(|c| c.id)
+        .filter(|(v, c)| {
+            if committed {
+                *c >= v.config.id
+            } else {
+                v.config.members.iter().any(|m| running(fabric, paused, *m))
+            }
+        })
+        .map(|(v, _)| v)
+        .max_by_key(|v| v.config.id)
 }
 
 /// Leases (§5.1) at `now`: every running machine takes its datagrams and renews; expiries go to
@@ -1049,9 +1042,9 @@ fn lease_round(
     (paused, grace): (&BTreeMap<MachineId, u64>, &BTreeMap<MachineId, u64>),
     now: u64,
 ) -> Vec<MachineId> {
-    if let Some(config) = newest_installed(fabric, paused, machines) {
-        if config.id > leases.config() {
-            leases.reconfigure(&config, now);
+    if let Some(view) = newest_view(fabric, paused, machines, false) {
+        if view.config.id > leases.config() {
+            leases.reconfigure(&view.config, now);
         }
     }
     let mut out = Vec::new();

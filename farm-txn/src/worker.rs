@@ -254,9 +254,21 @@ impl Worker {
         }
     }
 
+    /// After a whole-cluster restart, before anything is sent: every sender among `peers` (the
+    /// workers of one thread on every machine, indexed by machine id) continues its log and
+    /// queue to every receiver where the receiver found them when it started.
+    pub fn resume_rings(peers: &mut [&mut Worker]) {
+        for receiver in 0..peers.len() {
+            for sender in 0..peers.len() {
+                let start = peers[receiver].inbound_start(MachineId(sender as u16));
+                peers[sender].resume_outbound(MachineId(receiver as u16), start);
+            }
+        }
+    }
+
     /// Where the sender's log and queue to this worker stood when it started: `(head, tail)` of
-    /// each, for the sender's [`Worker::resume_outbound`].
-    pub fn inbound_start(&self, sender: MachineId) -> [(u64, u64); 2] {
+    /// each.
+    fn inbound_start(&self, sender: MachineId) -> [(u64, u64); 2] {
         let i = &self.inbound[sender.0 as usize];
         [
             (i.log.freed(), i.started_tails[0]),
@@ -264,9 +276,8 @@ impl Worker {
         ]
     }
 
-    /// After a restart, continues this worker's log and queue to `receiver` where the
-    /// receiver's worker found them ([`Worker::inbound_start`]), before anything is sent.
-    pub fn resume_outbound(&mut self, receiver: MachineId, start: [(u64, u64); 2]) {
+    /// Continues this worker's log and queue to `receiver` from `start`.
+    fn resume_outbound(&mut self, receiver: MachineId, start: [(u64, u64); 2]) {
         let layout = self.machine.params.layout;
         let out = &mut self.outbound[receiver.0 as usize];
         assert!(

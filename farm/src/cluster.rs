@@ -390,13 +390,7 @@ impl ClusterBuilder {
                     .map(|m| Worker::new(m.clone(), ThreadId(t)))
                     .collect();
                 if self.restart {
-                    // Senders go on where receivers found their rings.
-                    for receiver in 0..workers.len() {
-                        for sender in 0..workers.len() {
-                            let start = workers[receiver].inbound_start(MachineId(sender as u16));
-                            workers[sender].resume_outbound(MachineId(receiver as u16), start);
-                        }
-                    }
+                    Worker::resume_rings(&mut workers.iter_mut().collect::<Vec<_>>());
                 }
                 Mutex::new(Host {
                     workers,

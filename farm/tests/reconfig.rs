@@ -6,6 +6,8 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+
 use farm::{Addr, Cluster, MachineId, ReconfigEvent, RegionId};
 use farm_cm::reconfig::backup_cms;
 use farm_core::config::Configuration;
@@ -167,22 +169,9 @@ fn reconfiguration_stores_the_new_configuration_in_zookeeper() {
     use farm::CoordinationStore;
     use std::sync::Arc;
 
-    let Ok(connect) = std::env::var("ZK_CONNECT") else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI=true but ZK_CONNECT is not set"
-        );
-        eprintln!("skipping: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
+    let Some((connect, root)) = common::zookeeper("reconfig") else {
         return;
     };
-    let root = format!(
-        "/farm-test/reconfig-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    );
     let store = Arc::new(ZkStore::connect(&connect, &root, Duration::from_secs(10)).unwrap());
     let c = Cluster::builder()
         .machines(4)

@@ -63,10 +63,7 @@ fn run_clients(
                 let mut done = Vec::new();
                 while !stop.load(Ordering::Relaxed) {
                     let m = coordinators[rng.below(coordinators.len() as u64) as usize];
-                    let a = rng.below(accounts.len() as u64) as usize;
-                    let b =
-                        (a + 1 + rng.below(accounts.len() as u64 - 1) as usize) % accounts.len();
-                    let amount = 1 + rng.below(10);
+                    let (a, b, amount) = common::random_transfer(&mut rng, accounts.len());
                     let (x, y) = (accounts[a], accounts[b]);
                     let r = common::transfer(&c, m, x, y, amount);
                     match r {

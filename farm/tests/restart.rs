@@ -55,10 +55,7 @@ fn transfers_until_power_off(
                 let (mut done, mut unknown) = (Vec::new(), Vec::new());
                 while !stop.load(Ordering::Relaxed) {
                     let m = MachineId(rng.below(c.machines() as u64) as u16);
-                    let n = accounts.len() as u64;
-                    let a = rng.below(n) as usize;
-                    let b = (a + 1 + rng.below(n - 1) as usize) % accounts.len();
-                    let amount = 1 + rng.below(10);
+                    let (a, b, amount) = common::random_transfer(&mut rng, accounts.len());
                     let (x, y) = (accounts[a], accounts[b]);
                     let r = common::transfer(&c, m, x, y, amount);
                     match r {
@@ -277,22 +274,9 @@ fn a_restart_is_refused_with_the_reason() {
 /// through a new session and stores the restart configuration there.
 #[test]
 fn a_cluster_restarts_from_zookeeper_and_nvram() {
-    let Ok(connect) = std::env::var("ZK_CONNECT") else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI=true but ZK_CONNECT is not set"
-        );
-        eprintln!("skipping: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
+    let Some((connect, root)) = common::zookeeper("restart") else {
         return;
     };
-    let root = format!(
-        "/farm-test/restart-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    );
     let zk = |root: &str| -> Arc<dyn CoordinationStore> {
         Arc::new(farm::zk::ZkStore::connect(&connect, root, Duration::from_secs(10)).unwrap())
     };

@@ -3,8 +3,10 @@
 //! starts one); under `CI=true` a missing or unreachable server fails the tests, elsewhere they
 //! are skipped with a printed reason.
 
+mod common;
+
 use std::sync::{Arc, Barrier};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use farm::zk::ZkStore;
 use farm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
@@ -23,19 +25,7 @@ fn embedded() -> Box<Factory> {
 }
 
 fn zookeeper(test: &str) -> Option<Box<Factory>> {
-    let Ok(connect) = std::env::var("ZK_CONNECT") else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI=true but ZK_CONNECT is not set: ZooKeeper tests must run in CI (run them under scripts/with-zookeeper.sh)"
-        );
-        eprintln!("skipping the ZooKeeper half of {test}: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
-        return None;
-    };
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let root = format!("/farm-test/{test}-{}-{nanos}", std::process::id());
+    let (connect, root) = common::zookeeper(test)?;
     Some(Box::new(move |n| {
         (0..n)
             .map(|_| {

@@ -1,6 +1,7 @@
 //! Helpers shared by the threaded runtime's tests.
 
 use farm::{Addr, Cluster, MachineId, TxError, Txn};
+use farm_core::rng::Rng;
 use farm_sim::Op;
 
 /// One list-append transaction body: for each `(key, append)` of `plan`, reads the list at
@@ -53,4 +54,36 @@ pub fn transfer(c: &Cluster, m: MachineId, x: Addr, y: Addr, amount: u64) -> Res
         tx.write(y, &(to + amount))?;
         Ok(true)
     })
+}
+
+/// A random transfer among `accounts` accounts: two distinct ones and an amount of 1 to 10.
+#[allow(dead_code)] // Not every test binary that shares this module runs a bank.
+pub fn random_transfer(rng: &mut Rng, accounts: usize) -> (usize, usize, u64) {
+    let a = rng.below(accounts as u64) as usize;
+    let b = (a + 1 + rng.below(accounts as u64 - 1) as usize) % accounts;
+    (a, b, 1 + rng.below(10))
+}
+
+/// Where the ZooKeeper tests find their server: `ZK_CONNECT` and a znode root of their own
+/// (`/farm-test/<test>-<pid>-<nanos>`). `None`, after saying why, when it is not set; under
+/// `CI=true` that fails instead, since ZooKeeper tests must run in CI.
+#[allow(dead_code)] // Not every test binary that shares this module talks to ZooKeeper.
+pub fn zookeeper(test: &str) -> Option<(String, String)> {
+    let Ok(connect) = std::env::var("ZK_CONNECT") else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI=true but ZK_CONNECT is not set: ZooKeeper tests must run in CI (run them under \
+             scripts/with-zookeeper.sh)"
+        );
+        eprintln!("skipping {test} against ZooKeeper: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
+        return None;
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    Some((
+        connect,
+        format!("/farm-test/{test}-{}-{nanos}", std::process::id()),
+    ))
 }
