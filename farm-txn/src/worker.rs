@@ -75,7 +75,7 @@ pub(crate) struct Inbound {
     /// transactions from before the restart, whose local counters the new life's bounds pass.
     pub(crate) restart_truncated_below: u64,
     /// Where the sender's log and queue tails were when this worker started (after a restart,
-    /// past the records kept; the sender resumes there: [`Worker::resume_outbound`]).
+    /// past the records kept; the sender resumes there: [`Worker::resume_rings`]).
     started_tails: [u64; 2],
 }
 
