@@ -388,7 +388,8 @@ impl MachineState {
         }
     }
 
-    /// The newest configuration this machine settled in (see [`MachineState::thread_settled`]).
+    /// The newest configuration this machine settled in: every thread's transaction recovery
+    /// idle there, and data and allocator recovery done.
     pub fn settled_config(&self) -> ConfigId {
         ConfigId(self.state.load_u64(STATE_SETTLED_OFFSET, Ordering::Acquire))
     }
