@@ -73,6 +73,15 @@ pub enum ReconfigError {
     /// The store failed; the outcome of the compare-and-set is unknown (read it again).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// Members of the new configuration did not acknowledge it in time (they failed after the
+    /// probes): a later attempt removes them.
+    #[error("configuration {} was not acknowledged by {missing:?}", config.0)]
+    NotAcknowledged {
+        /// The configuration stored.
+        config: ConfigId,
+        /// Members that did not acknowledge it.
+        missing: Vec<MachineId>,
+    },
 }
 
 /// Parameters of reconfiguration.
@@ -100,6 +109,8 @@ enum Phase {
     Acking {
         new: NewConfig,
         awaiting: BTreeSet<MachineId>,
+        /// Set at the first tick: acknowledgements missing then give up the attempt.
+        deadline: Option<u64>,
     },
     Done(Result<NewConfig, ReconfigError>),
 }
@@ -258,6 +269,21 @@ impl Reconfig {
             }
         }
         self.after_probe();
+        if let Phase::Acking {
+            new,
+            awaiting,
+            deadline,
+        } = &mut self.phase
+        {
+            let at = *deadline.get_or_insert(now + self.params.probe_timeout_ticks);
+            if now >= at && !awaiting.is_empty() {
+                self.phase = Phase::Done(Err(ReconfigError::NotAcknowledged {
+                    config: new.config.id,
+                    missing: awaiting.iter().copied().collect(),
+                }));
+                return;
+            }
+        }
         self.try_commit(now);
     }
 
@@ -335,7 +361,11 @@ impl Reconfig {
                         .iter()
                         .map(|m| Effect::SendNewConfig(*m, new.clone())),
                 );
-                Phase::Acking { new, awaiting }
+                Phase::Acking {
+                    new,
+                    awaiting,
+                    deadline: None,
+                }
             }
             Ok(CasOutcome::Conflict) => Phase::Done(Err(ReconfigError::LostRace(new.config.id))),
             Err(e) => Phase::Done(Err(e.into())),
@@ -344,7 +374,7 @@ impl Reconfig {
 
     /// NEW-CONFIG-ACK from `from` for configuration `config`.
     pub fn on_ack(&mut self, from: MachineId, config: ConfigId, now: u64) {
-        if let Phase::Acking { new, awaiting } = &mut self.phase {
+        if let Phase::Acking { new, awaiting, .. } = &mut self.phase {
             if config == new.config.id {
                 awaiting.remove(&from);
             }
@@ -353,7 +383,7 @@ impl Reconfig {
     }
 
     fn try_commit(&mut self, now: u64) {
-        let Phase::Acking { new, awaiting } = &self.phase else {
+        let Phase::Acking { new, awaiting, .. } = &self.phase else {
             return;
         };
         // Step 7: a removed machine may still act until its lease runs out; wait for that.
@@ -373,6 +403,21 @@ impl Reconfig {
     /// The machines this attempt removes (suspects and failed probes).
     pub fn suspects(&self) -> &BTreeSet<MachineId> {
         &self.suspects
+    }
+}
+
+/// The configuration a reconfiguration attempt starts from: the newest view's (`view`), or the
+/// one the store holds (`stored`) when that is newer. An attempt may store a configuration and
+/// fail before any live member installs it; the next one starts from the view before (its map
+/// and changes: the store keeps only the configuration), but with the stored membership, which
+/// machines may have acted on (one removed learns it from its lease and stops), and after the
+/// stored id, never storing another configuration with the same id (machines that installed
+/// the first one keep it in NVRAM).
+pub fn attempt_base(view: &Configuration, stored: &Configuration) -> Configuration {
+    if stored.id > view.id {
+        stored.clone()
+    } else {
+        view.clone()
     }
 }
 
@@ -496,6 +541,75 @@ mod tests {
         assert!(new.map.iter().all(|(_, p)| !p.holds(MachineId(3))));
         let (_, stored) = store.read().unwrap().unwrap();
         assert_eq!(codec::decode(&stored).unwrap(), new.config);
+    }
+
+    /// A member that fails after the probes never acknowledges: the attempt ends with an error
+    /// instead of waiting forever, and the next attempt, which starts from the view before (no
+    /// live member installed the stored configuration), numbers its configuration after the
+    /// stored one rather than reusing its id.
+    #[test]
+    fn a_member_failing_after_the_probes_ends_the_attempt_and_ids_are_not_reused() {
+        let (config, map, store, v) = setup(5);
+        let mut r = Reconfig::start(
+            MachineId(0),
+            config.clone(),
+            v,
+            map.clone(),
+            BTreeMap::new(),
+            BTreeSet::from([MachineId(4)]),
+            PARAMS,
+            0,
+            0,
+        );
+        let mut stored = None;
+        for _ in 0..10 {
+            for e in r.take_effects() {
+                match e {
+                    Effect::Probe(m) => r.on_probe(m, true, 1),
+                    Effect::CompareAndSet { expected, data } => {
+                        let out = store.compare_and_set(Some(expected), &data);
+                        if let Ok(CasOutcome::Written(v)) = &out {
+                            stored = Some(*v);
+                        }
+                        r.on_store(out);
+                    }
+                    // Machine 3 died after answering its probe.
+                    Effect::SendNewConfig(m, n) if m != MachineId(3) => r.on_ack(m, n.config.id, 1),
+                    _ => {}
+                }
+            }
+        }
+        // The first tick in the acknowledging phase starts the wait of one probe timeout.
+        r.tick(5);
+        r.tick(14);
+        assert!(r.outcome().is_none(), "gave up before the deadline");
+        r.tick(15);
+        match r.outcome() {
+            Some(Err(ReconfigError::NotAcknowledged { config, missing })) => {
+                assert_eq!(*config, ConfigId(2));
+                assert_eq!(missing, &vec![MachineId(3)]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let (_, bytes) = store.read().unwrap().unwrap();
+        let base = attempt_base(&config, &codec::decode(&bytes).unwrap());
+        assert_eq!(base.id, ConfigId(2));
+        assert!(!base.contains(MachineId(4)), "the stored membership counts");
+        let mut r = Reconfig::start(
+            MachineId(0),
+            base,
+            stored.expect("stored"),
+            map,
+            BTreeMap::new(),
+            BTreeSet::from([MachineId(3)]),
+            PARAMS,
+            0,
+            20,
+        );
+        drive(&mut r, &store, &[3, 4], 20);
+        r.tick(21);
+        let new = r.outcome().unwrap().as_ref().unwrap();
+        assert_eq!(new.config.id, ConfigId(3));
     }
 
     #[test]

@@ -285,15 +285,6 @@ pub struct HeadWord {
     pub offset: usize,
 }
 
-/// What a restarted receiver keeps of a ring's contents ([`RingReader::resume`]).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Resume {
-    /// Every complete record after the head (transaction logs: they are NVRAM state).
-    KeepRecords,
-    /// Nothing (message queues: their messages belong to threads that are gone).
-    Discard,
-}
-
 /// A valid frame on a ring, with its length.
 enum Framed {
     Skip(usize),
@@ -339,15 +330,10 @@ impl RingReader {
 
     /// A reader of a ring that may hold records from before a restart: it starts at the
     /// position in `head` (which it keeps up to date from now on), keeps the complete records
-    /// that follow it or none (`what`), and zeroes every other byte of the ring. Returns the
-    /// reader and the tail, the position after the records kept, where the sender goes on.
-    pub fn resume(
-        mem: Arc<Nvram>,
-        base: usize,
-        capacity: usize,
-        head: HeadWord,
-        what: Resume,
-    ) -> (Self, u64) {
+    /// that follow it, and zeroes every other byte of the ring (torn appends, interrupted
+    /// zeroing). Returns the reader and the tail, the position after the records kept, where
+    /// the sender goes on.
+    pub fn resume(mem: Arc<Nvram>, base: usize, capacity: usize, head: HeadWord) -> (Self, u64) {
         let mut r = Self::new(mem, base, capacity);
         let start = head
             .mem
@@ -356,14 +342,12 @@ impl RingReader {
         r.freed = start;
         r.head_word = Some(head);
         let mut tail = start;
-        if what == Resume::KeepRecords {
-            let mut buf = Vec::new();
-            while let Some(Framed::Skip(len) | Framed::Record(len)) = r.framed_at(tail, &mut buf) {
-                if tail + len as u64 - start >= capacity as u64 {
-                    break; // The last word is never used: this is the previous lap.
-                }
-                tail += len as u64;
+        let mut buf = Vec::new();
+        while let Some(Framed::Skip(len) | Framed::Record(len)) = r.framed_at(tail, &mut buf) {
+            if tail + len as u64 - start >= capacity as u64 {
+                break; // The last word is never used: this is the previous lap.
             }
+            tail += len as u64;
         }
         // Everything from the tail to the head's next lap is garbage or already zero.
         let cap = capacity as u64;
@@ -479,6 +463,11 @@ impl RingReader {
         self.freed
     }
 
+    /// The position after the last record polled.
+    pub fn polled(&self) -> u64 {
+        self.next
+    }
+
     /// Number of polled records not yet freed.
     pub fn held(&self) -> usize {
         self.live.iter().filter(|e| !e.2).count()
@@ -588,8 +577,7 @@ mod tests {
             mem: mem.clone(),
             offset: cap,
         };
-        let (mut r, tail) =
-            RingReader::resume(mem.clone(), 0, cap, head.clone(), Resume::KeepRecords);
+        let (mut r, tail) = RingReader::resume(mem.clone(), 0, cap, head.clone());
         assert_eq!(tail, 0, "a zeroed ring resumes empty");
         let mut w = RingWriter::new(cap);
         let mut buf = Vec::new();
@@ -618,8 +606,7 @@ mod tests {
         frame(&[9; 40], &mut framed);
         let torn_at = (w.tail() % cap as u64) as usize;
         mem.write(torn_at, &framed[..16]);
-        let (mut r2, tail) =
-            RingReader::resume(mem.clone(), 0, cap, head.clone(), Resume::KeepRecords);
+        let (mut r2, tail) = RingReader::resume(mem.clone(), 0, cap, head.clone());
         assert_eq!(tail, w.tail(), "records 5-7 are live");
         let mut seen = Vec::new();
         while let Some(p) = r2.poll(&mut buf) {
@@ -637,13 +624,6 @@ mod tests {
         assert!(append(&mem, 0, &mut w2, &[8; 8]));
         assert!(r2.poll(&mut buf).is_some());
         assert_eq!(buf[0], 8);
-        // Queues resume empty, wherever they were.
-        let (mut r3, tail) = RingReader::resume(mem.clone(), 0, cap, head, Resume::Discard);
-        assert_eq!(tail, r3.freed());
-        assert!(r3.poll(&mut buf).is_none());
-        assert!((0..cap)
-            .step_by(8)
-            .all(|o| mem.load_u64(o, std::sync::atomic::Ordering::Relaxed) == 0));
     }
 
     #[test]

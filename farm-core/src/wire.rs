@@ -177,13 +177,13 @@ pub enum RecoveryBody {
     NeedRecovery(Vec<TxnId>),
     /// Primary to backup: send the state of these transactions.
     FetchTxState(Vec<TxnId>),
-    /// Backup to primary: the LOCK-record contents of a transaction asked for, and whether the
-    /// backup saw its COMMIT-BACKUP (evidence for the region's vote, §5.3 step 6).
-    SendTxState(TxnId, WriteSet, bool),
-    /// Primary to backup: a transaction's LOCK-record contents the backup is missing, and
-    /// whether some replica of the region saw its COMMIT-BACKUP (so that the evidence survives
-    /// the replicas that held it).
-    ReplicateTxState(TxnId, WriteSet, bool),
+    /// Backup to primary: the LOCK-record contents of a transaction asked for, and what the
+    /// backup saw of it (evidence for the region's vote, §5.3 step 6).
+    SendTxState(TxnId, WriteSet, Seen),
+    /// Primary to backup: a transaction's LOCK-record contents the backup is missing, and what
+    /// the region's replicas saw of it (so that the evidence survives the replicas that held
+    /// it).
+    ReplicateTxState(TxnId, WriteSet, Seen),
     /// Primary to the recovery coordinator: the region's vote, with every region the
     /// transaction modified.
     RecoveryVote(TxnId, Vec<RegionId>, WireVote),
@@ -195,6 +195,38 @@ pub enum RecoveryBody {
     AbortRecovery(TxnId),
     /// Coordinator to every replica once all acked: forget the transaction.
     TruncateRecovery(TxnId),
+}
+
+/// What replicas of a region saw of a recovering transaction besides its writes (§5.3 step 6),
+/// as SEND-TX-STATE and REPLICATE-TX-STATE carry it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct Seen {
+    /// COMMIT-BACKUP.
+    pub commit_backup: bool,
+    /// COMMIT-PRIMARY or COMMIT-RECOVERY.
+    pub commit: bool,
+    /// ABORT-RECOVERY (or the coordinator's ABORT).
+    pub abort: bool,
+}
+
+impl Seen {
+    fn to_byte(self) -> u8 {
+        self.commit_backup as u8 | (self.commit as u8) << 1 | (self.abort as u8) << 2
+    }
+
+    fn from_byte(b: u8) -> Result<Self, WireError> {
+        if b > 7 {
+            return Err(WireError::Invalid {
+                field: "seen",
+                value: b as u64,
+            });
+        }
+        Ok(Self {
+            commit_backup: b & 1 != 0,
+            commit: b & 2 != 0,
+            abort: b & 4 != 0,
+        })
+    }
 }
 
 /// A region's vote on the wire.
@@ -255,8 +287,6 @@ const REC_REQUEST_VOTE: u8 = 6;
 const REC_COMMIT: u8 = 7;
 const REC_ABORT: u8 = 8;
 const REC_TRUNCATE: u8 = 9;
-const REC_SEND_COMMIT_BACKUP: u8 = 10;
-const REC_REPLICATE_COMMIT_BACKUP: u8 = 11;
 
 fn put_txn(out: &mut Vec<u8>, t: TxnId) {
     out.extend_from_slice(&t.config.0.to_le_bytes());
@@ -446,21 +476,13 @@ impl Message {
                         out.push(REC_FETCH);
                         put_txns(out, ts);
                     }
-                    RecoveryBody::SendTxState(t, ws, commit_backup) => {
-                        out.push(if *commit_backup {
-                            REC_SEND_COMMIT_BACKUP
-                        } else {
-                            REC_SEND
+                    RecoveryBody::SendTxState(t, ws, seen)
+                    | RecoveryBody::ReplicateTxState(t, ws, seen) => {
+                        out.push(match body {
+                            RecoveryBody::SendTxState(..) => REC_SEND,
+                            _ => REC_REPLICATE,
                         });
-                        put_txn(out, *t);
-                        put_write_set(out, ws);
-                    }
-                    RecoveryBody::ReplicateTxState(t, ws, commit_backup) => {
-                        out.push(if *commit_backup {
-                            REC_REPLICATE_COMMIT_BACKUP
-                        } else {
-                            REC_REPLICATE
-                        });
+                        out.push(seen.to_byte());
                         put_txn(out, *t);
                         put_write_set(out, ws);
                     }
@@ -560,20 +582,14 @@ impl Message {
                             RecoveryBody::FetchTxState(ts)
                         }
                     }
-                    REC_SEND
-                    | REC_SEND_COMMIT_BACKUP
-                    | REC_REPLICATE
-                    | REC_REPLICATE_COMMIT_BACKUP => {
+                    REC_SEND | REC_REPLICATE => {
+                        let seen = Seen::from_byte(r.u8()?)?;
                         let t = r.txn()?;
                         let ws = r.write_set()?;
-                        if kind == REC_REPLICATE || kind == REC_REPLICATE_COMMIT_BACKUP {
-                            RecoveryBody::ReplicateTxState(
-                                t,
-                                ws,
-                                kind == REC_REPLICATE_COMMIT_BACKUP,
-                            )
+                        if kind == REC_REPLICATE {
+                            RecoveryBody::ReplicateTxState(t, ws, seen)
                         } else {
-                            RecoveryBody::SendTxState(t, ws, kind == REC_SEND_COMMIT_BACKUP)
+                            RecoveryBody::SendTxState(t, ws, seen)
                         }
                     }
                     REC_VOTE => {
@@ -875,10 +891,34 @@ mod tests {
         let recovery = [
             RecoveryBody::NeedRecovery(vec![txn(), txn()]),
             RecoveryBody::FetchTxState(vec![]),
-            RecoveryBody::SendTxState(txn(), ws.clone(), false),
-            RecoveryBody::SendTxState(txn(), ws.clone(), true),
-            RecoveryBody::ReplicateTxState(txn(), ws.clone(), false),
-            RecoveryBody::ReplicateTxState(txn(), ws, true),
+            RecoveryBody::SendTxState(txn(), ws.clone(), Seen::default()),
+            RecoveryBody::SendTxState(
+                txn(),
+                ws.clone(),
+                Seen {
+                    commit_backup: true,
+                    commit: false,
+                    abort: true,
+                },
+            ),
+            RecoveryBody::ReplicateTxState(
+                txn(),
+                ws.clone(),
+                Seen {
+                    commit_backup: false,
+                    commit: true,
+                    abort: false,
+                },
+            ),
+            RecoveryBody::ReplicateTxState(
+                txn(),
+                ws,
+                Seen {
+                    commit_backup: true,
+                    commit: true,
+                    abort: true,
+                },
+            ),
             RecoveryBody::RecoveryVote(
                 txn(),
                 vec![RegionId(1), RegionId(4)],

@@ -8,7 +8,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use farm_cm::reconfig::{backup_cms, Effect, Reconfig, ReconfigParams};
+use farm_cm::reconfig::{attempt_base, backup_cms, Effect, Reconfig, ReconfigParams};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreVersion};
 use farm_core::config::RegionMap;
 use farm_core::mem_fabric::MemFabric;
@@ -25,10 +25,15 @@ pub struct SimCm {
     store: EmbeddedStore,
     version: StoreVersion,
     replicas: usize,
-    /// Machines suspected, with the tick from which the suspicion counts.
-    suspicions: Vec<(u64, MachineId)>,
+    /// Machines suspected, with the tick from which the suspicion counts and the machine whose
+    /// lease expired (the observer).
+    suspicions: Vec<(u64, MachineId, MachineId)>,
     /// The reconfiguration under way and the machine driving it.
     active: Option<(MachineId, Reconfig)>,
+    /// NEW-CONFIG and NEW-CONFIG-COMMIT messages of the active reconfiguration not sent yet:
+    /// one goes per step, so that a failure can come between any two (after the store write,
+    /// between installs, between commits). Probes and the store write are carried out at once.
+    pending: std::collections::VecDeque<Effect>,
     /// Configurations committed.
     pub committed: u64,
     /// The newest configuration announced with ALL-REGIONS-ACTIVE.
@@ -52,22 +57,26 @@ impl SimCm {
             replicas,
             suspicions: Vec::new(),
             active: None,
+            pending: std::collections::VecDeque::new(),
             committed: 0,
             announced: farm_core::ConfigId(1),
             paused: BTreeSet::new(),
         }
     }
 
-    /// The configuration in the coordination store.
+    /// The id of the configuration in the coordination store.
     pub fn stored_config(&self) -> farm_core::ConfigId {
+        self.stored_configuration().id
+    }
+
+    /// The configuration in the coordination store.
+    fn stored_configuration(&self) -> farm_core::config::Configuration {
         let (_, bytes) = self
             .store
             .read()
             .expect("embedded store")
             .expect("a configuration is stored from the start");
-        farm_cm::codec::decode(&bytes)
-            .expect("the CM stores valid configurations")
-            .id
+        farm_cm::codec::decode(&bytes).expect("the CM stores valid configurations")
     }
 
     /// Marks `machine` paused or running again.
@@ -79,9 +88,14 @@ impl SimCm {
         }
     }
 
-    /// `machine` will be suspected from tick `at` on.
-    pub fn suspect(&mut self, machine: MachineId, at: u64) {
-        self.suspicions.push((at, machine));
+    /// `observer` suspects `machine` from tick `at` on.
+    pub fn suspect(&mut self, machine: MachineId, observer: MachineId, at: u64) {
+        self.suspicions.push((at, machine, observer));
+    }
+
+    /// Whether a reconfiguration is under way.
+    pub fn reconfiguring(&self) -> bool {
+        self.active.is_some()
     }
 
     /// Whether a reconfiguration is under way or due.
@@ -131,39 +145,43 @@ impl SimCm {
         if !fabric.is_alive(me) {
             // The driver died: its suspicions stand, a live machine takes over.
             self.active = None;
+            self.pending.clear();
             return;
         }
         r.tick(now);
-        loop {
-            let effects = r.take_effects();
-            if effects.is_empty() {
-                break;
-            }
-            for e in effects {
-                match e {
-                    Effect::Probe(m) => r.on_probe(m, fabric.reachable(me, m), now),
-                    Effect::CompareAndSet { expected, data } => {
-                        let result = self.store.compare_and_set(Some(expected), &data);
-                        if let Ok(CasOutcome::Written(v)) = result {
-                            self.version = v;
-                        }
-                        r.on_store(result);
+        self.pending.extend(r.take_effects());
+        while let Some(e) = self.pending.pop_front() {
+            let message = matches!(e, Effect::SendNewConfig(..) | Effect::SendCommit(..));
+            match e {
+                Effect::Probe(m) => r.on_probe(m, fabric.reachable(me, m), now),
+                Effect::CompareAndSet { expected, data } => {
+                    let result = self.store.compare_and_set(Some(expected), &data);
+                    if let Ok(CasOutcome::Written(v)) = result {
+                        self.version = v;
                     }
-                    Effect::SendNewConfig(m, new) => {
-                        if fabric.reachable(me, m) {
-                            machines[m.0 as usize]
-                                .install(new.config.clone(), new.map.clone(), new.changes.clone())
-                                .expect("anonymous NVRAM");
-                            r.on_ack(m, new.config.id, now);
-                        }
+                    r.on_store(result);
+                }
+                Effect::SendNewConfig(m, new) => {
+                    if fabric.reachable(me, m) {
+                        machines[m.0 as usize]
+                            .install(new.config.clone(), new.map.clone(), new.changes.clone())
+                            .expect("anonymous NVRAM");
+                        r.on_ack(m, new.config.id, now);
                     }
-                    Effect::SendCommit(m, config) => {
-                        if fabric.reachable(me, m) {
-                            machines[m.0 as usize].commit_config(config);
-                        }
+                }
+                Effect::SendCommit(m, config) => {
+                    if fabric.reachable(me, m) {
+                        machines[m.0 as usize].commit_config(config);
                     }
                 }
             }
+            self.pending.extend(r.take_effects());
+            if message {
+                break;
+            }
+        }
+        if !self.pending.is_empty() {
+            return;
         }
         let Some(outcome) = r.outcome().cloned() else {
             return;
@@ -173,16 +191,18 @@ impl SimCm {
         // failed a probe meanwhile).
         if let Ok(new) = outcome {
             self.committed += 1;
-            self.suspicions.retain(|(_, m)| new.config.contains(*m));
+            // Suspicions by machines removed now are about leases that no longer exist.
+            self.suspicions
+                .retain(|(_, m, o)| new.config.contains(*m) && new.config.contains(*o));
         }
     }
 
     fn start(&mut self, now: u64, fabric: &MemFabric, machines: &[Arc<MachineState>]) {
-        let due: BTreeSet<MachineId> = self
+        let due: Vec<(MachineId, MachineId)> = self
             .suspicions
             .iter()
-            .filter(|(at, _)| *at <= now)
-            .map(|(_, m)| *m)
+            .filter(|(at, _, _)| *at <= now)
+            .map(|(_, m, observer)| (*m, *observer))
             .collect();
         if due.is_empty() {
             return;
@@ -197,21 +217,44 @@ impl SimCm {
         else {
             return;
         };
-        let config = view.config.clone();
-        let suspects: BTreeSet<MachineId> =
-            due.into_iter().filter(|m| config.contains(*m)).collect();
-        if suspects.is_empty() {
-            // Due suspicions of machines already removed are settled; later ones stand.
-            self.suspicions
-                .retain(|(at, m)| *at > now || config.contains(*m));
+        let config = attempt_base(&view.config, &self.stored_configuration());
+        // Due suspicions of machines already removed, or by them, are settled; later ones
+        // stand.
+        self.suspicions
+            .retain(|(at, m, o)| *at > now || (config.contains(*m) && config.contains(*o)));
+        let due: Vec<(MachineId, MachineId)> = due
+            .into_iter()
+            .filter(|(m, o)| config.contains(*m) && config.contains(*o))
+            .collect();
+        if due.is_empty() {
             return;
         }
-        let mut order = vec![config.cm];
+        // As in the runtime (§5.2): the CM removes the members it suspects itself; once the CM
+        // is suspected, it does not (a CM paused past its leases suspects every member on
+        // resuming, while they suspect it), and the first backup CM that runs removes it and
+        // those it suspects itself.
+        let cm = config.cm;
+        let cm_suspected = due.iter().any(|(m, _)| *m == cm);
+        let mut order = vec![cm];
         order.extend(backup_cms(&config, config.members.len()));
-        let Some(driver) = order
+        let chosen = order
             .into_iter()
-            .find(|m| fabric.is_alive(*m) && !self.paused.contains(m) && !suspects.contains(m))
-        else {
+            .filter(|d| fabric.is_alive(*d) && !self.paused.contains(d))
+            .find_map(|d| {
+                let suspects: BTreeSet<MachineId> = due
+                    .iter()
+                    .filter(|(m, observer)| *observer == d || (d != cm && *m == cm))
+                    .map(|(m, _)| *m)
+                    .filter(|m| config.contains(*m) && *m != d)
+                    .collect();
+                let acts = if d == cm {
+                    !suspects.is_empty() && !cm_suspected
+                } else {
+                    suspects.contains(&cm)
+                };
+                acts.then_some((d, suspects))
+            });
+        let Some((driver, suspects)) = chosen else {
             return;
         };
         let params = ReconfigParams {

@@ -53,9 +53,9 @@ pub struct SimConfig {
     /// Lose 1% of datagrams and delay each by up to a tenth of a lease (leases must ride it
     /// out; a false suspicion removes a live machine, which then stops like a paused one).
     pub lossy_datagrams: bool,
-    /// Whole-cluster power losses (at seeded steps, each postponed until no reconfiguration or
-    /// recovery is under way): every machine crashes at once, each landing a seeded prefix of
-    /// its held writes, and the cluster restarts from its NVRAM (`MachineState::restore`).
+    /// Whole-cluster power losses at seeded steps, in the middle of a reconfiguration or of
+    /// recovery as likely as not: every machine crashes at once, each landing a seeded prefix
+    /// of its held writes, and the cluster restarts from its NVRAM (`MachineState::restore`).
     pub power_losses: u16,
 }
 
@@ -98,6 +98,11 @@ pub struct SimOutcome {
     pub configurations: u64,
     /// Whole-cluster restarts after a power loss.
     pub restarts: u64,
+    /// Of those, restarts after a power loss in the middle of a reconfiguration (the CM busy,
+    /// or a member without the newest view), of transaction recovery (a member's thread with
+    /// its logs not drained for the newest configuration or a transaction still recovering),
+    /// and of data or allocator recovery only.
+    pub restarts_mid: (u64, u64, u64),
     /// Machines paused.
     pub paused: u64,
     /// Machines that stopped because their own lease told them they had been removed.
@@ -141,6 +146,8 @@ pub struct Sim {
     crashed: Vec<MachineId>,
     /// Steps from which the power may go, earliest last.
     power_loss_at: Vec<u64>,
+    /// The first power loss waits for the CM to start a reconfiguration.
+    power_loss_in_reconfiguration: bool,
     /// Steps at which a machine pauses, earliest last.
     pause_at: Vec<u64>,
     /// Paused machines, with the tick they run again.
@@ -151,6 +158,7 @@ pub struct Sim {
     pauses_done: u64,
     evicted: u64,
     restarts: u64,
+    restarts_mid: (u64, u64, u64),
     params: Params,
     step_no: u64,
 }
@@ -215,6 +223,20 @@ impl Sim {
         let mut power_loss_at: Vec<u64> = (0..config.power_losses)
             .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
             .collect();
+        // In a third of the runs with a crash, the power goes soon after it, during the
+        // recovery that follows; in another third, during the reconfiguration (a few steps
+        // after the CM starts one, `step`).
+        let mut power_loss_in_reconfiguration = false;
+        if let (Some(crash), Some(first)) = (crash_at.last(), power_loss_at.first_mut()) {
+            match rng.below(3) {
+                0 => *first = crash + rng.below(config.steps / 5),
+                1 => {
+                    *first = u64::MAX;
+                    power_loss_in_reconfiguration = true;
+                }
+                _ => {}
+            }
+        }
         power_loss_at.sort_unstable_by(|a, b| b.cmp(a));
         let mut pause_at: Vec<u64> = (0..config.pauses)
             .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
@@ -239,6 +261,7 @@ impl Sim {
             crash_at,
             crashed: Vec::new(),
             power_loss_at,
+            power_loss_in_reconfiguration,
             pause_at,
             paused: BTreeMap::new(),
             grace: BTreeMap::new(),
@@ -246,6 +269,7 @@ impl Sim {
             pauses_done: 0,
             evicted: 0,
             restarts: 0,
+            restarts_mid: (0, 0, 0),
             params,
             step_no: 0,
         };
@@ -436,31 +460,36 @@ impl Sim {
         }
     }
 
-    /// Whether every member of the newest configuration settled in it and the CM has nothing
-    /// under way: a power loss now can be restarted from (see `farm_txn::machine::restart_view`).
-    fn settled(&self) -> bool {
-        let Some(view) = self
-            .machines
-            .iter()
-            .map(|m| m.view())
-            .max_by_key(|v| v.config.id)
-        else {
-            return false;
-        };
-        !self.cm.busy()
-            && view
-                .config
-                .members
-                .iter()
-                .all(|m| self.machines[m.0 as usize].settled_config() == view.config.id)
-    }
-
     /// The power goes: every live machine crashes at once, landing a prefix of its held writes,
     /// and every commit in flight gets an unknown outcome. Then the cluster restarts from its
     /// memory, which survived as NVRAM does: the members of the stored configuration reopen it
     /// in a new configuration whose recovery decides every transaction the logs hold; machines
     /// removed before stay down.
     fn power_loss(&mut self) {
+        let newest = self
+            .machines
+            .iter()
+            .map(|m| m.view())
+            .max_by_key(|v| v.config.id)
+            .expect("machines");
+        let members = &newest.config.members;
+        let views_differ = members
+            .iter()
+            .any(|m| self.machines[m.0 as usize].view().config.id != newest.config.id);
+        let transaction_recovery = self.workers.iter().any(|w| {
+            members.contains(&w.machine().id)
+                && (w.last_drained() < newest.config.id || !w.recovery_idle())
+        });
+        if self.cm.busy() || views_differ {
+            self.restarts_mid.0 += 1;
+        } else if transaction_recovery {
+            self.restarts_mid.1 += 1;
+        } else if members
+            .iter()
+            .any(|m| self.machines[m.0 as usize].settled_config() != newest.config.id)
+        {
+            self.restarts_mid.2 += 1;
+        }
         for m in 0..self.machines.len() {
             let m = MachineId(m as u16);
             if self.fabric.is_alive(m) {
@@ -482,7 +511,8 @@ impl Sim {
                     map: v.map.clone(),
                     changes: v.changes.clone(),
                 };
-                Some((view, m.settled_config()))
+                let copying = m.regions_to_copy();
+                Some(farm_txn::machine::Persisted { view, copying })
             })
             .collect();
         let view = farm_txn::machine::restart_view(stored, &persisted)
@@ -563,11 +593,18 @@ impl Sim {
         }
         self.resume_due();
         self.lease_step();
+        if self.power_loss_in_reconfiguration && self.cm.reconfiguring() {
+            self.power_loss_in_reconfiguration = false;
+            let at = self.step_no + self.rng.below(60);
+            if let Some(pending) = self.power_loss_at.iter_mut().find(|a| **a == u64::MAX) {
+                *pending = at;
+            }
+            self.power_loss_at.sort_unstable_by(|a, b| b.cmp(a));
+        }
         if self
             .power_loss_at
             .last()
             .is_some_and(|at| *at <= self.step_no)
-            && self.settled()
         {
             self.power_loss_at.pop();
             self.power_loss();
@@ -866,6 +903,7 @@ impl Sim {
             unknown: (self.unknown.len(), unknown_committed.0),
             configurations: self.cm.committed,
             restarts: self.restarts,
+            restarts_mid: self.restarts_mid,
             paused: self.pauses_done,
             evicted: self.evicted,
         }
@@ -1058,7 +1096,7 @@ fn lease_round(
             continue;
         }
         for x in leases.step_machine(m, fabric, now) {
-            cm.suspect(x, now);
+            cm.suspect(x, m, now);
         }
     }
     out

@@ -13,6 +13,7 @@ pub mod coordinator;
 pub mod error;
 pub mod machine;
 pub mod recovery;
+mod recovery_log;
 pub mod stats;
 pub mod worker;
 

@@ -164,8 +164,12 @@ pub struct MachineState {
     evicted: std::sync::atomic::AtomicBool,
     /// Regions this machine holds as a new backup, still to be copied from their primary.
     /// With whether the region is down to one replica that holds its data (then the copy runs
-    /// at the aggressive pace, §5.4).
+    /// at the aggressive pace, §5.4). Kept in NVRAM too (a restart must not take an unfinished
+    /// copy for a replica).
     to_copy: Mutex<BTreeMap<RegionId, bool>>,
+    /// The views this machine installed that a restart may still need: the newest, and those
+    /// some thread last drained a log in (its drain mark names them). Kept in NVRAM too.
+    views: Mutex<BTreeMap<ConfigId, farm_core::codec::StoredView>>,
     /// Frees committed at regions whose free lists allocator recovery has not rebuilt yet
     /// (§5.5), or whose thread had no slabs yet.
     queued_frees: Mutex<Vec<(farm_core::Addr, u32)>>,
@@ -174,10 +178,15 @@ pub struct MachineState {
     /// The configuration this machine restarted into after the whole cluster stopped, if it
     /// did: its first round of transaction recovery recovers every transaction in its logs.
     restart: Option<ConfigId>,
+    /// After a restart, the view the cluster restarted from (placements as the previous life
+    /// left them; a primary moved by the restart has its change at the restart).
+    restored: Option<farm_core::codec::StoredView>,
     /// Per local thread, the newest configuration whose transaction recovery that thread
     /// finished (it drained the configuration and holds no recovering transaction).
     settled_threads: Mutex<BTreeMap<u16, ConfigId>>,
-    /// Persistent state: [`STATE_MAGIC`] and the newest configuration this machine settled in.
+    /// The newest configuration this machine settled in ([`MachineState::settled_config`]).
+    settled: AtomicU64,
+    /// Persistent state: [`STATE_MAGIC`], which marks the directory as a farm-rs machine's.
     state: Arc<Nvram>,
     /// Inbound logs and message queues.
     pub rings: Arc<Nvram>,
@@ -190,6 +199,15 @@ pub struct MachineState {
     pub truncation: Arc<Nvram>,
     /// Truncation feedback written by receivers of this machine's records.
     pub feedback: Arc<Nvram>,
+    /// Per worker thread, the recovery log: the recovery messages (REPLICATE-TX-STATE,
+    /// COMMIT-RECOVERY, ABORT-RECOVERY) the thread processed, kept until their transaction is
+    /// forgotten, so that a whole-cluster restart sees what the queue no longer holds
+    /// ([`MachineState::recovery_log_ring`]).
+    pub recovery_log: Arc<Nvram>,
+    /// Per inbound log, the drain mark: where the log stood when this thread last drained it
+    /// and the configuration it drained (§5.3 step 2). A restart knows from it which records
+    /// landed after the drain, which recovery had rejected ([`MachineState::drain_mark`]).
+    pub drain_marks: Arc<Nvram>,
     /// The network.
     pub fabric: Arc<dyn Fabric>,
 }
@@ -213,18 +231,18 @@ impl MachineState {
             nvram_dir.map(Reopen::Dir),
             None,
         )?;
-        state
-            .state
-            .store_u64(STATE_SETTLED_OFFSET, config.id.0, Ordering::Release);
+        state.settled.store(config.id.0, Ordering::Release);
         state.install(config, region_map, BTreeMap::new())?;
         Ok(state)
     }
 
     /// Reopens the NVRAM a machine left when the whole cluster stopped (`from`), with the view
-    /// it had then (`stored`, see [`read_persisted`] and [`restart_view`]), and
+    /// the cluster restarts from (`stored`, see [`read_persisted`] and [`restart_view`]), and
     /// installs `restart`: the same members and regions in a new configuration in which every
     /// region changed primary and replicas, so that transaction recovery recovers every
     /// transaction in the logs (§5.3) and allocator recovery rebuilds every free list (§5.5).
+    /// Replicas of `stored` this machine did not hold in its own newest view, or was still
+    /// copying, are copied again from their primaries (§5.4).
     /// The caller commits `restart` once every machine is open.
     pub fn restore(
         id: MachineId,
@@ -240,7 +258,39 @@ impl MachineState {
             changes,
         } = stored;
         assert!(restart > config.id, "a restart needs a new configuration");
-        let state = Self::open(id, params, &config, fabric, Some(from), Some(restart))?;
+        let restored = farm_core::codec::StoredView {
+            config: config.clone(),
+            map: map.clone(),
+            changes: changes.clone(),
+        };
+        let state = Self::open(
+            id,
+            params,
+            &config,
+            fabric,
+            Some(from),
+            Some((restart, restored)),
+        )?;
+        let own = state
+            .views
+            .lock()
+            .expect("poisoned")
+            .last_key_value()
+            .map(|(_, v)| v.clone());
+        let incomplete: BTreeMap<RegionId, bool> = {
+            let copying = state.to_copy.lock().expect("poisoned");
+            map.iter()
+                .filter(|(r, p)| {
+                    let held = own
+                        .as_ref()
+                        .and_then(|v| v.map.get(*r))
+                        .is_some_and(|q| q.holds(id));
+                    p.holds(id) && (!held || copying.contains_key(r))
+                })
+                .map(|(r, _)| (r, true))
+                .collect()
+        };
+        *state.to_copy.lock().expect("poisoned") = incomplete;
         state.install_view(config.clone(), map.clone(), changes, false)?;
         let all_changed = map
             .iter()
@@ -267,8 +317,9 @@ impl MachineState {
         config: &Configuration,
         fabric: Arc<dyn Fabric>,
         from: Option<Reopen<'_>>,
-        restart: Option<ConfigId>,
+        restart: Option<(ConfigId, farm_core::codec::StoredView)>,
     ) -> io::Result<Arc<Self>> {
+        let (restart, restored) = restart.unzip();
         params
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
@@ -308,6 +359,26 @@ impl MachineState {
                 map_area(&nvram_dir, "state", STATE_BYTES)?,
             ),
         };
+        let (recovery_log, drain_marks, views, to_copy) = match from {
+            Some(Reopen::Memory(old)) => (
+                old.recovery_log.clone(),
+                old.drain_marks.clone(),
+                old.views.lock().expect("poisoned").clone(),
+                old.regions_to_copy(),
+            ),
+            _ => (
+                map_area(&nvram_dir, "recovery-log", recovery_log_bytes(&params))?,
+                map_area(&nvram_dir, "drain-marks", truncation_bytes * 2)?,
+                match &nvram_dir {
+                    Some(dir) => read_views(dir, id)?,
+                    None => BTreeMap::new(),
+                },
+                match &nvram_dir {
+                    Some(dir) => read_copying(dir)?,
+                    None => BTreeMap::new(),
+                },
+            ),
+        };
         match state.load_u64(0, Ordering::Acquire) {
             0 => state.store_u64(0, STATE_MAGIC, Ordering::Release),
             STATE_MAGIC => {}
@@ -341,20 +412,64 @@ impl MachineState {
             drained: Mutex::new((config.id, BTreeSet::new())),
             all_active: AtomicU64::new(config.id.0),
             evicted: std::sync::atomic::AtomicBool::new(false),
-            to_copy: Mutex::new(BTreeMap::new()),
+            to_copy: Mutex::new(to_copy),
+            views: Mutex::new(views),
             queued_frees: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
             lock_recovery: Mutex::new(BTreeMap::new()),
             recovery_locks: Mutex::new(BTreeMap::new()),
             restart,
+            restored,
             settled_threads: Mutex::new(BTreeMap::new()),
+            settled: AtomicU64::new(0),
             state,
             rings,
             heads,
             truncation,
             feedback,
+            recovery_log,
+            drain_marks,
             fabric,
         }))
+    }
+
+    /// Where thread `thread`'s recovery log lies in [`MachineState::recovery_log`]: the offset
+    /// of its head word, and the ring's base and capacity.
+    pub fn recovery_log_ring(&self, thread: u16) -> (usize, usize, usize) {
+        let bytes = recovery_log_ring_bytes(&self.params);
+        let header = recovery_log_header_bytes(&self.params);
+        (thread as usize * 8, header + thread as usize * bytes, bytes)
+    }
+
+    /// The drain mark of the log from `sender` at `thread`: the position after the records the
+    /// last drain took, and the configuration drained (0 before any drain).
+    pub fn drain_mark(&self, sender: MachineId, thread: u16) -> (u64, ConfigId) {
+        let at = 2 * self.truncation_offset(sender, thread);
+        let pos = self.drain_marks.load_u64(at, Ordering::Acquire);
+        let config = self.drain_marks.load_u64(at + 8, Ordering::Acquire);
+        (pos, ConfigId(config))
+    }
+
+    /// Records a drain of `config` that took the log from `sender` at `thread` up to `pos`. The
+    /// position goes first: a stop between the two writes leaves the new position with the
+    /// previous configuration, which rejects fewer records, never one the drain took.
+    pub(crate) fn set_drain_mark(
+        &self,
+        sender: MachineId,
+        thread: u16,
+        pos: u64,
+        config: ConfigId,
+    ) {
+        let at = 2 * self.truncation_offset(sender, thread);
+        self.drain_marks.store_u64(at, pos, Ordering::Release);
+        self.drain_marks
+            .store_u64(at + 8, config.0, Ordering::Release);
+    }
+
+    /// The view this machine installed for `config`, if it still keeps it (see
+    /// [`MachineState::drain_mark`]).
+    pub fn installed_view(&self, config: ConfigId) -> Option<farm_core::codec::StoredView> {
+        self.views.lock().expect("poisoned").get(&config).cloned()
     }
 
     /// Offset in [`MachineState::truncation`] of the bound from `sender`'s thread `thread`.
@@ -367,10 +482,25 @@ impl MachineState {
         self.restart
     }
 
+    /// After a restart, whether this machine was the primary of `region` from the start of
+    /// `txn`'s commit until the cluster stopped: then the transaction's LOCK record reached it,
+    /// if any did, and it kept it until the transaction aborted or was truncated.
+    pub(crate) fn primary_before_restart_since(
+        &self,
+        region: RegionId,
+        txn: farm_core::TxnId,
+    ) -> bool {
+        self.restored.as_ref().is_some_and(|v| {
+            v.map.get(region).is_some_and(|p| p.primary == self.id)
+                && v.changes
+                    .get(&region)
+                    .is_none_or(|c| c.last_primary_change <= txn.config)
+        })
+    }
+
     /// Records that `thread` finished transaction recovery for `config` (nothing recovering,
     /// logs drained for it). Once every thread has, and data and allocator recovery are done,
-    /// the machine is settled in `config`, which it records in NVRAM: a whole-cluster restart
-    /// needs every member settled in the newest configuration (see [`read_persisted`]).
+    /// the machine is settled in `config`: recovery is over here.
     pub(crate) fn thread_settled(&self, config: ConfigId, thread: u16) {
         let mut threads = self.settled_threads.lock().expect("poisoned");
         threads.insert(thread, config);
@@ -383,15 +513,14 @@ impl MachineState {
             && self.all_active_config() >= config
             && self.background_recovery_done()
         {
-            self.state
-                .store_u64(STATE_SETTLED_OFFSET, config.0, Ordering::Release);
+            self.settled.store(config.0, Ordering::Release);
         }
     }
 
     /// The newest configuration this machine settled in: every thread's transaction recovery
     /// idle there, and data and allocator recovery done.
     pub fn settled_config(&self) -> ConfigId {
-        ConfigId(self.state.load_u64(STATE_SETTLED_OFFSET, Ordering::Acquire))
+        ConfigId(self.settled.load(Ordering::Acquire))
     }
 
     /// The current view.
@@ -433,9 +562,6 @@ impl MachineState {
             .map(|(r, _)| *r)
             .collect();
         let mut guard = self.view.lock().expect("view poisoned");
-        if let Some(dir) = &self.nvram_dir {
-            persist_view(dir, &config, &map, &changes)?;
-        }
         // Precise membership (§5.2): writes from machines outside the configuration stop
         // landing here, those still in flight included.
         self.fabric.admit(self.id, &config.members);
@@ -493,6 +619,10 @@ impl MachineState {
                 };
             }
         }
+        // Regions still to copy first: a view naming a replica whose copy is not listed would
+        // pass for complete after a restart.
+        self.persist_copying()?;
+        self.persist_view(&config, &map, &changes)?;
         *guard = Arc::new(View {
             config,
             map,
@@ -503,6 +633,63 @@ impl MachineState {
         });
         self.view_generation.fetch_add(1, Ordering::Release);
         Ok(())
+    }
+
+    /// Keeps the view of `config` (in a file of its own when this machine has an NVRAM
+    /// directory), and forgets older views no drain mark names.
+    fn persist_view(
+        &self,
+        config: &Configuration,
+        map: &RegionMap,
+        changes: &BTreeMap<RegionId, RegionChanges>,
+    ) -> io::Result<()> {
+        if let Some(dir) = &self.nvram_dir {
+            let bytes = farm_core::codec::encode_view(config, map, changes);
+            write_atomically(dir, &view_file(config.id), &bytes)?;
+        }
+        let mut views = self.views.lock().expect("poisoned");
+        views.insert(
+            config.id,
+            farm_core::codec::StoredView {
+                config: config.clone(),
+                map: map.clone(),
+                changes: changes.clone(),
+            },
+        );
+        let layout = self.params.layout;
+        let named: BTreeSet<ConfigId> = (0..layout.machines_max)
+            .flat_map(|m| (0..layout.threads).map(move |t| (MachineId(m), t)))
+            .map(|(m, t)| self.drain_mark(m, t).1)
+            .collect();
+        let stale: Vec<ConfigId> = views
+            .keys()
+            .filter(|c| **c < config.id && !named.contains(c))
+            .copied()
+            .collect();
+        for c in stale {
+            views.remove(&c);
+            if let Some(dir) = &self.nvram_dir {
+                match std::fs::remove_file(dir.join(view_file(c))) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the regions still to copy to NVRAM (a file, when this machine has a directory).
+    fn persist_copying(&self) -> io::Result<()> {
+        let Some(dir) = &self.nvram_dir else {
+            return Ok(());
+        };
+        let to_copy = self.to_copy.lock().expect("poisoned").clone();
+        let mut bytes = Vec::with_capacity(to_copy.len() * 5);
+        for (r, aggressive) in to_copy {
+            bytes.extend_from_slice(&r.0.to_le_bytes());
+            bytes.push(aggressive as u8);
+        }
+        write_atomically(dir, COPYING_FILE, &bytes)
     }
 }
 
@@ -603,7 +790,19 @@ impl MachineState {
     }
 
     pub(crate) fn copy_done(&self, region: RegionId) {
-        self.to_copy.lock().expect("poisoned").remove(&region);
+        if self
+            .to_copy
+            .lock()
+            .expect("poisoned")
+            .remove(&region)
+            .is_none()
+        {
+            return;
+        }
+        // Failing to record it only makes a restart copy the region again.
+        if let Err(e) = self.persist_copying() {
+            tracing::warn!(machine = self.id.0, region = region.0, error = %e, "recording a finished copy");
+        }
     }
 
     /// Data and allocator recovery milestones so far.
@@ -822,93 +1021,219 @@ pub enum Reopen<'a> {
     Memory(&'a MachineState),
 }
 
+/// What a machine left in NVRAM that a whole-cluster restart decides from ([`read_persisted`]).
+#[derive(Clone, Debug)]
+pub struct Persisted {
+    /// The newest view it installed.
+    pub view: farm_core::codec::StoredView,
+    /// The regions it was still copying as a new backup (with whether aggressively): its
+    /// replicas of these are incomplete.
+    pub copying: BTreeMap<RegionId, bool>,
+}
+
+impl Persisted {
+    /// Whether this machine, `id`, holds a complete replica of `region`: its own view has it
+    /// and it was not still copying it.
+    pub fn complete(&self, id: MachineId, region: RegionId) -> bool {
+        self.view.map.get(region).is_some_and(|p| p.holds(id))
+            && !self.copying.contains_key(&region)
+    }
+}
+
 /// The view a whole-cluster restart resumes from, given the configuration in the coordination
 /// store (`stored`) and what each machine left (`persisted`, by machine id; see
-/// [`read_persisted`]): the newest view (most regions among equals), provided it is the stored
-/// configuration and every member settled in it. Otherwise why restarting is refused: a
-/// reconfiguration or a recovery was under way, and recovery decisions are not logged, so a
-/// half-applied one could not be told apart from the logs.
+/// [`read_persisted`]): the newest view any machine installed (most regions among equals).
+/// The cluster may have stopped at any point, in the middle of a reconfiguration or of
+/// recovery included: members that had not installed the newest view take it from there, and
+/// the replicas they did not hold, or were still copying, are copied again after the restart
+/// (§5.4). A region whose primary in that view holds no complete replica gets a complete backup
+/// as its primary. Refused, with the reason, when no machine left a view, when the store is
+/// behind the NVRAM (another store?), or when a region has no complete replica left.
 pub fn restart_view(
     stored: ConfigId,
-    persisted: &[Option<(farm_core::codec::StoredView, ConfigId)>],
+    persisted: &[Option<Persisted>],
 ) -> Result<farm_core::codec::StoredView, String> {
     let newest = persisted
         .iter()
         .flatten()
-        .map(|(v, _)| v)
+        .map(|p| &p.view)
         .max_by_key(|v| (v.config.id, v.map.iter().count()))
         .ok_or("no machine left a view: nothing to restart")?;
-    if newest.config.id != stored {
+    if newest.config.id > stored {
         return Err(format!(
-            "the coordination store holds configuration {} but the newest one in NVRAM is {}: the \
-             cluster stopped in the middle of a reconfiguration, and restarting from that state \
-             is not supported",
+            "the coordination store holds configuration {} but machines installed {}: is this \
+             the store the cluster ran with?",
             stored.0, newest.config.id.0
         ));
     }
-    for m in &newest.config.members {
-        let settled = persisted
+    let mut view = newest.clone();
+    let complete = |m: MachineId, r: RegionId| {
+        persisted
             .get(m.0 as usize)
             .and_then(Option::as_ref)
-            .map(|(_, s)| *s);
-        if settled != Some(stored) {
-            return Err(format!(
-                "machine {m} had not finished recovering configuration {} when the cluster \
-                 stopped (settled in {}): restarting from that state is not supported",
-                stored.0,
-                settled.map_or("none".into(), |s| s.0.to_string())
-            ));
+            .is_some_and(|p| p.complete(m, r))
+    };
+    let regions: Vec<(RegionId, farm_core::config::Placement)> =
+        view.map.iter().map(|(r, p)| (r, p.clone())).collect();
+    for (region, placement) in regions {
+        if complete(placement.primary, region) {
+            continue;
         }
+        let Some(b) = placement
+            .backups
+            .iter()
+            .copied()
+            .find(|b| complete(*b, region))
+        else {
+            return Err(format!(
+                "region {} has no complete replica among {:?} (primary {}): its data is lost",
+                region.0,
+                placement.replicas().collect::<Vec<_>>(),
+                placement.primary
+            ));
+        };
+        let mut backups: Vec<MachineId> = placement
+            .backups
+            .iter()
+            .copied()
+            .filter(|m| *m != b)
+            .collect();
+        backups.insert(0, placement.primary);
+        // The new primary never was one: its change is the restart's (`stored` + 1).
+        let change = view.changes.entry(region).or_insert(RegionChanges {
+            last_primary_change: ConfigId(0),
+            last_replica_change: ConfigId(0),
+        });
+        change.last_primary_change = ConfigId(stored.0 + 1);
+        view.map.insert(
+            region,
+            farm_core::config::Placement {
+                primary: b,
+                backups,
+            },
+        );
     }
-    Ok(newest.clone())
+    Ok(view)
 }
 
 /// First word of a machine's state file.
 const STATE_MAGIC: u64 = u64::from_le_bytes(*b"farmstat");
-/// Where the state file keeps the newest settled configuration.
-const STATE_SETTLED_OFFSET: usize = 8;
 const STATE_BYTES: usize = 64;
-/// The file holding a machine's view, replaced atomically at every install.
-const VIEW_FILE: &str = "view";
+/// The files holding a machine's views, one per configuration (`view-7`), replaced atomically.
+const VIEW_FILE_PREFIX: &str = "view-";
+/// The file listing the regions a machine has still to copy as a new backup.
+const COPYING_FILE: &str = "copying";
 
 /// The directory of machine `id`'s NVRAM under a cluster's NVRAM directory.
 pub fn machine_dir(nvram_dir: &Path, id: MachineId) -> PathBuf {
     nvram_dir.join(format!("m{}", id.0))
 }
 
-fn persist_view(
-    dir: &Path,
-    config: &Configuration,
-    map: &RegionMap,
-    changes: &BTreeMap<RegionId, RegionChanges>,
-) -> io::Result<()> {
-    let bytes = farm_core::codec::encode_view(config, map, changes);
-    let tmp = dir.join(format!("{VIEW_FILE}.new"));
-    let mut f = std::fs::File::create(&tmp)?;
-    io::Write::write_all(&mut f, &bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(VIEW_FILE))
+fn view_file(config: ConfigId) -> String {
+    format!("{VIEW_FILE_PREFIX}{}", config.0)
 }
 
-/// What a machine left in its NVRAM directory: its last view and the newest configuration it
-/// settled in (transaction, data and allocator recovery all finished there). `None` when the
-/// directory holds no view (the machine never ran there).
-pub fn read_persisted(
-    nvram_dir: &Path,
+/// Replaces `dir/name` with `bytes` so that a stop leaves the old contents or the new.
+fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+    let tmp = dir.join(format!("{name}.new"));
+    let mut f = std::fs::File::create(&tmp)?;
+    io::Write::write_all(&mut f, bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(name))
+}
+
+/// The views machine `id` kept in `dir`, by configuration.
+fn read_views(
+    dir: &Path,
     id: MachineId,
-) -> io::Result<Option<(farm_core::codec::StoredView, ConfigId)>> {
-    let dir = machine_dir(nvram_dir, id);
-    let bytes = match std::fs::read(dir.join(VIEW_FILE)) {
-        Ok(b) => b,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+) -> io::Result<BTreeMap<ConfigId, farm_core::codec::StoredView>> {
+    let mut views = BTreeMap::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(views),
         Err(e) => return Err(e),
     };
-    let view = farm_core::codec::decode_view(&bytes).map_err(|e| {
-        io::Error::new(
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(config) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(VIEW_FILE_PREFIX))
+            .and_then(|c| c.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let bytes = std::fs::read(entry.path())?;
+        let view = farm_core::codec::decode_view(&bytes).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("view of machine {id} in {}: {e}", entry.path().display()),
+            )
+        })?;
+        if view.config.id.0 != config {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{} holds the view of configuration {}",
+                    entry.path().display(),
+                    view.config.id.0
+                ),
+            ));
+        }
+        views.insert(view.config.id, view);
+    }
+    Ok(views)
+}
+
+/// The regions still to copy that a machine left in `dir` (with whether aggressively).
+fn read_copying(dir: &Path) -> io::Result<BTreeMap<RegionId, bool>> {
+    let bytes = match std::fs::read(dir.join(COPYING_FILE)) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(e) => return Err(e),
+    };
+    if !bytes.len().is_multiple_of(5) {
+        return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("view of machine {id} in {}: {e}", dir.display()),
-        )
-    })?;
+            format!(
+                "{} is {} bytes long, not a list of regions",
+                dir.join(COPYING_FILE).display(),
+                bytes.len()
+            ),
+        ));
+    }
+    Ok(bytes
+        .chunks(5)
+        .map(|c| {
+            let r = u32::from_le_bytes(c[..4].try_into().expect("4 bytes"));
+            (RegionId(r), c[4] != 0)
+        })
+        .collect())
+}
+
+/// Bytes of one thread's recovery log: as many as its inbound logs together, which bounds the
+/// write sets recovery can learn from other replicas.
+fn recovery_log_ring_bytes(params: &Params) -> usize {
+    params.layout.log_bytes * params.layout.machines_max as usize
+}
+
+/// Bytes before the first recovery log: a head word per thread, rounded to a cache line.
+fn recovery_log_header_bytes(params: &Params) -> usize {
+    (params.layout.threads as usize * 8).div_ceil(64) * 64
+}
+
+fn recovery_log_bytes(params: &Params) -> usize {
+    recovery_log_header_bytes(params)
+        + params.layout.threads as usize * recovery_log_ring_bytes(params)
+}
+
+/// What a machine left in its NVRAM directory: its newest view and the regions it was still
+/// copying. `None` when the directory holds no view (the machine never ran there).
+pub fn read_persisted(nvram_dir: &Path, id: MachineId) -> io::Result<Option<Persisted>> {
+    let dir = machine_dir(nvram_dir, id);
+    let Some((_, view)) = read_views(&dir, id)?.pop_last() else {
+        return Ok(None);
+    };
     let state = Nvram::file(&dir.join("state"), STATE_BYTES)?;
     if state.load_u64(0, Ordering::Acquire) != STATE_MAGIC {
         return Err(io::Error::new(
@@ -916,8 +1241,8 @@ pub fn read_persisted(
             format!("{} holds no farm-rs machine state", dir.display()),
         ));
     }
-    let settled = ConfigId(state.load_u64(STATE_SETTLED_OFFSET, Ordering::Acquire));
-    Ok(Some((view, settled)))
+    let copying = read_copying(&dir)?;
+    Ok(Some(Persisted { view, copying }))
 }
 
 fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvram>> {

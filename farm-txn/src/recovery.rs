@@ -23,7 +23,7 @@ use std::sync::Arc;
 use farm_core::fabric::{WriteStatus, WriteTicket};
 use farm_core::object;
 use farm_core::ring::RecordPos;
-use farm_core::wire::{LogBody, Message, RecoveryBody, WriteEntry, WriteSet};
+use farm_core::wire::{LogBody, Message, RecoveryBody, Seen, WriteEntry, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, TxnId};
 use farm_recovery::vote::{decide, recovery_coordinator, vote, Evidence, Vote};
 
@@ -71,6 +71,9 @@ pub(crate) struct RecoveryState {
     /// This thread's own commits whose outcome recovery decides, and the decisions made.
     pub(crate) waiting: BTreeSet<TxnId>,
     pub(crate) decided: BTreeMap<TxnId, Decision>,
+    /// Per transaction, its entries in this thread's recovery log, dropped when it is
+    /// forgotten.
+    pub(crate) logged: BTreeMap<TxnId, Vec<RecordPos>>,
 }
 
 impl RecoveryState {
@@ -88,6 +91,7 @@ impl RecoveryState {
             left_drained: BTreeSet::new(),
             waiting: BTreeSet::new(),
             decided: BTreeMap::new(),
+            logged: BTreeMap::new(),
         }
     }
 
@@ -154,6 +158,26 @@ impl RecTx {
 
     fn has_data(&self) -> bool {
         self.lock.is_some() || self.commit_backup.is_some() || !self.fetched.is_empty()
+    }
+
+    /// What this replica saw of the transaction besides its writes in `region`, as
+    /// SEND-TX-STATE and REPLICATE-TX-STATE carry it.
+    fn seen(&self, region: RegionId) -> Seen {
+        let e = self.evidence(region);
+        Seen {
+            commit_backup: e.commit_backup,
+            commit: e.commit_primary,
+            abort: e.abort_recovery,
+        }
+    }
+
+    /// Adds what another replica of `region` saw.
+    fn add_seen(&mut self, region: RegionId, seen: Seen) {
+        if seen.commit_backup {
+            self.fetched_commit_backup.insert(region);
+        }
+        self.commit_primary |= seen.commit;
+        self.abort_recovery |= seen.abort;
     }
 
     /// The evidence of this replica of `region` (§5.3 step 6).
@@ -418,6 +442,16 @@ impl Worker {
             } else {
                 self.poll_log(sender);
             }
+            // Records polled from here on landed after the drain (`reject_after_drain`); a
+            // restart tells them apart by this mark.
+            let pos = self.inbound[sender.0 as usize].log.polled();
+            self.machine.set_drain_mark(sender, self.thread.0, pos, c);
+        }
+        if restart.is_some() {
+            self.restart_drop_unrecoverable(&view);
+            for &sender in &senders {
+                self.report_freed(sender, farm_core::ring::RingKind::Log, true);
+            }
         }
         self.recovery
             .left_drained
@@ -554,11 +588,27 @@ impl Worker {
     /// the log from `sender` belongs to a transaction whose coordinator's state is gone, so each
     /// goes to recovery as it is, nothing applied or locked (the previous life's locks are
     /// NVRAM state that lock recovery takes over, as every region's primary "changed").
-    /// Records of transactions no region can vote on (an ABORT whose LOCK was freed, a
-    /// COMMIT-PRIMARY whose LOCK was truncated) are done with: freed.
+    /// Records that landed after the previous life's last drain of this log, of transactions
+    /// recovering in the configuration drained, had been rejected (`reject_after_drain`): they
+    /// are freed again, not recovered.
     fn restart_drain_log(&mut self, sender: MachineId, restart: ConfigId) {
         let mut buf = std::mem::take(&mut self.buf);
-        let mut seen = BTreeSet::new();
+        let (mark, drained) = self.machine.drain_mark(sender, self.thread.0);
+        let drained_view = match drained {
+            ConfigId(0) => None,
+            c => {
+                let v = self.machine.installed_view(c);
+                if v.is_none() {
+                    tracing::warn!(
+                        machine = self.machine.id.0,
+                        config = c.0,
+                        "no view of the configuration last drained: records that landed after \
+                         the drain are recovered"
+                    );
+                }
+                v
+            }
+        };
         while let Some(pos) = self.inbound[sender.0 as usize].log.poll(&mut buf) {
             let rec = farm_core::wire::LogRecord::decode(&buf).unwrap_or_else(|e| {
                 panic!(
@@ -575,7 +625,30 @@ impl Worker {
                 self.inbound[sender.0 as usize].log.release(pos);
                 continue;
             }
-            seen.insert(rec.txn);
+            if let (true, Some(d)) = (pos.0 >= mark && rec.txn.config < drained, &drained_view) {
+                let regions = match &rec.body {
+                    LogBody::Lock(ws) | LogBody::CommitBackup(ws) => ws.regions.clone(),
+                    LogBody::Abort => Vec::new(), // Never rejected.
+                    _ => self
+                        .recovery
+                        .txs
+                        .get(&rec.txn)
+                        .map(|tx| tx.regions.clone())
+                        .unwrap_or_default(),
+                };
+                let rejected = !regions.is_empty()
+                    && farm_recovery::vote::is_recovering(
+                        rec.txn,
+                        &regions,
+                        &[],
+                        &d.config,
+                        &d.changes,
+                    );
+                if rejected {
+                    self.inbound[sender.0 as usize].log.release(pos);
+                    continue;
+                }
+            }
             let tx = self.recovery.txs.entry(rec.txn).or_default();
             // The allocator scan after restart finds free slots from the headers (§5.5):
             // freeing an aborted transaction's slots as well would free them twice.
@@ -600,15 +673,37 @@ impl Worker {
         let inbound = &mut self.inbound[sender.0 as usize];
         inbound.restart_truncated_below =
             inbound.restart_truncated_below.max(inbound.truncated_below);
-        for t in seen {
-            if self.recovery.txs.get(&t).is_some_and(|tx| !tx.has_data()) {
-                let tx = self.recovery.txs.remove(&t).expect("present");
-                for pos in tx.records {
-                    self.inbound[sender.0 as usize].log.release(pos);
-                }
+    }
+
+    /// After the restart drain: transactions known here only by records no region can vote on
+    /// (an ABORT whose LOCK was freed, a COMMIT-PRIMARY whose LOCK was truncated, a decision
+    /// whose writes never came), or only by writes in regions this machine no longer holds
+    /// (the view it restarted in moved them), are done with here: their records and recovery
+    /// log entries are freed.
+    fn restart_drop_unrecoverable(&mut self, view: &View) {
+        let me = self.machine.id;
+        let drop: Vec<TxnId> = self
+            .recovery
+            .txs
+            .iter()
+            .filter(|(_, tx)| {
+                !tx.has_data()
+                    || !view
+                        .map
+                        .iter()
+                        .any(|(r, p)| p.holds(me) && !tx.writes_in(r).is_empty())
+            })
+            .map(|(t, _)| *t)
+            .collect();
+        for t in drop {
+            let tx = self.recovery.txs.remove(&t).expect("listed");
+            for pos in tx.records {
+                self.inbound[t.machine.0 as usize].log.release(pos);
+            }
+            for pos in self.recovery.logged.remove(&t).unwrap_or_default() {
+                self.recovery_log.release(pos);
             }
         }
-        self.report_freed(sender, farm_core::ring::RingKind::Log, true);
     }
 
     fn send_recovery(
@@ -650,8 +745,8 @@ impl Worker {
         }
         if config < self.recovery.last_drained {
             // A later round redoes this one's work.
-            if let RecoveryBody::ReplicateTxState(t, ws, cb) = body {
-                self.on_replicate(region, t, ws, cb);
+            if let RecoveryBody::ReplicateTxState(t, ws, seen) = body {
+                self.on_replicate(region, t, ws, seen);
             }
             return;
         }
@@ -659,21 +754,19 @@ impl Worker {
             RecoveryBody::NeedRecovery(ts) => self.on_need_recovery(from, region, ts),
             RecoveryBody::FetchTxState(ts) => {
                 for t in ts {
-                    let (regions, writes, cb) = match self.recovery.txs.get(&t) {
-                        Some(tx) => (
-                            tx.regions.clone(),
-                            tx.writes_in(region),
-                            tx.evidence(region).commit_backup,
-                        ),
-                        None => (Vec::new(), Vec::new(), false),
+                    let (regions, writes, seen) = match self.recovery.txs.get(&t) {
+                        Some(tx) => (tx.regions.clone(), tx.writes_in(region), tx.seen(region)),
+                        None => (Vec::new(), Vec::new(), Seen::default()),
                     };
                     let ws = WriteSet { regions, writes };
-                    let body = RecoveryBody::SendTxState(t, ws, cb);
+                    let body = RecoveryBody::SendTxState(t, ws, seen);
                     self.send_recovery(from, config, region, body);
                 }
             }
-            RecoveryBody::SendTxState(t, ws, cb) => self.on_send_tx_state(from, region, t, ws, cb),
-            RecoveryBody::ReplicateTxState(t, ws, cb) => self.on_replicate(region, t, ws, cb),
+            RecoveryBody::SendTxState(t, ws, seen) => {
+                self.on_send_tx_state(from, region, t, ws, seen)
+            }
+            RecoveryBody::ReplicateTxState(t, ws, seen) => self.on_replicate(region, t, ws, seen),
             RecoveryBody::RecoveryVote(t, regions, v) => self.on_vote(region, t, regions, v),
             RecoveryBody::RequestVote(t) => self.on_request_vote(from, region, t),
             RecoveryBody::CommitRecovery(_)
@@ -698,8 +791,9 @@ impl Worker {
     }
 
     /// Every backup reported: fetch the records this primary lacks (step 4): write sets it
-    /// does not have, and, unless it has COMMIT-BACKUP or commit evidence itself, what every
-    /// backup holding the transaction saw (the region's vote counts any replica's evidence).
+    /// does not have, and, unless it saw a decision itself, what every backup holding the
+    /// transaction saw (the region's vote counts any replica's evidence: a backup may have
+    /// seen an ABORT-RECOVERY or COMMIT-RECOVERY this primary has not).
     fn region_collected(&mut self, region: RegionId) {
         let c = self.recovery.last_drained;
         let round = self.recovery.regions.get_mut(&region).expect("round");
@@ -712,7 +806,7 @@ impl Worker {
         for (t, holders) in &round.listed {
             let lacking = txs.get(t).is_none_or(|tx| {
                 let e = tx.evidence(region);
-                tx.writes_in(region).is_empty() || !(e.commit_backup || e.commit_primary)
+                tx.writes_in(region).is_empty() || !(e.commit_primary || e.abort_recovery)
             });
             if lacking {
                 for from in holders {
@@ -744,13 +838,11 @@ impl Worker {
         region: RegionId,
         t: TxnId,
         ws: WriteSet,
-        cb: bool,
+        seen: Seen,
     ) {
         self.merge_state(t, ws);
-        if cb {
-            if let Some(tx) = self.recovery.txs.get_mut(&t) {
-                tx.fetched_commit_backup.insert(region);
-            }
+        if let Some(tx) = self.recovery.txs.get_mut(&t) {
+            tx.add_seen(region, seen);
         }
         let Some(round) = self.recovery.regions.get_mut(&region) else {
             return;
@@ -848,12 +940,12 @@ impl Worker {
                     regions: tx.regions.clone(),
                     writes: tx.writes_in(region),
                 };
-                let cb = tx.evidence(region).commit_backup;
+                let seen = tx.seen(region);
                 for b in placement.backups.iter().filter(|b| !holders.contains(b)) {
                     let msg = Message::Recovery {
                         config: c,
                         region,
-                        body: RecoveryBody::ReplicateTxState(*t, ws.clone(), cb),
+                        body: RecoveryBody::ReplicateTxState(*t, ws.clone(), seen),
                     };
                     unsent.push((*b, msg));
                 }
@@ -955,13 +1047,14 @@ impl Worker {
                 // No records: truncated if this thread's truncation bound from the
                 // coordinator's thread passed it. After a whole-cluster restart, also if the
                 // transaction is from before it and this machine has been the region's primary
-                // since the restart (so it was its primary before and kept its logs): a
-                // primary frees a LOCK record only once its transaction aborted or was
-                // truncated, and a restart needs every machine settled (no recovery decision
-                // half-applied), so a transaction that any replica holds COMMIT-BACKUP of and
-                // this primary has no record of was truncated; one whose LOCK never arrived
-                // has no COMMIT-BACKUP anywhere and aborts whatever this vote says. (A primary
-                // promoted since may never have seen the LOCK: no such inference.)
+                // from the start of its commit until now (so the LOCK reached it, if it
+                // reached anyone, and its logs survived): a primary frees a LOCK record only
+                // once its transaction aborted, was truncated, or was decided by a recovery
+                // that every replica holds the decision of (in its queue or recovery log,
+                // whose evidence then decides). So a transaction that any replica holds
+                // COMMIT-BACKUP of, with no decision, was truncated; one whose LOCK never
+                // arrived has no COMMIT-BACKUP anywhere and aborts whatever this vote says. (A
+                // primary promoted since may never have seen the LOCK: no such inference.)
                 let inbound = &self.inbound[t.machine.0 as usize];
                 let restarted_before = self.machine.restart_config().is_some_and(|r| t.config < r);
                 let below = if restarted_before {
@@ -975,6 +1068,7 @@ impl Worker {
                             .changes
                             .get(&region)
                             .is_some_and(|ch| ch.last_primary_change == r)
+                        && self.machine.primary_before_restart_since(region, t)
                 });
                 let truncated = t.local < below
                     || (!restarted_before && inbound.truncated_ids.contains(&t.local))
@@ -1200,15 +1294,13 @@ impl Worker {
         self.apply_decision(t);
     }
 
-    fn on_replicate(&mut self, region: RegionId, t: TxnId, ws: WriteSet, cb: bool) {
+    fn on_replicate(&mut self, region: RegionId, t: TxnId, ws: WriteSet, seen: Seen) {
         if self.recovery.forgotten.contains_key(&t) {
             return;
         }
         self.merge_state(t, ws);
-        if cb {
-            if let Some(tx) = self.recovery.txs.get_mut(&t) {
-                tx.fetched_commit_backup.insert(region);
-            }
+        if let Some(tx) = self.recovery.txs.get_mut(&t) {
+            tx.add_seen(region, seen);
         }
         if self
             .recovery
@@ -1361,6 +1453,94 @@ impl Worker {
         let log = &mut self.inbound[t.machine.0 as usize].log;
         for pos in tx.records {
             log.release(pos);
+        }
+        for pos in self.recovery.logged.remove(&t).unwrap_or_default() {
+            self.recovery_log.release(pos);
+        }
+    }
+
+    /// Keeps a recovery message that a restart must still see (see [`crate::recovery_log`])
+    /// in this thread's recovery log before it is processed: REPLICATE-TX-STATE,
+    /// COMMIT-RECOVERY and ABORT-RECOVERY of a transaction not forgotten here. `payload` is the
+    /// message as it arrived.
+    pub(crate) fn log_recovery_message(&mut self, msg: &Message, payload: &[u8]) {
+        let Message::Recovery { body, .. } = msg else {
+            return;
+        };
+        let t = match body {
+            RecoveryBody::ReplicateTxState(t, ..)
+            | RecoveryBody::CommitRecovery(t)
+            | RecoveryBody::AbortRecovery(t) => *t,
+            _ => return,
+        };
+        if self.recovery.forgotten.contains_key(&t) {
+            return;
+        }
+        let pos = self.recovery_log.append(payload);
+        self.recovery.logged.entry(t).or_default().push(pos);
+    }
+
+    /// After a whole-cluster restart, before anything else: what the previous life knew from
+    /// recovery messages, from the recovery log (`entries`) and from the queues' unprocessed
+    /// messages (copied to the log first, then freed), as evidence only; the restart's
+    /// recovery round decides (§5.3 step 6: a replica that saw COMMIT-RECOVERY votes
+    /// commit-primary, one that saw ABORT-RECOVERY cannot vote commit).
+    pub(crate) fn restart_read_recovery_messages(&mut self, entries: Vec<(RecordPos, Vec<u8>)>) {
+        let mut kept = entries;
+        let mut buf = Vec::new();
+        for sender in 0..self.inbound.len() {
+            while let Some(pos) = self.inbound[sender].queue.poll(&mut buf) {
+                let kept_kind = matches!(
+                    Message::decode(&buf),
+                    Ok(Message::Recovery {
+                        body: RecoveryBody::ReplicateTxState(..)
+                            | RecoveryBody::CommitRecovery(_)
+                            | RecoveryBody::AbortRecovery(_),
+                        ..
+                    })
+                );
+                if kept_kind {
+                    let at = self.recovery_log.append(&buf);
+                    kept.push((at, buf.clone()));
+                }
+                self.inbound[sender].queue.release(pos);
+            }
+        }
+        for (pos, bytes) in kept {
+            let msg = Message::decode(&bytes).unwrap_or_else(|e| {
+                panic!(
+                    "corrupt recovery log entry at {} with a valid checksum: {e}",
+                    pos.0
+                )
+            });
+            let Message::Recovery { region, body, .. } = msg else {
+                panic!("recovery log entry at {} is not a recovery message", pos.0);
+            };
+            let t = match &body {
+                RecoveryBody::ReplicateTxState(t, ..)
+                | RecoveryBody::CommitRecovery(t)
+                | RecoveryBody::AbortRecovery(t) => *t,
+                other => panic!("recovery log entry at {} holds {other:?}", pos.0),
+            };
+            self.recovery.logged.entry(t).or_default().push(pos);
+            let tx = self.recovery.txs.entry(t).or_default();
+            tx.slots_freed = true; // As for log records after a restart.
+            match body {
+                RecoveryBody::ReplicateTxState(_, ws, seen) => {
+                    if tx.regions.is_empty() {
+                        tx.regions = ws.regions.clone();
+                    }
+                    for w in ws.writes {
+                        if !tx.fetched.iter().any(|f| f.addr == w.addr) {
+                            tx.fetched.push(w);
+                        }
+                    }
+                    tx.add_seen(region, seen);
+                }
+                RecoveryBody::CommitRecovery(_) => tx.commit_primary = true,
+                RecoveryBody::AbortRecovery(_) => tx.abort_recovery = true,
+                _ => unreachable!("matched above"),
+            }
         }
     }
 }

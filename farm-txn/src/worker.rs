@@ -14,9 +14,7 @@ use std::sync::Arc;
 use farm_alloc::{block_header_offset, block_of, slot_bytes_of, AllocError, Slabs};
 use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
 use farm_core::object;
-use farm_core::ring::{
-    frame, skip_marker, HeadWord, RecordPos, Resume, RingKind, RingReader, RingWriter,
-};
+use farm_core::ring::{frame, skip_marker, HeadWord, RecordPos, RingKind, RingReader, RingWriter};
 use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
@@ -61,7 +59,7 @@ impl Retained {
 #[derive(Debug)]
 pub(crate) struct Inbound {
     pub(crate) log: RingReader,
-    queue: RingReader,
+    pub(crate) queue: RingReader,
     /// Freed log position last reported to the sender.
     log_reported: u64,
     queue_reported: u64,
@@ -116,6 +114,8 @@ pub struct Worker {
     msg_bufs: (Vec<u8>, Vec<u8>),
     /// Transaction state recovery (§5.3) of the transactions this thread coordinates.
     pub(crate) recovery: crate::recovery::RecoveryState,
+    /// Recovery messages a whole-cluster restart must still see ([`crate::recovery_log`]).
+    pub(crate) recovery_log: crate::recovery_log::RecoveryLog,
     /// Regions blocked in this view that were found active at their primary.
     active: BTreeSet<RegionId>,
     /// The tick of the last poll.
@@ -158,8 +158,9 @@ impl Worker {
             .map(|s| {
                 let sender = MachineId(s);
                 // Every reader keeps its head in NVRAM; after a restart it resumes there, with
-                // the log records it had not freed (§5.3 recovers their transactions) and no
-                // messages (their senders' threads are gone).
+                // what it had not freed: log records (§5.3 recovers their transactions) and
+                // messages (recovery messages among them still count,
+                // `restart_read_recovery_messages`; the rest belong to threads that are gone).
                 let ring = |kind| {
                     let head = HeadWord {
                         mem: machine.heads.clone(),
@@ -170,12 +171,8 @@ impl Worker {
                         layout.ring_offset(sender, thread, kind),
                         layout.ring_bytes(kind),
                     );
-                    let what = match kind {
-                        RingKind::Log => Resume::KeepRecords,
-                        RingKind::Queue => Resume::Discard,
-                    };
                     if restart.is_some() {
-                        RingReader::resume(mem, base, bytes, head, what)
+                        RingReader::resume(mem, base, bytes, head)
                     } else {
                         (RingReader::new(mem, base, bytes).with_head_word(head), 0)
                     }
@@ -218,13 +215,14 @@ impl Worker {
             .map(|r| (r, Slabs::new(r)))
             .collect();
         let mut coord = CoordinatorState::new(peers as usize);
+        let (recovery_log, logged) = crate::recovery_log::RecoveryLog::open(&machine, thread.0);
         if restart.is_some() {
             // Transactions of this life must not share local counters with the records of the
             // previous one that recovery still holds (truncation bounds compare them): a life
             // that starts in configuration c counts from c << 40.
             coord.next_local = view_config.0 << 40;
         }
-        Self {
+        let mut worker = Self {
             machine,
             view,
             view_generation,
@@ -248,10 +246,15 @@ impl Worker {
                 _ => view_config,
             }),
 
+            recovery_log,
             active: BTreeSet::new(),
             now: 0,
             background: Background::default(),
+        };
+        if restart.is_some() {
+            worker.restart_read_recovery_messages(logged);
         }
+        worker
     }
 
     /// After a whole-cluster restart, before anything is sent: every sender among `peers` (the
@@ -574,10 +577,14 @@ impl Worker {
         while let Some(pos) = self.inbound[sender.0 as usize].queue.poll(&mut buf) {
             busy = true;
             let msg = Message::decode(&buf);
-            self.inbound[sender.0 as usize].queue.release(pos);
             if !member && !matches!(msg, Ok(Message::Recovery { .. })) {
+                self.inbound[sender.0 as usize].queue.release(pos);
                 continue;
             }
+            if let Ok(m) = &msg {
+                self.log_recovery_message(m, &buf);
+            }
+            self.inbound[sender.0 as usize].queue.release(pos);
             match msg {
                 Ok(Message::Validate { txn, reads }) => {
                     let ok = reads.iter().all(|(addr, seen)| {

@@ -1,12 +1,12 @@
 //! The restart decision (`farm_txn::machine::restart_view`): which view a whole-cluster restart
-//! resumes from, and when it must refuse.
+//! resumes from, which replicas it treats as incomplete, and when it must refuse.
 
 use std::collections::BTreeMap;
 
 use farm_core::codec::StoredView;
-use farm_core::config::{Configuration, RegionMap};
-use farm_core::{ConfigId, MachineId};
-use farm_txn::machine::restart_view;
+use farm_core::config::{Configuration, Placement, RegionMap};
+use farm_core::{ConfigId, MachineId, RegionId};
+use farm_txn::machine::{restart_view, Persisted};
 
 fn view(id: u64, members: &[u16], regions: u32) -> StoredView {
     let mut config = Configuration::initial(5);
@@ -21,14 +21,34 @@ fn view(id: u64, members: &[u16], regions: u32) -> StoredView {
     }
 }
 
+fn left(view: StoredView) -> Option<Persisted> {
+    Some(Persisted {
+        view,
+        copying: BTreeMap::new(),
+    })
+}
+
+/// Three machines that left `view`, those in `machines` still copying `region`.
+fn copying(view: &StoredView, region: RegionId, machines: &[MachineId]) -> Vec<Option<Persisted>> {
+    (0..3u16)
+        .map(|m| {
+            let mut p = left(view.clone())?;
+            if machines.contains(&MachineId(m)) {
+                p.copying.insert(region, false);
+            }
+            Some(p)
+        })
+        .collect()
+}
+
 #[test]
 fn resumes_from_the_newest_view_with_the_most_regions() {
     let persisted = vec![
-        Some((view(4, &[0, 1, 2], 1), ConfigId(4))),
-        Some((view(4, &[0, 1, 2], 2), ConfigId(4))), // saw one more region allocated
-        Some((view(4, &[0, 1, 2], 1), ConfigId(4))),
-        Some((view(2, &[0, 1, 2, 3], 1), ConfigId(2))), // removed in 3: not a member
-        None,                                           // a spare that never ran
+        left(view(4, &[0, 1, 2], 1)),
+        left(view(4, &[0, 1, 2], 2)), // saw one more region allocated
+        left(view(4, &[0, 1, 2], 1)),
+        left(view(2, &[0, 1, 2, 3], 1)), // removed in 3: not a member
+        None,                            // a spare that never ran
     ];
     let v = restart_view(ConfigId(4), &persisted).unwrap();
     assert_eq!(v.config.id, ConfigId(4));
@@ -36,20 +56,60 @@ fn resumes_from_the_newest_view_with_the_most_regions() {
 }
 
 #[test]
-fn refuses_a_cluster_that_stopped_mid_reconfiguration_or_mid_recovery() {
-    let settled = |id| Some((view(id, &[0, 1, 2], 1), ConfigId(id)));
-    // The store moved on to 5, no machine installed it.
-    let e = restart_view(ConfigId(5), &[settled(4), settled(4), settled(4)]).unwrap_err();
-    assert!(e.contains("middle of a reconfiguration"), "{e}");
-    // Machine 1 installed 4 but had not finished recovering it.
-    let unsettled = Some((view(4, &[0, 1, 2], 1), ConfigId(3)));
-    let e = restart_view(ConfigId(4), &[settled(4), unsettled, settled(4)]).unwrap_err();
+fn resumes_in_the_middle_of_a_reconfiguration() {
+    // The store moved on to 5 and no machine installed it: the newest view is 4's.
+    let v = restart_view(ConfigId(5), &vec![left(view(4, &[0, 1, 2], 1)); 3]).unwrap();
+    assert_eq!(v.config.id, ConfigId(4));
+    // Machine 2 installed 5 (which removed machine 3), the others had not yet.
+    let persisted = [
+        left(view(4, &[0, 1, 2, 3], 1)),
+        left(view(4, &[0, 1, 2, 3], 1)),
+        left(view(5, &[0, 1, 2], 1)),
+        left(view(4, &[0, 1, 2, 3], 1)),
+    ];
+    let v = restart_view(ConfigId(5), &persisted).unwrap();
+    assert_eq!(v.config.id, ConfigId(5));
+    assert!(!v.config.contains(MachineId(3)));
+}
+
+#[test]
+fn an_incomplete_primary_gives_way_to_a_complete_backup() {
+    let mut v = view(4, &[0, 1, 2], 1);
+    let r = RegionId(0);
+    let p = v.map.get(r).unwrap().clone();
+    let (primary, backup) = (p.primary, p.backups[0]);
+    // The primary was still copying the region (a new backup promoted by a reconfiguration
+    // that never committed, say): its copy cannot serve.
+    let persisted = copying(&v, r, &[primary]);
+    let out = restart_view(ConfigId(4), &persisted).unwrap();
+    let q = out.map.get(r).unwrap();
+    assert_eq!(q.primary, backup);
     assert!(
-        e.contains("machine m1 had not finished recovering configuration 4"),
-        "{e}"
+        q.backups.contains(&primary),
+        "the old primary stays a replica"
     );
-    // A member left nothing.
-    let e = restart_view(ConfigId(4), &[settled(4), settled(4), None]).unwrap_err();
-    assert!(e.contains("machine m2"), "{e}");
+    assert_eq!(
+        out.changes.get(&r).unwrap().last_primary_change,
+        ConfigId(5),
+        "the new primary changed at the restart"
+    );
+    // No replica complete: the data is gone, and the restart says so.
+    v.map.insert(
+        r,
+        Placement {
+            primary,
+            backups: vec![backup],
+        },
+    );
+    let persisted = copying(&v, r, &[primary, backup]);
+    let e = restart_view(ConfigId(4), &persisted).unwrap_err();
+    assert!(e.contains("region 0 has no complete replica"), "{e}");
+}
+
+#[test]
+fn refuses_what_cannot_be_restarted() {
+    // Machines installed a configuration the store never held: another store.
+    let e = restart_view(ConfigId(3), &vec![left(view(4, &[0, 1, 2], 1)); 3]).unwrap_err();
+    assert!(e.contains("the store the cluster ran with"), "{e}");
     assert!(restart_view(ConfigId(1), &[None, None]).is_err());
 }

@@ -285,9 +285,12 @@ impl ClusterBuilder {
     /// (committing exactly those that may have been acknowledged) and allocator recovery
     /// (§5.5) rebuilds every free list. Regions serve again once their locks are recovered.
     ///
-    /// Refused, with the reason, when the cluster stopped in the middle of a reconfiguration
-    /// or of recovery (some member had not settled in the newest configuration): recovery
-    /// decisions are not logged yet, so a half-applied one could not be told apart.
+    /// The cluster may have stopped at any moment, in the middle of a reconfiguration or of
+    /// recovery included: the restart resumes from the newest view any machine installed,
+    /// copies again the replicas that were not complete, and recovery after it decides as
+    /// recovery before it had wherever a decision took effect (recovery messages are kept in
+    /// NVRAM). Refused, with the reason, when there is nothing to restart, when the store is
+    /// behind the NVRAM (another store), or when a region has no complete replica left.
     pub fn restart(mut self) -> Self {
         self.restart = true;
         self
@@ -417,6 +420,12 @@ impl ClusterBuilder {
             fabric: fabric.clone(),
             store,
             store_version,
+            // What the store holds is what every machine starts in.
+            stored_config: machines
+                .iter()
+                .map(|m| m.view().config.clone())
+                .max_by_key(|c| c.id)
+                .expect("machines"),
             suspicions: suspicions.clone(),
             events: reconfig_events.clone(),
             epoch,
@@ -526,14 +535,14 @@ impl ClusterBuilder {
                 dir.display()
             )));
         }
-        if let Some(m) = stored.members.iter().find(|m| m.0 >= all) {
+        let newest = farm_txn::machine::restart_view(stored.id, &persisted).map_err(invalid)?;
+        if let Some(m) = newest.config.members.iter().find(|m| m.0 >= all) {
             return Err(invalid(format!(
                 "machine {m} is a member of configuration {} but the cluster is built with {all} \
                  machines and spares",
-                stored.id.0
+                newest.config.id.0
             )));
         }
-        let newest = farm_txn::machine::restart_view(stored.id, &persisted).map_err(invalid)?;
         let restart = farm_core::ConfigId(stored.id.0 + 1);
         let config = Configuration {
             id: restart,

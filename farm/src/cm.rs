@@ -91,6 +91,8 @@ pub(crate) struct CmShared {
     pub(crate) fabric: Arc<MemFabric>,
     pub(crate) store: Arc<dyn CoordinationStore>,
     pub(crate) store_version: StoreVersion,
+    /// The configuration stored at `store_version`.
+    pub(crate) stored_config: farm_core::config::Configuration,
     pub(crate) suspicions: Arc<Mutex<Vec<Suspicion>>>,
     pub(crate) events: Arc<Mutex<Vec<ReconfigEvent>>>,
     pub(crate) epoch: Instant,
@@ -296,7 +298,7 @@ fn reconfigure(
     // that fails a probe may still hold one, and the state machine waits that out (step 7).
     let r = Reconfig::start(
         me,
-        config,
+        farm_cm::reconfig::attempt_base(&config, &s.stored_config),
         s.store_version,
         map,
         changes,
@@ -352,6 +354,8 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
                     let result = s.store.compare_and_set(Some(expected), &data);
                     if let Ok(CasOutcome::Written(v)) = result {
                         s.store_version = v;
+                        s.stored_config = farm_cm::codec::decode(&data)
+                            .expect("the CM stores valid configurations");
                     }
                     r.on_store(result);
                 }
@@ -449,7 +453,7 @@ fn serve(s: &mut CmShared, request: Request) {
                 let joiners = BTreeMap::from([(m, m.0 as u32)]);
                 let r = Reconfig::start_join(
                     cm,
-                    view.config.clone(),
+                    farm_cm::reconfig::attempt_base(&view.config, &s.stored_config),
                     s.store_version,
                     view.map.clone(),
                     view.changes.clone(),
