@@ -167,6 +167,8 @@ pub struct MachineState {
     /// at the aggressive pace, §5.4). Kept in NVRAM too (a restart must not take an unfinished
     /// copy for a replica).
     to_copy: Mutex<BTreeMap<RegionId, bool>>,
+    /// What the NVRAM directory says of `to_copy`, so that it is rewritten only when it changes.
+    copying_persisted: Mutex<BTreeMap<RegionId, bool>>,
     /// The views this machine installed that a restart may still need: the newest, and those
     /// some thread last drained a log in (its drain mark names them). Kept in NVRAM too.
     views: Mutex<BTreeMap<ConfigId, farm_core::codec::StoredView>>,
@@ -412,6 +414,7 @@ impl MachineState {
             drained: Mutex::new((config.id, BTreeSet::new())),
             all_active: AtomicU64::new(config.id.0),
             evicted: std::sync::atomic::AtomicBool::new(false),
+            copying_persisted: Mutex::new(to_copy.clone()),
             to_copy: Mutex::new(to_copy),
             views: Mutex::new(views),
             queued_frees: Mutex::new(Vec::new()),
@@ -684,12 +687,18 @@ impl MachineState {
             return Ok(());
         };
         let to_copy = self.to_copy.lock().expect("poisoned").clone();
-        let mut bytes = Vec::with_capacity(to_copy.len() * 5);
-        for (r, aggressive) in to_copy {
-            bytes.extend_from_slice(&r.0.to_le_bytes());
-            bytes.push(aggressive as u8);
+        let mut persisted = self.copying_persisted.lock().expect("poisoned");
+        if *persisted == to_copy {
+            return Ok(());
         }
-        write_atomically(dir, COPYING_FILE, &bytes)
+        let mut bytes = Vec::with_capacity(to_copy.len() * 5);
+        for (r, aggressive) in &to_copy {
+            bytes.extend_from_slice(&r.0.to_le_bytes());
+            bytes.push(*aggressive as u8);
+        }
+        write_atomically(dir, COPYING_FILE, &bytes)?;
+        *persisted = to_copy;
+        Ok(())
     }
 }
 
@@ -1211,10 +1220,12 @@ fn read_copying(dir: &Path) -> io::Result<BTreeMap<RegionId, bool>> {
         .collect())
 }
 
-/// Bytes of one thread's recovery log: as many as its inbound logs together, which bounds the
-/// write sets recovery can learn from other replicas.
+/// Bytes of one thread's recovery log: as many as one of its inbound logs. It holds the
+/// recovery messages of transactions that were in flight at a failure and are not yet
+/// forgotten (decisions, and the writes of transactions whose records a replica lacked), far
+/// less than the logs they came from; a restart scans all of it.
 fn recovery_log_ring_bytes(params: &Params) -> usize {
-    params.layout.log_bytes * params.layout.machines_max as usize
+    params.layout.log_bytes
 }
 
 /// Bytes before the first recovery log: a head word per thread, rounded to a cache line.

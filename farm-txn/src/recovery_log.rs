@@ -70,14 +70,15 @@ impl RecoveryLog {
     ///
     /// # Panics
     ///
-    /// When the log is full: it holds the recovery messages of transactions not yet forgotten,
-    /// which no more than fill the thread's inbound logs, and it is as large as those.
+    /// When the log is full: it holds the recovery messages of transactions in flight at a
+    /// failure and not yet forgotten, and it is as large as one inbound log (see
+    /// `MachineState::recovery_log_ring`).
     pub(crate) fn append(&mut self, payload: &[u8]) -> RecordPos {
         frame(payload, &mut self.framed);
         let Some(place) = self.writer.place(self.framed.len(), 0) else {
             panic!(
                 "the recovery log is full ({} bytes in use): more recovery messages kept than \
-                 the inbound logs can hold",
+                 a log holds; raise the log size",
                 self.writer.in_use()
             );
         };
