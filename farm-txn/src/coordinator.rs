@@ -189,6 +189,16 @@ impl<'w> Tx<'w> {
                 why: "object was freed by this transaction",
             });
         }
+        if e.data.len() < len && !e.written && e.fresh.is_none() {
+            // Read again, longer: the same version, or the first read is already stale.
+            let (header, data) = self.worker.read_object(addr, len)?;
+            let e = self.state.objects.get_mut(&addr).expect("present");
+            if header != e.read {
+                return Err(TxError::Conflict(Conflict::Validate));
+            }
+            e.data = data;
+        }
+        let e = &self.state.objects[&addr];
         if e.data.len() < len {
             return Err(TxError::BadAddress {
                 addr,

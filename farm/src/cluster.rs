@@ -825,8 +825,6 @@ impl Cluster {
     /// A lock-free read of one object (§3): a single consistent read at the primary, retried
     /// while the object is locked or torn, no transaction records.
     pub fn read<T: bytemuck::Pod>(&self, machine: MachineId, addr: Addr) -> Result<T, TxError> {
-        let mut host = self.host();
-        let mut backoff = Backoff::new();
         let len = std::mem::size_of::<T>();
         let mut stack = [0u8; 8 + LOCK_FREE_STACK_BYTES];
         let mut heap = Vec::new();
@@ -836,11 +834,31 @@ impl Cluster {
             heap.resize(8 + len, 0);
             &mut heap
         };
+        self.read_into(machine, addr, buf)?;
+        Ok(bytemuck::pod_read_unaligned(&buf[8..]))
+    }
+
+    /// A lock-free read (see [`Cluster::read`]) of the first `buf.len() - 8` bytes of the object
+    /// at `addr` into `buf[8..]` (the first 8 bytes receive the object's header), for objects
+    /// whose layout is not a Rust type.
+    pub fn read_bytes_into(
+        &self,
+        machine: MachineId,
+        addr: Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError> {
+        assert!(buf.len() >= 8, "the buffer has no room for the header");
+        self.read_into(machine, addr, buf)
+    }
+
+    fn read_into(&self, machine: MachineId, addr: Addr, buf: &mut [u8]) -> Result<(), TxError> {
+        let mut host = self.host();
+        let mut backoff = Backoff::new();
         let mut attempt = 0;
         loop {
             let w = &mut host.workers[machine.0 as usize];
             match w.read_object_into(addr, buf) {
-                Ok(h) if h.allocated() => return Ok(bytemuck::pod_read_unaligned(&buf[8..])),
+                Ok(h) if h.allocated() => return Ok(()),
                 Ok(_) => {
                     return Err(TxError::BadAddress {
                         addr,

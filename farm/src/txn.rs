@@ -39,6 +39,24 @@ impl<'w> Txn<'w> {
         Ok(addr)
     }
 
+    /// Reads the first `len` bytes of the object at `addr` (for objects whose layout is not a
+    /// Rust type, such as a data structure's nodes).
+    pub fn read_bytes(&mut self, addr: Addr, len: usize) -> Result<&[u8], TxError> {
+        self.inner.read(addr, len)
+    }
+
+    /// Writes `data` to the object at `addr` at commit (it must fit the object's slot).
+    pub fn write_bytes(&mut self, addr: Addr, data: &[u8]) -> Result<(), TxError> {
+        self.inner.write(addr, data)
+    }
+
+    /// Allocates an object holding `data`, placed as [`Txn::alloc`] places it.
+    pub fn alloc_bytes(&mut self, data: &[u8], near: Option<Addr>) -> Result<Addr, TxError> {
+        let addr = self.inner.alloc(data.len(), near)?;
+        self.inner.write(addr, data)?;
+        Ok(addr)
+    }
+
     /// Frees the object at `addr` at commit.
     pub fn free(&mut self, addr: Addr) -> Result<(), TxError> {
         self.inner.free(addr)

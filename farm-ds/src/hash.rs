@@ -1,0 +1,553 @@
+//! A partitioned hash table on farm's transactions.
+//!
+//! FaRM's TATP and TPC-C tables are hash tables whose lookups are usually a single one-sided
+//! read (§6). Here a table is a fixed set of *buckets*, each one farm object holding up to
+//! `slots` entries inline (key and value bytes) behind an 8-byte header: the number of keys whose
+//! home is this bucket but which live in a later one (`overflow`), and a bitmap of used slots. A
+//! key's home bucket follows from its hash within its *partition*; a full home bucket spills the
+//! entry into one of the next [`PROBE_BUCKETS`] buckets of the partition (linear probing by
+//! bucket) and counts it in the home's overflow. So:
+//!
+//! - a lookup reads the home bucket and is done unless the home overflowed (then it reads on
+//!   until it has seen as many spilled keys of that home as the home counts);
+//! - [`HashTable::get`] reads the home bucket with a lock-free read (one consistent object
+//!   read, §3) and falls back to a read-only transaction only when the home overflowed, since
+//!   reads of several buckets are consistent only in a transaction;
+//! - inserts, updates and removes run in the caller's transaction and write whole buckets, so
+//!   they are strictly serializable with everything else, and conflict only on shared buckets;
+//! - each partition's buckets live in regions of the machine the [`TableSpec`] names for it, so
+//!   a key's partition decides where it lives (a locality hint: transactions coordinated there
+//!   read it locally, and [`HashTable::partition_hint`] places other objects next to it);
+//! - capacity is fixed at creation: an insert that finds its home and the next buckets full
+//!   aborts with an error that says so, instead of growing.
+//!
+//! The table's shape and bucket addresses are stored in farm objects too (a root and directory
+//! pages), so [`HashTable::open`] gives another handle on the same table from its root address.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use farm::{Addr, Cluster, MachineId, TxError, Txn};
+
+/// Buckets after its home that an entry may spill into.
+pub const PROBE_BUCKETS: u32 = 8;
+
+/// Most entries per bucket (the used-slot bitmap is 32 bits).
+pub const SLOTS_MAX: u8 = 32;
+
+/// Bytes of a bucket before its slots: overflow count, used-slot bitmap.
+const BUCKET_HEADER_BYTES: usize = 8;
+
+/// Largest bucket: an object's payload.
+const BUCKET_BYTES_MAX: usize = 16 * 1024 - 8;
+
+/// Bucket addresses per directory page.
+const DIR_PAGE_ADDRS: usize = 1024;
+
+/// Allocation of buckets at creation: bytes of buckets per transaction.
+const CREATE_TXN_BYTES: usize = 32 * 1024;
+
+/// First word of a table's root object.
+const ROOT_MAGIC: u64 = u64::from_le_bytes(*b"farmhash");
+
+/// Words of the root before the directory page addresses.
+const ROOT_HEADER_WORDS: usize = 6;
+
+/// The shape of a new table.
+#[derive(Clone, Debug)]
+pub struct TableSpec {
+    /// The machine whose regions hold each partition's buckets (one entry per partition).
+    pub partitions: Vec<MachineId>,
+    /// Buckets per partition.
+    pub buckets: u32,
+    /// Entries per bucket, 1 to [`SLOTS_MAX`].
+    pub slots: u8,
+}
+
+impl TableSpec {
+    /// A table of about `capacity` entries spread over `partitions`, with buckets of `slots`
+    /// entries filled to about 70% when the table holds `capacity` entries (room for uneven
+    /// hashing; an insert fails only when a home bucket and the next [`PROBE_BUCKETS`] are full).
+    pub fn with_capacity(partitions: Vec<MachineId>, capacity: u64, slots: u8) -> Self {
+        let n = partitions.len().max(1) as u64;
+        let per_partition = capacity.div_ceil(n);
+        let buckets = (per_partition * 10)
+            .div_ceil(7 * slots.max(1) as u64)
+            .max(1);
+        Self {
+            partitions,
+            buckets: buckets.min(u32::MAX as u64) as u32,
+            slots,
+        }
+    }
+}
+
+/// Which partition a key belongs to.
+pub type Partitioner<K> = Arc<dyn Fn(&K) -> usize + Send + Sync>;
+
+/// A handle on a hash table from `K` to `V` (plain-old-data types; keys compare by their bytes).
+/// Cheap to clone; every clone works on the same table.
+pub struct HashTable<K, V> {
+    root: Addr,
+    slots: usize,
+    buckets: u32,
+    /// Bucket addresses, partition after partition.
+    dir: Arc<Vec<Addr>>,
+    partitioner: Partitioner<K>,
+    _types: PhantomData<fn() -> (K, V)>,
+}
+
+impl<K, V> Clone for HashTable<K, V> {
+    fn clone(&self) -> Self {
+        Self {
+            root: self.root,
+            slots: self.slots,
+            buckets: self.buckets,
+            dir: self.dir.clone(),
+            partitioner: self.partitioner.clone(),
+            _types: PhantomData,
+        }
+    }
+}
+
+impl<K, V> std::fmt::Debug for HashTable<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HashTable")
+            .field("root", &self.root)
+            .field("buckets total", &self.dir.len())
+            .field("buckets", &self.buckets)
+            .field("slots", &self.slots)
+            .finish()
+    }
+}
+
+/// Where a key is, or where it may go.
+struct Found {
+    /// Index (in the probe sequence) and address of the bucket holding the key.
+    at: Option<(u32, Addr, usize)>,
+    /// Buckets read, in probe order: address and bytes.
+    read: Vec<(Addr, Vec<u8>)>,
+}
+
+impl<K: Pod, V: Pod> HashTable<K, V> {
+    /// Creates an empty table shaped by `spec`: every partition's buckets in regions of its
+    /// machine, the root and directory on the first partition's machine. Keys go to partitions
+    /// by their hash; see [`HashTable::with_partitioner`].
+    pub fn create(cluster: &Cluster, spec: &TableSpec) -> Result<Self, TxError> {
+        let invalid = |why: String| TxError::Aborted(format!("hash table spec: {why}"));
+        if spec.partitions.is_empty() {
+            return Err(invalid("no partitions".into()));
+        }
+        if spec.slots == 0 || spec.slots > SLOTS_MAX {
+            return Err(invalid(format!(
+                "{} slots per bucket; 1 to {SLOTS_MAX} are possible",
+                spec.slots
+            )));
+        }
+        if spec.buckets == 0 {
+            return Err(invalid("no buckets".into()));
+        }
+        let bucket_bytes = bucket_bytes::<K, V>(spec.slots as usize);
+        if bucket_bytes > BUCKET_BYTES_MAX {
+            return Err(invalid(format!(
+                "a bucket of {} entries of {} bytes is {bucket_bytes} bytes, more than an \
+                 object's {BUCKET_BYTES_MAX}; use fewer slots",
+                spec.slots,
+                slot_bytes::<K, V>()
+            )));
+        }
+        if let Some(m) = spec.partitions.iter().find(|m| m.0 >= cluster.machines()) {
+            return Err(invalid(format!(
+                "partition on machine {m}, which does not exist"
+            )));
+        }
+        let total = spec.partitions.len() as u64 * spec.buckets as u64;
+        let pages = (total as usize).div_ceil(DIR_PAGE_ADDRS);
+        if ROOT_HEADER_WORDS + pages > BUCKET_BYTES_MAX / 8 {
+            return Err(invalid(format!(
+                "{total} buckets need {pages} directory pages, more than a root holds"
+            )));
+        }
+        let empty = vec![0u8; bucket_bytes];
+        let per_txn = (CREATE_TXN_BYTES / bucket_bytes).max(1);
+        let mut dir = Vec::with_capacity(total as usize);
+        for &machine in &spec.partitions {
+            let mut left = spec.buckets as usize;
+            while left > 0 {
+                let n = left.min(per_txn);
+                let got = cluster.txn(machine, |tx| {
+                    (0..n)
+                        .map(|_| tx.alloc_bytes(&empty, None))
+                        .collect::<Result<Vec<_>, _>>()
+                })?;
+                dir.extend(got);
+                left -= n;
+            }
+        }
+        let home = spec.partitions[0];
+        let mut page_addrs = Vec::with_capacity(pages);
+        for page in dir.chunks(DIR_PAGE_ADDRS) {
+            let bytes: Vec<u8> = page.iter().flat_map(|a| a.to_u64().to_le_bytes()).collect();
+            page_addrs.push(cluster.txn(home, |tx| tx.alloc_bytes(&bytes, None))?);
+        }
+        let mut root = Vec::with_capacity((ROOT_HEADER_WORDS + pages) * 8);
+        for word in [
+            ROOT_MAGIC,
+            std::mem::size_of::<K>() as u64,
+            std::mem::size_of::<V>() as u64,
+            spec.partitions.len() as u64,
+            spec.buckets as u64,
+            spec.slots as u64,
+        ] {
+            root.extend_from_slice(&word.to_le_bytes());
+        }
+        for a in &page_addrs {
+            root.extend_from_slice(&a.to_u64().to_le_bytes());
+        }
+        let root = cluster.txn(home, |tx| tx.alloc_bytes(&root, None))?;
+        Ok(Self::from_parts(
+            root,
+            spec.slots as usize,
+            spec.buckets,
+            dir,
+        ))
+    }
+
+    /// A handle on the table whose root is at `root` (see [`HashTable::root`]), read through
+    /// `machine`. Fails if `root` is not a table of these key and value sizes.
+    pub fn open(cluster: &Cluster, machine: MachineId, root: Addr) -> Result<Self, TxError> {
+        cluster.txn(machine, |tx| {
+            let header = tx.read_bytes(root, ROOT_HEADER_WORDS * 8)?.to_vec();
+            let word = |i: usize| u64::from_le_bytes(header[i * 8..i * 8 + 8].try_into().unwrap());
+            let [magic, k, v, partitions, buckets, slots] = std::array::from_fn(word);
+            if magic != ROOT_MAGIC {
+                return Err(tx.abort(format!("{root:?} is not the root of a hash table")));
+            }
+            if (k, v)
+                != (
+                    std::mem::size_of::<K>() as u64,
+                    std::mem::size_of::<V>() as u64,
+                )
+            {
+                return Err(tx.abort(format!(
+                    "the table at {root:?} maps {k}-byte keys to {v}-byte values, not {} to {}",
+                    std::mem::size_of::<K>(),
+                    std::mem::size_of::<V>()
+                )));
+            }
+            let total = (partitions * buckets) as usize;
+            let pages = total.div_ceil(DIR_PAGE_ADDRS);
+            let words = tx
+                .read_bytes(root, (ROOT_HEADER_WORDS + pages) * 8)?
+                .to_vec();
+            let page_addrs: Vec<Addr> = words[ROOT_HEADER_WORDS * 8..]
+                .chunks(8)
+                .map(|c| Addr::from_u64(u64::from_le_bytes(c.try_into().unwrap())))
+                .collect();
+            let mut dir = Vec::with_capacity(total);
+            for (i, page) in page_addrs.into_iter().enumerate() {
+                let n = (total - i * DIR_PAGE_ADDRS).min(DIR_PAGE_ADDRS);
+                let bytes = tx.read_bytes(page, n * 8)?.to_vec();
+                dir.extend(
+                    bytes
+                        .chunks(8)
+                        .map(|c| Addr::from_u64(u64::from_le_bytes(c.try_into().unwrap()))),
+                );
+            }
+            Ok(Self::from_parts(root, slots as usize, buckets as u32, dir))
+        })
+    }
+
+    fn from_parts(root: Addr, slots: usize, buckets: u32, dir: Vec<Addr>) -> Self {
+        let partitions = dir.len() / buckets as usize;
+        Self {
+            root,
+            slots,
+            buckets,
+            dir: Arc::new(dir),
+            partitioner: Arc::new(move |k: &K| {
+                (hash_key(bytemuck::bytes_of(k)) >> 32) as usize % partitions
+            }),
+            _types: PhantomData,
+        }
+    }
+
+    /// The same handle with keys sent to partitions by `partitioner` (whose results are taken
+    /// modulo the number of partitions): keys that transactions use together can share a
+    /// partition, and so a machine (TPC-C's warehouses, say).
+    pub fn with_partitioner(
+        mut self,
+        partitioner: impl Fn(&K) -> usize + Send + Sync + 'static,
+    ) -> Self {
+        self.partitioner = Arc::new(partitioner);
+        self
+    }
+
+    /// The address of the table's root, from which [`HashTable::open`] opens it.
+    pub fn root(&self) -> Addr {
+        self.root
+    }
+
+    /// Number of partitions.
+    pub fn partitions(&self) -> usize {
+        self.dir.len() / self.buckets as usize
+    }
+
+    /// Entries the table has room for (an insert may fail earlier, when a home bucket and the
+    /// next [`PROBE_BUCKETS`] are full).
+    pub fn capacity(&self) -> u64 {
+        self.dir.len() as u64 * self.slots as u64
+    }
+
+    /// The partition of `key`.
+    pub fn partition_of(&self, key: &K) -> usize {
+        (self.partitioner)(key) % self.partitions()
+    }
+
+    /// An address in `partition` to pass as a locality hint ([`Txn::alloc`]'s `near`), so that
+    /// an object lands next to the partition's entries.
+    pub fn partition_hint(&self, partition: usize) -> Addr {
+        self.dir[partition * self.buckets as usize]
+    }
+
+    /// The address of `key`'s home bucket (where a lookup reads first).
+    pub fn home_bucket(&self, key: &K) -> Addr {
+        let (p, b) = self.home(key);
+        self.bucket(p, b)
+    }
+
+    /// The home bucket of `key`: its partition and index there.
+    fn home(&self, key: &K) -> (usize, u32) {
+        let p = self.partition_of(key);
+        let b = (hash_key(bytemuck::bytes_of(key)) % self.buckets as u64) as u32;
+        (p, b)
+    }
+
+    fn bucket(&self, partition: usize, index: u32) -> Addr {
+        self.dir[partition * self.buckets as usize + (index % self.buckets) as usize]
+    }
+
+    fn bucket_bytes(&self) -> usize {
+        bucket_bytes::<K, V>(self.slots)
+    }
+
+    /// Looks `key` up in the transaction: its value, if present. The buckets read are validated
+    /// at commit like any read.
+    pub fn get_in(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
+        let found = self.find(tx, key, false)?;
+        Ok(found.at.map(|(i, _, s)| {
+            let bytes = &found.read[i as usize].1;
+            read_value::<K, V>(bytes, s)
+        }))
+    }
+
+    /// Looks `key` up outside any transaction, coordinated on `machine`: one lock-free read of
+    /// its home bucket (§3), consistent on its own; when the home bucket overflowed, a
+    /// read-only transaction over the buckets the key may be in.
+    pub fn get(
+        &self,
+        cluster: &Cluster,
+        machine: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        let (p, b) = self.home(key);
+        let mut buf = vec![0u8; 8 + self.bucket_bytes()];
+        cluster.read_bytes_into(machine, self.bucket(p, b), &mut buf)?;
+        let bucket = &buf[8..];
+        if let Some(s) = self.slot_of(bucket, key) {
+            return Ok(Some(read_value::<K, V>(bucket, s)));
+        }
+        if overflow(bucket) == 0 {
+            return Ok(None);
+        }
+        cluster.txn(machine, |tx| self.get_in(tx, key))
+    }
+
+    /// Inserts `key` with `value` in the transaction. Returns false, changing nothing, when
+    /// the key is already there. Aborts the transaction with an error saying so when the
+    /// key's home bucket and the next [`PROBE_BUCKETS`] are full.
+    pub fn insert(&self, tx: &mut Txn<'_>, key: &K, value: &V) -> Result<bool, TxError> {
+        let found = self.find(tx, key, true)?;
+        if found.at.is_some() {
+            return Ok(false);
+        }
+        let (p, b) = self.home(key);
+        let mut read = found.read;
+        let free = read
+            .iter()
+            .position(|(_, bytes)| used(bytes).count_ones() < self.slots as u32);
+        let Some(i) = free else {
+            return Err(tx.abort(format!(
+                "hash table {:?} is full where {:?} goes: bucket {b} of partition {p} and the \
+                 next {PROBE_BUCKETS} hold {} entries each ({} entries in all); create it with \
+                 more buckets",
+                self.root,
+                bytemuck::bytes_of(key),
+                self.slots,
+                self.capacity()
+            )));
+        };
+        let (addr, bytes) = &mut read[i];
+        let s = (!used(bytes)).trailing_zeros() as usize;
+        write_slot::<K, V>(bytes, s, key, value);
+        let bits = used(bytes) | 1 << s;
+        set_used(bytes, bits);
+        tx.write_bytes(*addr, bytes)?;
+        if i > 0 {
+            let (home, bytes) = &mut read[0];
+            let n = overflow(bytes) + 1;
+            set_overflow(bytes, n);
+            tx.write_bytes(*home, bytes)?;
+        }
+        Ok(true)
+    }
+
+    /// Replaces the value of `key` in the transaction. Returns false, changing nothing, when
+    /// the key is not there.
+    pub fn update(&self, tx: &mut Txn<'_>, key: &K, value: &V) -> Result<bool, TxError> {
+        let mut found = self.find(tx, key, false)?;
+        let Some((i, addr, s)) = found.at else {
+            return Ok(false);
+        };
+        let bytes = &mut found.read[i as usize].1;
+        write_slot::<K, V>(bytes, s, key, value);
+        tx.write_bytes(addr, bytes)?;
+        Ok(true)
+    }
+
+    /// Removes `key` in the transaction, returning its value if it was there.
+    pub fn remove(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
+        let mut found = self.find(tx, key, false)?;
+        let Some((i, addr, s)) = found.at else {
+            return Ok(None);
+        };
+        let bytes = &mut found.read[i as usize].1;
+        let value = read_value::<K, V>(bytes, s);
+        let bits = used(bytes) & !(1 << s);
+        set_used(bytes, bits);
+        tx.write_bytes(addr, bytes)?;
+        if i > 0 {
+            let (home, bytes) = &mut found.read[0];
+            let n = overflow(bytes) - 1;
+            set_overflow(bytes, n);
+            tx.write_bytes(*home, bytes)?;
+        }
+        Ok(Some(value))
+    }
+
+    /// Finds `key`: reads its home bucket, then, while the home counts spilled keys not yet
+    /// seen, the next buckets. With `for_insert`, reads on until a bucket with a free slot is
+    /// among those read (or the probe limit).
+    fn find(&self, tx: &mut Txn<'_>, key: &K, for_insert: bool) -> Result<Found, TxError> {
+        let (p, b) = self.home(key);
+        let len = self.bucket_bytes();
+        let mut read = Vec::new();
+        let mut spilled_seen = 0u32;
+        let mut spilled = 0u32;
+        let mut has_room = false;
+        for j in 0..=PROBE_BUCKETS.min(self.buckets - 1) {
+            let addr = self.bucket(p, b + j);
+            let bytes = tx.read_bytes(addr, len)?.to_vec();
+            if j == 0 {
+                spilled = overflow(&bytes);
+            } else {
+                spilled_seen += self.homed_at(&bytes, p, b);
+            }
+            has_room |= used(&bytes).count_ones() < self.slots as u32;
+            let slot = self.slot_of(&bytes, key);
+            read.push((addr, bytes));
+            if let Some(s) = slot {
+                return Ok(Found {
+                    at: Some((j, addr, s)),
+                    read,
+                });
+            }
+            let all_seen = spilled_seen >= spilled;
+            if all_seen && (!for_insert || has_room) {
+                break;
+            }
+        }
+        Ok(Found { at: None, read })
+    }
+
+    /// The slot of `bucket` holding `key`.
+    fn slot_of(&self, bucket: &[u8], key: &K) -> Option<usize> {
+        let used = used(bucket);
+        let key = bytemuck::bytes_of(key);
+        let sb = slot_bytes::<K, V>();
+        (0..self.slots).find(|s| {
+            used & (1 << s) != 0 && {
+                let at = BUCKET_HEADER_BYTES + s * sb;
+                &bucket[at..at + key.len()] == key
+            }
+        })
+    }
+
+    /// How many entries of `bucket` have their home at bucket `home` of `partition`.
+    fn homed_at(&self, bucket: &[u8], partition: usize, home: u32) -> u32 {
+        let used = used(bucket);
+        let sb = slot_bytes::<K, V>();
+        let klen = std::mem::size_of::<K>();
+        (0..self.slots)
+            .filter(|s| used & (1 << s) != 0)
+            .filter(|s| {
+                let at = BUCKET_HEADER_BYTES + s * sb;
+                let key: K = bytemuck::pod_read_unaligned(&bucket[at..at + klen]);
+                self.home(&key) == (partition, home)
+            })
+            .count() as u32
+    }
+}
+
+fn slot_bytes<K, V>() -> usize {
+    (std::mem::size_of::<K>() + std::mem::size_of::<V>()).div_ceil(8) * 8
+}
+
+fn bucket_bytes<K, V>(slots: usize) -> usize {
+    BUCKET_HEADER_BYTES + slots * slot_bytes::<K, V>()
+}
+
+fn overflow(bucket: &[u8]) -> u32 {
+    u32::from_le_bytes(bucket[0..4].try_into().unwrap())
+}
+
+fn set_overflow(bucket: &mut [u8], n: u32) {
+    bucket[0..4].copy_from_slice(&n.to_le_bytes());
+}
+
+fn used(bucket: &[u8]) -> u32 {
+    u32::from_le_bytes(bucket[4..8].try_into().unwrap())
+}
+
+fn set_used(bucket: &mut [u8], bits: u32) {
+    bucket[4..8].copy_from_slice(&bits.to_le_bytes());
+}
+
+fn write_slot<K: Pod, V: Pod>(bucket: &mut [u8], slot: usize, key: &K, value: &V) {
+    let at = BUCKET_HEADER_BYTES + slot * slot_bytes::<K, V>();
+    let k = bytemuck::bytes_of(key);
+    bucket[at..at + k.len()].copy_from_slice(k);
+    let v = bytemuck::bytes_of(value);
+    bucket[at + k.len()..at + k.len() + v.len()].copy_from_slice(v);
+}
+
+fn read_value<K: Pod, V: Pod>(bucket: &[u8], slot: usize) -> V {
+    let at = BUCKET_HEADER_BYTES + slot * slot_bytes::<K, V>() + std::mem::size_of::<K>();
+    bytemuck::pod_read_unaligned(&bucket[at..at + std::mem::size_of::<V>()])
+}
+
+/// A 64-bit hash of a key's bytes, the same in every process (buckets are found by it).
+fn hash_key(bytes: &[u8]) -> u64 {
+    let mut h = 0x9e37_79b9_7f4a_7c15u64 ^ bytes.len() as u64;
+    for chunk in bytes.chunks(8) {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        h = (h ^ u64::from_le_bytes(word)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h ^= h >> 31;
+    }
+    // splitmix64's finalizer.
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
