@@ -3,6 +3,8 @@
 
 use farm::{Addr, Cluster, MachineId, TxError};
 
+pub mod tatp;
+
 /// The `q` quantile (0 to 1) of `sorted`, nearest rank.
 pub fn quantile(sorted: &[u64], q: f64) -> u64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]

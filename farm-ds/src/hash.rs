@@ -30,8 +30,10 @@ use std::sync::Arc;
 use bytemuck::Pod;
 use farm::{Addr, Cluster, MachineId, TxError, Txn};
 
-/// Buckets after its home that an entry may spill into.
-pub const PROBE_BUCKETS: u32 = 8;
+/// Buckets after its home that an entry may spill into. Spilling to the next buckets clusters
+/// entries: with 8-entry buckets, the first insert that finds its 17 buckets full comes at
+/// about 75% of capacity (at about 55% with 4-entry buckets and 9 buckets).
+pub const PROBE_BUCKETS: u32 = 16;
 
 /// Most entries per bucket (the used-slot bitmap is 32 bits).
 pub const SLOTS_MAX: u8 = 32;
@@ -66,15 +68,14 @@ pub struct TableSpec {
 }
 
 impl TableSpec {
-    /// A table of about `capacity` entries spread over `partitions`, with buckets of `slots`
-    /// entries filled to about 70% when the table holds `capacity` entries (room for uneven
-    /// hashing; an insert fails only when a home bucket and the next [`PROBE_BUCKETS`] are full).
+    /// A table for `capacity` entries spread over `partitions`, with buckets of `slots`
+    /// entries: twice as many slots as entries, so that inserts do not run out of room before
+    /// `capacity` even where hashing is uneven (an insert fails when its home bucket and the
+    /// next [`PROBE_BUCKETS`] are full; see there).
     pub fn with_capacity(partitions: Vec<MachineId>, capacity: u64, slots: u8) -> Self {
         let n = partitions.len().max(1) as u64;
         let per_partition = capacity.div_ceil(n);
-        let buckets = (per_partition * 10)
-            .div_ceil(7 * slots.max(1) as u64)
-            .max(1);
+        let buckets = (per_partition * 2).div_ceil(slots.max(1) as u64).max(1);
         Self {
             partitions,
             buckets: buckets.min(u32::MAX as u64) as u32,

@@ -1,0 +1,560 @@
+//! TATP (Telecom Application Transaction Processing, version 1.0), as FaRM runs it (§6): its
+//! four tables as [`farm_ds::HashTable`]s and its seven transactions in the standard mix, with
+//! the single-row lookups (70% of the mix) as lock-free reads.
+//!
+//! Tables, keyed as the specification's primary keys:
+//! - SUBSCRIBER by `s_id`, and an index from `sub_nbr` (the 15-digit string of `s_id`) to
+//!   `s_id` for the transactions that name a subscriber by number;
+//! - ACCESS_INFO by `(s_id, ai_type)`, 1 to 4 per subscriber;
+//! - SPECIAL_FACILITY by `(s_id, sf_type)`, 1 to 4 per subscriber, 85% active;
+//! - CALL_FORWARDING by `(s_id, sf_type, start_time)`, 0 to 3 per special facility, start
+//!   times 0, 8 or 16.
+//!
+//! Every table is partitioned by `s_id` over the machines (the index by its own hash). As in
+//! the paper, clients do not partition: a transaction runs on a random machine unless asked to
+//! run where its subscriber lives.
+
+use bytemuck::{Pod, Zeroable};
+use farm::{Cluster, MachineId, TxError};
+use farm_ds::{HashTable, TableSpec};
+
+/// SUBSCRIBER's non-key columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Subscriber {
+    /// `sub_nbr`: `s_id` as 15 decimal digits (and a zero byte).
+    pub sub_nbr: [u8; 16],
+    /// `msc_location`.
+    pub msc_location: u32,
+    /// `vlr_location`.
+    pub vlr_location: u32,
+    /// `bit_1` to `bit_10`, one bit each.
+    pub bits: u16,
+    /// `byte2_1` to `byte2_10`.
+    pub byte2: [u8; 10],
+    /// `hex_1` to `hex_10`, four bits each (and padding).
+    pub hex: [u8; 8],
+}
+
+/// ACCESS_INFO's non-key columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct AccessInfo {
+    /// `data1`.
+    pub data1: u8,
+    /// `data2`.
+    pub data2: u8,
+    /// `data3`: 3 characters.
+    pub data3: [u8; 3],
+    /// `data4`: 5 characters.
+    pub data4: [u8; 5],
+}
+
+/// SPECIAL_FACILITY's non-key columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct SpecialFacility {
+    /// `is_active`: 1 for 85% of the rows.
+    pub is_active: u8,
+    /// `error_cntrl`.
+    pub error_cntrl: u8,
+    /// `data_a`.
+    pub data_a: u8,
+    /// `data_b`: 5 characters.
+    pub data_b: [u8; 5],
+}
+
+/// CALL_FORWARDING's non-key columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct CallForwarding {
+    /// `end_time`: `start_time` plus 1 to 8.
+    pub end_time: u8,
+    /// `numberx`: 15 digits.
+    pub numberx: [u8; 15],
+}
+
+/// The seven transactions, in the order of the mix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    /// GET_SUBSCRIBER_DATA: one subscriber row (lock-free).
+    GetSubscriberData,
+    /// GET_NEW_DESTINATION: a special facility and its call forwardings (read-only).
+    GetNewDestination,
+    /// GET_ACCESS_DATA: one access-info row (lock-free).
+    GetAccessData,
+    /// UPDATE_SUBSCRIBER_DATA: a subscriber bit and a special facility's `data_a`.
+    UpdateSubscriberData,
+    /// UPDATE_LOCATION: a subscriber's `vlr_location`, by `sub_nbr`.
+    UpdateLocation,
+    /// INSERT_CALL_FORWARDING: by `sub_nbr`.
+    InsertCallForwarding,
+    /// DELETE_CALL_FORWARDING: by `sub_nbr`.
+    DeleteCallForwarding,
+}
+
+impl Kind {
+    /// All kinds, in mix order.
+    pub const ALL: [Kind; 7] = [
+        Kind::GetSubscriberData,
+        Kind::GetNewDestination,
+        Kind::GetAccessData,
+        Kind::UpdateSubscriberData,
+        Kind::UpdateLocation,
+        Kind::InsertCallForwarding,
+        Kind::DeleteCallForwarding,
+    ];
+
+    /// The standard mix, in percent.
+    pub const fn percent(self) -> u64 {
+        match self {
+            Kind::GetSubscriberData => 35,
+            Kind::GetNewDestination => 10,
+            Kind::GetAccessData => 35,
+            Kind::UpdateSubscriberData => 2,
+            Kind::UpdateLocation => 14,
+            Kind::InsertCallForwarding => 2,
+            Kind::DeleteCallForwarding => 2,
+        }
+    }
+
+    /// The specification's name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Kind::GetSubscriberData => "GET_SUBSCRIBER_DATA",
+            Kind::GetNewDestination => "GET_NEW_DESTINATION",
+            Kind::GetAccessData => "GET_ACCESS_DATA",
+            Kind::UpdateSubscriberData => "UPDATE_SUBSCRIBER_DATA",
+            Kind::UpdateLocation => "UPDATE_LOCATION",
+            Kind::InsertCallForwarding => "INSERT_CALL_FORWARDING",
+            Kind::DeleteCallForwarding => "DELETE_CALL_FORWARDING",
+        }
+    }
+
+    /// The kind a uniform draw below 100 picks.
+    pub fn from_draw(draw: u64) -> Kind {
+        let mut acc = 0;
+        for k in Kind::ALL {
+            acc += k.percent();
+            if draw < acc {
+                return k;
+            }
+        }
+        unreachable!("the mix adds up to 100")
+    }
+}
+
+/// The tables of one TATP database.
+#[derive(Clone, Debug)]
+pub struct Tables {
+    /// Subscribers: `s_id` 1 to this.
+    pub subscribers: u32,
+    /// SUBSCRIBER.
+    pub subscriber: HashTable<u32, Subscriber>,
+    /// `sub_nbr` to `s_id`.
+    pub sub_nbr: HashTable<[u8; 16], u32>,
+    /// ACCESS_INFO, keyed by [`ai_key`].
+    pub access_info: HashTable<u64, AccessInfo>,
+    /// SPECIAL_FACILITY, keyed by [`sf_key`].
+    pub special_facility: HashTable<u64, SpecialFacility>,
+    /// CALL_FORWARDING, keyed by [`cf_key`].
+    pub call_forwarding: HashTable<u64, CallForwarding>,
+}
+
+/// ACCESS_INFO's key.
+pub fn ai_key(s_id: u32, ai_type: u8) -> u64 {
+    (s_id as u64) << 8 | ai_type as u64
+}
+
+/// SPECIAL_FACILITY's key.
+pub fn sf_key(s_id: u32, sf_type: u8) -> u64 {
+    (s_id as u64) << 8 | sf_type as u64
+}
+
+/// CALL_FORWARDING's key.
+pub fn cf_key(s_id: u32, sf_type: u8, start_time: u8) -> u64 {
+    (s_id as u64) << 16 | (sf_type as u64) << 8 | start_time as u64
+}
+
+/// `sub_nbr` of `s_id`: 15 decimal digits.
+pub fn sub_nbr(s_id: u32) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    let digits = format!("{s_id:015}");
+    out[..15].copy_from_slice(digits.as_bytes());
+    out
+}
+
+/// A small seeded generator (xorshift*), one per client.
+#[derive(Clone, Debug)]
+pub struct Rand(u64);
+
+impl Rand {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+
+    /// Random bytes of digits.
+    fn digits<const N: usize>(&mut self) -> [u8; N] {
+        std::array::from_fn(|_| b'0' + (self.next_u64() % 10) as u8)
+    }
+
+    /// Random upper-case letters.
+    fn letters<const N: usize>(&mut self) -> [u8; N] {
+        std::array::from_fn(|_| b'A' + (self.next_u64() % 26) as u8)
+    }
+}
+
+/// The specification's non-uniform subscriber id (clause 4.2): `(rand(0, A) | rand(1, P)) % P
+/// + 1`, with A = 65535 up to 1 M subscribers, 1048575 up to 10 M, 2097151 beyond.
+pub fn s_id(rng: &mut Rand, subscribers: u32) -> u32 {
+    let p = subscribers as u64;
+    let a = match p {
+        0..=1_000_000 => 65_535,
+        1_000_001..=10_000_000 => 1_048_575,
+        _ => 2_097_151,
+    };
+    ((rng.range(0, a) | rng.range(1, p)) % p + 1) as u32
+}
+
+/// Where subscriber `s_id`'s rows live.
+pub fn partition_of_s_id(s_id: u32, machines: usize) -> usize {
+    s_id as usize % machines
+}
+
+impl Tables {
+    /// Creates empty tables for `subscribers` over every machine of `cluster`.
+    pub fn create(cluster: &Cluster, subscribers: u32) -> Result<Self, TxError> {
+        let machines: Vec<MachineId> = (0..cluster.machines()).map(MachineId).collect();
+        let n = machines.len();
+        let spec = |rows_per_subscriber: u64, slots: u8| {
+            TableSpec::with_capacity(
+                machines.clone(),
+                subscribers as u64 * rows_per_subscriber,
+                slots,
+            )
+        };
+        let by_s_id = move |s: u64| partition_of_s_id(s as u32, n);
+        Ok(Self {
+            subscribers,
+            subscriber: HashTable::create(cluster, &spec(1, 8))?
+                .with_partitioner(move |s: &u32| by_s_id(*s as u64)),
+            sub_nbr: HashTable::create(cluster, &spec(1, 8))?,
+            access_info: HashTable::create(cluster, &spec(4, 8))?
+                .with_partitioner(move |k: &u64| by_s_id(k >> 8)),
+            special_facility: HashTable::create(cluster, &spec(4, 8))?
+                .with_partitioner(move |k: &u64| by_s_id(k >> 8)),
+            // Up to 3 per special facility; the insert and delete transactions keep the count
+            // near its start.
+            call_forwarding: HashTable::create(cluster, &spec(6, 8))?
+                .with_partitioner(move |k: &u64| by_s_id(k >> 16)),
+        })
+    }
+
+    /// Loads the subscribers of `partition` (clause 4.3), in transactions of `batch`
+    /// subscribers coordinated on the partition's machine, calling `progress` with the number
+    /// loaded after each. Rows depend only on `seed` and the subscriber.
+    pub fn populate_partition(
+        &self,
+        cluster: &Cluster,
+        partition: usize,
+        batch: usize,
+        seed: u64,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(), TxError> {
+        let machines = cluster.machines() as usize;
+        let ids: Vec<u32> = (1..=self.subscribers)
+            .filter(|id| partition_of_s_id(*id, machines) == partition)
+            .collect();
+        for chunk in ids.chunks(batch.max(1)) {
+            cluster.txn(MachineId(partition as u16), |tx| {
+                for &id in chunk {
+                    let mut rng = Rand::new(seed ^ (id as u64) << 20);
+                    self.insert_subscriber(tx, id, &mut rng)?;
+                }
+                Ok(())
+            })?;
+            progress(chunk.len() as u64);
+        }
+        Ok(())
+    }
+
+    fn insert_subscriber(
+        &self,
+        tx: &mut farm::Txn<'_>,
+        id: u32,
+        rng: &mut Rand,
+    ) -> Result<(), TxError> {
+        let mut hex = [0u8; 8];
+        for b in hex.iter_mut().take(5) {
+            *b = rng.next_u64() as u8;
+        }
+        let row = Subscriber {
+            sub_nbr: sub_nbr(id),
+            msc_location: rng.next_u64() as u32,
+            vlr_location: rng.next_u64() as u32,
+            bits: (rng.next_u64() & 0x3ff) as u16,
+            byte2: std::array::from_fn(|_| rng.next_u64() as u8),
+            hex,
+        };
+        self.subscriber.insert(tx, &id, &row)?;
+        self.sub_nbr.insert(tx, &sub_nbr(id), &id)?;
+        for ai_type in pick_types(rng) {
+            let ai = AccessInfo {
+                data1: rng.next_u64() as u8,
+                data2: rng.next_u64() as u8,
+                data3: rng.letters(),
+                data4: rng.letters(),
+            };
+            self.access_info.insert(tx, &ai_key(id, ai_type), &ai)?;
+        }
+        for sf_type in pick_types(rng) {
+            let sf = SpecialFacility {
+                is_active: (rng.range(1, 100) <= 85) as u8,
+                error_cntrl: rng.next_u64() as u8,
+                data_a: rng.next_u64() as u8,
+                data_b: rng.letters(),
+            };
+            self.special_facility
+                .insert(tx, &sf_key(id, sf_type), &sf)?;
+            // 0 to 3 call forwardings, at distinct start times.
+            let mut starts = [0u8, 8, 16];
+            for i in 0..3 {
+                let j = i + (rng.next_u64() % (3 - i) as u64) as usize;
+                starts.swap(i, j);
+            }
+            let n = rng.range(0, 3) as usize;
+            for start in starts.into_iter().take(n) {
+                let cf = CallForwarding {
+                    end_time: start + rng.range(1, 8) as u8,
+                    numberx: rng.digits(),
+                };
+                self.call_forwarding
+                    .insert(tx, &cf_key(id, sf_type, start), &cf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one transaction of `kind` with the specification's inputs, coordinated on `m`
+    /// (`None`: on the subscriber's machine). Returns whether it succeeded in the
+    /// specification's sense (found its rows, or inserted or deleted one), and adds the
+    /// transaction's executions to `attempts` (more than one when conflicts made it retry).
+    pub fn run(
+        &self,
+        cluster: &Cluster,
+        m: Option<MachineId>,
+        kind: Kind,
+        rng: &mut Rand,
+        attempts: &mut u64,
+    ) -> Result<bool, TxError> {
+        let id = s_id(rng, self.subscribers);
+        let machines = cluster.machines() as usize;
+        let m = m.unwrap_or(MachineId(partition_of_s_id(id, machines) as u16));
+        match kind {
+            Kind::GetSubscriberData => {
+                *attempts += 1;
+                Ok(self.subscriber.get(cluster, m, &id)?.is_some())
+            }
+            Kind::GetAccessData => {
+                *attempts += 1;
+                let ai_type = rng.range(1, 4) as u8;
+                Ok(self
+                    .access_info
+                    .get(cluster, m, &ai_key(id, ai_type))?
+                    .is_some())
+            }
+            Kind::GetNewDestination => {
+                let sf_type = rng.range(1, 4) as u8;
+                let start_time = [0u8, 8, 16][rng.range(0, 2) as usize];
+                let end_time = rng.range(1, 24) as u8;
+                cluster.txn(m, |tx| {
+                    *attempts += 1;
+                    let Some(sf) = self.special_facility.get_in(tx, &sf_key(id, sf_type))? else {
+                        return Ok(false);
+                    };
+                    if sf.is_active != 1 {
+                        return Ok(false);
+                    }
+                    let mut found = false;
+                    for start in [0u8, 8, 16].into_iter().filter(|s| *s <= start_time) {
+                        let cf = self
+                            .call_forwarding
+                            .get_in(tx, &cf_key(id, sf_type, start))?;
+                        found |= cf.is_some_and(|cf| end_time < cf.end_time);
+                    }
+                    Ok(found)
+                })
+            }
+            Kind::UpdateSubscriberData => {
+                let sf_type = rng.range(1, 4) as u8;
+                let bit = rng.range(0, 1) as u16;
+                let data_a = rng.next_u64() as u8;
+                cluster.txn(m, |tx| {
+                    *attempts += 1;
+                    let Some(mut sub) = self.subscriber.get_in(tx, &id)? else {
+                        return Ok(false);
+                    };
+                    sub.bits = (sub.bits & !1) | bit;
+                    self.subscriber.update(tx, &id, &sub)?;
+                    let key = sf_key(id, sf_type);
+                    let Some(mut sf) = self.special_facility.get_in(tx, &key)? else {
+                        return Ok(false); // The subscriber's update stands (clause 2.4).
+                    };
+                    sf.data_a = data_a;
+                    self.special_facility.update(tx, &key, &sf)
+                })
+            }
+            Kind::UpdateLocation => {
+                let nbr = sub_nbr(id);
+                let vlr = rng.next_u64() as u32;
+                // The number index never changes: a lock-free lookup before the transaction
+                // reads what one inside it would, without a read to validate at commit.
+                let Some(s) = self.sub_nbr.get(cluster, m, &nbr)? else {
+                    return Ok(false);
+                };
+                cluster.txn(m, |tx| {
+                    *attempts += 1;
+                    let Some(mut sub) = self.subscriber.get_in(tx, &s)? else {
+                        return Ok(false);
+                    };
+                    sub.vlr_location = vlr;
+                    self.subscriber.update(tx, &s, &sub)
+                })
+            }
+            Kind::InsertCallForwarding => {
+                let nbr = sub_nbr(id);
+                let sf_type = rng.range(1, 4) as u8;
+                let start_time = [0u8, 8, 16][rng.range(0, 2) as usize];
+                let cf = CallForwarding {
+                    end_time: start_time + rng.range(1, 8) as u8,
+                    numberx: rng.digits(),
+                };
+                cluster.txn(m, |tx| {
+                    *attempts += 1;
+                    let Some(s) = self.sub_nbr.get_in(tx, &nbr)? else {
+                        return Ok(false);
+                    };
+                    // The special facilities of the subscriber (the specification selects them
+                    // all; the insert needs the one of `sf_type`).
+                    if self
+                        .special_facility
+                        .get_in(tx, &sf_key(s, sf_type))?
+                        .is_none()
+                    {
+                        return Ok(false);
+                    }
+                    self.call_forwarding
+                        .insert(tx, &cf_key(s, sf_type, start_time), &cf)
+                })
+            }
+            Kind::DeleteCallForwarding => {
+                let nbr = sub_nbr(id);
+                let sf_type = rng.range(1, 4) as u8;
+                let start_time = [0u8, 8, 16][rng.range(0, 2) as usize];
+                cluster.txn(m, |tx| {
+                    *attempts += 1;
+                    let Some(s) = self.sub_nbr.get_in(tx, &nbr)? else {
+                        return Ok(false);
+                    };
+                    let removed = self
+                        .call_forwarding
+                        .remove(tx, &cf_key(s, sf_type, start_time))?;
+                    Ok(removed.is_some())
+                })
+            }
+        }
+    }
+
+    /// Checks the database's integrity after a run: every subscriber is there with its number
+    /// indexed, has 1 to 4 access-info and special-facility rows, and every call forwarding
+    /// belongs to a special facility, starts at 0, 8 or 16 and ends 1 to 8 later. Returns the
+    /// number of call forwardings, or the first violation.
+    pub fn check(&self, cluster: &Cluster) -> Result<u64, String> {
+        let m = MachineId(0);
+        let mut call_forwardings = 0;
+        for id in 1..=self.subscribers {
+            let err = |what: String| format!("subscriber {id}: {what}");
+            let sub = self
+                .subscriber
+                .get(cluster, m, &id)
+                .map_err(|e| err(e.to_string()))?
+                .ok_or_else(|| err("missing".into()))?;
+            if sub.sub_nbr != sub_nbr(id) {
+                return Err(err("wrong sub_nbr".into()));
+            }
+            let indexed = self.sub_nbr.get(cluster, m, &sub.sub_nbr);
+            if indexed.map_err(|e| err(e.to_string()))? != Some(id) {
+                return Err(err("sub_nbr not indexed to it".into()));
+            }
+            let ai = (1..=4u8)
+                .map(|ty| {
+                    let row = self.access_info.get(cluster, m, &ai_key(id, ty));
+                    row.map(|r| r.is_some() as u32)
+                })
+                .sum::<Result<u32, TxError>>()
+                .map_err(|e| err(e.to_string()))?;
+            if !(1..=4).contains(&ai) {
+                return Err(err(format!("{ai} access-info rows")));
+            }
+            let mut sf = 0;
+            for ty in 1..=4u8 {
+                let has_sf = self
+                    .special_facility
+                    .get(cluster, m, &sf_key(id, ty))
+                    .map_err(|e| err(e.to_string()))?
+                    .is_some();
+                sf += has_sf as u32;
+                for start in [0u8, 8, 16] {
+                    let cf = self
+                        .call_forwarding
+                        .get(cluster, m, &cf_key(id, ty, start))
+                        .map_err(|e| err(e.to_string()))?;
+                    if let Some(cf) = cf {
+                        if !has_sf {
+                            return Err(err(format!(
+                                "call forwarding of special facility {ty}, which it lacks"
+                            )));
+                        }
+                        if !(start + 1..=start + 8).contains(&cf.end_time) {
+                            return Err(err(format!(
+                                "call forwarding {ty}/{start} ends at {}",
+                                cf.end_time
+                            )));
+                        }
+                        call_forwardings += 1;
+                    }
+                }
+            }
+            if !(1..=4).contains(&sf) {
+                return Err(err(format!("{sf} special-facility rows")));
+            }
+        }
+        Ok(call_forwardings)
+    }
+}
+
+/// 1 to 4 distinct types out of 1 to 4 (clause 4.3: a random number of rows, types unique).
+fn pick_types(rng: &mut Rand) -> Vec<u8> {
+    let n = rng.range(1, 4) as usize;
+    let mut types = vec![1u8, 2, 3, 4];
+    for i in 0..4 {
+        let j = i + (rng.next_u64() % (4 - i) as u64) as usize;
+        types.swap(i, j);
+    }
+    types.truncate(n);
+    types
+}
