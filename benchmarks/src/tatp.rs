@@ -15,7 +15,7 @@
 //! run where its subscriber lives.
 
 use bytemuck::{Pod, Zeroable};
-use farm::{Cluster, MachineId, TxError};
+use farm::{Client, MachineId, TxError};
 use farm_ds::{HashTable, TableSpec};
 
 /// SUBSCRIBER's non-key columns.
@@ -237,7 +237,7 @@ pub fn partition_of_s_id(s_id: u32, machines: usize) -> usize {
 
 impl Tables {
     /// Creates empty tables for `subscribers` over every machine of `cluster`.
-    pub fn create(cluster: &Cluster, subscribers: u32) -> Result<Self, TxError> {
+    pub fn create(cluster: &impl Client, subscribers: u32) -> Result<Self, TxError> {
         let machines: Vec<MachineId> = (0..cluster.machines()).map(MachineId).collect();
         let n = machines.len();
         let spec = |rows_per_subscriber: u64, slots: u8| {
@@ -250,7 +250,7 @@ impl Tables {
         let by_s_id = move |s: u64| partition_of_s_id(s as u32, n);
         Ok(Self {
             subscribers,
-            subscriber: HashTable::create(cluster, &spec(1, 8))?
+            subscriber: HashTable::create(cluster, &spec(1, 4))?
                 .with_partitioner(move |s: &u32| by_s_id(*s as u64)),
             sub_nbr: HashTable::create(cluster, &spec(1, 8))?,
             access_info: HashTable::create(cluster, &spec(4, 8))?
@@ -269,7 +269,7 @@ impl Tables {
     /// loaded after each. Rows depend only on `seed` and the subscriber.
     pub fn populate_partition(
         &self,
-        cluster: &Cluster,
+        cluster: &impl Client,
         partition: usize,
         batch: usize,
         seed: u64,
@@ -355,7 +355,7 @@ impl Tables {
     /// transaction's executions to `attempts` (more than one when conflicts made it retry).
     pub fn run(
         &self,
-        cluster: &Cluster,
+        cluster: &impl Client,
         m: Option<MachineId>,
         kind: Kind,
         rng: &mut Rand,
@@ -483,7 +483,7 @@ impl Tables {
     /// indexed, has 1 to 4 access-info and special-facility rows, and every call forwarding
     /// belongs to a special facility, starts at 0, 8 or 16 and ends 1 to 8 later. Returns the
     /// number of call forwardings, or the first violation.
-    pub fn check(&self, cluster: &Cluster) -> Result<u64, String> {
+    pub fn check(&self, cluster: &impl Client) -> Result<u64, String> {
         let m = MachineId(0);
         let mut call_forwardings = 0;
         for id in 1..=self.subscribers {

@@ -44,7 +44,7 @@ struct Args {
     /// machine, as FaRM ran TATP: "partitionable but we have not partitioned it").
     #[arg(long)]
     partitioned: bool,
-    /// Pin the cluster's poller threads to cores.
+    /// Pin the cluster's poller threads and the clients to cores (client i to core i).
     #[arg(long)]
     pin: bool,
     /// Check the database's integrity after the run.
@@ -169,7 +169,14 @@ fn main() -> anyhow::Result<()> {
                 barrier.clone(),
             );
             let (seed, partitioned) = (args.seed, args.partitioned);
+            let core = args
+                .pin
+                .then(|| core_affinity::get_core_ids().unwrap_or_default())
+                .and_then(|cores| cores.get(c as usize % cores.len().max(1)).copied());
             std::thread::spawn(move || {
+                if let Some(core) = core {
+                    core_affinity::set_for_current(core);
+                }
                 client(&cluster, &tables, c, seed, partitioned, &stop, &barrier)
             })
         })
@@ -262,13 +269,15 @@ fn client(
     };
     let mut rng = Rand::new(seed.wrapping_mul(1_000_003) ^ (id as u64 + 1) << 40);
     let machines = cluster.machines() as u64;
+    // Back-to-back transactions: keep one host rather than hand it to a poller in between.
+    let session = cluster.session();
     barrier.wait();
     while !stop.load(Ordering::Relaxed) {
         let kind = Kind::from_draw(rng.next_u64() % 100);
         let i = kind as usize;
         let m = (!partitioned).then(|| MachineId((rng.next_u64() % machines) as u16));
         let t = Instant::now();
-        let result = tables.run(cluster, m, kind, &mut rng, &mut stats.attempts[i]);
+        let result = tables.run(&session, m, kind, &mut rng, &mut stats.attempts[i]);
         let ns = t.elapsed().as_nanos() as u64;
         match result {
             Ok(ok) => {

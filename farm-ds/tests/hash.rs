@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use farm::{Cluster, MachineId, TxError};
+use farm::{Client, Cluster, MachineId, TxError};
 use farm_core::rng::Rng;
 use farm_ds::{HashTable, TableSpec};
 
@@ -226,8 +226,9 @@ fn partitions_place_keys_on_their_machines() {
 }
 
 /// Two threads increment shared counters and insert and remove keys of their own, with
-/// lock-free lookups in between: every increment counts once, and each thread's keys are
-/// exactly those it left.
+/// lock-free lookups in between, one through the cluster and one through a session (which
+/// keeps its host): every increment counts once, and each thread's keys are exactly those it
+/// left.
 #[test]
 fn concurrent_transactions_on_shared_buckets_are_serializable() {
     let c = Arc::new(cluster());
@@ -244,27 +245,11 @@ fn concurrent_transactions_on_shared_buckets_are_serializable() {
         .map(|id| {
             let (c, t) = (c.clone(), t.clone());
             std::thread::spawn(move || {
-                let mut rng = Rng::new(id + 100);
-                let mut mine = Vec::new();
-                for i in 0..400u64 {
-                    let m = MachineId(rng.below(3) as u16);
-                    let counter = rng.below(8);
-                    c.txn(m, |tx| {
-                        let v = t.get_in(tx, &counter)?.expect("counter");
-                        t.update(tx, &counter, &(v + 1)).map(|_| ())
-                    })
-                    .unwrap();
-                    let own = 1000 * (id + 1) + i % 20;
-                    if mine.contains(&own) {
-                        assert_eq!(c.txn(m, |tx| t.remove(tx, &own)).unwrap(), Some(i));
-                        mine.retain(|k| *k != own);
-                    } else {
-                        assert!(c.txn(m, |tx| t.insert(tx, &own, &(i + 20))).unwrap());
-                        mine.push(own);
-                    }
-                    assert!(t.get(&c, m, &counter).unwrap().is_some());
+                if id == 0 {
+                    churn(&*c, &t, id)
+                } else {
+                    churn(&c.session(), &t, id)
                 }
-                mine
             })
         })
         .collect();
@@ -283,4 +268,30 @@ fn concurrent_transactions_on_shared_buckets_are_serializable() {
             );
         }
     }
+}
+
+/// 400 increments of random counters, each followed by an insert or remove of one of 20 keys
+/// of thread `id`'s own, and a lookup. Returns the keys the thread left in the table.
+fn churn(c: &impl Client, t: &HashTable<u64, u64>, id: u64) -> Vec<u64> {
+    let mut rng = Rng::new(id + 100);
+    let mut mine = Vec::new();
+    for i in 0..400u64 {
+        let m = MachineId(rng.below(3) as u16);
+        let counter = rng.below(8);
+        c.txn(m, |tx| {
+            let v = t.get_in(tx, &counter)?.expect("counter");
+            t.update(tx, &counter, &(v + 1)).map(|_| ())
+        })
+        .unwrap();
+        let own = 1000 * (id + 1) + i % 20;
+        if mine.contains(&own) {
+            assert_eq!(c.txn(m, |tx| t.remove(tx, &own)).unwrap(), Some(i));
+            mine.retain(|k| *k != own);
+        } else {
+            assert!(c.txn(m, |tx| t.insert(tx, &own, &(i + 20))).unwrap());
+            mine.push(own);
+        }
+        assert!(t.get(c, m, &counter).unwrap().is_some());
+    }
+    mine
 }

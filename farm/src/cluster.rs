@@ -708,6 +708,137 @@ impl std::ops::DerefMut for HostGuard<'_> {
     }
 }
 
+/// A thread's hold on one host across transactions ([`Cluster::session`]).
+#[derive(Debug)]
+pub struct Session<'c> {
+    cluster: &'c Cluster,
+    host: std::cell::RefCell<HostGuard<'c>>,
+}
+
+impl std::fmt::Debug for HostGuard<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostGuard")
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl<'c> Session<'c> {
+    /// The cluster.
+    pub fn cluster(&self) -> &Cluster {
+        self.cluster
+    }
+
+    fn held(&self) -> std::cell::RefMut<'_, HostGuard<'c>> {
+        self.host
+            .try_borrow_mut()
+            .expect("a session's transaction or read started inside another: use Cluster::txn")
+    }
+}
+
+/// What runs transactions and lock-free reads: a [`Cluster`], which takes a host for each, or a
+/// [`Session`], which keeps one. Data structures take either.
+pub trait Client {
+    /// See [`Cluster::txn`].
+    fn txn<R>(
+        &self,
+        machine: MachineId,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError>;
+
+    /// See [`Cluster::read_bytes_into`].
+    fn read_bytes_into(
+        &self,
+        machine: MachineId,
+        addr: Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError>;
+
+    /// See [`Cluster::read`].
+    fn read<T: bytemuck::Pod>(&self, machine: MachineId, addr: Addr) -> Result<T, TxError> {
+        let mut buf = vec![0u8; 8 + std::mem::size_of::<T>()];
+        self.read_bytes_into(machine, addr, &mut buf)?;
+        Ok(bytemuck::pod_read_unaligned(&buf[8..]))
+    }
+
+    /// The number of machines.
+    fn machines(&self) -> u16;
+}
+
+impl Client for Cluster {
+    fn txn<R>(
+        &self,
+        machine: MachineId,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        Cluster::txn(self, machine, f)
+    }
+
+    fn read_bytes_into(
+        &self,
+        machine: MachineId,
+        addr: Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError> {
+        Cluster::read_bytes_into(self, machine, addr, buf)
+    }
+
+    fn read<T: bytemuck::Pod>(&self, machine: MachineId, addr: Addr) -> Result<T, TxError> {
+        Cluster::read(self, machine, addr)
+    }
+
+    fn machines(&self) -> u16 {
+        Cluster::machines(self)
+    }
+}
+
+impl<C: Client> Client for Arc<C> {
+    fn txn<R>(
+        &self,
+        machine: MachineId,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        (**self).txn(machine, f)
+    }
+
+    fn read_bytes_into(
+        &self,
+        machine: MachineId,
+        addr: Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError> {
+        (**self).read_bytes_into(machine, addr, buf)
+    }
+
+    fn machines(&self) -> u16 {
+        (**self).machines()
+    }
+}
+
+impl Client for Session<'_> {
+    fn txn<R>(
+        &self,
+        machine: MachineId,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        self.cluster.txn_on(&mut self.held(), machine, f)
+    }
+
+    fn read_bytes_into(
+        &self,
+        machine: MachineId,
+        addr: Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError> {
+        assert!(buf.len() >= 8, "the buffer has no room for the header");
+        self.cluster.read_on(&mut self.held(), machine, addr, buf)
+    }
+
+    fn machines(&self) -> u16 {
+        self.cluster.machines()
+    }
+}
+
 /// An in-process FaRM cluster. See the module docs.
 #[derive(Debug)]
 pub struct Cluster {
@@ -796,15 +927,35 @@ impl Cluster {
     pub fn txn<R>(
         &self,
         machine: MachineId,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        self.txn_on(&mut self.host(), machine, f)
+    }
+
+    /// A session: this thread's hold on one host (a worker thread of every machine) for many
+    /// transactions and reads. [`Cluster::txn`] takes a host for each transaction and gives it
+    /// back, and a background poller serves it in between; a client that runs transactions
+    /// back to back saves those hand-overs by keeping one. The host's lazy work (truncation,
+    /// feedback) then waits for the session's next transaction: drop a session that goes idle.
+    pub fn session(&self) -> Session<'_> {
+        Session {
+            cluster: self,
+            host: std::cell::RefCell::new(self.host()),
+        }
+    }
+
+    fn txn_on<R>(
+        &self,
+        host: &mut HostGuard<'_>,
+        machine: MachineId,
         mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
         assert!(machine.0 < self.machines(), "no machine {machine}");
-        let mut host = self.host();
         let mut backoff = Backoff::new();
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let result = run_once(&self.inner, &mut host, machine, &mut f);
+            let result = run_once(&self.inner, host, machine, &mut f);
             match result {
                 Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
                     // Let conflicting commits (or recovery, for a blocked region) finish: they
@@ -852,7 +1003,16 @@ impl Cluster {
     }
 
     fn read_into(&self, machine: MachineId, addr: Addr, buf: &mut [u8]) -> Result<(), TxError> {
-        let mut host = self.host();
+        self.read_on(&mut self.host(), machine, addr, buf)
+    }
+
+    fn read_on(
+        &self,
+        host: &mut HostGuard<'_>,
+        machine: MachineId,
+        addr: Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError> {
         let mut backoff = Backoff::new();
         let mut attempt = 0;
         loop {

@@ -26,7 +26,9 @@ mod lease_thread;
 mod txn;
 pub mod zk;
 
-pub use cluster::{AdminError, BuildError, Cluster, ClusterBuilder, Timeline, TXN_ATTEMPTS_MAX};
+pub use cluster::{
+    AdminError, BuildError, Client, Cluster, ClusterBuilder, Session, Timeline, TXN_ATTEMPTS_MAX,
+};
 pub use cm::ReconfigEvent;
 pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 pub use farm_core::{Addr, ConfigId, MachineId, RegionId};
