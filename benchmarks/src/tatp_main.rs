@@ -3,7 +3,15 @@
 //! and per transaction type the count, successes, aborts (retried executions) and latency
 //! percentiles; optionally checks the database afterwards and writes JSON.
 //!
+//! Failure injection: `--kill MACHINE@SECONDS` (repeatable; `cm@SECONDS` kills whichever
+//! machine is CM then) kills machines during the run, which goes on through recovery; the run
+//! then reports, per kill, the times to suspicion, to 80% of the throughput before the kill
+//! and to full re-replication, can draw throughput per millisecond with the recovery events
+//! marked (`--chart run.svg`, like the paper's Figures 9 to 11), and `--check` checks the
+//! database afterwards.
+//!
 //! `cargo run --release -p farm-benchmarks --bin tatp -- --subscribers 100000 --seconds 5`
+//! `cargo run --release -p farm-benchmarks --bin tatp -- --seconds 2 --kill 2@1 --chart kill.svg --check`
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
@@ -11,8 +19,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use farm::{Cluster, MachineId};
+use farm::{Cluster, MachineId, ReconfigEvent, RecoveryEvent, TxError};
 use farm_benchmarks::tatp::{Kind, Rand, Tables};
+use farm_benchmarks::timeline::{self, Marker};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
@@ -53,6 +62,55 @@ struct Args {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Kill a machine during the run: `MACHINE@SECONDS` after the measured run starts, or
+    /// `cm@SECONDS` for the machine that is CM then. Repeatable.
+    #[arg(long, value_parser = parse_kill)]
+    kill: Vec<Kill>,
+    /// Lease duration in milliseconds (failure detection, §5.1).
+    #[arg(long, default_value_t = 10)]
+    lease_ms: u64,
+    /// Draw throughput per millisecond with the recovery events to this SVG file.
+    #[arg(long)]
+    chart: Option<std::path::PathBuf>,
+}
+
+/// A machine to kill, and when.
+#[derive(Clone, Copy, Debug)]
+struct Kill {
+    /// `None`: the CM at that moment.
+    machine: Option<u16>,
+    seconds: f64,
+}
+
+fn parse_kill(s: &str) -> Result<Kill, String> {
+    let (who, when) = s
+        .split_once('@')
+        .ok_or_else(|| format!("{s:?}: expected MACHINE@SECONDS or cm@SECONDS"))?;
+    let machine = match who {
+        "cm" => None,
+        m => Some(
+            m.parse::<u16>()
+                .map_err(|_| format!("{s:?}: {m:?} is neither a machine number nor cm"))?,
+        ),
+    };
+    let seconds: f64 = when
+        .parse()
+        .map_err(|_| format!("{s:?}: {when:?} is not a number of seconds"))?;
+    if seconds.is_nan() || seconds < 0.0 {
+        return Err(format!("{s:?}: the time must not be negative"));
+    }
+    Ok(Kill { machine, seconds })
+}
+
+/// What a kill did to the run.
+#[derive(Serialize, Debug)]
+struct KillReport {
+    machine: u16,
+    at_us: u64,
+    kill_to_suspect_ms: Option<f64>,
+    throughput_before_per_ms: Option<f64>,
+    suspect_to_80_percent_ms: Option<f64>,
+    suspect_to_rereplicated_ms: Option<f64>,
 }
 
 /// Results of one transaction type.
@@ -84,6 +142,11 @@ struct Report {
     p50_us: f64,
     p99_us: f64,
     types: Vec<TypeReport>,
+    kills: Vec<KillReport>,
+    /// Operations completed per millisecond of the cluster's clock.
+    completed_per_ms: Vec<u64>,
+    /// The cluster's timeline (reconfiguration and recovery events).
+    timeline: serde_json::Value,
 }
 
 /// What one client counted.
@@ -92,6 +155,8 @@ struct ClientStats {
     successes: Vec<u64>,
     attempts: Vec<u64>,
     errors: Vec<u64>,
+    /// Operations completed per millisecond of the cluster's clock.
+    per_ms: Vec<u64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -103,6 +168,28 @@ fn main() -> anyhow::Result<()> {
         args.replicas >= 1 && args.replicas <= args.machines,
         "--replicas must be 1 to --machines ({})",
         args.machines
+    );
+    anyhow::ensure!(args.lease_ms >= 1, "--lease-ms must be at least 1");
+    for k in &args.kill {
+        if let Some(m) = k.machine {
+            anyhow::ensure!(
+                m < args.machines,
+                "--kill {m}@{}: there are only {} machines",
+                k.seconds,
+                args.machines
+            );
+        }
+        anyhow::ensure!(
+            k.seconds < args.seconds,
+            "--kill at {} s comes after the run ({} s)",
+            k.seconds,
+            args.seconds
+        );
+    }
+    anyhow::ensure!(
+        args.kill.len() < args.machines as usize,
+        "{} kills would leave no machine",
+        args.kill.len()
     );
     tracing_subscriber::fmt()
         .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
@@ -119,6 +206,7 @@ fn main() -> anyhow::Result<()> {
             .workers(args.workers)
             .region_bytes(region_bytes)
             .pin_threads(args.pin)
+            .lease(Duration::from_millis(args.lease_ms))
             .build()
             .context("building the cluster")?,
     );
@@ -183,13 +271,35 @@ fn main() -> anyhow::Result<()> {
         .collect();
     barrier.wait();
     let t0 = Instant::now();
-    std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let mut kills = args.kill.clone();
+    kills.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+    let mut killed: Vec<(MachineId, u64)> = Vec::new();
+    for k in kills {
+        let due = t0 + Duration::from_secs_f64(k.seconds);
+        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        let victim = match k.machine {
+            Some(m) => MachineId(m),
+            None => {
+                let alive = (0..args.machines)
+                    .map(MachineId)
+                    .find(|m| !killed.iter().any(|(k, _)| k == m))
+                    .expect("a machine is alive");
+                cluster.view(alive).config.cm
+            }
+        };
+        eprintln!("killing {victim} at {:.3} s", t0.elapsed().as_secs_f64());
+        killed.push((victim, cluster.now_us()));
+        cluster.kill(victim);
+    }
+    std::thread::sleep(
+        (t0 + Duration::from_secs_f64(args.seconds)).saturating_duration_since(Instant::now()),
+    );
     stop.store(true, Ordering::Relaxed);
+    let elapsed = t0.elapsed().as_secs_f64();
     let mut all: Vec<ClientStats> = Vec::new();
     for h in clients {
         all.push(h.join().expect("client panicked")?);
     }
-    let elapsed = t0.elapsed().as_secs_f64();
 
     let mut overall = Histogram::<u64>::new(3)?;
     let mut types = Vec::new();
@@ -214,6 +324,20 @@ fn main() -> anyhow::Result<()> {
         });
     }
     let transactions = overall.len();
+    let mut per_ms: Vec<u64> = Vec::new();
+    for c in &all {
+        if per_ms.len() < c.per_ms.len() {
+            per_ms.resize(c.per_ms.len(), 0);
+        }
+        for (t, n) in per_ms.iter_mut().zip(&c.per_ms) {
+            *t += n;
+        }
+    }
+    let tl = cluster.timeline();
+    let kill_reports: Vec<KillReport> = killed
+        .iter()
+        .map(|&(victim, at_us)| kill_report(&tl, &per_ms, victim, at_us))
+        .collect();
     let report = Report {
         subscribers: args.subscribers,
         machines: args.machines,
@@ -228,8 +352,35 @@ fn main() -> anyhow::Result<()> {
         p50_us: overall.value_at_quantile(0.5) as f64 / 1000.0,
         p99_us: overall.value_at_quantile(0.99) as f64 / 1000.0,
         types,
+        kills: kill_reports,
+        completed_per_ms: per_ms.clone(),
+        timeline: serde_json::from_str(&tl.to_json())?,
     };
     print_report(&report);
+    if let Some(path) = &args.chart {
+        let mut marks = timeline::markers(&tl);
+        for (victim, at_us) in &killed {
+            marks.push(Marker {
+                at_us: *at_us,
+                label: format!("kill {victim}"),
+            });
+        }
+        marks.sort_by_key(|m| m.at_us);
+        let start_ms = (per_ms.iter().position(|n| *n > 0).unwrap_or(0) + 1).min(per_ms.len());
+        let title = format!(
+            "TATP, {} machines, {}-way replication, {} ms leases: operations per ms",
+            args.machines, args.replicas, args.lease_ms
+        );
+        timeline::draw(
+            path,
+            &title,
+            &per_ms[..per_ms.len().saturating_sub(1)],
+            start_ms,
+            &marks,
+        )
+        .with_context(|| format!("drawing {}", path.display()))?;
+        println!("chart written to {}", path.display());
+    }
     if args.check {
         let t = Instant::now();
         let cfs = tables
@@ -266,16 +417,27 @@ fn client(
         successes: vec![0; n],
         attempts: vec![0; n],
         errors: vec![0; n],
+        per_ms: Vec::new(),
     };
     let mut rng = Rand::new(seed.wrapping_mul(1_000_003) ^ (id as u64 + 1) << 40);
     let machines = cluster.machines() as u64;
+    // Machines found dead or evicted: transactions go elsewhere.
+    let mut down = vec![false; machines as usize];
     // Back-to-back transactions: keep one host rather than hand it to a poller in between.
     let session = cluster.session();
     barrier.wait();
     while !stop.load(Ordering::Relaxed) {
         let kind = Kind::from_draw(rng.next_u64() % 100);
         let i = kind as usize;
-        let m = (!partitioned).then(|| MachineId((rng.next_u64() % machines) as u16));
+        let pick = rng.next_u64();
+        let m = if partitioned && !down.iter().any(|d| *d) {
+            None
+        } else {
+            let alive: Vec<u16> = (0..machines as u16)
+                .filter(|m| !down[*m as usize])
+                .collect();
+            Some(MachineId(alive[(pick % alive.len() as u64) as usize]))
+        };
         let t = Instant::now();
         let result = tables.run(&session, m, kind, &mut rng, &mut stats.attempts[i]);
         let ns = t.elapsed().as_nanos() as u64;
@@ -283,16 +445,60 @@ fn client(
             Ok(ok) => {
                 stats.successes[i] += ok as u64;
                 stats.hist[i].record(ns.max(1))?;
-            }
-            Err(e) => {
-                stats.errors[i] += 1;
-                if !e.is_retryable() {
-                    anyhow::bail!("{} failed: {e}", kind.name());
+                let ms = (cluster.now_us() / 1000) as usize;
+                if stats.per_ms.len() <= ms {
+                    stats.per_ms.resize(ms + 1, 0);
                 }
+                stats.per_ms[ms] += 1;
             }
+            // The coordinator died or was removed under the transaction: go elsewhere.
+            Err(TxError::CoordinatorFailed(d) | TxError::Evicted(d)) => {
+                stats.errors[i] += 1;
+                down[d.0 as usize] = true;
+            }
+            Err(e) if e.is_retryable() => stats.errors[i] += 1,
+            Err(e) => anyhow::bail!("{} failed: {e}", kind.name()),
         }
     }
     Ok(stats)
+}
+
+/// Times from a kill of `victim` at `at_us`: to its suspicion, from suspicion to a window at
+/// 80% of the mean throughput over the 100 ms before the kill, and to the last copy of data
+/// recovery after it.
+fn kill_report(t: &farm::Timeline, per_ms: &[u64], victim: MachineId, at_us: u64) -> KillReport {
+    let suspect = t.events.iter().find_map(|e| match e {
+        ReconfigEvent::Suspect { machine, at_us: s } if *machine == victim && *s >= at_us => {
+            Some(*s)
+        }
+        _ => None,
+    });
+    let kill_ms = (at_us / 1000) as usize;
+    let before = timeline::mean_before(per_ms, kill_ms, 100);
+    let back = match (suspect, before) {
+        (Some(s), Some(b)) => timeline::back_to(per_ms, (s / 1000) as usize, b, 0.8)
+            .map(|ms| (ms as u64 * 1000).saturating_sub(s)),
+        _ => None,
+    };
+    let rereplicated = t
+        .recovery
+        .iter()
+        .filter_map(|(_, e)| match e {
+            RecoveryEvent::DataRecoveryDone { at, .. } if *at >= at_us => Some(*at),
+            _ => None,
+        })
+        .max();
+    let ms = |us: u64| us as f64 / 1000.0;
+    KillReport {
+        machine: victim.0,
+        at_us,
+        kill_to_suspect_ms: suspect.map(|s| ms(s - at_us)),
+        throughput_before_per_ms: before,
+        suspect_to_80_percent_ms: back.map(ms),
+        suspect_to_rereplicated_ms: suspect
+            .zip(rereplicated)
+            .map(|(s, r)| ms(r.saturating_sub(s))),
+    }
 }
 
 fn print_report(r: &Report) {
@@ -325,6 +531,19 @@ fn print_report(r: &Report) {
             t.p50_us,
             t.p99_us,
             t.p999_us
+        );
+    }
+    let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
+    for k in &r.kills {
+        println!(
+            "killed m{} at {:.3} s (cluster clock): suspected after {}; back to 80% of {:.0} \
+             ops/ms {} after suspicion; re-replicated {} after suspicion",
+            k.machine,
+            k.at_us as f64 / 1e6,
+            show(k.kill_to_suspect_ms),
+            k.throughput_before_per_ms.unwrap_or(0.0),
+            show(k.suspect_to_80_percent_ms),
+            show(k.suspect_to_rereplicated_ms)
         );
     }
 }

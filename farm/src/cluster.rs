@@ -1016,6 +1016,14 @@ impl Cluster {
         let mut backoff = Backoff::new();
         let mut attempt = 0;
         loop {
+            // As for transactions: a read issued from a machine that is gone fails at once (its
+            // view is stale; its reads would wait for recovery that never reaches it).
+            if self.inner.machines[machine.0 as usize].is_evicted() {
+                return Err(TxError::Evicted(machine));
+            }
+            if !self.inner.fabric.is_alive(machine) {
+                return Err(TxError::CoordinatorFailed(machine));
+            }
             let w = &mut host.workers[machine.0 as usize];
             match w.read_object_into(addr, buf) {
                 Ok(h) if h.allocated() => return Ok(()),
@@ -1027,9 +1035,21 @@ impl Cluster {
                 }
                 Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
                     attempt += 1;
-                    let now = self.inner.now();
-                    host.poll_all(now);
-                    backoff.idle();
+                    // What holds the object (a commit, or recovery of a blocked region) may
+                    // need this very host's workers, which no poller serves while it is held:
+                    // poll until they are idle (bounded), and back off only when they were.
+                    let mut worked = false;
+                    for _ in 0..HOST_POLLS_PER_RETRY {
+                        if !host.poll_all(self.inner.now()) {
+                            break;
+                        }
+                        worked = true;
+                    }
+                    if worked {
+                        backoff.reset();
+                    } else {
+                        backoff.idle();
+                    }
                 }
                 Err(e) => return Err(e),
             }
