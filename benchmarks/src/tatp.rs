@@ -481,10 +481,9 @@ impl Tables {
 
     /// Checks the database's integrity after a run: every subscriber is there with its number
     /// indexed, has 1 to 4 access-info and special-facility rows, and every call forwarding
-    /// belongs to a special facility, starts at 0, 8 or 16 and ends 1 to 8 later. Returns the
-    /// number of call forwardings, or the first violation.
-    pub fn check(&self, cluster: &impl Client) -> Result<u64, String> {
-        let m = MachineId(0);
+    /// belongs to a special facility, starts at 0, 8 or 16 and ends 1 to 8 later. Reads
+    /// through machine `m`. Returns the number of call forwardings, or the first violation.
+    pub fn check(&self, cluster: &impl Client, m: MachineId) -> Result<u64, String> {
         let mut call_forwardings = 0;
         for id in 1..=self.subscribers {
             let err = |what: String| format!("subscriber {id}: {what}");

@@ -441,6 +441,7 @@ impl ClusterBuilder {
             epoch,
             stop: AtomicBool::new(false),
             next_host: AtomicUsize::new(0),
+            sessions: std::sync::atomic::AtomicU64::new(0),
             suspicions,
             reconfig_events,
             requests,
@@ -646,6 +647,8 @@ struct Inner {
     epoch: Instant,
     stop: AtomicBool,
     next_host: AtomicUsize,
+    /// Hosts kept by sessions, as a bit set: other threads do not wait for them.
+    sessions: std::sync::atomic::AtomicU64,
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
     reconfig_events: Arc<Mutex<Vec<ReconfigEvent>>>,
     requests: Arc<Mutex<Vec<Request>>>,
@@ -720,6 +723,16 @@ impl std::fmt::Debug for HostGuard<'_> {
         f.debug_struct("HostGuard")
             .field("index", &self.index)
             .finish()
+    }
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        let index = self.host.borrow().index;
+        self.cluster
+            .inner
+            .sessions
+            .fetch_and(!(1u64 << index), Ordering::AcqRel);
     }
 }
 
@@ -885,8 +898,9 @@ impl Cluster {
     }
 
     /// Takes a host for this thread: its usual one if free, else any free one. Never one this
-    /// thread already holds (a `txn()` inside a `txn()` closure takes a second host); panics if
-    /// this thread holds them all, which would otherwise deadlock.
+    /// thread already holds (a `txn()` inside a `txn()` closure takes a second host), and never
+    /// waits for one a session keeps; panics if this thread holds them all, or sessions keep
+    /// every host this thread does not hold, either of which would otherwise deadlock.
     fn host(&self) -> HostGuard<'_> {
         let n = self.inner.hosts.len();
         assert!(n <= 64, "at most 64 workers per machine");
@@ -906,18 +920,30 @@ impl Cluster {
             HOSTS_HELD.with(|h| h.set(h.get() | (1 << t)));
             HostGuard { guard, index: t }
         };
-        let free = (0..n)
-            .map(|i| (hint + i) % n)
-            .filter(|t| held & (1 << t) == 0);
-        for t in free.clone() {
-            if let Ok(guard) = self.inner.hosts[t].try_lock() {
-                return take(t, guard);
+        loop {
+            let kept = self.inner.sessions.load(Ordering::Acquire);
+            let free: Vec<usize> = (0..n)
+                .map(|i| (hint + i) % n)
+                .filter(|t| (held | kept) & (1 << t) == 0)
+                .collect();
+            assert!(
+                !free.is_empty(),
+                "sessions keep every one of the {n} hosts this thread does not hold: use fewer \
+                 sessions than workers per machine"
+            );
+            for &t in &free {
+                if let Ok(guard) = self.inner.hosts[t].try_lock() {
+                    return take(t, guard);
+                }
+            }
+            // All busy: wait for the first host neither this thread nor a session holds (the
+            // mutex queues us, which is fairer than spinning against a thread that re-locks in
+            // a loop), unless a session took it meanwhile.
+            let guard = self.inner.hosts[free[0]].lock().expect("host poisoned");
+            if self.inner.sessions.load(Ordering::Acquire) & (1 << free[0]) == 0 {
+                return take(free[0], guard);
             }
         }
-        // All busy: wait for the first host this thread does not hold (the mutex queues us,
-        // which is fairer than spinning against a thread that re-locks in a loop).
-        let t = free.into_iter().next().expect("checked above");
-        take(t, self.inner.hosts[t].lock().expect("host poisoned"))
     }
 
     /// Runs `f` as a strictly serializable transaction coordinated on `machine`, retrying with
@@ -937,10 +963,16 @@ impl Cluster {
     /// back, and a background poller serves it in between; a client that runs transactions
     /// back to back saves those hand-overs by keeping one. The host's lazy work (truncation,
     /// feedback) then waits for the session's next transaction: drop a session that goes idle.
+    /// Sessions may keep every host (one per worker per machine); then a transaction or read
+    /// outside them panics rather than wait forever.
     pub fn session(&self) -> Session<'_> {
+        let host = self.host();
+        self.inner
+            .sessions
+            .fetch_or(1u64 << host.index, Ordering::AcqRel);
         Session {
             cluster: self,
-            host: std::cell::RefCell::new(self.host()),
+            host: std::cell::RefCell::new(host),
         }
     }
 
