@@ -148,6 +148,10 @@ pub struct Sim {
     power_loss_at: Vec<u64>,
     /// The first power loss waits for the CM to start a reconfiguration.
     power_loss_in_reconfiguration: bool,
+    /// A link (from, to) whose writes stay held until a step: see `crash_one`.
+    slow_link: Option<(MachineId, MachineId, u64)>,
+    /// Counters of the workers of earlier lives (before power losses).
+    past_stats: Stats,
     /// Steps at which a machine pauses, earliest last.
     pause_at: Vec<u64>,
     /// Paused machines, with the tick they run again.
@@ -262,6 +266,8 @@ impl Sim {
             crashed: Vec::new(),
             power_loss_at,
             power_loss_in_reconfiguration,
+            slow_link: None,
+            past_stats: Stats::default(),
             pause_at,
             paused: BTreeMap::new(),
             grace: BTreeMap::new(),
@@ -425,6 +431,19 @@ impl Sim {
             .collect();
         let victim = live[self.rng.below(live.len() as u64) as usize];
         self.crash(victim);
+        // With power losses to come, half the time a link between two survivors stalls for a
+        // while: writes of transactions in flight land after the reconfiguration's drain,
+        // where recovery rejects them, and a power loss may come before they are processed.
+        if self.config.power_losses > 0 && self.rng.below(2) == 0 {
+            let survivors: Vec<MachineId> = live.into_iter().filter(|m| *m != victim).collect();
+            if survivors.len() >= 2 {
+                let i = self.rng.below(survivors.len() as u64) as usize;
+                let j =
+                    (i + 1 + self.rng.below(survivors.len() as u64 - 1) as usize) % survivors.len();
+                let until = self.step_no + 100 + self.rng.below(400);
+                self.slow_link = Some((survivors[i], survivors[j], until));
+            }
+        }
     }
 
     /// Crashes `victim`: a prefix of its held writes lands and its clients' commits in flight
@@ -575,6 +594,9 @@ impl Sim {
         self.fabric = fabric;
         self.fabric.set_datagram_policy(self.datagram_policy());
         self.machines = machines;
+        for w in &self.workers {
+            self.past_stats.add(w.stats());
+        }
         self.workers = workers;
         self.restarts += 1;
     }
@@ -618,7 +640,12 @@ impl Sim {
             }
             3 => self.cm.step(self.now, &self.fabric, &self.machines),
             1 => {
-                let held = self.fabric.held_links();
+                let mut held = self.fabric.held_links();
+                if let Some((src, dst, until)) = self.slow_link {
+                    if self.step_no < until {
+                        held.retain(|(s, d, _)| !(s.machine == src && *d == dst));
+                    }
+                }
                 if !held.is_empty() {
                     let (src, dst, _) = held[self.rng.below(held.len() as u64) as usize];
                     self.fabric.deliver_next(src, dst);
@@ -889,7 +916,7 @@ impl Sim {
             .cloned()
             .collect();
         let replicas = check_replicas(&live);
-        let mut stats = Stats::default();
+        let mut stats = self.past_stats.clone();
         for w in &self.workers {
             stats.add(w.stats());
         }

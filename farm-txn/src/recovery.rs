@@ -645,6 +645,7 @@ impl Worker {
                         &d.changes,
                     );
                 if rejected {
+                    self.stats.restart_late_rejected += 1;
                     self.inbound[sender.0 as usize].log.release(pos);
                     continue;
                 }

@@ -47,6 +47,9 @@ pub struct Stats {
     pub recovered_commits: u64,
     /// Recovering transactions this thread decided to abort.
     pub recovered_aborts: u64,
+    /// Records a whole-cluster restart found past a log's drain mark, of transactions the
+    /// drain made recovering, and rejected again (see `MachineState::drain_mark`).
+    pub restart_late_rejected: u64,
 }
 
 impl Stats {
@@ -99,7 +102,8 @@ impl Stats {
             frees,
             recovery_votes,
             recovered_commits,
-            recovered_aborts
+            recovered_aborts,
+            restart_late_rejected
         );
     }
 }
