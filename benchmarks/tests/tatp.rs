@@ -90,7 +90,8 @@ fn subscriber_ids_are_in_range_and_skewed() {
     assert!(max > 3 * mean, "not skewed: max {max}, mean {mean}");
 }
 
-/// A machine killed in the middle of the mix (4 machines, 3-way replication, 10 ms leases):
+/// A machine killed in the middle of the mix (4 machines, 3-way replication, 50 ms leases:
+/// shorter ones see false suspicions when the test harness runs tests side by side on 2 cores):
 /// clients move off it, recovery and re-replication run, and afterwards the database is
 /// consistent and the books balance, nothing acknowledged lost.
 #[test]
@@ -100,7 +101,7 @@ fn a_killed_machine_leaves_the_database_consistent() {
             .machines(4)
             .replicas(3)
             .region_bytes(64 << 20)
-            .lease(std::time::Duration::from_millis(10))
+            .lease(std::time::Duration::from_millis(50))
             .build()
             .unwrap(),
     );
