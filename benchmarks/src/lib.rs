@@ -5,6 +5,7 @@ use farm::{Addr, Cluster, MachineId, TxError};
 
 pub mod tatp;
 pub mod timeline;
+pub mod tpcc;
 pub mod tpcc_input;
 
 /// The `q` quantile (0 to 1) of `sorted`, nearest rank.

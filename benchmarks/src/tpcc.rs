@@ -1,0 +1,665 @@
+//! TPC-C (5.11) on farm: the nine tables with the population of clause 4.3.3.1, and the
+//! consistency conditions 1 to 4 of clause 3.3.2.
+//!
+//! As in FaRM (§6), point indexes are hash tables co-partitioned by warehouse (warehouse `w`
+//! lives on machine `(w - 1) % machines`) and the ordered ones are B-trees: NEW-ORDER, whose
+//! Delivery transaction takes the oldest order of a district, and customers by last name.
+//! Money is in cents, rates in ten-thousandths.
+
+use bytemuck::{Pod, Zeroable};
+use farm::{Client, MachineId, TxError};
+use farm_ds::{BTree, HashTable, TableSpec};
+
+use crate::tatp::Rand;
+use crate::tpcc_input::{
+    a_string, data_with_original, last_name, n_string, nurand, zip, NuRandConstants, A_C_LAST,
+};
+
+/// WAREHOUSE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Warehouse {
+    /// `W_YTD`, cents.
+    pub ytd: i64,
+    /// `W_TAX`, ten-thousandths.
+    pub tax: u32,
+    /// `W_NAME`.
+    pub name: [u8; 10],
+    /// `W_STREET_1`, `W_STREET_2`, `W_CITY`.
+    pub address: [[u8; 20]; 3],
+    /// `W_STATE`.
+    pub state: [u8; 2],
+    /// `W_ZIP`.
+    pub zip: [u8; 9],
+    _pad: [u8; 3],
+}
+
+/// DISTRICT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct District {
+    /// `D_YTD`, cents.
+    pub ytd: i64,
+    /// `D_TAX`, ten-thousandths.
+    pub tax: u32,
+    /// `D_NEXT_O_ID`.
+    pub next_o_id: u32,
+    /// `D_NAME`.
+    pub name: [u8; 10],
+    /// `D_STREET_1`, `D_STREET_2`, `D_CITY`.
+    pub address: [[u8; 20]; 3],
+    /// `D_STATE`.
+    pub state: [u8; 2],
+    /// `D_ZIP`.
+    pub zip: [u8; 9],
+    _pad: [u8; 7],
+}
+
+/// CUSTOMER.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Customer {
+    /// `C_BALANCE`, cents.
+    pub balance: i64,
+    /// `C_YTD_PAYMENT`, cents.
+    pub ytd_payment: i64,
+    /// `C_CREDIT_LIM`, cents.
+    pub credit_lim: i64,
+    /// `C_SINCE`.
+    pub since: u64,
+    /// `C_DISCOUNT`, ten-thousandths.
+    pub discount: u32,
+    /// `C_PAYMENT_CNT`.
+    pub payment_cnt: u32,
+    /// `C_DELIVERY_CNT`.
+    pub delivery_cnt: u32,
+    /// `C_FIRST`.
+    pub first: [u8; 16],
+    /// `C_MIDDLE`.
+    pub middle: [u8; 2],
+    /// `C_LAST`.
+    pub last: [u8; 16],
+    /// `C_STREET_1`, `C_STREET_2`, `C_CITY`.
+    pub address: [[u8; 20]; 3],
+    /// `C_STATE`.
+    pub state: [u8; 2],
+    /// `C_ZIP`.
+    pub zip: [u8; 9],
+    /// `C_PHONE`.
+    pub phone: [u8; 16],
+    /// `C_CREDIT`: "GC" or "BC".
+    pub credit: [u8; 2],
+    /// `C_DATA`.
+    pub data: [u8; 500],
+    _pad: [u8; 5],
+}
+
+/// HISTORY.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct History {
+    /// `H_AMOUNT`, cents.
+    pub amount: i64,
+    /// `H_DATE`.
+    pub date: u64,
+    /// `H_C_W_ID`, `H_W_ID`.
+    pub c_w_id: u32,
+    /// `H_W_ID`.
+    pub w_id: u32,
+    /// `H_C_ID`.
+    pub c_id: u32,
+    /// `H_C_D_ID`, `H_D_ID`.
+    pub c_d_id: u8,
+    /// `H_D_ID`.
+    pub d_id: u8,
+    /// `H_DATA`.
+    pub data: [u8; 24],
+    _pad: [u8; 2],
+}
+
+/// ORDER.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Order {
+    /// `O_ENTRY_D`.
+    pub entry_d: u64,
+    /// `O_C_ID`.
+    pub c_id: u32,
+    /// `O_CARRIER_ID` (0: null).
+    pub carrier_id: u8,
+    /// `O_OL_CNT`.
+    pub ol_cnt: u8,
+    /// `O_ALL_LOCAL`.
+    pub all_local: u8,
+    _pad: u8,
+}
+
+/// ORDER-LINE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct OrderLine {
+    /// `OL_DELIVERY_D` (0: null).
+    pub delivery_d: u64,
+    /// `OL_AMOUNT`, cents.
+    pub amount: i64,
+    /// `OL_I_ID`.
+    pub i_id: u32,
+    /// `OL_SUPPLY_W_ID`.
+    pub supply_w_id: u32,
+    /// `OL_QUANTITY`.
+    pub quantity: u32,
+    /// `OL_DIST_INFO`.
+    pub dist_info: [u8; 24],
+    _pad: [u8; 4],
+}
+
+/// ITEM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Item {
+    /// `I_PRICE`, cents.
+    pub price: i64,
+    /// `I_IM_ID`.
+    pub im_id: u32,
+    /// `I_NAME`.
+    pub name: [u8; 24],
+    /// `I_DATA`.
+    pub data: [u8; 50],
+    _pad: [u8; 2],
+}
+
+/// STOCK.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Stock {
+    /// `S_YTD`.
+    pub ytd: u64,
+    /// `S_QUANTITY`.
+    pub quantity: u32,
+    /// `S_ORDER_CNT`.
+    pub order_cnt: u32,
+    /// `S_REMOTE_CNT`.
+    pub remote_cnt: u32,
+    /// `S_DIST_01` to `S_DIST_10`.
+    pub dist: [[u8; 24]; 10],
+    /// `S_DATA`.
+    pub data: [u8; 50],
+    _pad: [u8; 2],
+}
+
+/// Cardinalities: the specification's (clause 4.3.3.1), or smaller for tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scale {
+    /// Warehouses.
+    pub warehouses: u32,
+    /// Items (100,000), and stock rows per warehouse.
+    pub items: u32,
+    /// Districts per warehouse (10).
+    pub districts: u8,
+    /// Customers, and orders, per district (3,000).
+    pub customers: u32,
+    /// Orders from this one on are undelivered, in NEW-ORDER (2,101).
+    pub new_order_from: u32,
+}
+
+impl Scale {
+    /// The specification's cardinalities for `warehouses`.
+    pub fn spec(warehouses: u32) -> Self {
+        Self {
+            warehouses,
+            items: 100_000,
+            districts: 10,
+            customers: 3000,
+            new_order_from: 2101,
+        }
+    }
+}
+
+/// DISTRICT's key.
+pub fn d_key(w: u32, d: u8) -> u64 {
+    (w as u64) << 8 | d as u64
+}
+
+/// CUSTOMER's key.
+pub fn c_key(w: u32, d: u8, c: u32) -> u64 {
+    d_key(w, d) << 16 | c as u64
+}
+
+/// ORDER's and NEW-ORDER's key.
+pub fn o_key(w: u32, d: u8, o: u32) -> u64 {
+    d_key(w, d) << 32 | o as u64
+}
+
+/// ORDER-LINE's key.
+pub fn ol_key(w: u32, d: u8, o: u32, ol: u8) -> u64 {
+    o_key(w, d, o) << 4 | ol as u64
+}
+
+/// STOCK's key.
+pub fn s_key(w: u32, i: u32) -> u64 {
+    (w as u64) << 20 | i as u64
+}
+
+/// The key of customers by last name: warehouse, district, last, first, id, in an order that
+/// sorts as the specification's (C_LAST, C_FIRST).
+pub fn name_key(w: u32, d: u8, last: &[u8; 16], first: &[u8; 16], c: u32) -> [u8; 40] {
+    let mut k = [0u8; 40];
+    k[..4].copy_from_slice(&w.to_be_bytes());
+    k[4] = d;
+    k[5..21].copy_from_slice(last);
+    k[21..37].copy_from_slice(first);
+    k[37..40].copy_from_slice(&c.to_be_bytes()[1..]);
+    k
+}
+
+/// The machine of warehouse `w`.
+fn warehouse_machine(w: u64, machines: usize) -> usize {
+    (w.saturating_sub(1)) as usize % machines
+}
+
+/// The tables of one TPC-C database.
+#[derive(Clone, Debug)]
+pub struct Tables {
+    /// Cardinalities.
+    pub scale: Scale,
+    /// The NURand constants the population used (clause 2.1.6.1).
+    pub constants: NuRandConstants,
+    /// WAREHOUSE by `W_ID`.
+    pub warehouse: HashTable<u32, Warehouse>,
+    /// DISTRICT by [`d_key`].
+    pub district: HashTable<u64, District>,
+    /// CUSTOMER by [`c_key`].
+    pub customer: HashTable<u64, Customer>,
+    /// Customers by [`name_key`], to their `C_ID`.
+    pub customer_by_name: BTree<[u8; 40], u32>,
+    /// HISTORY by a unique id (it has no key of its own).
+    pub history: HashTable<u64, History>,
+    /// ORDER by [`o_key`].
+    pub order: HashTable<u64, Order>,
+    /// NEW-ORDER by [`o_key`], in order.
+    pub new_order: BTree<u64, u8>,
+    /// ORDER-LINE by [`ol_key`].
+    pub order_line: HashTable<u64, OrderLine>,
+    /// ITEM by `I_ID`.
+    pub item: HashTable<u32, Item>,
+    /// STOCK by [`s_key`].
+    pub stock: HashTable<u64, Stock>,
+}
+
+impl Tables {
+    /// Creates empty tables for `scale` on every machine of `cluster`.
+    pub fn create(cluster: &impl Client, scale: Scale, seed: u64) -> Result<Self, TxError> {
+        let machines: Vec<MachineId> = (0..cluster.machines()).map(MachineId).collect();
+        let n = machines.len();
+        let rows = |per_warehouse: u64| scale.warehouses as u64 * per_warehouse;
+        let d = scale.districts as u64;
+        let c = scale.customers as u64;
+        let spec =
+            |count: u64, slots: u8| TableSpec::with_capacity(machines.clone(), count.max(1), slots);
+        let by_w = move |w: u64| warehouse_machine(w, n);
+        let mut rng = Rand::new(seed);
+        Ok(Self {
+            scale,
+            constants: NuRandConstants::draw(&mut rng),
+            warehouse: HashTable::create(cluster, &spec(rows(1), 4))?
+                .with_partitioner(move |w: &u32| by_w(*w as u64)),
+            district: HashTable::create(cluster, &spec(rows(d), 4))?
+                .with_partitioner(move |k: &u64| by_w(k >> 8)),
+            customer: HashTable::create(cluster, &spec(rows(d * c), 2))?
+                .with_partitioner(move |k: &u64| by_w(k >> 24)),
+            customer_by_name: BTree::create(cluster, machines[0], 32, None)?,
+            history: HashTable::create(cluster, &spec(rows(d * c) * 2, 8))?
+                .with_partitioner(move |k: &u64| by_w(k >> 32)),
+            order: HashTable::create(cluster, &spec(rows(d * c) * 2, 8))?
+                .with_partitioner(move |k: &u64| by_w(k >> 40)),
+            new_order: BTree::create(cluster, machines[0], 64, None)?,
+            order_line: HashTable::create(cluster, &spec(rows(d * c) * 30, 8))?
+                .with_partitioner(move |k: &u64| by_w(k >> 44)),
+            item: HashTable::create(cluster, &spec(scale.items as u64, 8))?,
+            stock: HashTable::create(cluster, &spec(rows(scale.items as u64), 4))?
+                .with_partitioner(move |k: &u64| by_w(k >> 20)),
+        })
+    }
+
+    /// The machine where warehouse `w`'s rows live.
+    pub fn machine_of(&self, cluster: &impl Client, w: u32) -> MachineId {
+        MachineId(warehouse_machine(w as u64, cluster.machines() as usize) as u16)
+    }
+
+    /// Loads ITEM (clause 4.3.3.1), in transactions of `batch` rows.
+    pub fn populate_items(
+        &self,
+        cluster: &impl Client,
+        batch: u32,
+        seed: u64,
+    ) -> Result<(), TxError> {
+        let mut i = 1;
+        while i <= self.scale.items {
+            let end = (i + batch).min(self.scale.items + 1);
+            let m = MachineId((i % cluster.machines() as u32) as u16);
+            cluster.txn(m, |tx| {
+                for id in i..end {
+                    let mut rng = Rand::new(seed ^ 0x17e3 ^ (id as u64) << 24);
+                    let item = Item {
+                        price: rng.range(100, 10_000) as i64,
+                        im_id: rng.range(1, 10_000) as u32,
+                        name: a_string(&mut rng, 14, 24),
+                        data: data_with_original(&mut rng),
+                        _pad: [0; 2],
+                    };
+                    self.item.insert(tx, &id, &item)?;
+                }
+                Ok(())
+            })?;
+            i = end;
+        }
+        Ok(())
+    }
+
+    /// Loads warehouse `w`: its row, its stock, its districts with their customers, history,
+    /// orders, order lines and new orders (clause 4.3.3.1), coordinated where it lives, calling
+    /// `progress` with rows loaded.
+    pub fn populate_warehouse(
+        &self,
+        cluster: &impl Client,
+        w: u32,
+        seed: u64,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(), TxError> {
+        let m = self.machine_of(cluster, w);
+        let s = self.scale;
+        let mut rng = Rand::new(seed ^ (w as u64) << 32);
+        // W_YTD is 300,000.00 with 10 districts of 30,000.00 each: the sum of its districts'.
+        let warehouse = Warehouse {
+            ytd: 3_000_000 * s.districts as i64,
+            tax: rng.range(0, 2000) as u32,
+            name: a_string(&mut rng, 6, 10),
+            address: [
+                a_string(&mut rng, 10, 20),
+                a_string(&mut rng, 10, 20),
+                a_string(&mut rng, 10, 20),
+            ],
+            state: a_string(&mut rng, 2, 2),
+            zip: zip(&mut rng),
+            _pad: [0; 3],
+        };
+        cluster.txn(m, |tx| {
+            self.warehouse.insert(tx, &w, &warehouse).map(|_| ())
+        })?;
+        let items: Vec<u32> = (1..=s.items).collect();
+        for chunk in items.chunks(40) {
+            cluster.txn(m, |tx| {
+                for &i in chunk {
+                    let mut rng = Rand::new(seed ^ (w as u64) << 40 ^ i as u64);
+                    let stock = Stock {
+                        ytd: 0,
+                        quantity: rng.range(10, 100) as u32,
+                        order_cnt: 0,
+                        remote_cnt: 0,
+                        dist: std::array::from_fn(|_| a_string(&mut rng, 24, 24)),
+                        data: data_with_original(&mut rng),
+                        _pad: [0; 2],
+                    };
+                    self.stock.insert(tx, &s_key(w, i), &stock)?;
+                }
+                Ok(())
+            })?;
+            progress(chunk.len() as u64);
+        }
+        for d in 1..=s.districts {
+            self.populate_district(cluster, m, w, d, &mut rng, progress)?;
+        }
+        Ok(())
+    }
+
+    fn populate_district(
+        &self,
+        cluster: &impl Client,
+        m: MachineId,
+        w: u32,
+        d: u8,
+        rng: &mut Rand,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(), TxError> {
+        let s = self.scale;
+        let district = District {
+            ytd: 3_000_000,
+            tax: rng.range(0, 2000) as u32,
+            next_o_id: s.customers + 1,
+            name: a_string(rng, 6, 10),
+            address: [
+                a_string(rng, 10, 20),
+                a_string(rng, 10, 20),
+                a_string(rng, 10, 20),
+            ],
+            state: a_string(rng, 2, 2),
+            zip: zip(rng),
+            _pad: [0; 7],
+        };
+        cluster.txn(m, |tx| {
+            self.district
+                .insert(tx, &d_key(w, d), &district)
+                .map(|_| ())
+        })?;
+        // Customers, each with a history row.
+        let ids: Vec<u32> = (1..=s.customers).collect();
+        for chunk in ids.chunks(8) {
+            let rows: Vec<Customer> = chunk.iter().map(|&c| self.new_customer(c, rng)).collect();
+            cluster.txn(m, |tx| {
+                for (&c, row) in chunk.iter().zip(&rows) {
+                    self.customer.insert(tx, &c_key(w, d, c), row)?;
+                    let key = name_key(w, d, &row.last, &row.first, c);
+                    self.customer_by_name.insert(tx, &key, &c)?;
+                    let h = History {
+                        amount: 1000,
+                        date: 0,
+                        c_w_id: w,
+                        w_id: w,
+                        c_id: c,
+                        c_d_id: d,
+                        d_id: d,
+                        data: [b'h'; 24],
+                        _pad: [0; 2],
+                    };
+                    self.history.insert(tx, &(c_key(w, d, c) << 8), &h)?;
+                }
+                Ok(())
+            })?;
+            progress(chunk.len() as u64);
+        }
+        // Orders: customers in a random permutation, one order each.
+        let mut perm: Vec<u32> = (1..=s.customers).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        for chunk in (1..=s.customers).collect::<Vec<u32>>().chunks(8) {
+            let orders: Vec<(u32, Order, Vec<OrderLine>)> = chunk
+                .iter()
+                .map(|&o| {
+                    let delivered = o < s.new_order_from;
+                    let order = Order {
+                        entry_d: 1,
+                        c_id: perm[o as usize - 1],
+                        carrier_id: if delivered { rng.range(1, 10) as u8 } else { 0 },
+                        ol_cnt: rng.range(5, 15) as u8,
+                        all_local: 1,
+                        _pad: 0,
+                    };
+                    let lines = (0..order.ol_cnt)
+                        .map(|_| OrderLine {
+                            delivery_d: delivered as u64,
+                            amount: if delivered {
+                                0
+                            } else {
+                                rng.range(1, 999_999) as i64
+                            },
+                            i_id: rng.range(1, s.items as u64) as u32,
+                            supply_w_id: w,
+                            quantity: 5,
+                            dist_info: a_string(rng, 24, 24),
+                            _pad: [0; 4],
+                        })
+                        .collect();
+                    (o, order, lines)
+                })
+                .collect();
+            cluster.txn(m, |tx| {
+                for (o, order, lines) in &orders {
+                    self.order.insert(tx, &o_key(w, d, *o), order)?;
+                    for (i, line) in lines.iter().enumerate() {
+                        self.order_line
+                            .insert(tx, &ol_key(w, d, *o, i as u8 + 1), line)?;
+                    }
+                    if *o >= s.new_order_from {
+                        self.new_order.insert(tx, &o_key(w, d, *o), &0)?;
+                    }
+                }
+                Ok(())
+            })?;
+            progress(chunk.len() as u64);
+        }
+        Ok(())
+    }
+
+    fn new_customer(&self, c: u32, rng: &mut Rand) -> Customer {
+        let last = if c <= 1000 {
+            last_name(c as u64 - 1)
+        } else {
+            last_name(nurand(rng, A_C_LAST, self.constants.c_last_load, 0, 999))
+        };
+        Customer {
+            balance: -1000,
+            ytd_payment: 1000,
+            credit_lim: 5_000_000,
+            since: 0,
+            discount: rng.range(0, 5000) as u32,
+            payment_cnt: 1,
+            delivery_cnt: 0,
+            first: a_string(rng, 8, 16),
+            middle: *b"OE",
+            last,
+            address: [
+                a_string(rng, 10, 20),
+                a_string(rng, 10, 20),
+                a_string(rng, 10, 20),
+            ],
+            state: a_string(rng, 2, 2),
+            zip: zip(rng),
+            phone: n_string(rng, 16, 16),
+            credit: if rng.range(1, 10) == 1 {
+                *b"BC"
+            } else {
+                *b"GC"
+            },
+            data: a_string(rng, 300, 500),
+            _pad: [0; 5],
+        }
+    }
+
+    /// Checks the consistency conditions 1 to 4 of clause 3.3.2 for every warehouse and
+    /// district, reading through machine `m` in transactions of bounded size (run it at
+    /// quiescence); the first violation, named, if any.
+    pub fn check(&self, cluster: &impl Client, m: MachineId) -> Result<(), String> {
+        let fail = |w: u32| move |e: TxError| format!("warehouse {w}: {e}");
+        for w in 1..=self.scale.warehouses {
+            // Condition 1: W_YTD = sum(D_YTD).
+            let (w_ytd, districts) = cluster
+                .txn(m, |tx| {
+                    let Some(warehouse) = self.warehouse.get_in(tx, &w)? else {
+                        return Err(tx.abort("missing"));
+                    };
+                    let mut districts = Vec::new();
+                    for d in 1..=self.scale.districts {
+                        let Some(row) = self.district.get_in(tx, &d_key(w, d))? else {
+                            return Err(tx.abort(format!("district {d} missing")));
+                        };
+                        districts.push(row);
+                    }
+                    Ok((warehouse.ytd, districts))
+                })
+                .map_err(fail(w))?;
+            let d_ytd: i64 = districts.iter().map(|d| d.ytd).sum();
+            if w_ytd != d_ytd {
+                return Err(format!(
+                    "warehouse {w}: condition 1: W_YTD {w_ytd} != sum(D_YTD) {d_ytd}"
+                ));
+            }
+            for (d, district) in (1..=self.scale.districts).zip(&districts) {
+                self.check_district(cluster, m, w, d, district.next_o_id)
+                    .map_err(|e| format!("warehouse {w} district {d}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Conditions 2 to 4 for one district whose `D_NEXT_O_ID` is `next`.
+    fn check_district(
+        &self,
+        cluster: &impl Client,
+        m: MachineId,
+        w: u32,
+        d: u8,
+        next: u32,
+    ) -> Result<(), String> {
+        let last = next - 1;
+        let (newest_there, after_there, new_orders) = cluster
+            .txn(m, |tx| {
+                let newest = self.order.get_in(tx, &o_key(w, d, last))?.is_some();
+                let after = self.order.get_in(tx, &o_key(w, d, next))?.is_some();
+                let from = o_key(w, d, 0);
+                let to = o_key(w, d + 1, 0);
+                let rows = self.new_order.range(tx, &from, Some(&to), usize::MAX)?;
+                Ok((newest, after, rows))
+            })
+            .map_err(|e| e.to_string())?;
+        // Condition 2: D_NEXT_O_ID - 1 = max(O_ID) = max(NO_O_ID).
+        if !newest_there || after_there {
+            return Err(format!(
+                "condition 2: D_NEXT_O_ID - 1 = {last} is not the newest order"
+            ));
+        }
+        if let (Some(first), Some(newest)) = (new_orders.first(), new_orders.last()) {
+            let (min, max) = (first.0 as u32, newest.0 as u32);
+            if max != last {
+                return Err(format!(
+                    "condition 2: max(NO_O_ID) {max} != D_NEXT_O_ID - 1 {last}"
+                ));
+            }
+            // Condition 3: max(NO_O_ID) - min(NO_O_ID) + 1 = rows in NEW-ORDER.
+            if (max - min + 1) as usize != new_orders.len() {
+                return Err(format!(
+                    "condition 3: NEW-ORDER holds {} rows for orders {min} to {max}",
+                    new_orders.len()
+                ));
+            }
+        }
+        // Condition 4: sum(O_OL_CNT) = rows in ORDER-LINE.
+        let (mut ol_cnt, mut lines) = (0u64, 0u64);
+        let orders: Vec<u32> = (1..=last).collect();
+        for chunk in orders.chunks(50) {
+            let (c, l) = cluster
+                .txn(m, |tx| {
+                    let (mut c, mut l) = (0u64, 0u64);
+                    for &o in chunk {
+                        let Some(order) = self.order.get_in(tx, &o_key(w, d, o))? else {
+                            return Err(tx.abort(format!("order {o} missing")));
+                        };
+                        c += order.ol_cnt as u64;
+                        for ol in 1..=15u8 {
+                            l += self.order_line.get_in(tx, &ol_key(w, d, o, ol))?.is_some() as u64;
+                        }
+                    }
+                    Ok((c, l))
+                })
+                .map_err(|e| e.to_string())?;
+            ol_cnt += c;
+            lines += l;
+        }
+        if ol_cnt != lines {
+            return Err(format!(
+                "condition 4: sum(O_OL_CNT) {ol_cnt} != {lines} order lines"
+            ));
+        }
+        Ok(())
+    }
+}

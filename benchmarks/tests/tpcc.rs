@@ -1,0 +1,111 @@
+//! The TPC-C database: population at a reduced scale satisfies the consistency conditions 1 to 4
+//! (clause 3.3.2), and the check names each one it finds broken.
+
+use farm::{Cluster, MachineId};
+use farm_benchmarks::tpcc::{d_key, o_key, ol_key, Scale, Tables};
+
+fn populated() -> (Cluster, Tables) {
+    let c = Cluster::builder()
+        .machines(3)
+        .replicas(3)
+        .region_bytes(64 << 20)
+        .build()
+        .unwrap();
+    let scale = Scale {
+        warehouses: 2,
+        items: 200,
+        districts: 3,
+        customers: 30,
+        new_order_from: 21,
+    };
+    let t = Tables::create(&c, scale, 5).unwrap();
+    t.populate_items(&c, 50, 5).unwrap();
+    for w in 1..=scale.warehouses {
+        t.populate_warehouse(&c, w, 5, &|_| {}).unwrap();
+    }
+    (c, t)
+}
+
+#[test]
+fn population_is_consistent_and_broken_invariants_are_named() {
+    let (c, t) = populated();
+    let m = MachineId(1);
+    t.check(&c, m).unwrap();
+    // Warehouse 1 lives on machine 0, warehouse 2 on machine 1 (co-partitioning).
+    let district = t.district.home_bucket(&d_key(2, 1));
+    assert_eq!(
+        c.view(m).map.get(district.region).unwrap().primary,
+        MachineId(1)
+    );
+    // Condition 4: an order line goes missing.
+    let line = c
+        .txn(m, |tx| t.order_line.remove(tx, &ol_key(1, 2, 7, 1)))
+        .unwrap()
+        .expect("order 7 has a first line");
+    let e = t.check(&c, m).unwrap_err();
+    assert!(e.contains("district 2: condition 4"), "{e}");
+    c.txn(m, |tx| t.order_line.insert(tx, &ol_key(1, 2, 7, 1), &line))
+        .unwrap();
+    // Condition 3: a gap in NEW-ORDER.
+    c.txn(m, |tx| t.new_order.remove(tx, &o_key(2, 3, 25)))
+        .unwrap();
+    let e = t.check(&c, m).unwrap_err();
+    assert!(e.contains("warehouse 2 district 3: condition 3"), "{e}");
+    c.txn(m, |tx| t.new_order.insert(tx, &o_key(2, 3, 25), &0))
+        .unwrap();
+    // Condition 1: a district's YTD moves without its warehouse's.
+    c.txn(m, |tx| {
+        let mut d = t.district.get_in(tx, &d_key(1, 1))?.unwrap();
+        d.ytd += 100;
+        t.district.update(tx, &d_key(1, 1), &d)
+    })
+    .unwrap();
+    let e = t.check(&c, m).unwrap_err();
+    assert!(e.contains("warehouse 1: condition 1"), "{e}");
+    c.txn(m, |tx| {
+        let mut d = t.district.get_in(tx, &d_key(1, 1))?.unwrap();
+        d.ytd -= 100;
+        t.district.update(tx, &d_key(1, 1), &d)
+    })
+    .unwrap();
+    // Condition 2: D_NEXT_O_ID runs ahead of the orders.
+    c.txn(m, |tx| {
+        let mut d = t.district.get_in(tx, &d_key(2, 2))?.unwrap();
+        d.next_o_id += 1;
+        t.district.update(tx, &d_key(2, 2), &d)
+    })
+    .unwrap();
+    let e = t.check(&c, m).unwrap_err();
+    assert!(e.contains("warehouse 2 district 2: condition 2"), "{e}");
+}
+
+/// Customers are findable by last name in name order (the B-tree index), and the first 1,000
+/// customers' names follow their ids (clause 4.3.2.3).
+#[test]
+fn customers_are_indexed_by_last_name() {
+    let (c, t) = populated();
+    let m = MachineId(0);
+    let rows = c
+        .txn(m, |tx| {
+            let from = farm_benchmarks::tpcc::name_key(1, 1, &[0; 16], &[0; 16], 0);
+            let to = farm_benchmarks::tpcc::name_key(1, 2, &[0; 16], &[0; 16], 0);
+            t.customer_by_name.range(tx, &from, Some(&to), usize::MAX)
+        })
+        .unwrap();
+    assert_eq!(rows.len(), 30);
+    assert!(rows.windows(2).all(|w| w[0].0 < w[1].0));
+    for (key, c_id) in rows {
+        let cust = c
+            .txn(m, |tx| {
+                t.customer
+                    .get_in(tx, &farm_benchmarks::tpcc::c_key(1, 1, c_id))
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(&key[5..21], &cust.last);
+        assert_eq!(
+            cust.last,
+            farm_benchmarks::tpcc_input::last_name(c_id as u64 - 1)
+        );
+    }
+}
