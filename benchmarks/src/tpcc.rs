@@ -1,5 +1,8 @@
-//! TPC-C (5.11) on farm: the nine tables with the population of clause 4.3.3.1, and the
-//! consistency conditions 1 to 4 of clause 3.3.2.
+//! TPC-C (5.11) on farm: the nine tables with the population of clause 4.3.3.1, the five
+//! transactions with the specification's inputs (NURand customers and items, 1% NEW-ORDER
+//! rollbacks on an unused item, 1% remote order lines, 15% remote payments, 60% of customers
+//! named by last name), and the consistency conditions 1 to 4 of clause 3.3.2. DELIVERY runs
+//! its ten districts in one transaction.
 //!
 //! As in FaRM (§6), point indexes are hash tables co-partitioned by warehouse (warehouse `w`
 //! lives on machine `(w - 1) % machines`) and the ordered ones are B-trees: NEW-ORDER, whose
@@ -7,7 +10,7 @@
 //! Money is in cents, rates in ten-thousandths.
 
 use bytemuck::{Pod, Zeroable};
-use farm::{Client, MachineId, TxError};
+use farm::{Client, MachineId, TxError, Txn};
 use farm_ds::{BTree, HashTable, TableSpec};
 
 use crate::tatp::Rand;
@@ -200,6 +203,9 @@ pub struct Scale {
     pub customers: u32,
     /// Orders from this one on are undelivered, in NEW-ORDER (2,101).
     pub new_order_from: u32,
+    /// NEW-ORDER transactions per district the tables have room for beyond the population
+    /// (tables do not grow: an insert into a full one fails, saying so).
+    pub growth: u32,
 }
 
 impl Scale {
@@ -211,6 +217,7 @@ impl Scale {
             districts: 10,
             customers: 3000,
             new_order_from: 2101,
+            growth: 30_000,
         }
     }
 }
@@ -233,6 +240,16 @@ pub fn o_key(w: u32, d: u8, o: u32) -> u64 {
 /// ORDER-LINE's key.
 pub fn ol_key(w: u32, d: u8, o: u32, ol: u8) -> u64 {
     o_key(w, d, o) << 4 | ol as u64
+}
+
+/// The key of orders by customer: the customer, then the order id.
+pub fn co_key(w: u32, d: u8, c: u32, o: u32) -> u64 {
+    c_key(w, d, c) << 24 | o as u64
+}
+
+/// HISTORY's key (it has none of its own): the district and a number unique in it.
+pub fn h_key(w: u32, d: u8, n: u64) -> u64 {
+    d_key(w, d) << 40 | (n & ((1 << 40) - 1))
 }
 
 /// STOCK's key.
@@ -278,6 +295,8 @@ pub struct Tables {
     pub order: HashTable<u64, Order>,
     /// NEW-ORDER by [`o_key`], in order.
     pub new_order: BTree<u64, u8>,
+    /// Orders by customer, [`co_key`], in order (ORDER-STATUS reads a customer's newest).
+    pub order_by_customer: BTree<u64, u8>,
     /// ORDER-LINE by [`ol_key`].
     pub order_line: HashTable<u64, OrderLine>,
     /// ITEM by `I_ID`.
@@ -291,32 +310,44 @@ impl Tables {
     pub fn create(cluster: &impl Client, scale: Scale, seed: u64) -> Result<Self, TxError> {
         let machines: Vec<MachineId> = (0..cluster.machines()).map(MachineId).collect();
         let n = machines.len();
-        let rows = |per_warehouse: u64| scale.warehouses as u64 * per_warehouse;
+        // A partition holds the rows of the warehouses of one machine: sized for the most any
+        // machine has, at half fill.
+        let per_machine = scale.warehouses.div_ceil(n as u32) as u64;
         let d = scale.districts as u64;
         let c = scale.customers as u64;
-        let spec =
-            |count: u64, slots: u8| TableSpec::with_capacity(machines.clone(), count.max(1), slots);
+        let orders = c + scale.growth as u64;
+        let spec = |per_warehouse: u64, slots: u8| TableSpec {
+            partitions: machines.clone(),
+            buckets: (per_machine * per_warehouse * 2)
+                .div_ceil(slots as u64)
+                .max(1) as u32,
+            slots,
+        };
         let by_w = move |w: u64| warehouse_machine(w, n);
         let mut rng = Rand::new(seed);
         Ok(Self {
             scale,
             constants: NuRandConstants::draw(&mut rng),
-            warehouse: HashTable::create(cluster, &spec(rows(1), 4))?
+            warehouse: HashTable::create(cluster, &spec(1, 4))?
                 .with_partitioner(move |w: &u32| by_w(*w as u64)),
-            district: HashTable::create(cluster, &spec(rows(d), 4))?
+            district: HashTable::create(cluster, &spec(d, 4))?
                 .with_partitioner(move |k: &u64| by_w(k >> 8)),
-            customer: HashTable::create(cluster, &spec(rows(d * c), 2))?
+            customer: HashTable::create(cluster, &spec(d * c, 2))?
                 .with_partitioner(move |k: &u64| by_w(k >> 24)),
             customer_by_name: BTree::create(cluster, machines[0], 32, None)?,
-            history: HashTable::create(cluster, &spec(rows(d * c) * 2, 8))?
-                .with_partitioner(move |k: &u64| by_w(k >> 32)),
-            order: HashTable::create(cluster, &spec(rows(d * c) * 2, 8))?
+            history: HashTable::create(cluster, &spec(d * orders, 8))?
+                .with_partitioner(move |k: &u64| by_w(k >> 48)),
+            order: HashTable::create(cluster, &spec(d * orders, 8))?
                 .with_partitioner(move |k: &u64| by_w(k >> 40)),
             new_order: BTree::create(cluster, machines[0], 64, None)?,
-            order_line: HashTable::create(cluster, &spec(rows(d * c) * 30, 8))?
+            order_by_customer: BTree::create(cluster, machines[0], 64, None)?,
+            order_line: HashTable::create(cluster, &spec(d * orders * 15, 8))?
                 .with_partitioner(move |k: &u64| by_w(k >> 44)),
-            item: HashTable::create(cluster, &spec(scale.items as u64, 8))?,
-            stock: HashTable::create(cluster, &spec(rows(scale.items as u64), 4))?
+            item: HashTable::create(
+                cluster,
+                &TableSpec::with_capacity(machines.clone(), scale.items as u64, 8),
+            )?,
+            stock: HashTable::create(cluster, &spec(scale.items as u64, 4))?
                 .with_partitioner(move |k: &u64| by_w(k >> 20)),
         })
     }
@@ -461,7 +492,7 @@ impl Tables {
                         data: [b'h'; 24],
                         _pad: [0; 2],
                     };
-                    self.history.insert(tx, &(c_key(w, d, c) << 8), &h)?;
+                    self.history.insert(tx, &h_key(w, d, c as u64), &h)?;
                 }
                 Ok(())
             })?;
@@ -506,6 +537,8 @@ impl Tables {
             cluster.txn(m, |tx| {
                 for (o, order, lines) in &orders {
                     self.order.insert(tx, &o_key(w, d, *o), order)?;
+                    let by_customer = co_key(w, d, order.c_id, *o);
+                    self.order_by_customer.insert(tx, &by_customer, &0)?;
                     for (i, line) in lines.iter().enumerate() {
                         self.order_line
                             .insert(tx, &ol_key(w, d, *o, i as u8 + 1), line)?;
@@ -663,3 +696,457 @@ impl Tables {
         Ok(())
     }
 }
+
+/// The five transactions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    /// NEW-ORDER (clause 2.4).
+    NewOrder,
+    /// PAYMENT (clause 2.5).
+    Payment,
+    /// ORDER-STATUS (clause 2.6).
+    OrderStatus,
+    /// DELIVERY (clause 2.7).
+    Delivery,
+    /// STOCK-LEVEL (clause 2.8).
+    StockLevel,
+}
+
+impl Kind {
+    /// All kinds.
+    pub const ALL: [Kind; 5] = [
+        Kind::NewOrder,
+        Kind::Payment,
+        Kind::OrderStatus,
+        Kind::Delivery,
+        Kind::StockLevel,
+    ];
+
+    /// The specification's name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Kind::NewOrder => "NEW-ORDER",
+            Kind::Payment => "PAYMENT",
+            Kind::OrderStatus => "ORDER-STATUS",
+            Kind::Delivery => "DELIVERY",
+            Kind::StockLevel => "STOCK-LEVEL",
+        }
+    }
+
+    /// The full mix (45/43/4/4/4) or NEW-ORDER and PAYMENT only (50/50), from a draw below 100.
+    pub fn from_draw(draw: u64, new_order_payment_only: bool) -> Kind {
+        match (new_order_payment_only, draw) {
+            (true, 0..=49) => Kind::NewOrder,
+            (true, _) => Kind::Payment,
+            (false, 0..=44) => Kind::NewOrder,
+            (false, 45..=87) => Kind::Payment,
+            (false, 88..=91) => Kind::OrderStatus,
+            (false, 92..=95) => Kind::Delivery,
+            (false, _) => Kind::StockLevel,
+        }
+    }
+}
+
+/// What a transaction did, for the books.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Committed.
+    Committed,
+    /// A NEW-ORDER rolled back as the specification asks of 1% (an unused item number).
+    RolledBack,
+}
+
+impl Tables {
+    /// Runs one transaction of `kind` for home warehouse `w` with the specification's inputs,
+    /// coordinated on `m` (by default where `w` lives). `now` stands for the current time.
+    pub fn run(
+        &self,
+        cluster: &impl Client,
+        m: Option<MachineId>,
+        kind: Kind,
+        w: u32,
+        rng: &mut Rand,
+        now: u64,
+    ) -> Result<Outcome, TxError> {
+        let m = m.unwrap_or(self.machine_of(cluster, w));
+        let s = self.scale;
+        let d = rng.range(1, s.districts as u64) as u8;
+        match kind {
+            Kind::NewOrder => self.new_order_txn(cluster, m, w, d, rng, now),
+            Kind::Payment => self.payment(cluster, m, w, d, rng, now),
+            Kind::OrderStatus => self.order_status(cluster, m, w, d, rng),
+            Kind::Delivery => self.delivery(cluster, m, w, rng, now),
+            Kind::StockLevel => self.stock_level(cluster, m, w, d, rng),
+        }
+    }
+
+    fn customer_id(&self, rng: &mut Rand) -> u32 {
+        nurand(
+            rng,
+            crate::tpcc_input::A_C_ID,
+            self.constants.c_id,
+            1,
+            self.scale.customers as u64,
+        ) as u32
+    }
+
+    /// Another warehouse than `w`, when there is one.
+    fn remote_warehouse(&self, w: u32, rng: &mut Rand) -> u32 {
+        if self.scale.warehouses == 1 {
+            return w;
+        }
+        let other = rng.range(1, self.scale.warehouses as u64 - 1) as u32;
+        if other >= w {
+            other + 1
+        } else {
+            other
+        }
+    }
+
+    fn new_order_txn(
+        &self,
+        cluster: &impl Client,
+        m: MachineId,
+        w: u32,
+        d: u8,
+        rng: &mut Rand,
+        now: u64,
+    ) -> Result<Outcome, TxError> {
+        let s = self.scale;
+        let c = self.customer_id(rng);
+        let n = rng.range(5, 15) as usize;
+        let rollback = rng.range(1, 100) == 1;
+        let lines: Vec<(u32, u32, u32)> = (0..n)
+            .map(|i| {
+                let mut item = nurand(
+                    rng,
+                    crate::tpcc_input::A_OL_I_ID,
+                    self.constants.ol_i_id,
+                    1,
+                    s.items as u64,
+                ) as u32;
+                if rollback && i == n - 1 {
+                    item = s.items + 1; // Unused: the transaction rolls back.
+                }
+                let supply = if rng.range(1, 100) == 1 {
+                    self.remote_warehouse(w, rng)
+                } else {
+                    w
+                };
+                (item, supply, rng.range(1, 10) as u32)
+            })
+            .collect();
+        let all_local = lines.iter().all(|(_, sw, _)| *sw == w) as u8;
+        let result = cluster.txn(m, |tx| {
+            let warehouse = self
+                .warehouse
+                .get_in(tx, &w)?
+                .ok_or_else(|| tx.abort("no warehouse"))?;
+            let mut district = self
+                .district
+                .get_in(tx, &d_key(w, d))?
+                .ok_or_else(|| tx.abort("no district"))?;
+            let customer = self
+                .customer
+                .get_in(tx, &c_key(w, d, c))?
+                .ok_or_else(|| tx.abort("no customer"))?;
+            let o = district.next_o_id;
+            district.next_o_id += 1;
+            self.district.update(tx, &d_key(w, d), &district)?;
+            let order = Order {
+                entry_d: now,
+                c_id: c,
+                carrier_id: 0,
+                ol_cnt: n as u8,
+                all_local,
+                _pad: 0,
+            };
+            self.order.insert(tx, &o_key(w, d, o), &order)?;
+            self.new_order.insert(tx, &o_key(w, d, o), &0)?;
+            self.order_by_customer.insert(tx, &co_key(w, d, c, o), &0)?;
+            let mut total = 0i64;
+            for (i, &(item_id, supply, qty)) in lines.iter().enumerate() {
+                let Some(item) = self.item.get_in(tx, &item_id)? else {
+                    return Err(tx.abort(ROLLBACK));
+                };
+                let key = s_key(supply, item_id);
+                let mut stock = self
+                    .stock
+                    .get_in(tx, &key)?
+                    .ok_or_else(|| tx.abort("no stock"))?;
+                stock.quantity = if stock.quantity >= qty + 10 {
+                    stock.quantity - qty
+                } else {
+                    stock.quantity + 91 - qty
+                };
+                stock.ytd += qty as u64;
+                stock.order_cnt += 1;
+                stock.remote_cnt += (supply != w) as u32;
+                self.stock.update(tx, &key, &stock)?;
+                let amount = qty as i64 * item.price;
+                total += amount;
+                let line = OrderLine {
+                    delivery_d: 0,
+                    amount,
+                    i_id: item_id,
+                    supply_w_id: supply,
+                    quantity: qty,
+                    dist_info: stock.dist[d as usize - 1],
+                    _pad: [0; 4],
+                };
+                self.order_line
+                    .insert(tx, &ol_key(w, d, o, i as u8 + 1), &line)?;
+            }
+            // The total the terminal shows (clause 2.4.2.2); not stored.
+            let _ = total
+                * (10_000 - customer.discount as i64)
+                * (10_000 + warehouse.tax as i64 + district.tax as i64);
+            Ok(())
+        });
+        match result {
+            Ok(()) => Ok(Outcome::Committed),
+            Err(TxError::Aborted(why)) if why == ROLLBACK => Ok(Outcome::RolledBack),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The customer a PAYMENT or ORDER-STATUS names: by id (40%) or by last name (60%, the
+    /// middle one of those with the name in first-name order, clause 2.5.2.2).
+    fn pick_customer(
+        &self,
+        tx: &mut Txn<'_>,
+        w: u32,
+        d: u8,
+        by_name: Option<[u8; 16]>,
+        id: u32,
+    ) -> Result<Option<u32>, TxError> {
+        let Some(last) = by_name else {
+            return Ok(Some(id));
+        };
+        let from = name_key(w, d, &last, &[0; 16], 0);
+        let mut to_last = last;
+        // Names are zero-padded: the next name after `last` starts with its prefix and a byte
+        // above zero at its end, so bump the padding.
+        let end = to_last.iter().position(|b| *b == 0).unwrap_or(16);
+        if end < 16 {
+            to_last[end] = 1;
+        } else {
+            to_last[15] = to_last[15].saturating_add(1);
+        }
+        let to = name_key(w, d, &to_last, &[0; 16], 0);
+        let found = self
+            .customer_by_name
+            .range(tx, &from, Some(&to), usize::MAX)?;
+        if found.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(found[(found.len() - 1) / 2].1))
+    }
+
+    fn customer_choice(&self, rng: &mut Rand) -> (Option<[u8; 16]>, u32) {
+        if rng.range(1, 100) <= 60 {
+            let n = nurand(rng, A_C_LAST, self.constants.c_last_run, 0, 999);
+            let n = n.min(self.scale.customers.min(1000) as u64 - 1);
+            (Some(last_name(n)), 0)
+        } else {
+            (None, self.customer_id(rng))
+        }
+    }
+
+    fn payment(
+        &self,
+        cluster: &impl Client,
+        m: MachineId,
+        w: u32,
+        d: u8,
+        rng: &mut Rand,
+        now: u64,
+    ) -> Result<Outcome, TxError> {
+        let (c_w, c_d) = if rng.range(1, 100) <= 85 {
+            (w, d)
+        } else {
+            (
+                self.remote_warehouse(w, rng),
+                rng.range(1, self.scale.districts as u64) as u8,
+            )
+        };
+        let (by_name, id) = self.customer_choice(rng);
+        let amount = rng.range(100, 500_000) as i64;
+        let seq = rng.next_u64();
+        cluster.txn(m, |tx| {
+            let mut warehouse = self
+                .warehouse
+                .get_in(tx, &w)?
+                .ok_or_else(|| tx.abort("no warehouse"))?;
+            warehouse.ytd += amount;
+            self.warehouse.update(tx, &w, &warehouse)?;
+            let mut district = self
+                .district
+                .get_in(tx, &d_key(w, d))?
+                .ok_or_else(|| tx.abort("no district"))?;
+            district.ytd += amount;
+            self.district.update(tx, &d_key(w, d), &district)?;
+            let c = self
+                .pick_customer(tx, c_w, c_d, by_name, id)?
+                .ok_or_else(|| tx.abort("no customer of that name"))?;
+            let key = c_key(c_w, c_d, c);
+            let mut customer = self
+                .customer
+                .get_in(tx, &key)?
+                .ok_or_else(|| tx.abort("no customer"))?;
+            customer.balance -= amount;
+            customer.ytd_payment += amount;
+            customer.payment_cnt += 1;
+            if &customer.credit == b"BC" {
+                let note = format!("{c} {c_d} {c_w} {d} {w} {amount} ");
+                let mut data = [0u8; 500];
+                let n = note.len().min(500);
+                data[..n].copy_from_slice(&note.as_bytes()[..n]);
+                data[n..].copy_from_slice(&customer.data[..500 - n]);
+                customer.data = data;
+            }
+            self.customer.update(tx, &key, &customer)?;
+            let h = History {
+                amount,
+                date: now,
+                c_w_id: c_w,
+                w_id: w,
+                c_id: c,
+                c_d_id: c_d,
+                d_id: d,
+                data: [b'p'; 24],
+                _pad: [0; 2],
+            };
+            // A unique id: the district's and a random 39-bit number (population rows use the
+            // customer ids, below 2^39).
+            if !self
+                .history
+                .insert(tx, &h_key(w, d, 1 << 39 | seq >> 25), &h)?
+            {
+                return Err(tx.abort("a history id came up twice"));
+            }
+            Ok(Outcome::Committed)
+        })
+    }
+
+    fn order_status(
+        &self,
+        cluster: &impl Client,
+        m: MachineId,
+        w: u32,
+        d: u8,
+        rng: &mut Rand,
+    ) -> Result<Outcome, TxError> {
+        let (by_name, id) = self.customer_choice(rng);
+        cluster.txn(m, |tx| {
+            let c = self
+                .pick_customer(tx, w, d, by_name, id)?
+                .ok_or_else(|| tx.abort("no customer of that name"))?;
+            self.customer
+                .get_in(tx, &c_key(w, d, c))?
+                .ok_or_else(|| tx.abort("no customer"))?;
+            let from = co_key(w, d, c, 0);
+            let to = co_key(w, d, c + 1, 0);
+            let orders = self
+                .order_by_customer
+                .range(tx, &from, Some(&to), usize::MAX)?;
+            if let Some((key, _)) = orders.last() {
+                let o = (key & 0xff_ffff) as u32;
+                let order = self
+                    .order
+                    .get_in(tx, &o_key(w, d, o))?
+                    .ok_or_else(|| tx.abort("no order"))?;
+                for ol in 1..=order.ol_cnt {
+                    self.order_line.get_in(tx, &ol_key(w, d, o, ol))?;
+                }
+            }
+            Ok(Outcome::Committed)
+        })
+    }
+
+    fn delivery(
+        &self,
+        cluster: &impl Client,
+        m: MachineId,
+        w: u32,
+        rng: &mut Rand,
+        now: u64,
+    ) -> Result<Outcome, TxError> {
+        let carrier = rng.range(1, 10) as u8;
+        cluster.txn(m, |tx| {
+            for d in 1..=self.scale.districts {
+                let oldest =
+                    self.new_order
+                        .range(tx, &o_key(w, d, 0), Some(&o_key(w, d + 1, 0)), 1)?;
+                let Some(&(key, _)) = oldest.first() else {
+                    continue; // No undelivered order in this district.
+                };
+                let o = key as u32;
+                self.new_order.remove(tx, &key)?;
+                let mut order = self
+                    .order
+                    .get_in(tx, &key)?
+                    .ok_or_else(|| tx.abort("no order"))?;
+                order.carrier_id = carrier;
+                self.order.update(tx, &key, &order)?;
+                let mut total = 0;
+                for ol in 1..=order.ol_cnt {
+                    let lk = ol_key(w, d, o, ol);
+                    let mut line = self
+                        .order_line
+                        .get_in(tx, &lk)?
+                        .ok_or_else(|| tx.abort("no line"))?;
+                    line.delivery_d = now;
+                    total += line.amount;
+                    self.order_line.update(tx, &lk, &line)?;
+                }
+                let ck = c_key(w, d, order.c_id);
+                let mut customer = self
+                    .customer
+                    .get_in(tx, &ck)?
+                    .ok_or_else(|| tx.abort("no customer"))?;
+                customer.balance += total;
+                customer.delivery_cnt += 1;
+                self.customer.update(tx, &ck, &customer)?;
+            }
+            Ok(Outcome::Committed)
+        })
+    }
+
+    fn stock_level(
+        &self,
+        cluster: &impl Client,
+        m: MachineId,
+        w: u32,
+        d: u8,
+        rng: &mut Rand,
+    ) -> Result<Outcome, TxError> {
+        let threshold = rng.range(10, 20) as u32;
+        cluster.txn(m, |tx| {
+            let district = self
+                .district
+                .get_in(tx, &d_key(w, d))?
+                .ok_or_else(|| tx.abort("no district"))?;
+            let next = district.next_o_id;
+            let mut items = std::collections::BTreeSet::new();
+            for o in next.saturating_sub(20).max(1)..next {
+                for ol in 1..=15u8 {
+                    if let Some(line) = self.order_line.get_in(tx, &ol_key(w, d, o, ol))? {
+                        items.insert(line.i_id);
+                    }
+                }
+            }
+            let mut low = 0;
+            for i in items {
+                if let Some(stock) = self.stock.get_in(tx, &s_key(w, i))? {
+                    low += (stock.quantity < threshold) as u32;
+                }
+            }
+            let _ = low; // What the terminal shows.
+            Ok(Outcome::Committed)
+        })
+    }
+}
+
+/// The abort reason of the specification's NEW-ORDER rollbacks.
+const ROLLBACK: &str = "Item number is not valid";

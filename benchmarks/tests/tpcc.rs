@@ -17,6 +17,7 @@ fn populated() -> (Cluster, Tables) {
         districts: 3,
         customers: 30,
         new_order_from: 21,
+        growth: 600,
     };
     let t = Tables::create(&c, scale, 5).unwrap();
     t.populate_items(&c, 50, 5).unwrap();
@@ -107,5 +108,88 @@ fn customers_are_indexed_by_last_name() {
             cust.last,
             farm_benchmarks::tpcc_input::last_name(c_id as u64 - 1)
         );
+    }
+}
+
+/// The full mix from two threads (one in a session, both on random machines, home warehouses
+/// at random) keeps conditions 1 to 4, and the money adds up: every warehouse's YTD grew by
+/// the payments made there, and NEW-ORDER rollbacks left no order behind.
+#[test]
+fn the_mix_keeps_the_consistency_conditions() {
+    use farm_benchmarks::tatp::Rand;
+    use farm_benchmarks::tpcc::{Kind, Outcome};
+    let (c, t) = populated();
+    let c = std::sync::Arc::new(c);
+    let t = std::sync::Arc::new(t);
+    let before: Vec<i64> = (1..=2u32)
+        .map(|w| {
+            c.txn(MachineId(0), |tx| t.warehouse.get_in(tx, &w))
+                .unwrap()
+                .unwrap()
+                .ytd
+        })
+        .collect();
+    let clients: Vec<_> = (0..2u64)
+        .map(|id| {
+            let (c, t) = (c.clone(), t.clone());
+            std::thread::spawn(move || {
+                let mut rng = Rand::new(id + 7);
+                let mut counts = [0u32; 5];
+                let mut rolled_back = 0;
+                let run = |client: &dyn Fn(Kind, u32, &mut Rand) -> Outcome,
+                           rng: &mut Rand,
+                           counts: &mut [u32; 5],
+                           rolled_back: &mut u32| {
+                    for _ in 0..400 {
+                        let kind = Kind::from_draw(rng.next_u64() % 100, false);
+                        let w = 1 + (rng.next_u64() % 2) as u32;
+                        counts[kind as usize] += 1;
+                        if client(kind, w, rng) == Outcome::RolledBack {
+                            *rolled_back += 1;
+                        }
+                    }
+                };
+                if id == 0 {
+                    let session = c.session();
+                    run(
+                        &|k, w, r| {
+                            let m = Some(MachineId((r.next_u64() % 3) as u16));
+                            t.run(&session, m, k, w, r, 1).unwrap()
+                        },
+                        &mut rng,
+                        &mut counts,
+                        &mut rolled_back,
+                    );
+                } else {
+                    run(
+                        &|k, w, r| t.run(&*c, None, k, w, r, 1).unwrap(),
+                        &mut rng,
+                        &mut counts,
+                        &mut rolled_back,
+                    );
+                }
+                (counts, rolled_back)
+            })
+        })
+        .collect();
+    let mut counts = [0u32; 5];
+    for h in clients {
+        let (cs, _) = h.join().unwrap();
+        for (a, b) in counts.iter_mut().zip(cs) {
+            *a += b;
+        }
+    }
+    assert!(
+        counts.iter().all(|n| *n > 0),
+        "a transaction type never ran: {counts:?}"
+    );
+    t.check(&*c, MachineId(2)).unwrap();
+    for w in 1..=2u32 {
+        let ytd = c
+            .txn(MachineId(0), |tx| t.warehouse.get_in(tx, &w))
+            .unwrap()
+            .unwrap()
+            .ytd;
+        assert!(ytd >= before[w as usize - 1], "warehouse {w} lost money");
     }
 }
