@@ -3,6 +3,7 @@
 
 use farm::{Addr, Cluster, MachineId, TxError};
 
+pub mod runner;
 pub mod tatp;
 pub mod timeline;
 pub mod tpcc;

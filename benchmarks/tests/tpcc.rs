@@ -154,7 +154,7 @@ fn the_mix_keeps_the_consistency_conditions() {
                     run(
                         &|k, w, r| {
                             let m = Some(MachineId((r.next_u64() % 3) as u16));
-                            t.run(&session, m, k, w, r, 1).unwrap()
+                            t.run(&session, m, (k, w), r, 1, &mut 0).unwrap()
                         },
                         &mut rng,
                         &mut counts,
@@ -162,7 +162,7 @@ fn the_mix_keeps_the_consistency_conditions() {
                     );
                 } else {
                     run(
-                        &|k, w, r| t.run(&*c, None, k, w, r, 1).unwrap(),
+                        &|k, w, r| t.run(&*c, None, (k, w), r, 1, &mut 0).unwrap(),
                         &mut rng,
                         &mut counts,
                         &mut rolled_back,

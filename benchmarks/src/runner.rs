@@ -1,0 +1,464 @@
+//! What the workload binaries (TATP, TPC-C) share: client threads that each keep a session and
+//! run a workload's transactions until the time is up, machines killed on a schedule while they
+//! run, and the report: per transaction type the count, successes, aborts (retried
+//! executions), errors and latency percentiles, per kill the recovery times, operations per
+//! millisecond, and a chart.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use farm::{Cluster, MachineId, ReconfigEvent, RecoveryEvent, Session, TxError};
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::tatp::Rand;
+use crate::timeline::{self, Marker};
+
+/// A workload the runner drives.
+pub trait Workload: Send + Sync + 'static {
+    /// The names of its transaction types, in the order of their indexes.
+    fn kinds(&self) -> Vec<&'static str>;
+
+    /// Each type's share of the mix, in percent.
+    fn mix_percent(&self, kind: usize) -> u64;
+
+    /// Runs one transaction from the mix for client `client` through `session`, avoiding the
+    /// machines `down` marks. Returns the type's index and whether it succeeded in the
+    /// workload's sense (or its error), adding its executions to `attempts`.
+    fn run_one(
+        &self,
+        session: &Session<'_>,
+        client: usize,
+        rng: &mut Rand,
+        down: &[bool],
+        attempts: &mut u64,
+    ) -> (usize, Result<bool, TxError>);
+}
+
+/// A machine to kill, and when.
+#[derive(Clone, Copy, Debug)]
+pub struct Kill {
+    /// `None`: the CM at that moment.
+    pub machine: Option<u16>,
+    /// Seconds after the measured run starts.
+    pub seconds: f64,
+}
+
+/// Parses `MACHINE@SECONDS` or `cm@SECONDS` (for `--kill`).
+pub fn parse_kill(s: &str) -> Result<Kill, String> {
+    let (who, when) = s
+        .split_once('@')
+        .ok_or_else(|| format!("{s:?}: expected MACHINE@SECONDS or cm@SECONDS"))?;
+    let machine = match who {
+        "cm" => None,
+        m => Some(
+            m.parse::<u16>()
+                .map_err(|_| format!("{s:?}: {m:?} is neither a machine number nor cm"))?,
+        ),
+    };
+    let seconds: f64 = when
+        .parse()
+        .map_err(|_| format!("{s:?}: {when:?} is not a number of seconds"))?;
+    if seconds.is_nan() || seconds < 0.0 {
+        return Err(format!("{s:?}: the time must not be negative"));
+    }
+    Ok(Kill { machine, seconds })
+}
+
+/// How to run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Client threads.
+    pub clients: u16,
+    /// Seconds of measured run.
+    pub seconds: f64,
+    /// Seed of the clients' inputs.
+    pub seed: u64,
+    /// Pin client `i` to core `i`.
+    pub pin: bool,
+    /// Machines to kill.
+    pub kills: Vec<Kill>,
+}
+
+impl RunOptions {
+    /// Checks the options against a cluster of `machines`, naming the problem.
+    pub fn validate(&self, machines: u16) -> anyhow::Result<()> {
+        anyhow::ensure!(self.seconds > 0.0, "--seconds must be positive");
+        anyhow::ensure!(self.clients >= 1, "--clients must be at least 1");
+        for k in &self.kills {
+            if let Some(m) = k.machine {
+                anyhow::ensure!(
+                    m < machines,
+                    "--kill {m}@{}: there are only {machines} machines",
+                    k.seconds
+                );
+            }
+            anyhow::ensure!(
+                k.seconds < self.seconds,
+                "--kill at {} s comes after the run ({} s)",
+                k.seconds,
+                self.seconds
+            );
+        }
+        anyhow::ensure!(
+            self.kills.len() < machines as usize,
+            "{} kills would leave no machine",
+            self.kills.len()
+        );
+        Ok(())
+    }
+}
+
+/// Results of one transaction type.
+#[derive(Serialize, Debug)]
+pub struct TypeReport {
+    /// Its name.
+    pub name: &'static str,
+    /// Its share of the mix.
+    pub mix_percent: u64,
+    /// Transactions completed.
+    pub count: u64,
+    /// Of those, successes in the workload's sense.
+    pub successes: u64,
+    /// Executions beyond the first (retries after conflicts).
+    pub aborts: u64,
+    /// Transactions that failed (a machine gone, or conflicts past every retry).
+    pub errors: u64,
+    /// Latency percentiles in microseconds.
+    pub p50_us: f64,
+    /// 99th.
+    pub p99_us: f64,
+    /// 99.9th.
+    pub p999_us: f64,
+}
+
+/// What a kill did to the run.
+#[derive(Serialize, Debug)]
+pub struct KillReport {
+    /// The machine killed.
+    pub machine: u16,
+    /// When, on the cluster's clock.
+    pub at_us: u64,
+    /// Kill to the first suspicion of it.
+    pub kill_to_suspect_ms: Option<f64>,
+    /// Mean operations per millisecond over the 100 ms before the kill.
+    pub throughput_before_per_ms: Option<f64>,
+    /// Suspicion to the first 5 ms window at 80% of that.
+    pub suspect_to_80_percent_ms: Option<f64>,
+    /// Suspicion to the last data-recovery copy done after the kill.
+    pub suspect_to_rereplicated_ms: Option<f64>,
+}
+
+/// The outcome of a run.
+#[derive(Serialize, Debug)]
+pub struct RunReport {
+    /// Seconds measured.
+    pub seconds: f64,
+    /// Transactions completed.
+    pub transactions: u64,
+    /// Per second.
+    pub per_second: f64,
+    /// Latency over all types, microseconds.
+    pub p50_us: f64,
+    /// 99th.
+    pub p99_us: f64,
+    /// Per type.
+    pub types: Vec<TypeReport>,
+    /// Per kill.
+    pub kills: Vec<KillReport>,
+    /// Operations completed per millisecond of the cluster's clock.
+    pub completed_per_ms: Vec<u64>,
+    /// The cluster's timeline (reconfiguration and recovery events).
+    pub timeline: serde_json::Value,
+    /// The machines killed and when (cluster clock, microseconds).
+    #[serde(skip)]
+    pub killed: Vec<(MachineId, u64)>,
+}
+
+impl RunReport {
+    /// A machine that was not killed.
+    pub fn survivor(&self, machines: u16) -> MachineId {
+        (0..machines)
+            .map(MachineId)
+            .find(|m| !self.killed.iter().any(|(k, _)| k == m))
+            .expect("kills leave a machine")
+    }
+}
+
+/// What one client counted.
+struct ClientStats {
+    hist: Vec<Histogram<u64>>,
+    successes: Vec<u64>,
+    attempts: Vec<u64>,
+    errors: Vec<u64>,
+    per_ms: Vec<u64>,
+}
+
+/// Runs `workload` from `opts.clients` threads for `opts.seconds`, killing machines as asked.
+pub fn run<W: Workload>(
+    cluster: &Arc<Cluster>,
+    workload: &Arc<W>,
+    opts: &RunOptions,
+) -> anyhow::Result<RunReport> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let barrier = Arc::new(Barrier::new(opts.clients as usize + 1));
+    let clients: Vec<_> = (0..opts.clients)
+        .map(|c| {
+            let (cluster, workload, stop, barrier) = (
+                cluster.clone(),
+                workload.clone(),
+                stop.clone(),
+                barrier.clone(),
+            );
+            let seed = opts.seed;
+            let core = opts
+                .pin
+                .then(|| core_affinity::get_core_ids().unwrap_or_default())
+                .and_then(|cores| cores.get(c as usize % cores.len().max(1)).copied());
+            std::thread::spawn(move || {
+                if let Some(core) = core {
+                    core_affinity::set_for_current(core);
+                }
+                client(&cluster, &*workload, c as usize, seed, &stop, &barrier)
+            })
+        })
+        .collect();
+    barrier.wait();
+    let t0 = Instant::now();
+    let mut kills = opts.kills.clone();
+    kills.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+    let mut killed: Vec<(MachineId, u64)> = Vec::new();
+    for k in kills {
+        let due = t0 + Duration::from_secs_f64(k.seconds);
+        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        let victim = match k.machine {
+            Some(m) => MachineId(m),
+            None => {
+                let alive = (0..cluster.machines())
+                    .map(MachineId)
+                    .find(|m| !killed.iter().any(|(k, _)| k == m))
+                    .expect("a machine is alive");
+                cluster.view(alive).config.cm
+            }
+        };
+        eprintln!("killing {victim} at {:.3} s", t0.elapsed().as_secs_f64());
+        killed.push((victim, cluster.now_us()));
+        cluster.kill(victim);
+    }
+    std::thread::sleep(
+        (t0 + Duration::from_secs_f64(opts.seconds)).saturating_duration_since(Instant::now()),
+    );
+    stop.store(true, Ordering::Relaxed);
+    let elapsed = t0.elapsed().as_secs_f64();
+    let mut all: Vec<ClientStats> = Vec::new();
+    for h in clients {
+        all.push(h.join().expect("client panicked")?);
+    }
+    let mut overall = Histogram::<u64>::new(3)?;
+    let mut types = Vec::new();
+    for (i, name) in workload.kinds().into_iter().enumerate() {
+        let mut h = Histogram::<u64>::new(3)?;
+        for c in &all {
+            h.add(&c.hist[i])?;
+        }
+        overall.add(&h)?;
+        let count = h.len();
+        let attempts: u64 = all.iter().map(|c| c.attempts[i]).sum();
+        types.push(TypeReport {
+            name,
+            mix_percent: workload.mix_percent(i),
+            count,
+            successes: all.iter().map(|c| c.successes[i]).sum(),
+            aborts: attempts.saturating_sub(count),
+            errors: all.iter().map(|c| c.errors[i]).sum(),
+            p50_us: h.value_at_quantile(0.5) as f64 / 1000.0,
+            p99_us: h.value_at_quantile(0.99) as f64 / 1000.0,
+            p999_us: h.value_at_quantile(0.999) as f64 / 1000.0,
+        });
+    }
+    let mut per_ms: Vec<u64> = Vec::new();
+    for c in &all {
+        if per_ms.len() < c.per_ms.len() {
+            per_ms.resize(c.per_ms.len(), 0);
+        }
+        for (t, n) in per_ms.iter_mut().zip(&c.per_ms) {
+            *t += n;
+        }
+    }
+    let tl = cluster.timeline();
+    let kill_reports = killed
+        .iter()
+        .map(|&(victim, at_us)| kill_report(&tl, &per_ms, victim, at_us))
+        .collect();
+    let transactions = overall.len();
+    Ok(RunReport {
+        seconds: elapsed,
+        transactions,
+        per_second: transactions as f64 / elapsed,
+        p50_us: overall.value_at_quantile(0.5) as f64 / 1000.0,
+        p99_us: overall.value_at_quantile(0.99) as f64 / 1000.0,
+        types,
+        kills: kill_reports,
+        completed_per_ms: per_ms,
+        timeline: serde_json::from_str(&tl.to_json())?,
+        killed,
+    })
+}
+
+/// One client: transactions from the mix until told to stop, each timed.
+fn client<W: Workload>(
+    cluster: &Cluster,
+    workload: &W,
+    id: usize,
+    seed: u64,
+    stop: &AtomicBool,
+    barrier: &Barrier,
+) -> anyhow::Result<ClientStats> {
+    let n = workload.kinds().len();
+    let mut stats = ClientStats {
+        hist: (0..n)
+            .map(|_| Histogram::new(3))
+            .collect::<Result<_, _>>()?,
+        successes: vec![0; n],
+        attempts: vec![0; n],
+        errors: vec![0; n],
+        per_ms: Vec::new(),
+    };
+    let mut rng = Rand::new(seed.wrapping_mul(1_000_003) ^ (id as u64 + 1) << 40);
+    // Machines found dead or evicted: transactions go elsewhere.
+    let mut down = vec![false; cluster.machines() as usize];
+    let mut attempts = 0;
+    // Back-to-back transactions: keep one host rather than hand it to a poller in between.
+    let session = cluster.session();
+    barrier.wait();
+    while !stop.load(Ordering::Relaxed) {
+        let t = Instant::now();
+        let before = attempts;
+        let (i, result) = workload.run_one(&session, id, &mut rng, &down, &mut attempts);
+        let ns = t.elapsed().as_nanos() as u64;
+        stats.attempts[i] += attempts - before;
+        match result {
+            Ok(ok) => {
+                stats.successes[i] += ok as u64;
+                stats.hist[i].record(ns.max(1))?;
+                let ms = (cluster.now_us() / 1000) as usize;
+                if stats.per_ms.len() <= ms {
+                    stats.per_ms.resize(ms + 1, 0);
+                }
+                stats.per_ms[ms] += 1;
+            }
+            // The coordinator died or was removed under the transaction: go elsewhere.
+            Err(TxError::CoordinatorFailed(d) | TxError::Evicted(d)) => {
+                stats.errors[i] += 1;
+                down[d.0 as usize] = true;
+            }
+            Err(e) if e.is_retryable() => stats.errors[i] += 1,
+            Err(e) => anyhow::bail!("{} failed: {e}", workload.kinds()[i]),
+        }
+    }
+    Ok(stats)
+}
+
+/// Times from a kill of `victim` at `at_us`: to its suspicion, from suspicion to a window at
+/// 80% of the mean throughput over the 100 ms before the kill, and to the last copy of data
+/// recovery after it.
+fn kill_report(t: &farm::Timeline, per_ms: &[u64], victim: MachineId, at_us: u64) -> KillReport {
+    let suspect = t.events.iter().find_map(|e| match e {
+        ReconfigEvent::Suspect { machine, at_us: s } if *machine == victim && *s >= at_us => {
+            Some(*s)
+        }
+        _ => None,
+    });
+    let kill_ms = (at_us / 1000) as usize;
+    let before = timeline::mean_before(per_ms, kill_ms, 100);
+    let back = match (suspect, before) {
+        (Some(s), Some(b)) => timeline::back_to(per_ms, (s / 1000) as usize, b, 0.8)
+            .map(|ms| (ms as u64 * 1000).saturating_sub(s)),
+        _ => None,
+    };
+    let rereplicated = t
+        .recovery
+        .iter()
+        .filter_map(|(_, e)| match e {
+            RecoveryEvent::DataRecoveryDone { at, .. } if *at >= at_us => Some(*at),
+            _ => None,
+        })
+        .max();
+    let ms = |us: u64| us as f64 / 1000.0;
+    KillReport {
+        machine: victim.0,
+        at_us,
+        kill_to_suspect_ms: suspect.map(|s| ms(s - at_us)),
+        throughput_before_per_ms: before,
+        suspect_to_80_percent_ms: back.map(ms),
+        suspect_to_rereplicated_ms: suspect
+            .zip(rereplicated)
+            .map(|(s, r)| ms(r.saturating_sub(s))),
+    }
+}
+
+/// Prints the throughput line, the per-type table and the kills.
+pub fn print(r: &RunReport) {
+    println!(
+        "{} transactions in {:.2} s: {:.0} per second; latency p50 {:.1} us, p99 {:.1} us",
+        r.transactions, r.seconds, r.per_second, r.p50_us, r.p99_us
+    );
+    println!(
+        "{:<24} {:>4} {:>10} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9}",
+        "type", "mix", "count", "success", "aborts", "errors", "p50 us", "p99 us", "p99.9 us"
+    );
+    for t in &r.types {
+        println!(
+            "{:<24} {:>3}% {:>10} {:>8.1}% {:>8} {:>7} {:>9.1} {:>9.1} {:>9.1}",
+            t.name,
+            t.mix_percent,
+            t.count,
+            100.0 * t.successes as f64 / t.count.max(1) as f64,
+            t.aborts,
+            t.errors,
+            t.p50_us,
+            t.p99_us,
+            t.p999_us
+        );
+    }
+    let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
+    for k in &r.kills {
+        println!(
+            "killed m{} at {:.3} s (cluster clock): suspected after {}; back to 80% of {:.0} \
+             ops/ms {} after suspicion; re-replicated {} after suspicion",
+            k.machine,
+            k.at_us as f64 / 1e6,
+            show(k.kill_to_suspect_ms),
+            k.throughput_before_per_ms.unwrap_or(0.0),
+            show(k.suspect_to_80_percent_ms),
+            show(k.suspect_to_rereplicated_ms)
+        );
+    }
+}
+
+/// Draws operations per millisecond with the cluster's events and the kills to `path` (SVG).
+pub fn chart(
+    path: &std::path::Path,
+    title: &str,
+    cluster: &Cluster,
+    r: &RunReport,
+) -> anyhow::Result<()> {
+    let mut marks = timeline::markers(&cluster.timeline());
+    for (victim, at_us) in &r.killed {
+        marks.push(Marker {
+            at_us: *at_us,
+            label: format!("kill {victim}"),
+        });
+    }
+    marks.sort_by_key(|m| m.at_us);
+    let per_ms = &r.completed_per_ms;
+    let start_ms = (per_ms.iter().position(|n| *n > 0).unwrap_or(0) + 1).min(per_ms.len());
+    timeline::draw(
+        path,
+        title,
+        &per_ms[..per_ms.len().saturating_sub(1)],
+        start_ms,
+        &marks,
+    )
+}

@@ -1,0 +1,290 @@
+//! TPC-C on an in-process cluster (see `farm_benchmarks::tpcc`): populates warehouses at the
+//! specification's cardinalities with a progress bar, runs the full mix (or `--mix
+//! new-order-payment`) from client threads co-partitioned with their warehouses, reports
+//! committed NEW-ORDERs per second and per minute with the per-type counts, aborts and
+//! latencies, then checks consistency conditions 1 to 4 (clause 3.3.2), failing on a
+//! violation. `--kill` kills machines during the run as in the TATP binary.
+//!
+//! `cargo run --release -p farm-benchmarks --bin tpcc -- --warehouses 2 --seconds 10`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use farm::{Cluster, MachineId, Session, TxError};
+use farm_benchmarks::runner::{self, Kill, RunOptions, RunReport, Workload};
+use farm_benchmarks::tatp::Rand;
+use farm_benchmarks::tpcc::{Kind, Outcome, Scale, Tables};
+use serde::Serialize;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+enum Mix {
+    /// NEW-ORDER 45%, PAYMENT 43%, ORDER-STATUS, DELIVERY and STOCK-LEVEL 4% each.
+    Full,
+    /// NEW-ORDER and PAYMENT, 50% each.
+    NewOrderPayment,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "TPC-C on an in-process farm-rs cluster")]
+struct Args {
+    /// Warehouses.
+    #[arg(long, default_value_t = 2)]
+    warehouses: u32,
+    /// Machines.
+    #[arg(long, default_value_t = 3)]
+    machines: u16,
+    /// Replicas of every region (primary included).
+    #[arg(long, default_value_t = 3)]
+    replicas: u16,
+    /// Worker threads per machine.
+    #[arg(long, default_value_t = 2)]
+    workers: u16,
+    /// Client threads running transactions (client i serves warehouses i+1, i+1+clients, ...).
+    #[arg(long, default_value_t = 2)]
+    clients: u16,
+    /// Seconds of measured run.
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Seed of the population and of the clients' inputs.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The transaction mix.
+    #[arg(long, value_enum, default_value_t = Mix::Full)]
+    mix: Mix,
+    /// Pin the cluster's poller threads and the clients to cores (client i to core i).
+    #[arg(long)]
+    pin: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Kill a machine during the run: `MACHINE@SECONDS` after the measured run starts, or
+    /// `cm@SECONDS` for the machine that is CM then. Repeatable.
+    #[arg(long, value_parser = runner::parse_kill)]
+    kill: Vec<Kill>,
+    /// Lease duration in milliseconds (failure detection, §5.1).
+    #[arg(long, default_value_t = 10)]
+    lease_ms: u64,
+    /// Draw throughput per millisecond with the recovery events to this SVG file.
+    #[arg(long)]
+    chart: Option<std::path::PathBuf>,
+}
+
+#[derive(Serialize, Debug)]
+struct Report<'a> {
+    warehouses: u32,
+    machines: u16,
+    replicas: u16,
+    workers: u16,
+    clients: u16,
+    mix: Mix,
+    populate_seconds: f64,
+    new_orders_per_second: f64,
+    new_orders_per_minute: f64,
+    run: &'a RunReport,
+}
+
+/// TPC-C's mix for the runner: client `i`'s home warehouses are `i + 1`, `i + 1 + clients`,
+/// ..., and its transactions run where the home warehouse lives.
+struct Tpcc {
+    tables: Tables,
+    mix: Mix,
+    clients: u32,
+    machines: u16,
+}
+
+impl Workload for Tpcc {
+    fn kinds(&self) -> Vec<&'static str> {
+        Kind::ALL.iter().map(|k| k.name()).collect()
+    }
+
+    fn mix_percent(&self, kind: usize) -> u64 {
+        match (self.mix, Kind::ALL[kind]) {
+            (Mix::NewOrderPayment, Kind::NewOrder | Kind::Payment) => 50,
+            (Mix::NewOrderPayment, _) => 0,
+            (Mix::Full, Kind::NewOrder) => 45,
+            (Mix::Full, Kind::Payment) => 43,
+            (Mix::Full, _) => 4,
+        }
+    }
+
+    fn run_one(
+        &self,
+        session: &Session<'_>,
+        client: usize,
+        rng: &mut Rand,
+        down: &[bool],
+        attempts: &mut u64,
+    ) -> (usize, Result<bool, TxError>) {
+        let kind = Kind::from_draw(rng.next_u64() % 100, self.mix == Mix::NewOrderPayment);
+        let w = self.home_warehouse(client, rng);
+        let home = self.tables.machine_of(session, w);
+        let m = if down[home.0 as usize] {
+            let alive: Vec<u16> = (0..self.machines).filter(|m| !down[*m as usize]).collect();
+            Some(MachineId(
+                alive[(rng.next_u64() % alive.len() as u64) as usize],
+            ))
+        } else {
+            Some(home)
+        };
+        let result = self
+            .tables
+            .run(session, m, (kind, w), rng, now_ms(), attempts);
+        (kind as usize, result.map(|o| o == Outcome::Committed))
+    }
+}
+
+impl Tpcc {
+    fn home_warehouse(&self, client: usize, rng: &mut Rand) -> u32 {
+        let w = self.tables.scale.warehouses;
+        if self.clients >= w {
+            return (client as u32 % w) + 1;
+        }
+        let mine = (w - 1 - client as u32) / self.clients + 1;
+        client as u32 + 1 + self.clients * (rng.next_u64() % mine as u64) as u32
+    }
+}
+
+/// Milliseconds since 1970, for dates.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(
+        (1..=255).contains(&args.warehouses),
+        "--warehouses must be 1 to 255"
+    );
+    anyhow::ensure!(
+        args.replicas >= 1 && args.replicas <= args.machines,
+        "--replicas must be 1 to --machines ({})",
+        args.machines
+    );
+    anyhow::ensure!(args.lease_ms >= 1, "--lease-ms must be at least 1");
+    let opts = RunOptions {
+        clients: args.clients,
+        seconds: args.seconds,
+        seed: args.seed,
+        pin: args.pin,
+        kills: args.kill.clone(),
+    };
+    opts.validate(args.machines)?;
+    tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+        .with_writer(std::io::stderr)
+        .init();
+    let cluster = Arc::new(
+        Cluster::builder()
+            .machines(args.machines)
+            .replicas(args.replicas)
+            .workers(args.workers)
+            .pin_threads(args.pin)
+            .lease(Duration::from_millis(args.lease_ms))
+            .build()
+            .context("building the cluster")?,
+    );
+    // Room for the NEW-ORDERs of the run: up to 20 K/s over all districts.
+    let districts = args.warehouses as f64 * 10.0;
+    let growth = (20_000.0 * args.seconds / districts).max(1000.0) as u32;
+    let scale = Scale {
+        growth,
+        ..Scale::spec(args.warehouses)
+    };
+    let started = Instant::now();
+    let tables = Tables::create(&cluster, scale, args.seed).context("creating tables")?;
+    let per_warehouse = (scale.items + 3 * scale.districts as u32 * scale.customers) as u64;
+    let bar =
+        indicatif::ProgressBar::new(scale.items as u64 + per_warehouse * args.warehouses as u64)
+            .with_style(
+                indicatif::ProgressStyle::with_template(
+                    "populating {bar:40} {pos}/{len} rows ({per_sec}, {eta} left)",
+                )
+                .expect("template"),
+            );
+    tables
+        .populate_items(&cluster, 40, args.seed)
+        .context("populating items")?;
+    bar.inc(scale.items as u64);
+    let loaders = args.clients.min(args.warehouses as u16).max(1) as u32;
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let handles: Vec<_> = (0..loaders)
+            .map(|l| {
+                let (cluster, tables, bar) = (&cluster, &tables, &bar);
+                s.spawn(move || -> anyhow::Result<()> {
+                    for w in (l + 1..=args.warehouses).step_by(loaders as usize) {
+                        tables
+                            .populate_warehouse(cluster, w, args.seed, &|n| bar.inc(n))
+                            .with_context(|| format!("populating warehouse {w}"))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("loader panicked")?;
+        }
+        Ok(())
+    })?;
+    bar.finish_and_clear();
+    let populate_seconds = started.elapsed().as_secs_f64();
+    eprintln!(
+        "populated {} warehouses in {populate_seconds:.1} s",
+        args.warehouses
+    );
+    let workload = Arc::new(Tpcc {
+        tables,
+        mix: args.mix,
+        clients: args.clients as u32,
+        machines: args.machines,
+    });
+    let run = runner::run(&cluster, &workload, &opts)?;
+    let new_orders = run.types[Kind::NewOrder as usize].successes as f64 / run.seconds;
+    println!(
+        "TPC-C ({:?} mix): {} warehouses, {} machines x {} workers, {}-way replication, {} clients",
+        args.mix, args.warehouses, args.machines, args.workers, args.replicas, args.clients
+    );
+    println!(
+        "committed NEW-ORDERs: {new_orders:.0} per second, {:.0} per minute",
+        new_orders * 60.0
+    );
+    runner::print(&run);
+    if let Some(path) = &args.chart {
+        let title = format!(
+            "TPC-C, {} warehouses, {} machines, {} ms leases: transactions per ms",
+            args.warehouses, args.machines, args.lease_ms
+        );
+        runner::chart(path, &title, &cluster, &run)
+            .with_context(|| format!("drawing {}", path.display()))?;
+        println!("chart written to {}", path.display());
+    }
+    let t = Instant::now();
+    workload
+        .tables
+        .check(&cluster, run.survivor(args.machines))
+        .map_err(|e| anyhow::anyhow!("consistency check failed: {e}"))?;
+    println!(
+        "consistency conditions 1-4 hold ({:.1} s)",
+        t.elapsed().as_secs_f64()
+    );
+    if let Some(path) = &args.json {
+        let report = Report {
+            warehouses: args.warehouses,
+            machines: args.machines,
+            replicas: args.replicas,
+            workers: args.workers,
+            clients: args.clients,
+            mix: args.mix,
+            populate_seconds,
+            new_orders_per_second: new_orders,
+            new_orders_per_minute: new_orders * 60.0,
+            run: &run,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
