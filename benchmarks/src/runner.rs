@@ -66,6 +66,85 @@ pub fn parse_kill(s: &str) -> Result<Kill, String> {
     Ok(Kill { machine, seconds })
 }
 
+/// The command-line options every workload binary takes (flattened into its own).
+#[derive(clap::Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// Machines.
+    #[arg(long, default_value_t = 3)]
+    pub machines: u16,
+    /// Replicas of every region (primary included).
+    #[arg(long, default_value_t = 3)]
+    pub replicas: u16,
+    /// Worker threads per machine.
+    #[arg(long, default_value_t = 2)]
+    pub workers: u16,
+    /// Client threads running transactions.
+    #[arg(long, default_value_t = 2)]
+    pub clients: u16,
+    /// Seconds of measured run.
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Seed of the population and of the clients' inputs.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Pin the cluster's poller threads and the clients to cores (client i to core i).
+    #[arg(long)]
+    pub pin: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Kill a machine during the run: `MACHINE@SECONDS` after the measured run starts, or
+    /// `cm@SECONDS` for the machine that is CM then. Repeatable.
+    #[arg(long, value_parser = parse_kill)]
+    pub kill: Vec<Kill>,
+    /// Lease duration in milliseconds (failure detection, §5.1).
+    #[arg(long, default_value_t = 10)]
+    pub lease_ms: u64,
+    /// Draw throughput per millisecond with the recovery events to this SVG file.
+    #[arg(long)]
+    pub chart: Option<std::path::PathBuf>,
+}
+
+impl CommonArgs {
+    /// The run's options, checked.
+    pub fn options(&self) -> anyhow::Result<RunOptions> {
+        anyhow::ensure!(
+            self.replicas >= 1 && self.replicas <= self.machines,
+            "--replicas must be 1 to --machines ({})",
+            self.machines
+        );
+        anyhow::ensure!(self.lease_ms >= 1, "--lease-ms must be at least 1");
+        let opts = RunOptions {
+            clients: self.clients,
+            seconds: self.seconds,
+            seed: self.seed,
+            pin: self.pin,
+            kills: self.kill.clone(),
+        };
+        opts.validate(self.machines)?;
+        Ok(opts)
+    }
+
+    /// Starts warnings-only logging and builds the cluster these options describe, with regions
+    /// of `region_bytes` (the builder's default when `None`).
+    pub fn cluster(&self, region_bytes: Option<usize>) -> anyhow::Result<Arc<Cluster>> {
+        tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+            .with_writer(std::io::stderr)
+            .init();
+        let mut b = Cluster::builder()
+            .machines(self.machines)
+            .replicas(self.replicas)
+            .workers(self.workers)
+            .pin_threads(self.pin)
+            .lease(Duration::from_millis(self.lease_ms));
+        if let Some(bytes) = region_bytes {
+            b = b.region_bytes(bytes);
+        }
+        Ok(Arc::new(b.build()?))
+    }
+}
+
 /// How to run.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
@@ -184,6 +263,33 @@ impl RunReport {
             .find(|m| !self.killed.iter().any(|(k, _)| k == m))
             .expect("kills leave a machine")
     }
+}
+
+/// Runs `load` for every item of `parts` on up to `threads` threads (item `i` on thread
+/// `i % threads`), returning the first error.
+pub fn load_in_parallel<T: Sync>(
+    parts: &[T],
+    threads: usize,
+    load: impl Fn(&T) -> anyhow::Result<()> + Sync,
+) -> anyhow::Result<()> {
+    let threads = threads.clamp(1, parts.len().max(1));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|l| {
+                let load = &load;
+                s.spawn(move || -> anyhow::Result<()> {
+                    for p in parts.iter().skip(l).step_by(threads) {
+                        load(p)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("loader panicked")?;
+        }
+        Ok(())
+    })
 }
 
 /// What one client counted.

@@ -14,12 +14,12 @@
 //! `cargo run --release -p farm-benchmarks --bin tatp -- --seconds 2 --kill 2@1 --chart kill.svg --check`
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use farm::{Cluster, MachineId, Session, TxError};
-use farm_benchmarks::runner::{self, Kill, RunOptions, RunReport, Workload};
+use farm::{MachineId, Session, TxError};
+use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
 use farm_benchmarks::tatp::{Kind, Rand, Tables};
 use serde::Serialize;
 
@@ -29,47 +29,15 @@ struct Args {
     /// Subscribers in the database.
     #[arg(long, default_value_t = 100_000)]
     subscribers: u32,
-    /// Machines.
-    #[arg(long, default_value_t = 3)]
-    machines: u16,
-    /// Replicas of every region (primary included).
-    #[arg(long, default_value_t = 3)]
-    replicas: u16,
-    /// Worker threads per machine.
-    #[arg(long, default_value_t = 2)]
-    workers: u16,
-    /// Client threads running transactions.
-    #[arg(long, default_value_t = 2)]
-    clients: u16,
-    /// Seconds of measured run.
-    #[arg(long, default_value_t = 5.0)]
-    seconds: f64,
-    /// Seed of the population and of the clients' inputs.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
     /// Coordinate each transaction on its subscriber's machine (by default on a random
     /// machine, as FaRM ran TATP: "partitionable but we have not partitioned it").
     #[arg(long)]
     partitioned: bool,
-    /// Pin the cluster's poller threads and the clients to cores (client i to core i).
-    #[arg(long)]
-    pin: bool,
     /// Check the database's integrity after the run.
     #[arg(long)]
     check: bool,
-    /// Write the results as JSON here.
-    #[arg(long)]
-    json: Option<std::path::PathBuf>,
-    /// Kill a machine during the run: `MACHINE@SECONDS` after the measured run starts, or
-    /// `cm@SECONDS` for the machine that is CM then. Repeatable.
-    #[arg(long, value_parser = runner::parse_kill)]
-    kill: Vec<Kill>,
-    /// Lease duration in milliseconds (failure detection, §5.1).
-    #[arg(long, default_value_t = 10)]
-    lease_ms: u64,
-    /// Draw throughput per millisecond with the recovery events to this SVG file.
-    #[arg(long)]
-    chart: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    common: CommonArgs,
 }
 
 #[derive(Serialize, Debug)]
@@ -126,39 +94,15 @@ impl Workload for Tatp {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.subscribers >= 1, "--subscribers must be at least 1");
-    anyhow::ensure!(
-        args.replicas >= 1 && args.replicas <= args.machines,
-        "--replicas must be 1 to --machines ({})",
-        args.machines
-    );
-    anyhow::ensure!(args.lease_ms >= 1, "--lease-ms must be at least 1");
-    let opts = RunOptions {
-        clients: args.clients,
-        seconds: args.seconds,
-        seed: args.seed,
-        pin: args.pin,
-        kills: args.kill.clone(),
-    };
-    opts.validate(args.machines)?;
-    tracing_subscriber::fmt()
-        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
-        .with_writer(std::io::stderr)
-        .init();
+    let common = &args.common;
+    let opts = common.options()?;
     // Tables take about 1.5 KB per subscriber at half fill; regions are sparse.
-    let region_bytes = ((args.subscribers as usize * 1600 * 3 / args.machines as usize)
+    let region_bytes = ((args.subscribers as usize * 1600 * 3 / common.machines as usize)
         .next_power_of_two())
     .clamp(64 << 20, 1 << 32);
-    let cluster = Arc::new(
-        Cluster::builder()
-            .machines(args.machines)
-            .replicas(args.replicas)
-            .workers(args.workers)
-            .region_bytes(region_bytes)
-            .pin_threads(args.pin)
-            .lease(Duration::from_millis(args.lease_ms))
-            .build()
-            .context("building the cluster")?,
-    );
+    let cluster = common
+        .cluster(Some(region_bytes))
+        .context("building the cluster")?;
     let started = Instant::now();
     let tables = Tables::create(&cluster, args.subscribers).context("creating tables")?;
     let bar = indicatif::ProgressBar::new(args.subscribers as u64).with_style(
@@ -167,26 +111,11 @@ fn main() -> anyhow::Result<()> {
         )
         .expect("template"),
     );
-    let machines = args.machines as usize;
-    let loaders = args.clients.min(args.machines) as usize;
-    std::thread::scope(|s| -> anyhow::Result<()> {
-        let handles: Vec<_> = (0..loaders)
-            .map(|l| {
-                let (cluster, tables, bar) = (&cluster, &tables, &bar);
-                s.spawn(move || -> anyhow::Result<()> {
-                    for p in (l..machines).step_by(loaders) {
-                        tables
-                            .populate_partition(cluster, p, 8, args.seed, &|n| bar.inc(n))
-                            .with_context(|| format!("populating partition {p}"))?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().expect("loader panicked")?;
-        }
-        Ok(())
+    let partitions: Vec<usize> = (0..common.machines as usize).collect();
+    runner::load_in_parallel(&partitions, common.clients as usize, |&p| {
+        tables
+            .populate_partition(&cluster, p, 8, common.seed, &|n| bar.inc(n))
+            .with_context(|| format!("populating partition {p}"))
     })?;
     bar.finish_and_clear();
     let populate_seconds = started.elapsed().as_secs_f64();
@@ -197,16 +126,16 @@ fn main() -> anyhow::Result<()> {
     let workload = Arc::new(Tatp {
         tables,
         partitioned: args.partitioned,
-        machines: args.machines,
+        machines: common.machines,
     });
     let run = runner::run(&cluster, &workload, &opts)?;
     println!(
         "TATP: {} subscribers, {} machines x {} workers, {}-way replication, {} clients{}",
         args.subscribers,
-        args.machines,
-        args.workers,
-        args.replicas,
-        args.clients,
+        common.machines,
+        common.workers,
+        common.replicas,
+        common.clients,
         if args.partitioned {
             ", partitioned"
         } else {
@@ -214,10 +143,10 @@ fn main() -> anyhow::Result<()> {
         }
     );
     runner::print(&run);
-    if let Some(path) = &args.chart {
+    if let Some(path) = &common.chart {
         let title = format!(
             "TATP, {} machines, {}-way replication, {} ms leases: operations per ms",
-            args.machines, args.replicas, args.lease_ms
+            common.machines, common.replicas, common.lease_ms
         );
         runner::chart(path, &title, &cluster, &run)
             .with_context(|| format!("drawing {}", path.display()))?;
@@ -227,7 +156,7 @@ fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let cfs = workload
             .tables
-            .check(&cluster, run.survivor(args.machines))
+            .check(&cluster, run.survivor(common.machines))
             .map_err(|e| anyhow::anyhow!("integrity check failed: {e}"))?;
         println!(
             "integrity check passed: {} subscribers, {cfs} call forwardings ({:.1} s)",
@@ -235,13 +164,13 @@ fn main() -> anyhow::Result<()> {
             t.elapsed().as_secs_f64()
         );
     }
-    if let Some(path) = &args.json {
+    if let Some(path) = &common.json {
         let report = Report {
             subscribers: args.subscribers,
-            machines: args.machines,
-            replicas: args.replicas,
-            workers: args.workers,
-            clients: args.clients,
+            machines: common.machines,
+            replicas: common.replicas,
+            workers: common.workers,
+            clients: common.clients,
             partitioned: args.partitioned,
             populate_seconds,
             run: &run,

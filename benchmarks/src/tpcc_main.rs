@@ -8,12 +8,12 @@
 //! `cargo run --release -p farm-benchmarks --bin tpcc -- --warehouses 2 --seconds 10`
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use farm::{Cluster, MachineId, Session, TxError};
-use farm_benchmarks::runner::{self, Kill, RunOptions, RunReport, Workload};
+use farm::{MachineId, Session, TxError};
+use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
 use farm_benchmarks::tatp::Rand;
 use farm_benchmarks::tpcc::{Kind, Outcome, Scale, Tables};
 use serde::Serialize;
@@ -29,46 +29,14 @@ enum Mix {
 #[derive(Parser, Debug)]
 #[command(about = "TPC-C on an in-process farm-rs cluster")]
 struct Args {
-    /// Warehouses.
+    /// Warehouses (client i serves warehouses i+1, i+1+clients, ...).
     #[arg(long, default_value_t = 2)]
     warehouses: u32,
-    /// Machines.
-    #[arg(long, default_value_t = 3)]
-    machines: u16,
-    /// Replicas of every region (primary included).
-    #[arg(long, default_value_t = 3)]
-    replicas: u16,
-    /// Worker threads per machine.
-    #[arg(long, default_value_t = 2)]
-    workers: u16,
-    /// Client threads running transactions (client i serves warehouses i+1, i+1+clients, ...).
-    #[arg(long, default_value_t = 2)]
-    clients: u16,
-    /// Seconds of measured run.
-    #[arg(long, default_value_t = 10.0)]
-    seconds: f64,
-    /// Seed of the population and of the clients' inputs.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
     /// The transaction mix.
     #[arg(long, value_enum, default_value_t = Mix::Full)]
     mix: Mix,
-    /// Pin the cluster's poller threads and the clients to cores (client i to core i).
-    #[arg(long)]
-    pin: bool,
-    /// Write the results as JSON here.
-    #[arg(long)]
-    json: Option<std::path::PathBuf>,
-    /// Kill a machine during the run: `MACHINE@SECONDS` after the measured run starts, or
-    /// `cm@SECONDS` for the machine that is CM then. Repeatable.
-    #[arg(long, value_parser = runner::parse_kill)]
-    kill: Vec<Kill>,
-    /// Lease duration in milliseconds (failure detection, §5.1).
-    #[arg(long, default_value_t = 10)]
-    lease_ms: u64,
-    /// Draw throughput per millisecond with the recovery events to this SVG file.
-    #[arg(long)]
-    chart: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    common: CommonArgs,
 }
 
 #[derive(Serialize, Debug)]
@@ -159,43 +127,18 @@ fn main() -> anyhow::Result<()> {
         (1..=255).contains(&args.warehouses),
         "--warehouses must be 1 to 255"
     );
-    anyhow::ensure!(
-        args.replicas >= 1 && args.replicas <= args.machines,
-        "--replicas must be 1 to --machines ({})",
-        args.machines
-    );
-    anyhow::ensure!(args.lease_ms >= 1, "--lease-ms must be at least 1");
-    let opts = RunOptions {
-        clients: args.clients,
-        seconds: args.seconds,
-        seed: args.seed,
-        pin: args.pin,
-        kills: args.kill.clone(),
-    };
-    opts.validate(args.machines)?;
-    tracing_subscriber::fmt()
-        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
-        .with_writer(std::io::stderr)
-        .init();
-    let cluster = Arc::new(
-        Cluster::builder()
-            .machines(args.machines)
-            .replicas(args.replicas)
-            .workers(args.workers)
-            .pin_threads(args.pin)
-            .lease(Duration::from_millis(args.lease_ms))
-            .build()
-            .context("building the cluster")?,
-    );
+    let common = &args.common;
+    let opts = common.options()?;
+    let cluster = common.cluster(None).context("building the cluster")?;
     // Room for the NEW-ORDERs of the run: up to 20 K/s over all districts.
     let districts = args.warehouses as f64 * 10.0;
-    let growth = (20_000.0 * args.seconds / districts).max(1000.0) as u32;
+    let growth = (20_000.0 * common.seconds / districts).max(1000.0) as u32;
     let scale = Scale {
         growth,
         ..Scale::spec(args.warehouses)
     };
     let started = Instant::now();
-    let tables = Tables::create(&cluster, scale, args.seed).context("creating tables")?;
+    let tables = Tables::create(&cluster, scale, common.seed).context("creating tables")?;
     let per_warehouse = (scale.items + 3 * scale.districts as u32 * scale.customers) as u64;
     let bar =
         indicatif::ProgressBar::new(scale.items as u64 + per_warehouse * args.warehouses as u64)
@@ -206,28 +149,14 @@ fn main() -> anyhow::Result<()> {
                 .expect("template"),
             );
     tables
-        .populate_items(&cluster, 40, args.seed)
+        .populate_items(&cluster, 40, common.seed)
         .context("populating items")?;
     bar.inc(scale.items as u64);
-    let loaders = args.clients.min(args.warehouses as u16).max(1) as u32;
-    std::thread::scope(|s| -> anyhow::Result<()> {
-        let handles: Vec<_> = (0..loaders)
-            .map(|l| {
-                let (cluster, tables, bar) = (&cluster, &tables, &bar);
-                s.spawn(move || -> anyhow::Result<()> {
-                    for w in (l + 1..=args.warehouses).step_by(loaders as usize) {
-                        tables
-                            .populate_warehouse(cluster, w, args.seed, &|n| bar.inc(n))
-                            .with_context(|| format!("populating warehouse {w}"))?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().expect("loader panicked")?;
-        }
-        Ok(())
+    let warehouses: Vec<u32> = (1..=args.warehouses).collect();
+    runner::load_in_parallel(&warehouses, common.clients as usize, |&w| {
+        tables
+            .populate_warehouse(&cluster, w, common.seed, &|n| bar.inc(n))
+            .with_context(|| format!("populating warehouse {w}"))
     })?;
     bar.finish_and_clear();
     let populate_seconds = started.elapsed().as_secs_f64();
@@ -238,24 +167,24 @@ fn main() -> anyhow::Result<()> {
     let workload = Arc::new(Tpcc {
         tables,
         mix: args.mix,
-        clients: args.clients as u32,
-        machines: args.machines,
+        clients: common.clients as u32,
+        machines: common.machines,
     });
     let run = runner::run(&cluster, &workload, &opts)?;
     let new_orders = run.types[Kind::NewOrder as usize].successes as f64 / run.seconds;
     println!(
         "TPC-C ({:?} mix): {} warehouses, {} machines x {} workers, {}-way replication, {} clients",
-        args.mix, args.warehouses, args.machines, args.workers, args.replicas, args.clients
+        args.mix, args.warehouses, common.machines, common.workers, common.replicas, common.clients
     );
     println!(
         "committed NEW-ORDERs: {new_orders:.0} per second, {:.0} per minute",
         new_orders * 60.0
     );
     runner::print(&run);
-    if let Some(path) = &args.chart {
+    if let Some(path) = &common.chart {
         let title = format!(
             "TPC-C, {} warehouses, {} machines, {} ms leases: transactions per ms",
-            args.warehouses, args.machines, args.lease_ms
+            args.warehouses, common.machines, common.lease_ms
         );
         runner::chart(path, &title, &cluster, &run)
             .with_context(|| format!("drawing {}", path.display()))?;
@@ -264,19 +193,19 @@ fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     workload
         .tables
-        .check(&cluster, run.survivor(args.machines))
+        .check(&cluster, run.survivor(common.machines))
         .map_err(|e| anyhow::anyhow!("consistency check failed: {e}"))?;
     println!(
         "consistency conditions 1-4 hold ({:.1} s)",
         t.elapsed().as_secs_f64()
     );
-    if let Some(path) = &args.json {
+    if let Some(path) = &common.json {
         let report = Report {
             warehouses: args.warehouses,
-            machines: args.machines,
-            replicas: args.replicas,
-            workers: args.workers,
-            clients: args.clients,
+            machines: common.machines,
+            replicas: common.replicas,
+            workers: common.workers,
+            clients: common.clients,
             mix: args.mix,
             populate_seconds,
             new_orders_per_second: new_orders,
