@@ -1,5 +1,6 @@
-//! What the benchmark binaries share: percentiles of sorted samples, a cheap per-client
-//! generator, and the bank transfer their workloads run.
+//! What the benchmark binaries share: percentiles of sorted samples, cheap per-client
+//! generators, the bank transfer the recovery benchmarks run, and the TATP and TPC-C
+//! workloads with the runner that drives them.
 
 use farm::{Addr, Cluster, MachineId, TxError};
 
@@ -22,6 +23,41 @@ pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
         x ^= x >> 7;
         x ^= x << 17;
         x
+    }
+}
+
+/// A small seeded generator (xorshift*), one per client, with the draws the workloads' inputs
+/// need (`xorshift` above is the bare one the bank benchmarks use).
+#[derive(Clone, Debug)]
+pub struct Rand(u64);
+
+impl Rand {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+
+    /// Random bytes of digits.
+    pub fn digits<const N: usize>(&mut self) -> [u8; N] {
+        std::array::from_fn(|_| b'0' + (self.next_u64() % 10) as u8)
+    }
+
+    /// Random upper-case letters.
+    pub fn letters<const N: usize>(&mut self) -> [u8; N] {
+        std::array::from_fn(|_| b'A' + (self.next_u64() % 26) as u8)
     }
 }
 

@@ -12,8 +12,8 @@ use farm::{Cluster, MachineId, ReconfigEvent, RecoveryEvent, Session, TxError};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::tatp::Rand;
 use crate::timeline::{self, Marker};
+use crate::Rand;
 
 /// A workload the runner drives.
 pub trait Workload: Send + Sync + 'static {

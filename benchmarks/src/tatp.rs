@@ -18,6 +18,8 @@ use bytemuck::{Pod, Zeroable};
 use farm::{Client, MachineId, TxError};
 use farm_ds::{HashTable, TableSpec};
 
+use crate::Rand;
+
 /// SUBSCRIBER's non-key columns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
@@ -182,40 +184,6 @@ pub fn sub_nbr(s_id: u32) -> [u8; 16] {
     let digits = format!("{s_id:015}");
     out[..15].copy_from_slice(digits.as_bytes());
     out
-}
-
-/// A small seeded generator (xorshift*), one per client.
-#[derive(Clone, Debug)]
-pub struct Rand(u64);
-
-impl Rand {
-    /// A generator from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo + 1)
-    }
-
-    /// Random bytes of digits.
-    fn digits<const N: usize>(&mut self) -> [u8; N] {
-        std::array::from_fn(|_| b'0' + (self.next_u64() % 10) as u8)
-    }
-
-    /// Random upper-case letters.
-    fn letters<const N: usize>(&mut self) -> [u8; N] {
-        std::array::from_fn(|_| b'A' + (self.next_u64() % 26) as u8)
-    }
 }
 
 /// The specification's non-uniform subscriber id (clause 4.2): `(rand(0, A) | rand(1, P)) % P

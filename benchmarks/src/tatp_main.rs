@@ -20,7 +20,8 @@ use anyhow::Context;
 use clap::Parser;
 use farm::{MachineId, Session, TxError};
 use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
-use farm_benchmarks::tatp::{Kind, Rand, Tables};
+use farm_benchmarks::tatp::{Kind, Tables};
+use farm_benchmarks::Rand;
 use serde::Serialize;
 
 #[derive(Parser, Debug)]

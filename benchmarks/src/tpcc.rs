@@ -13,10 +13,10 @@ use bytemuck::{Pod, Zeroable};
 use farm::{Client, MachineId, TxError, Txn};
 use farm_ds::{BTree, HashTable, TableSpec};
 
-use crate::tatp::Rand;
 use crate::tpcc_input::{
     a_string, data_with_original, last_name, n_string, nurand, zip, NuRandConstants, A_C_LAST,
 };
+use crate::Rand;
 
 /// WAREHOUSE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
@@ -840,16 +840,16 @@ impl Tables {
         let all_local = lines.iter().all(|(_, sw, _)| *sw == w) as u8;
         let result = cluster.txn(m, |tx| {
             *attempts += 1;
-            let warehouse = self
-                .warehouse
+            // W_TAX and C_DISCOUNT are read for the total the terminal shows (clause 2.4.2.2),
+            // which nothing stores.
+            self.warehouse
                 .get_in(tx, &w)?
                 .ok_or_else(|| tx.abort("no warehouse"))?;
             let mut district = self
                 .district
                 .get_in(tx, &d_key(w, d))?
                 .ok_or_else(|| tx.abort("no district"))?;
-            let customer = self
-                .customer
+            self.customer
                 .get_in(tx, &c_key(w, d, c))?
                 .ok_or_else(|| tx.abort("no customer"))?;
             let o = district.next_o_id;
@@ -866,7 +866,6 @@ impl Tables {
             self.order.insert(tx, &o_key(w, d, o), &order)?;
             self.new_order.insert(tx, &o_key(w, d, o), &0)?;
             self.order_by_customer.insert(tx, &co_key(w, d, c, o), &0)?;
-            let mut total = 0i64;
             for (i, &(item_id, supply, qty)) in lines.iter().enumerate() {
                 let Some(item) = self.item.get_in(tx, &item_id)? else {
                     return Err(tx.abort(ROLLBACK));
@@ -886,7 +885,6 @@ impl Tables {
                 stock.remote_cnt += (supply != w) as u32;
                 self.stock.update(tx, &key, &stock)?;
                 let amount = qty as i64 * item.price;
-                total += amount;
                 let line = OrderLine {
                     delivery_d: 0,
                     amount,
@@ -899,10 +897,6 @@ impl Tables {
                 self.order_line
                     .insert(tx, &ol_key(w, d, o, i as u8 + 1), &line)?;
             }
-            // The total the terminal shows (clause 2.4.2.2); not stored.
-            let _ = total
-                * (10_000 - customer.discount as i64)
-                * (10_000 + warehouse.tax as i64 + district.tax as i64);
             Ok(())
         });
         match result {

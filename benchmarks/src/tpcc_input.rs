@@ -2,7 +2,7 @@
 //! distribution and its run-time constants, customer last names from syllables, and the
 //! random strings the population uses. The TPC-C workload builds on these.
 
-use crate::tatp::Rand;
+use crate::Rand;
 
 /// The `A` of NURand for customer last names (clause 2.1.6).
 pub const A_C_LAST: u64 = 255;

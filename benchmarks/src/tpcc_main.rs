@@ -14,8 +14,8 @@ use anyhow::Context;
 use clap::Parser;
 use farm::{MachineId, Session, TxError};
 use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
-use farm_benchmarks::tatp::Rand;
 use farm_benchmarks::tpcc::{Kind, Outcome, Scale, Tables};
+use farm_benchmarks::Rand;
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]

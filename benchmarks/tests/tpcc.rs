@@ -116,8 +116,8 @@ fn customers_are_indexed_by_last_name() {
 /// the payments made there, and NEW-ORDER rollbacks left no order behind.
 #[test]
 fn the_mix_keeps_the_consistency_conditions() {
-    use farm_benchmarks::tatp::Rand;
     use farm_benchmarks::tpcc::{Kind, Outcome};
+    use farm_benchmarks::Rand;
     let (c, t) = populated();
     let c = std::sync::Arc::new(c);
     let t = std::sync::Arc::new(t);

@@ -354,8 +354,17 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
         key: &K,
     ) -> Result<Option<V>, TxError> {
         let (p, b) = self.home(key);
-        let mut buf = vec![0u8; 8 + self.bucket_bytes()];
-        cluster.read_bytes_into(machine, self.bucket(p, b), &mut buf)?;
+        // The lookup path of most reads: no allocation for buckets up to 1 KB.
+        let len = 8 + self.bucket_bytes();
+        let mut stack = [0u8; 1024];
+        let mut heap = Vec::new();
+        let buf: &mut [u8] = if len <= stack.len() {
+            &mut stack[..len]
+        } else {
+            heap.resize(len, 0);
+            &mut heap
+        };
+        cluster.read_bytes_into(machine, self.bucket(p, b), buf)?;
         let bucket = &buf[8..];
         if let Some(s) = self.slot_of(bucket, key) {
             return Ok(Some(read_value::<K, V>(bucket, s)));

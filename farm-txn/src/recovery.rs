@@ -1465,14 +1465,8 @@ impl Worker {
     /// COMMIT-RECOVERY and ABORT-RECOVERY of a transaction not forgotten here. `payload` is the
     /// message as it arrived.
     pub(crate) fn log_recovery_message(&mut self, msg: &Message, payload: &[u8]) {
-        let Message::Recovery { body, .. } = msg else {
+        let Some(t) = logged_txn(msg) else {
             return;
-        };
-        let t = match body {
-            RecoveryBody::ReplicateTxState(t, ..)
-            | RecoveryBody::CommitRecovery(t)
-            | RecoveryBody::AbortRecovery(t) => *t,
-            _ => return,
         };
         if self.recovery.forgotten.contains_key(&t) {
             return;
@@ -1491,16 +1485,7 @@ impl Worker {
         let mut buf = Vec::new();
         for sender in 0..self.inbound.len() {
             while let Some(pos) = self.inbound[sender].queue.poll(&mut buf) {
-                let kept_kind = matches!(
-                    Message::decode(&buf),
-                    Ok(Message::Recovery {
-                        body: RecoveryBody::ReplicateTxState(..)
-                            | RecoveryBody::CommitRecovery(_)
-                            | RecoveryBody::AbortRecovery(_),
-                        ..
-                    })
-                );
-                if kept_kind {
+                if Message::decode(&buf).is_ok_and(|m| logged_txn(&m).is_some()) {
                     let at = self.recovery_log.append(&buf);
                     kept.push((at, buf.clone()));
                 }
@@ -1514,14 +1499,10 @@ impl Worker {
                     pos.0
                 )
             });
+            let t = logged_txn(&msg)
+                .unwrap_or_else(|| panic!("recovery log entry at {} holds {msg:?}", pos.0));
             let Message::Recovery { region, body, .. } = msg else {
-                panic!("recovery log entry at {} is not a recovery message", pos.0);
-            };
-            let t = match &body {
-                RecoveryBody::ReplicateTxState(t, ..)
-                | RecoveryBody::CommitRecovery(t)
-                | RecoveryBody::AbortRecovery(t) => *t,
-                other => panic!("recovery log entry at {} holds {other:?}", pos.0),
+                unreachable!("logged_txn matched a recovery message");
             };
             self.recovery.logged.entry(t).or_default().push(pos);
             let tx = self.recovery.txs.entry(t).or_default();
@@ -1543,5 +1524,20 @@ impl Worker {
                 _ => unreachable!("matched above"),
             }
         }
+    }
+}
+
+/// The transaction of a recovery message that the recovery log keeps (REPLICATE-TX-STATE,
+/// COMMIT-RECOVERY, ABORT-RECOVERY; see [`crate::recovery_log`]), or `None` for any other.
+fn logged_txn(msg: &Message) -> Option<TxnId> {
+    match msg {
+        Message::Recovery {
+            body:
+                RecoveryBody::ReplicateTxState(t, ..)
+                | RecoveryBody::CommitRecovery(t)
+                | RecoveryBody::AbortRecovery(t),
+            ..
+        } => Some(*t),
+        _ => None,
     }
 }

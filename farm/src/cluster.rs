@@ -637,6 +637,21 @@ impl Host {
         }
         busy
     }
+
+    /// Polls until the host is idle, at most [`HOST_POLLS_PER_RETRY`] rounds, for a thread that
+    /// holds it while waiting: what it waits for (a conflicting commit, recovery of a blocked
+    /// region) may need this very host's workers, which no poller serves while it is held.
+    /// Returns whether there was work.
+    fn poll_until_idle(&mut self, now: impl Fn() -> u64) -> bool {
+        let mut worked = false;
+        for _ in 0..HOST_POLLS_PER_RETRY {
+            if !self.poll_all(now()) {
+                break;
+            }
+            worked = true;
+        }
+        worked
+    }
 }
 
 #[derive(Debug)]
@@ -990,14 +1005,7 @@ impl Cluster {
             let result = run_once(&self.inner, host, machine, &mut f);
             match result {
                 Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
-                    // Let conflicting commits (or recovery, for a blocked region) finish: they
-                    // may need this very host's workers, which no poller serves while it is
-                    // held. Poll until they are idle (bounded), then back off.
-                    for _ in 0..HOST_POLLS_PER_RETRY {
-                        if !host.poll_all(self.inner.now()) {
-                            break;
-                        }
-                    }
+                    host.poll_until_idle(|| self.inner.now());
                     backoff.conflict(attempt);
                 }
                 other => return other,
@@ -1067,17 +1075,8 @@ impl Cluster {
                 }
                 Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
                     attempt += 1;
-                    // What holds the object (a commit, or recovery of a blocked region) may
-                    // need this very host's workers, which no poller serves while it is held:
-                    // poll until they are idle (bounded), and back off only when they were.
-                    let mut worked = false;
-                    for _ in 0..HOST_POLLS_PER_RETRY {
-                        if !host.poll_all(self.inner.now()) {
-                            break;
-                        }
-                        worked = true;
-                    }
-                    if worked {
+                    // Back off only once the host had nothing left to do.
+                    if host.poll_until_idle(|| self.inner.now()) {
                         backoff.reset();
                     } else {
                         backoff.idle();
