@@ -13,6 +13,14 @@
 //!   granted;
 //! - each side suspects the other when the lease it granted runs out without renewal.
 //!
+//! A lease session lasts as long as the pair (CM, member) does: a new configuration with the same
+//! CM carries the leases over (`reconfigure`), and only a new CM starts fresh ones (§5.2: the CM
+//! "resets the lease protocol if the CM changed"). Machines install a configuration one after
+//! another, so for a while the CM and a member disagree on its id; a datagram is accepted from
+//! any configuration since the session began. Resetting leases at every configuration instead
+//! made a member that installed a few milliseconds after its CM (an fsync each) drop the CM's
+//! grants until its lease ran out, and suspect a live CM.
+//!
 //! Both sides are deterministic state machines: time comes in as `now` (ticks), datagrams come
 //! in through `on_datagram`, and what to send goes out through a caller's buffer. They keep no
 //! growing state, so a lease thread can run them without allocating after start.
@@ -138,6 +146,8 @@ struct MemberState {
 #[derive(Debug)]
 pub struct CmLeases {
     config: ConfigId,
+    /// The configuration this CM's session began in: older datagrams are ignored.
+    since: ConfigId,
     timing: LeaseConfig,
     members: BTreeMap<MachineId, MemberState>,
 }
@@ -154,9 +164,39 @@ impl CmLeases {
         };
         Self {
             config,
+            since: config,
             timing,
             members: members.iter().map(|m| (*m, state)).collect(),
         }
+    }
+
+    /// Moves to a newer configuration with the same CM: members that stay keep their leases,
+    /// new members get one lease period to make their first request, removed ones are
+    /// forgotten. A member this CM suspected that the configuration keeps starts afresh.
+    pub fn reconfigure(&mut self, config: ConfigId, members: &[MachineId], now: u64) {
+        assert!(config >= self.config, "configurations only move forward");
+        let fresh = MemberState {
+            member_expires: now + self.timing.lease_ticks,
+            cm_expires: None,
+            pending: None,
+            suspected: false,
+        };
+        let mut old = std::mem::take(&mut self.members);
+        self.members = members
+            .iter()
+            .map(|m| match old.remove(m) {
+                Some(s) if !s.suspected => (*m, s),
+                Some(s) => (
+                    *m,
+                    MemberState {
+                        cm_expires: s.cm_expires,
+                        ..fresh
+                    },
+                ),
+                None => (*m, fresh),
+            })
+            .collect();
+        self.config = config;
     }
 
     /// Handles a datagram from `from`, pushing replies into `out`.
@@ -167,7 +207,7 @@ impl CmLeases {
         now: u64,
         out: &mut Vec<(MachineId, LeaseMsg)>,
     ) {
-        if msg.config() != self.config {
+        if msg.config() < self.since {
             return;
         }
         let Some(m) = self.members.get_mut(&from) else {
@@ -237,6 +277,8 @@ const PENDING_MAX: usize = 8;
 #[derive(Debug)]
 pub struct MemberLease {
     config: ConfigId,
+    /// The configuration this session with the CM began in: older datagrams are ignored.
+    since: ConfigId,
     timing: LeaseConfig,
     cm: MachineId,
     next_seq: u64,
@@ -256,6 +298,7 @@ impl MemberLease {
     pub fn new(config: ConfigId, timing: LeaseConfig, cm: MachineId, now: u64) -> Self {
         Self {
             config,
+            since: config,
             timing,
             cm,
             next_seq: 0,
@@ -305,7 +348,7 @@ impl MemberLease {
         now: u64,
         out: &mut Vec<(MachineId, LeaseMsg)>,
     ) {
-        if from != self.cm || msg.config() != self.config || self.cm_suspected {
+        if from != self.cm || msg.config() < self.since || self.cm_suspected {
             return;
         }
         if let LeaseMsg::GrantRequest { seq, .. } = msg {
@@ -340,6 +383,23 @@ impl MemberLease {
     /// When the lease this member granted the CM ends.
     pub fn cm_expires(&self) -> u64 {
         self.cm_expires
+    }
+
+    /// The CM this session is with.
+    pub fn cm(&self) -> MachineId {
+        self.cm
+    }
+
+    /// Moves to a newer configuration with the same CM (see [`MemberLease::cm`]): the leases
+    /// carry over. If this member had suspected the CM, which the configuration keeps, the CM
+    /// gets one lease period again.
+    pub fn reconfigure(&mut self, config: ConfigId, now: u64) {
+        assert!(config >= self.config, "configurations only move forward");
+        self.config = config;
+        if self.cm_suspected {
+            self.cm_suspected = false;
+            self.cm_expires = self.cm_expires.max(now + self.timing.lease_ticks);
+        }
     }
 }
 
@@ -413,17 +473,129 @@ mod tests {
             "CM lease runs from its GRANT-REQUEST"
         );
         assert!(ev.is_empty());
-        // Wrong configuration: ignored.
+        // A configuration older than the session: ignored.
         out.clear();
         c.on_datagram(
             m,
             LeaseMsg::Request {
-                config: ConfigId(2),
+                config: ConfigId(0),
                 seq: 5,
             },
             12,
             &mut out,
         );
         assert!(out.is_empty());
+    }
+
+    /// Delivers everything in `out` between one CM and its members (no loss, no delay).
+    fn deliver(
+        cm: &mut CmLeases,
+        members: &mut [(MachineId, MemberLease)],
+        cm_id: MachineId,
+        mut out: Vec<(MachineId, MachineId, LeaseMsg)>,
+        now: u64,
+    ) {
+        while let Some((from, to, msg)) = out.pop() {
+            let mut replies = Vec::new();
+            if to == cm_id {
+                cm.on_datagram(from, msg, now, &mut replies);
+                out.extend(replies.into_iter().map(|(t, m)| (cm_id, t, m)));
+            } else if let Some((id, l)) = members.iter_mut().find(|(id, _)| *id == to) {
+                l.on_datagram(from, msg, now, &mut replies);
+                let id = *id;
+                out.extend(replies.into_iter().map(|(t, m)| (id, t, m)));
+            }
+        }
+    }
+
+    /// §5.2: a configuration change resets the lease protocol only if the CM changed. Machines
+    /// install a configuration one after another; a member that installs it one and a half
+    /// leases after its CM keeps its leases meanwhile (with fresh leases at every configuration
+    /// it suspected the CM), and a new member gets a lease period.
+    #[test]
+    fn a_configuration_with_the_same_cm_carries_the_leases_over() {
+        let t = LeaseConfig::new(100);
+        let cm_id = MachineId(0);
+        let (a, b, new) = (MachineId(1), MachineId(2), MachineId(3));
+        let mut cm = CmLeases::new(ConfigId(1), t, &[a, b], 0);
+        let mut members: Vec<(MachineId, MemberLease)> = [a, b]
+            .iter()
+            .map(|m| (*m, MemberLease::new(ConfigId(1), t, cm_id, 0)))
+            .collect();
+        let mut ev = Vec::new();
+        for now in 1..=1_000u64 {
+            // The CM installs configuration 2 (b removed, a newcomer) at 300; a at 450; the
+            // newcomer starts its session at 380, within the lease period it was given.
+            if now == 300 {
+                cm.reconfigure(ConfigId(2), &[a, new], now);
+                members.retain(|(m, _)| *m != b);
+            }
+            if now == 450 {
+                members[0].1.reconfigure(ConfigId(2), now);
+            }
+            if now == 380 {
+                members.push((new, MemberLease::new(ConfigId(2), t, cm_id, now)));
+            }
+            let mut out = Vec::new();
+            for (id, l) in members.iter_mut() {
+                let mut o = Vec::new();
+                l.tick(now, &mut o, &mut ev);
+                out.extend(o.into_iter().map(|(to, m)| (*id, to, m)));
+            }
+            cm.tick(now, &mut ev);
+            deliver(&mut cm, &mut members, cm_id, out, now);
+        }
+        assert!(ev.is_empty(), "suspicions {ev:?}");
+        assert_eq!(
+            cm.member_expires(b),
+            None,
+            "the removed member is forgotten"
+        );
+        for (id, l) in &members {
+            assert!(l.lease_valid(1_000), "{id} holds no lease");
+            assert!(
+                cm.holds_lease_at(*id, 1_000),
+                "the CM holds no lease at {id}"
+            );
+        }
+    }
+
+    /// A new CM starts a new session: datagrams of configurations before it are ignored.
+    #[test]
+    fn a_new_session_ignores_datagrams_from_before_it() {
+        let t = LeaseConfig::new(100);
+        let (old_cm, new_cm, m) = (MachineId(0), MachineId(1), MachineId(2));
+        let mut l = MemberLease::new(ConfigId(3), t, new_cm, 0);
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        l.tick(1, &mut out, &mut ev);
+        let [(_, LeaseMsg::Request { seq, .. })] = out[..] else {
+            panic!("{out:?}")
+        };
+        out.clear();
+        for (from, config) in [(new_cm, ConfigId(2)), (old_cm, ConfigId(3))] {
+            l.on_datagram(from, LeaseMsg::GrantRequest { config, seq }, 2, &mut out);
+        }
+        assert!(out.is_empty() && !l.lease_valid(2), "{out:?}");
+        let mut c = CmLeases::new(ConfigId(3), t, &[m], 0);
+        c.on_datagram(
+            m,
+            LeaseMsg::Request {
+                config: ConfigId(2),
+                seq,
+            },
+            2,
+            &mut out,
+        );
+        assert!(out.is_empty());
+        c.on_datagram(
+            m,
+            LeaseMsg::Request {
+                config: ConfigId(4),
+                seq,
+            },
+            2,
+            &mut out,
+        );
+        assert_eq!(out.len(), 1, "a member ahead of the CM is answered");
     }
 }

@@ -56,8 +56,8 @@ impl SimLeases {
         self.config
     }
 
-    /// Moves to a new configuration: fresh leases with its members; members of the old one
-    /// that are not in it become orphans, out once their own lease ends.
+    /// Moves to a new configuration: leases carry over if the CM stays, else fresh ones start;
+    /// members of the old one that are not in it become orphans, out once their own lease ends.
     pub fn reconfigure(&mut self, config: &Configuration, now: u64) {
         if self.config != ConfigId(0) {
             for (m, lease) in &self.members {
@@ -80,13 +80,32 @@ impl SimLeases {
             .copied()
             .filter(|m| *m != config.cm)
             .collect();
+        if self.config != ConfigId(0) && config.cm == self.cm {
+            // The same CM: leases carry over (§5.2 resets them only when the CM changed).
+            self.cm_leases.reconfigure(config.id, &others, now);
+            let mut old = std::mem::take(&mut self.members);
+            self.members = others
+                .iter()
+                .map(|m| {
+                    let lease = match old.remove(m) {
+                        Some(mut l) => {
+                            l.reconfigure(config.id, now);
+                            l
+                        }
+                        None => MemberLease::new(config.id, self.timing, config.cm, now),
+                    };
+                    (*m, lease)
+                })
+                .collect();
+        } else {
+            self.cm_leases = CmLeases::new(config.id, self.timing, &others, now);
+            self.members = others
+                .iter()
+                .map(|m| (*m, MemberLease::new(config.id, self.timing, config.cm, now)))
+                .collect();
+        }
         self.config = config.id;
         self.cm = config.cm;
-        self.cm_leases = CmLeases::new(config.id, self.timing, &others, now);
-        self.members = others
-            .iter()
-            .map(|m| (*m, MemberLease::new(config.id, self.timing, config.cm, now)))
-            .collect();
     }
 
     /// One lease step of machine `m` at `now`: takes its due datagrams, advances its leases and

@@ -42,8 +42,9 @@ pub(crate) struct LeaseThreads {
 
 impl LeaseThreads {
     /// Starts one lease thread per machine, with leases of `lease` (ticks are µs). Each follows
-    /// its machine's configuration: a new configuration (NEW-CONFIG) starts fresh leases with
-    /// its CM, and a machine outside the configuration holds none.
+    /// its machine's configuration: a new configuration (NEW-CONFIG) carries the leases over
+    /// if its CM is the same and starts fresh ones with a new CM, and a machine outside the
+    /// configuration holds none.
     pub(crate) fn start(
         machines: &[Arc<MachineState>],
         lease: Duration,
@@ -104,6 +105,34 @@ fn raise_priority() {
     }
 }
 
+/// The role in a new configuration: leases carry over while the CM stays (§5.2 resets the lease
+/// protocol only when the CM changed; see farm_cm::lease).
+fn next_role(
+    old: Option<Role>,
+    me: MachineId,
+    config: &Configuration,
+    timing: LeaseConfig,
+    now: u64,
+) -> Option<Role> {
+    match old {
+        Some(Role::Cm(mut c)) if config.cm == me => {
+            let others: Vec<MachineId> = config
+                .members
+                .iter()
+                .copied()
+                .filter(|m| *m != me)
+                .collect();
+            c.reconfigure(config.id, &others, now);
+            Some(Role::Cm(c))
+        }
+        Some(Role::Member(mut l)) if config.contains(me) && config.cm == l.cm() && me != l.cm() => {
+            l.reconfigure(config.id, now);
+            Some(Role::Member(l))
+        }
+        _ => role_for(me, config, timing, now),
+    }
+}
+
 fn role_for(me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64) -> Option<Role> {
     if !config.contains(me) {
         return None;
@@ -148,7 +177,7 @@ fn run(
             let now = epoch.elapsed().as_micros() as u64;
             if machine.view_generation() != generation {
                 generation = machine.view_generation();
-                role = role_for(me, &machine.view().config, timing, now);
+                role = next_role(role, me, &machine.view().config, timing, now);
             }
             while let Some(from) = fabric.recv_datagram(me, now, &mut buf) {
                 let Some(msg) = LeaseMsg::decode(&buf) else {
