@@ -1,6 +1,6 @@
 //! What the benchmark binaries share: percentiles of sorted samples, cheap per-client
 //! generators, the bank transfer the recovery benchmarks run, and the TATP and TPC-C
-//! workloads with the runner that drives them.
+//! workloads, YCSB for the replication comparison, and the runner that drives them.
 
 use farm::{Addr, Cluster, MachineId, TxError};
 
@@ -9,6 +9,7 @@ pub mod tatp;
 pub mod timeline;
 pub mod tpcc;
 pub mod tpcc_input;
+pub mod ycsb;
 
 /// The `q` quantile (0 to 1) of `sorted`, nearest rank.
 pub fn quantile(sorted: &[u64], q: f64) -> u64 {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use farm::{Cluster, MachineId, ReconfigEvent, RecoveryEvent, Session, TxError};
+use farm::{Cluster, MachineId, ReconfigEvent, RecoveryEvent, Replication, Session, TxError};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
@@ -103,6 +103,28 @@ pub struct CommonArgs {
     /// Draw throughput per millisecond with the recovery events to this SVG file.
     #[arg(long)]
     pub chart: Option<std::path::PathBuf>,
+    /// How backups acknowledge COMMIT-BACKUP: one-sided writes (FaRM) or RPCs answered by the
+    /// backups' CPUs (Tailwind's baseline).
+    #[arg(long, value_enum, default_value = "one-sided")]
+    pub replication: ReplicationArg,
+}
+
+/// `--replication`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
+pub enum ReplicationArg {
+    /// FaRM: the coordinator waits for the one-sided writes of COMMIT-BACKUP to complete.
+    OneSided,
+    /// Each backup's CPU processes COMMIT-BACKUP and answers before the coordinator goes on.
+    Rpc,
+}
+
+impl From<ReplicationArg> for Replication {
+    fn from(r: ReplicationArg) -> Self {
+        match r {
+            ReplicationArg::OneSided => Replication::OneSided,
+            ReplicationArg::Rpc => Replication::Rpc,
+        }
+    }
 }
 
 impl CommonArgs {
@@ -125,18 +147,20 @@ impl CommonArgs {
         Ok(opts)
     }
 
-    /// Starts warnings-only logging and builds the cluster these options describe, with regions
-    /// of `region_bytes` (the builder's default when `None`).
+    /// Starts warnings-only logging (once per process) and builds the cluster these options
+    /// describe, with regions of `region_bytes` (the builder's default when `None`).
     pub fn cluster(&self, region_bytes: Option<usize>) -> anyhow::Result<Arc<Cluster>> {
-        tracing_subscriber::fmt()
+        // A second cluster in the same process keeps the first one's logging.
+        let _ = tracing_subscriber::fmt()
             .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
             .with_writer(std::io::stderr)
-            .init();
+            .try_init();
         let mut b = Cluster::builder()
             .machines(self.machines)
             .replicas(self.replicas)
             .workers(self.workers)
             .pin_threads(self.pin)
+            .replication(self.replication.into())
             .lease(Duration::from_millis(self.lease_ms));
         if let Some(bytes) = region_bytes {
             b = b.region_bytes(bytes);

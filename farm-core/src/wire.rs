@@ -125,6 +125,13 @@ pub enum Message {
         /// Objects read from the destination and the headers seen.
         reads: Vec<(Addr, Header)>,
     },
+    /// A backup's CPU processed a COMMIT-BACKUP record: the acknowledgement of RPC-based
+    /// replication (Tailwind's baseline), which the coordinator waits for instead of the
+    /// one-sided write's completion when the cluster replicates that way.
+    BackupAck {
+        /// The transaction.
+        txn: TxnId,
+    },
     /// Whether every object of a VALIDATE still has the header read.
     ValidateReply {
         /// The transaction.
@@ -278,6 +285,7 @@ const MSG_ALLOC: u8 = 19;
 const MSG_ALLOC_REPLY: u8 = 20;
 const MSG_RELEASE: u8 = 21;
 const MSG_RECOVERY: u8 = 22;
+const MSG_BACKUP_ACK: u8 = 23;
 const REC_NEED: u8 = 1;
 const REC_FETCH: u8 = 2;
 const REC_SEND: u8 = 3;
@@ -405,6 +413,10 @@ impl Message {
                 put_txn(out, *txn);
                 out.push(*ok as u8);
             }
+            Message::BackupAck { txn } => {
+                out.push(MSG_BACKUP_ACK);
+                put_txn(out, *txn);
+            }
             Message::Validate { txn, reads } => {
                 out.push(MSG_VALIDATE);
                 put_txn(out, *txn);
@@ -526,6 +538,7 @@ impl Message {
                     Message::ValidateReply { txn, ok }
                 }
             }
+            MSG_BACKUP_ACK => Message::BackupAck { txn: r.txn()? },
             MSG_VALIDATE => {
                 let txn = r.txn()?;
                 let n = r.count(16, "validate count")?;
@@ -849,6 +862,7 @@ mod tests {
                 txn: txn(),
                 ok: false,
             },
+            Message::BackupAck { txn: txn() },
             Message::Validate {
                 txn: txn(),
                 reads: vec![(Addr::new(RegionId(9), 8), Header::new(Version(1), true))],

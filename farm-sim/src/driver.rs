@@ -12,7 +12,7 @@ use farm_core::mem_fabric::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::rng::Rng;
 use farm_core::{Addr, MachineId, ThreadId};
-use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
+use farm_txn::{MachineState, Params, Replication, Stats, Tx, TxError, Worker};
 
 use crate::cm::{SimCm, LEASE_TICKS};
 use crate::history::{check, Anomaly, Op, TxnRecord};
@@ -57,6 +57,9 @@ pub struct SimConfig {
     /// recovery as likely as not: every machine crashes at once, each landing a seeded prefix
     /// of its held writes, and the cluster restarts from its NVRAM (`MachineState::restore`).
     pub power_losses: u16,
+    /// How backups acknowledge COMMIT-BACKUP (FaRM's one-sided writes, or RPCs as in
+    /// Tailwind's baseline).
+    pub replication: Replication,
 }
 
 impl Default for SimConfig {
@@ -72,6 +75,7 @@ impl Default for SimConfig {
             pauses: 0,
             lossy_datagrams: false,
             power_losses: 0,
+            replication: Replication::OneSided,
         }
     }
 }
@@ -181,6 +185,7 @@ impl Sim {
             region_bytes: 8 << 20,
             validate_rpc_threshold: 4,
             recovery_interval_ticks: 2,
+            replication: config.replication,
         };
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
             machines_max: config.machines,

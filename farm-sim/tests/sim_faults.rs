@@ -13,10 +13,13 @@
 //! Leases detect the failures (FaRM §5.1), over datagrams that half of the seeds lose and delay;
 //! a third of the seeds pause a machine for longer than a lease: it is removed, runs again
 //! on its stale view, and stops once its own lease tells it it is out.
+//! A fifth of the seeds replicate with RPCs (backups' CPUs acknowledge COMMIT-BACKUP) instead of
+//! one-sided writes.
 //! `FARM_SIM_SEED=N` replays one seed (in both campaigns; name one test to run only it);
 //! `FARM_SIM_FAULT_SEEDS=N` runs more of each.
 
 use farm_sim::{run_seed, SimConfig, SimOutcome};
+use farm_txn::Replication;
 
 /// One or two crashes; a third of the seeds pause a machine besides a single crash (a removed
 /// machine is a failure too: at most f = 2 per run).
@@ -33,6 +36,11 @@ fn config(seed: u64) -> SimConfig {
         pauses: (crashes == 1 && !seed.is_multiple_of(3)) as u16,
         lossy_datagrams: seed % 4 >= 2,
         power_losses: 0,
+        replication: if seed % 5 == 4 {
+            Replication::Rpc
+        } else {
+            Replication::OneSided
+        },
     }
 }
 

@@ -28,6 +28,7 @@ use farm_core::wire::{
 use farm_core::{Addr, ConfigId, MachineId, RegionId, TxnId};
 
 use crate::error::{Conflict, TxError};
+use crate::machine::Replication;
 use crate::worker::Worker;
 
 /// Piggybacked truncation ids per record (bounded so reservations stay small).
@@ -435,6 +436,8 @@ enum Phase {
     },
     Backup {
         tickets: Vec<(MachineId, Option<WriteTicket>)>,
+        /// Backups whose BACKUP-ACK is awaited (RPC replication only).
+        awaiting: BTreeSet<MachineId>,
         /// A COMMIT-BACKUP could not be written (its backup is dead): wait for recovery.
         failed: bool,
     },
@@ -814,14 +817,39 @@ impl Worker {
                             Err(_) => failed = true,
                         }
                     }
-                    c.phase = Phase::Backup { tickets, failed };
+                    let awaiting = match self.machine.params.replication {
+                        Replication::OneSided => BTreeSet::new(),
+                        Replication::Rpc => c.backups.keys().copied().collect(),
+                    };
+                    let local = awaiting.contains(&self.machine.id);
+                    c.phase = Phase::Backup {
+                        tickets,
+                        awaiting,
+                        failed,
+                    };
+                    // RPC replication: a local backup's record is in this worker's own log.
+                    if local {
+                        let me = self.machine.id;
+                        self.poll_log(me);
+                    }
                 }
-                Phase::Backup { tickets, failed } => {
+                Phase::Backup {
+                    tickets,
+                    awaiting,
+                    failed,
+                } => {
                     // §4 step 3: every backup must hold the record before any primary exposes
                     // the writes, or a failure could lose them. A backup that failed leaves
                     // the outcome to recovery once the configuration changes: some backups may
                     // hold COMMIT-BACKUP, so the coordinator may no longer abort on its own.
+                    // With RPC replication, each backup's CPU must also have answered.
+                    let mut nack = false;
+                    take_replies(&mut self.replies, c.txn, awaiting, &mut nack, |m| match m {
+                        Message::BackupAck { txn } => Some((*txn, true)),
+                        _ => None,
+                    });
                     if *failed
+                        || !awaiting.is_empty()
                         || tickets
                             .iter()
                             .any(|(b, t)| self.write_status(*b, *t) != WriteStatus::Done)

@@ -19,6 +19,6 @@ pub mod worker;
 
 pub use coordinator::{Tx, TxState};
 pub use error::{Conflict, TxError};
-pub use machine::{MachineState, Params, RecoveryEvent};
+pub use machine::{MachineState, Params, RecoveryEvent, Replication};
 pub use stats::Stats;
 pub use worker::Worker;

@@ -29,6 +29,25 @@ pub struct Params {
     /// Ticks between steps of data recovery (one 8 KB chunk) and allocator recovery (a batch of
     /// slots), so that recovery does not take the machine from the foreground (§5.4-5.5).
     pub recovery_interval_ticks: u64,
+    /// How backups acknowledge COMMIT-BACKUP.
+    pub replication: Replication,
+}
+
+/// How backups acknowledge COMMIT-BACKUP (§4 step 3).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Replication {
+    /// FaRM: the coordinator waits for the completion of the one-sided write of the record into
+    /// the backup's NVRAM log; the backup's CPU takes part only later, when it processes the log
+    /// and at truncation (§4).
+    #[default]
+    OneSided,
+    /// RPC-based replication, the baseline of Tailwind (ATC'18) and of RAMCloud: the backup's
+    /// CPU processes the record (decodes it and copies its writes out of the log into memory)
+    /// and replies; the coordinator waits for the reply. The record is still written to the log
+    /// first, so recovery is unchanged. Backups still install the writes at truncation: before
+    /// the outcome is known they cannot, since recovery may yet abort a transaction whose
+    /// COMMIT-BACKUP reached some backups (§5.3 step 7).
+    Rpc,
 }
 
 impl Params {

@@ -27,6 +27,8 @@ pub struct Stats {
     pub locks_processed: u64,
     /// COMMIT-BACKUP records applied at truncation.
     pub backup_applied: u64,
+    /// BACKUP-ACKs sent for COMMIT-BACKUP records (RPC replication only).
+    pub backup_acks: u64,
     /// Explicit TRUNCATE records sent.
     pub truncates_sent: u64,
     /// VALIDATE messages sent.
@@ -93,6 +95,7 @@ impl Stats {
             reads_torn,
             locks_processed,
             backup_applied,
+            backup_acks,
             truncates_sent,
             validate_rpcs,
             reserve_waits,

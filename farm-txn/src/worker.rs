@@ -762,6 +762,15 @@ impl Worker {
                     .or_insert_with(|| Retained::new(rec.txn));
                 r.records.push(pos);
                 r.backup_writes = Some(writes);
+                if self.machine.params.replication == crate::machine::Replication::Rpc {
+                    let ack = Message::BackupAck { txn: rec.txn };
+                    self.stats.backup_acks += 1;
+                    if sender == self.machine.id {
+                        self.replies.push((sender, ack));
+                    } else {
+                        self.send_message(sender, &ack);
+                    }
+                }
             }
             LogBody::CommitPrimary => {
                 let held = self.inbound[sender.0 as usize]

@@ -4,40 +4,14 @@
 
 mod common;
 
+use common::{drive, start};
 use farm_core::Addr;
-use farm_txn::{Tx, TxError, Worker};
+use farm_txn::{Tx, Worker};
 
 const OBJ: usize = 16_000;
 
 fn cluster() -> Vec<Worker> {
     common::workers(4 << 20, 2)
-}
-
-/// Polls the commit on worker `c` at most `polls` times, polling the `serve` workers between.
-fn drive(
-    workers: &mut [Worker],
-    c: usize,
-    serve: &[usize],
-    now: &mut u64,
-    polls: usize,
-) -> Option<Result<(), TxError>> {
-    for _ in 0..polls {
-        *now += 1;
-        if let Some(r) = workers[c].poll_commit(*now) {
-            return Some(r);
-        }
-        for &s in serve {
-            workers[s].poll(*now);
-        }
-    }
-    None
-}
-
-fn start(workers: &mut [Worker], c: usize, f: impl FnOnce(&mut Tx<'_>) -> Result<(), TxError>) {
-    let mut tx = Tx::new(&mut workers[c]);
-    f(&mut tx).unwrap();
-    let state = tx.into_state();
-    workers[c].start_commit(state);
 }
 
 #[test]

@@ -19,7 +19,7 @@ use farm_core::fabric::Fabric;
 use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::{Addr, MachineId, RegionId, ThreadId};
-use farm_txn::{MachineState, Params, Stats, Tx, TxError, Worker};
+use farm_txn::{MachineState, Params, Replication, Stats, Tx, TxError, Worker};
 
 use crate::backoff::Backoff;
 use crate::cm::{CmDriver, CmShared, ReconfigEvent, Request};
@@ -167,6 +167,7 @@ pub struct ClusterBuilder {
     store: Option<Arc<dyn CoordinationStore>>,
     reconfigure: bool,
     restart: bool,
+    replication: Replication,
 }
 
 impl Default for ClusterBuilder {
@@ -188,6 +189,7 @@ impl Default for ClusterBuilder {
             store: None,
             reconfigure: true,
             restart: false,
+            replication: Replication::OneSided,
         }
     }
 }
@@ -268,6 +270,14 @@ impl ClusterBuilder {
         self
     }
 
+    /// How backups acknowledge COMMIT-BACKUP (default [`Replication::OneSided`], FaRM's;
+    /// [`Replication::Rpc`] makes each backup's CPU answer, as RPC-based replication does, for
+    /// comparison).
+    pub fn replication(mut self, replication: Replication) -> Self {
+        self.replication = replication;
+        self
+    }
+
     /// Whether lease expiries start reconfiguration (default on). Off, suspicions are only
     /// recorded, which is how false positives are counted.
     pub fn reconfigure(mut self, on: bool) -> Self {
@@ -320,6 +330,7 @@ impl ClusterBuilder {
             region_bytes: self.region_bytes,
             validate_rpc_threshold: 4,
             recovery_interval_ticks: self.recovery_interval.as_micros() as u64,
+            replication: self.replication,
         };
         params.validate().map_err(BuildError::Invalid)?;
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {

@@ -8,10 +8,20 @@ use farm_core::fabric::Fabric;
 use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::{MachineId, ThreadId};
-use farm_txn::{MachineState, Params, Worker};
+use farm_txn::{MachineState, Params, Replication, Tx, TxError, Worker};
 
 /// Workers of machines 0, 1, 2 (thread 0), regions striped with `backups` backups each.
+#[allow(dead_code)] // Not every test binary uses both.
 pub fn workers(region_bytes: usize, backups: u16) -> Vec<Worker> {
+    workers_replicating(region_bytes, backups, Replication::OneSided)
+}
+
+/// [`workers`] whose backups acknowledge COMMIT-BACKUP as `replication` says.
+pub fn workers_replicating(
+    region_bytes: usize,
+    backups: u16,
+    replication: Replication,
+) -> Vec<Worker> {
     let layout = RingLayout {
         machines_max: 3,
         threads: 1,
@@ -23,6 +33,7 @@ pub fn workers(region_bytes: usize, backups: u16) -> Vec<Worker> {
         region_bytes,
         validate_rpc_threshold: 4,
         recovery_interval_ticks: 2,
+        replication,
     };
     let fabric = Arc::new(MemFabric::new(MemFabricConfig {
         machines_max: 3,
@@ -45,4 +56,34 @@ pub fn workers(region_bytes: usize, backups: u16) -> Vec<Worker> {
             Worker::new(state, ThreadId(0))
         })
         .collect()
+}
+
+#[allow(dead_code)] // Not every test binary drives commits.
+/// Polls the commit on worker `c` at most `polls` times, polling the `serve` workers between.
+pub fn drive(
+    workers: &mut [Worker],
+    c: usize,
+    serve: &[usize],
+    now: &mut u64,
+    polls: usize,
+) -> Option<Result<(), TxError>> {
+    for _ in 0..polls {
+        *now += 1;
+        if let Some(r) = workers[c].poll_commit(*now) {
+            return Some(r);
+        }
+        for &s in serve {
+            workers[s].poll(*now);
+        }
+    }
+    None
+}
+
+#[allow(dead_code)]
+/// Executes `f` on worker `c` and starts its commit.
+pub fn start(workers: &mut [Worker], c: usize, f: impl FnOnce(&mut Tx<'_>) -> Result<(), TxError>) {
+    let mut tx = Tx::new(&mut workers[c]);
+    f(&mut tx).unwrap();
+    let state = tx.into_state();
+    workers[c].start_commit(state);
 }
