@@ -2,7 +2,7 @@
 //! (clause 3.3.2), and the check names each one it finds broken.
 
 use farm::{Cluster, MachineId};
-use farm_benchmarks::tpcc::{d_key, o_key, ol_key, Scale, Tables};
+use farm_benchmarks::tpcc::{c_key, d_key, h_key, o_key, s_key, Scale, Tables};
 
 fn populated() -> (Cluster, Tables) {
     let c = Cluster::builder()
@@ -32,20 +32,30 @@ fn population_is_consistent_and_broken_invariants_are_named() {
     let (c, t) = populated();
     let m = MachineId(1);
     t.check(&c, m).unwrap();
-    // Warehouse 1 lives on machine 0, warehouse 2 on machine 1 (co-partitioning).
-    let district = t.district.home_bucket(&d_key(2, 1));
-    assert_eq!(
-        c.view(m).map.get(district.region).unwrap().primary,
-        MachineId(1)
-    );
+    // Warehouse 1 lives on machine 0, warehouse 2 on machine 1 (co-partitioning), in every
+    // table partitioned by warehouse.
+    let primary = |a: farm::Addr| c.view(m).map.get(a.region).unwrap().primary;
+    for w in 1..=2u32 {
+        let at = MachineId(w as u16 - 1);
+        assert_eq!(primary(t.district.home_bucket(&d_key(w, 1))), at);
+        assert_eq!(primary(t.customer.home_bucket(&c_key(w, 2, 3))), at);
+        assert_eq!(primary(t.order.home_bucket(&o_key(w, 3, 9))), at);
+        assert_eq!(primary(t.order_line.home_bucket(&o_key(w, 3, 9))), at);
+        assert_eq!(primary(t.stock.home_bucket(&s_key(w, 17))), at);
+        assert_eq!(primary(t.history.home_bucket(&h_key(w, 2, 5))), at);
+    }
     // Condition 4: an order line goes missing.
-    let line = c
-        .txn(m, |tx| t.order_line.remove(tx, &ol_key(1, 2, 7, 1)))
+    let lines = c
+        .txn(m, |tx| t.order_line.get_in(tx, &o_key(1, 2, 7)))
         .unwrap()
-        .expect("order 7 has a first line");
+        .expect("order 7 has lines");
+    let mut fewer = lines;
+    fewer.count -= 1;
+    c.txn(m, |tx| t.order_line.update(tx, &o_key(1, 2, 7), &fewer))
+        .unwrap();
     let e = t.check(&c, m).unwrap_err();
     assert!(e.contains("district 2: condition 4"), "{e}");
-    c.txn(m, |tx| t.order_line.insert(tx, &ol_key(1, 2, 7, 1), &line))
+    c.txn(m, |tx| t.order_line.update(tx, &o_key(1, 2, 7), &lines))
         .unwrap();
     // Condition 3: a gap in NEW-ORDER.
     c.txn(m, |tx| t.new_order.remove(tx, &o_key(2, 3, 25)))
