@@ -97,9 +97,10 @@ pub struct CommonArgs {
     /// `cm@SECONDS` for the machine that is CM then. Repeatable.
     #[arg(long, value_parser = parse_kill)]
     pub kill: Vec<Kill>,
-    /// Lease duration in milliseconds (failure detection, §5.1).
-    #[arg(long, default_value_t = 10)]
-    pub lease_ms: u64,
+    /// Lease duration in milliseconds (failure detection, §5.1); by default 10, or the
+    /// workload binary's own default (TPC-C: 100, see there).
+    #[arg(long)]
+    pub lease_ms: Option<u64>,
     /// Draw throughput per millisecond with the recovery events to this SVG file.
     #[arg(long)]
     pub chart: Option<std::path::PathBuf>,
@@ -127,7 +128,15 @@ impl From<ReplicationArg> for Replication {
     }
 }
 
+/// `--lease-ms` when not given and the binary sets no default of its own.
+pub const LEASE_MS_DEFAULT: u64 = 10;
+
 impl CommonArgs {
+    /// The lease duration in milliseconds.
+    pub fn lease_ms(&self) -> u64 {
+        self.lease_ms.unwrap_or(LEASE_MS_DEFAULT)
+    }
+
     /// The run's options, checked.
     pub fn options(&self) -> anyhow::Result<RunOptions> {
         anyhow::ensure!(
@@ -135,7 +144,7 @@ impl CommonArgs {
             "--replicas must be 1 to --machines ({})",
             self.machines
         );
-        anyhow::ensure!(self.lease_ms >= 1, "--lease-ms must be at least 1");
+        anyhow::ensure!(self.lease_ms() >= 1, "--lease-ms must be at least 1");
         let opts = RunOptions {
             clients: self.clients,
             seconds: self.seconds,
@@ -161,7 +170,7 @@ impl CommonArgs {
             .workers(self.workers)
             .pin_threads(self.pin)
             .replication(self.replication.into())
-            .lease(Duration::from_millis(self.lease_ms));
+            .lease(Duration::from_millis(self.lease_ms()));
         if let Some(bytes) = region_bytes {
             b = b.region_bytes(bytes);
         }
