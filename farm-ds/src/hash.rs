@@ -124,12 +124,15 @@ impl<K, V> std::fmt::Debug for HashTable<K, V> {
     }
 }
 
-/// Where a key is, or where it may go.
+/// Where a key is, or where it may go. The buckets' bytes stay in the transaction (reading
+/// one again there is a lookup, not a copy).
 struct Found {
     /// Index (in the probe sequence) and address of the bucket holding the key.
     at: Option<(u32, Addr, usize)>,
-    /// Buckets read, in probe order: address and bytes.
-    read: Vec<(Addr, Vec<u8>)>,
+    /// The home bucket's address.
+    home: Addr,
+    /// The first bucket read with a free slot: index in the probe sequence and address.
+    room: Option<(u32, Addr)>,
 }
 
 impl<K: Pod, V: Pod> HashTable<K, V> {
@@ -338,10 +341,11 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
     /// at commit like any read.
     pub fn get_in(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
         let found = self.find(tx, key, false)?;
-        Ok(found.at.map(|(i, _, s)| {
-            let bytes = &found.read[i as usize].1;
-            read_value::<K, V>(bytes, s)
-        }))
+        let Some((_, addr, s)) = found.at else {
+            return Ok(None);
+        };
+        let bytes = tx.read_bytes(addr, self.bucket_bytes())?;
+        Ok(Some(read_value::<K, V>(bytes, s)))
     }
 
     /// Looks `key` up outside any transaction, coordinated on `machine`: one lock-free read of
@@ -384,11 +388,7 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
             return Ok(false);
         }
         let (p, b) = self.home(key);
-        let mut read = found.read;
-        let free = read
-            .iter()
-            .position(|(_, bytes)| used(bytes).count_ones() < self.slots as u32);
-        let Some(i) = free else {
+        let Some((i, addr)) = found.room else {
             return Err(tx.abort(format!(
                 "hash table {:?} is full where {:?} goes: bucket {b} of partition {p} and the \
                  next {PROBE_BUCKETS} hold {} entries each ({} entries in all); create it with \
@@ -399,17 +399,18 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
                 self.capacity()
             )));
         };
-        let (addr, bytes) = &mut read[i];
-        let s = (!used(bytes)).trailing_zeros() as usize;
-        write_slot::<K, V>(bytes, s, key, value);
-        let bits = used(bytes) | 1 << s;
-        set_used(bytes, bits);
-        tx.write_bytes(*addr, bytes)?;
+        let len = self.bucket_bytes();
+        let mut bytes = tx.read_bytes(addr, len)?.to_vec();
+        let s = (!used(&bytes)).trailing_zeros() as usize;
+        write_slot::<K, V>(&mut bytes, s, key, value);
+        let bits = used(&bytes) | 1 << s;
+        set_used(&mut bytes, bits);
+        tx.write_bytes(addr, &bytes)?;
         if i > 0 {
-            let (home, bytes) = &mut read[0];
-            let n = overflow(bytes) + 1;
-            set_overflow(bytes, n);
-            tx.write_bytes(*home, bytes)?;
+            let mut bytes = tx.read_bytes(found.home, len)?.to_vec();
+            let n = overflow(&bytes) + 1;
+            set_overflow(&mut bytes, n);
+            tx.write_bytes(found.home, &bytes)?;
         }
         Ok(true)
     }
@@ -417,32 +418,33 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
     /// Replaces the value of `key` in the transaction. Returns false, changing nothing, when
     /// the key is not there.
     pub fn update(&self, tx: &mut Txn<'_>, key: &K, value: &V) -> Result<bool, TxError> {
-        let mut found = self.find(tx, key, false)?;
-        let Some((i, addr, s)) = found.at else {
+        let found = self.find(tx, key, false)?;
+        let Some((_, addr, s)) = found.at else {
             return Ok(false);
         };
-        let bytes = &mut found.read[i as usize].1;
-        write_slot::<K, V>(bytes, s, key, value);
-        tx.write_bytes(addr, bytes)?;
+        let mut bytes = tx.read_bytes(addr, self.bucket_bytes())?.to_vec();
+        write_slot::<K, V>(&mut bytes, s, key, value);
+        tx.write_bytes(addr, &bytes)?;
         Ok(true)
     }
 
     /// Removes `key` in the transaction, returning its value if it was there.
     pub fn remove(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
-        let mut found = self.find(tx, key, false)?;
+        let found = self.find(tx, key, false)?;
         let Some((i, addr, s)) = found.at else {
             return Ok(None);
         };
-        let bytes = &mut found.read[i as usize].1;
-        let value = read_value::<K, V>(bytes, s);
-        let bits = used(bytes) & !(1 << s);
-        set_used(bytes, bits);
-        tx.write_bytes(addr, bytes)?;
+        let len = self.bucket_bytes();
+        let mut bytes = tx.read_bytes(addr, len)?.to_vec();
+        let value = read_value::<K, V>(&bytes, s);
+        let bits = used(&bytes) & !(1 << s);
+        set_used(&mut bytes, bits);
+        tx.write_bytes(addr, &bytes)?;
         if i > 0 {
-            let (home, bytes) = &mut found.read[0];
-            let n = overflow(bytes) - 1;
-            set_overflow(bytes, n);
-            tx.write_bytes(*home, bytes)?;
+            let mut bytes = tx.read_bytes(found.home, len)?.to_vec();
+            let n = overflow(&bytes) - 1;
+            set_overflow(&mut bytes, n);
+            tx.write_bytes(found.home, &bytes)?;
         }
         Ok(Some(value))
     }
@@ -453,33 +455,38 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
     fn find(&self, tx: &mut Txn<'_>, key: &K, for_insert: bool) -> Result<Found, TxError> {
         let (p, b) = self.home(key);
         let len = self.bucket_bytes();
-        let mut read = Vec::new();
+        let home = self.bucket(p, b);
         let mut spilled_seen = 0u32;
         let mut spilled = 0u32;
-        let mut has_room = false;
+        let mut room = None;
         for j in 0..=PROBE_BUCKETS.min(self.buckets - 1) {
             let addr = self.bucket(p, b + j);
-            let bytes = tx.read_bytes(addr, len)?.to_vec();
+            let bytes = tx.read_bytes(addr, len)?;
             if j == 0 {
-                spilled = overflow(&bytes);
+                spilled = overflow(bytes);
             } else {
-                spilled_seen += self.homed_at(&bytes, p, b);
+                spilled_seen += self.homed_at(bytes, p, b);
             }
-            has_room |= used(&bytes).count_ones() < self.slots as u32;
-            let slot = self.slot_of(&bytes, key);
-            read.push((addr, bytes));
-            if let Some(s) = slot {
+            if room.is_none() && used(bytes).count_ones() < self.slots as u32 {
+                room = Some((j, addr));
+            }
+            if let Some(s) = self.slot_of(bytes, key) {
                 return Ok(Found {
                     at: Some((j, addr, s)),
-                    read,
+                    home,
+                    room,
                 });
             }
             let all_seen = spilled_seen >= spilled;
-            if all_seen && (!for_insert || has_room) {
+            if all_seen && (!for_insert || room.is_some()) {
                 break;
             }
         }
-        Ok(Found { at: None, read })
+        Ok(Found {
+            at: None,
+            home,
+            room,
+        })
     }
 
     /// The slot of `bucket` holding `key`.
