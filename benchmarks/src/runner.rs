@@ -97,10 +97,10 @@ pub struct CommonArgs {
     /// `cm@SECONDS` for the machine that is CM then. Repeatable.
     #[arg(long, value_parser = parse_kill)]
     pub kill: Vec<Kill>,
-    /// Lease duration in milliseconds (failure detection, §5.1); by default 10, or the
-    /// workload binary's own default (TPC-C: 100, see there).
-    #[arg(long)]
-    pub lease_ms: Option<u64>,
+    /// Lease duration in milliseconds of the measured run (failure detection, §5.1; default
+    /// 10). Populating uses at least 200 ms leases (see `POPULATION_LEASE`).
+    #[arg(long, default_value_t = 10)]
+    pub lease_ms: u64,
     /// Draw throughput per millisecond with the recovery events to this SVG file.
     #[arg(long)]
     pub chart: Option<std::path::PathBuf>,
@@ -128,15 +128,15 @@ impl From<ReplicationArg> for Replication {
     }
 }
 
-/// `--lease-ms` when not given and the binary sets no default of its own.
-pub const LEASE_MS_DEFAULT: u64 = 10;
+/// The shortest lease while a workload populates its database. Populating touches gigabytes of
+/// fresh memory from both cores; on the project's virtual machine (a kernel without
+/// preemption), two threads faulting in fresh pages at once stall every thread, real-time ones
+/// included, for 10 to 40 ms (a C program touching 3 GB from two threads saw a 38 ms gap in a
+/// SCHED_FIFO sleeper; from one thread, 4.5 ms). With 10 ms leases throughout, TPC-C failed
+/// creating its tables in 4 runs of 5, and TATP populating in 6 of 10 after a TPC-C run.
+pub const POPULATION_LEASE: Duration = Duration::from_millis(200);
 
 impl CommonArgs {
-    /// The lease duration in milliseconds.
-    pub fn lease_ms(&self) -> u64 {
-        self.lease_ms.unwrap_or(LEASE_MS_DEFAULT)
-    }
-
     /// The run's options, checked.
     pub fn options(&self) -> anyhow::Result<RunOptions> {
         anyhow::ensure!(
@@ -144,20 +144,22 @@ impl CommonArgs {
             "--replicas must be 1 to --machines ({})",
             self.machines
         );
-        anyhow::ensure!(self.lease_ms() >= 1, "--lease-ms must be at least 1");
+        anyhow::ensure!(self.lease_ms >= 1, "--lease-ms must be at least 1");
         let opts = RunOptions {
             clients: self.clients,
             seconds: self.seconds,
             seed: self.seed,
             pin: self.pin,
             kills: self.kill.clone(),
+            lease: Duration::from_millis(self.lease_ms),
         };
         opts.validate(self.machines)?;
         Ok(opts)
     }
 
     /// Starts warnings-only logging (once per process) and builds the cluster these options
-    /// describe, with regions of `region_bytes` (the builder's default when `None`).
+    /// describe, with regions of `region_bytes` (the builder's default when `None`). Its leases
+    /// last at least [`POPULATION_LEASE`] until [`run`] starts measuring with `--lease-ms`.
     pub fn cluster(&self, region_bytes: Option<usize>) -> anyhow::Result<Arc<Cluster>> {
         // A second cluster in the same process keeps the first one's logging.
         let _ = tracing_subscriber::fmt()
@@ -170,7 +172,7 @@ impl CommonArgs {
             .workers(self.workers)
             .pin_threads(self.pin)
             .replication(self.replication.into())
-            .lease(Duration::from_millis(self.lease_ms()));
+            .lease(Duration::from_millis(self.lease_ms).max(POPULATION_LEASE));
         if let Some(bytes) = region_bytes {
             b = b.region_bytes(bytes);
         }
@@ -191,6 +193,9 @@ pub struct RunOptions {
     pub pin: bool,
     /// Machines to kill.
     pub kills: Vec<Kill>,
+    /// The lease length of the measured run (the cluster may have been populated with longer
+    /// ones; [`run`] switches).
+    pub lease: Duration,
 }
 
 impl RunOptions {
@@ -325,6 +330,9 @@ pub fn load_in_parallel<T: Sync>(
     })
 }
 
+/// How long clients may take to finish their last transaction once the run ends.
+const CLIENTS_STOP_MAX: Duration = Duration::from_secs(30);
+
 /// What one client counted.
 struct ClientStats {
     hist: Vec<Histogram<u64>>,
@@ -340,6 +348,12 @@ pub fn run<W: Workload>(
     workload: &Arc<W>,
     opts: &RunOptions,
 ) -> anyhow::Result<RunReport> {
+    if cluster.lease() != opts.lease {
+        // Measure with the asked lease; the longer ones granted while populating end first.
+        let populating = cluster.lease();
+        cluster.set_lease(opts.lease);
+        std::thread::sleep(populating);
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let barrier = Arc::new(Barrier::new(opts.clients as usize + 1));
     let clients: Vec<_> = (0..opts.clients)
@@ -390,6 +404,21 @@ pub fn run<W: Workload>(
     );
     stop.store(true, Ordering::Relaxed);
     let elapsed = t0.elapsed().as_secs_f64();
+    // A client stuck in a commit means the cluster cannot commit any more (a majority of its
+    // machines lost, say): report that instead of waiting forever.
+    let deadline = Instant::now() + CLIENTS_STOP_MAX;
+    while !clients.iter().all(|h| h.is_finished()) {
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "clients still in transactions {} s after the run ended: the cluster cannot \
+                 commit (configuration {:?}; suspicions {:?})",
+                CLIENTS_STOP_MAX.as_secs(),
+                cluster.view(MachineId(0)).config,
+                cluster.suspicions()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let mut all: Vec<ClientStats> = Vec::new();
     for h in clients {
         all.push(h.join().expect("client panicked")?);

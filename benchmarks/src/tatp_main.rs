@@ -147,9 +147,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(path) = &common.chart {
         let title = format!(
             "TATP, {} machines, {}-way replication, {} ms leases: operations per ms",
-            common.machines,
-            common.replicas,
-            common.lease_ms()
+            common.machines, common.replicas, common.lease_ms
         );
         runner::chart(path, &title, &cluster, &run)
             .with_context(|| format!("drawing {}", path.display()))?;

@@ -121,15 +121,8 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// `--lease-ms` unless given. Populating touches gigabytes of fresh memory from both cores; on
-/// the project's virtual machine (a kernel without preemption), two threads faulting in fresh
-/// pages at once stall even real-time threads for 10 to 40 ms, so 10 ms leases expire during
-/// population and remove live machines (measured: 4 runs in 5 failed creating the tables).
-const TPCC_LEASE_MS: u64 = 100;
-
 fn main() -> anyhow::Result<()> {
-    let mut args = Args::parse();
-    args.common.lease_ms.get_or_insert(TPCC_LEASE_MS);
+    let args = Args::parse();
     anyhow::ensure!(
         (1..=255).contains(&args.warehouses),
         "--warehouses must be 1 to 255"
@@ -193,9 +186,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(path) = &common.chart {
         let title = format!(
             "TPC-C, {} warehouses, {} machines, {} ms leases: transactions per ms",
-            args.warehouses,
-            common.machines,
-            common.lease_ms()
+            args.warehouses, common.machines, common.lease_ms
         );
         runner::chart(path, &title, &cluster, &run)
             .with_context(|| format!("drawing {}", path.display()))?;

@@ -250,6 +250,12 @@ impl CmLeases {
         }
     }
 
+    /// Changes the lease length from now on. Expiries already computed stay (they only ever
+    /// move later), so a shorter lease takes effect once the longer ones granted before end.
+    pub fn set_timing(&mut self, timing: LeaseConfig) {
+        self.timing = timing;
+    }
+
     /// When `member`'s lease at the CM ends (CM's clock).
     pub fn member_expires(&self, member: MachineId) -> Option<u64> {
         self.members.get(&member).map(|m| m.member_expires)
@@ -383,6 +389,11 @@ impl MemberLease {
     /// When the lease this member granted the CM ends.
     pub fn cm_expires(&self) -> u64 {
         self.cm_expires
+    }
+
+    /// Changes the lease length from now on; see [`CmLeases::set_timing`].
+    pub fn set_timing(&mut self, timing: LeaseConfig) {
+        self.timing = timing;
     }
 
     /// The CM this session is with.
@@ -558,6 +569,46 @@ mod tests {
                 "the CM holds no lease at {id}"
             );
         }
+    }
+
+    /// A shorter lease takes effect once the longer ones granted before end: a member that
+    /// dies just after the change is suspected when its long lease runs out, not earlier, and
+    /// one that dies later within the short lease.
+    #[test]
+    fn a_shorter_lease_takes_effect_once_the_longer_ones_end() {
+        let (cm_id, m) = (MachineId(0), MachineId(1));
+        let run = |dies_at: u64| -> u64 {
+            let long = LeaseConfig::new(100);
+            let mut cm = CmLeases::new(ConfigId(1), long, &[m], 0);
+            let mut members = vec![(m, MemberLease::new(ConfigId(1), long, cm_id, 0))];
+            let mut ev = Vec::new();
+            for now in 1..=2_000u64 {
+                if now == 50 {
+                    let short = LeaseConfig::new(10);
+                    cm.set_timing(short);
+                    members[0].1.set_timing(short);
+                }
+                let mut out = Vec::new();
+                if now < dies_at {
+                    let mut o = Vec::new();
+                    members[0].1.tick(now, &mut o, &mut ev);
+                    out.extend(o.into_iter().map(|(to, msg)| (m, to, msg)));
+                }
+                cm.tick(now, &mut ev);
+                if let Some(LeaseEvent::Suspect(x)) = ev.first() {
+                    assert_eq!(*x, m);
+                    return now;
+                }
+                deliver(&mut cm, &mut members, cm_id, out, now);
+            }
+            panic!("the dead member was never suspected");
+        };
+        // Dies at 51: its last request under the long lease (sent at 40) holds it until 140.
+        let early = run(51);
+        assert!((140..=150).contains(&early), "suspected at {early}");
+        // Dies at 500: renewed every 2 ticks under the short lease.
+        let late = run(500);
+        assert!((500..=511).contains(&late), "suspected at {late}");
     }
 
     /// A new CM starts a new session: datagrams of configurations before it are ignored.

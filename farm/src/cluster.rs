@@ -23,7 +23,7 @@ use farm_txn::{MachineState, Params, Replication, Stats, Tx, TxError, Worker};
 
 use crate::backoff::Backoff;
 use crate::cm::{CmDriver, CmShared, ReconfigEvent, Request};
-use crate::lease_thread::{LeaseThreads, Suspicion};
+use crate::lease_thread::{LeaseLength, LeaseThreads, Suspicion};
 use crate::txn::Txn;
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 
@@ -415,9 +415,10 @@ impl ClusterBuilder {
         let epoch = Instant::now();
         let suspicions = Arc::new(Mutex::new(Vec::new()));
         let lease_stop = Arc::new(AtomicBool::new(false));
+        let lease_length = Arc::new(LeaseLength::new(self.lease));
         let leases = LeaseThreads::start(
             &machines,
-            self.lease,
+            lease_length.clone(),
             fabric.clone(),
             epoch,
             lease_stop.clone(),
@@ -440,7 +441,7 @@ impl ClusterBuilder {
             suspicions: suspicions.clone(),
             events: reconfig_events.clone(),
             epoch,
-            lease: self.lease,
+            lease: lease_length.clone(),
             replicas: self.replicas as usize,
             stop: lease_stop.clone(),
             requests: requests.clone(),
@@ -492,6 +493,7 @@ impl ClusterBuilder {
             pollers,
             leases,
             lease_stop,
+            lease_length,
             cm,
         };
         // The initial regions, allocated by the CM like any later one (§3).
@@ -885,6 +887,7 @@ pub struct Cluster {
     pollers: Vec<JoinHandle<()>>,
     leases: LeaseThreads,
     lease_stop: Arc<AtomicBool>,
+    lease_length: Arc<LeaseLength>,
     cm: CmDriver,
 }
 
@@ -1189,6 +1192,25 @@ impl Cluster {
         for m in 0..self.machines() {
             self.inner.fabric.kill(MachineId(m));
         }
+    }
+
+    /// Changes the lease length (§5.1) from now on, at every machine and the CM. Leases granted
+    /// before keep their expiry, so a shorter lease takes effect once the longer ones end (at
+    /// most the old length later), and a machine removed for a failed probe is waited out
+    /// with the longest length ever in force. Benchmarks populate with long leases and measure
+    /// with short ones: populating touches gigabytes of fresh memory, which on a virtual
+    /// machine can stall every thread, real-time ones included, for tens of milliseconds.
+    pub fn set_lease(&self, lease: Duration) {
+        assert!(
+            lease.as_micros() >= 5,
+            "a lease needs at least 5 us to renew 5 times"
+        );
+        self.lease_length.set(lease);
+    }
+
+    /// The lease length in force.
+    pub fn lease(&self) -> Duration {
+        self.lease_length.current()
     }
 
     /// Microseconds since the cluster started (the clock of [`Suspicion::at_us`]).

@@ -96,7 +96,7 @@ pub(crate) struct CmShared {
     pub(crate) suspicions: Arc<Mutex<Vec<Suspicion>>>,
     pub(crate) events: Arc<Mutex<Vec<ReconfigEvent>>>,
     pub(crate) epoch: Instant,
-    pub(crate) lease: Duration,
+    pub(crate) lease: Arc<crate::lease_thread::LeaseLength>,
     pub(crate) replicas: usize,
     pub(crate) stop: Arc<AtomicBool>,
     pub(crate) requests: Arc<Mutex<Vec<Request>>>,
@@ -134,9 +134,8 @@ fn run(mut s: CmShared) {
     let mut seen = 0;
     let mut cm_suspicion: Option<CmSuspicion> = None;
     let mut announced = ConfigId(1);
-    let tick = (s.lease / 10).max(Duration::from_micros(200));
     while !s.stop.load(Ordering::Relaxed) {
-        std::thread::sleep(tick);
+        std::thread::sleep((s.lease.current() / 10).max(Duration::from_micros(200)));
         let requests: Vec<Request> = s.requests.lock().expect("poisoned").drain(..).collect();
         for r in requests {
             serve(&mut s, r);
@@ -190,7 +189,7 @@ fn run(mut s: CmShared) {
                         cm: config.cm,
                         observers: BTreeSet::new(),
                         attempts: 0,
-                        next_attempt: Instant::now() + 2 * s.lease,
+                        next_attempt: Instant::now() + 2 * s.lease.current(),
                     })
                     .observers
                     .insert(x.observer);
@@ -224,13 +223,13 @@ fn run(mut s: CmShared) {
         if !ready {
             if Instant::now() >= c.next_attempt {
                 c.attempts += 1;
-                c.next_attempt = Instant::now() + 2 * s.lease;
+                c.next_attempt = Instant::now() + 2 * s.lease.current();
             }
             continue;
         }
         let driver = candidate;
         c.attempts += 1;
-        c.next_attempt = Instant::now() + 2 * s.lease;
+        c.next_attempt = Instant::now() + 2 * s.lease.current();
         let cm = c.cm;
         let _ = reconfigure(
             &mut s,
@@ -270,12 +269,13 @@ fn newest_view(s: &CmShared) -> Option<Arc<farm_txn::machine::View>> {
 }
 
 fn params(s: &CmShared) -> ReconfigParams {
-    let lease_us = s.lease.as_micros() as u64;
     ReconfigParams {
         replicas: s.replicas,
         regions_max: REGIONS_PER_MACHINE_MAX,
-        probe_timeout_ticks: lease_us,
-        lease_ticks: lease_us,
+        probe_timeout_ticks: s.lease.current().as_micros() as u64,
+        // A machine removed for a failed probe may hold a lease granted under any length
+        // in force so far.
+        lease_ticks: s.lease.longest().as_micros() as u64,
     }
 }
 

@@ -4,7 +4,7 @@
 //! the loop itself does not allocate (the `mem` fabric copies a datagram into its queue, as a
 //! NIC would into its own memory).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,6 +27,44 @@ pub struct Suspicion {
     pub at_us: u64,
 }
 
+/// The lease length in force, which [`crate::Cluster::set_lease`] may change while the
+/// cluster runs, and the longest ever in force (a lease granted under it may still be held).
+#[derive(Debug)]
+pub(crate) struct LeaseLength {
+    current_us: AtomicU64,
+    longest_us: AtomicU64,
+}
+
+impl LeaseLength {
+    pub(crate) fn new(lease: Duration) -> Self {
+        let us = lease.as_micros() as u64;
+        Self {
+            current_us: AtomicU64::new(us),
+            longest_us: AtomicU64::new(us),
+        }
+    }
+
+    pub(crate) fn set(&self, lease: Duration) {
+        let us = lease.as_micros() as u64;
+        self.current_us.store(us, Ordering::Relaxed);
+        self.longest_us.fetch_max(us, Ordering::Relaxed);
+    }
+
+    pub(crate) fn current(&self) -> Duration {
+        Duration::from_micros(self.current_us.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn longest(&self) -> Duration {
+        Duration::from_micros(self.longest_us.load(Ordering::Relaxed))
+    }
+}
+
+/// How long a lease thread sleeps between rounds: often enough to renew on time and to notice
+/// expiry promptly.
+fn round_sleep(timing: LeaseConfig) -> Duration {
+    Duration::from_micros((timing.renew_ticks / 4).max(50))
+}
+
 enum Role {
     Cm(CmLeases),
     Member(MemberLease),
@@ -47,23 +85,21 @@ impl LeaseThreads {
     /// configuration holds none.
     pub(crate) fn start(
         machines: &[Arc<MachineState>],
-        lease: Duration,
+        length: Arc<LeaseLength>,
         fabric: Arc<MemFabric>,
         epoch: Instant,
         stop: Arc<AtomicBool>,
         suspicions: Arc<Mutex<Vec<Suspicion>>>,
     ) -> Self {
-        let timing = LeaseConfig::new(lease.as_micros() as u64);
         let handles = machines
             .iter()
             .map(|machine| {
                 let machine = machine.clone();
                 let (fabric, stop, suspicions) = (fabric.clone(), stop.clone(), suspicions.clone());
-                // Wake often enough to renew on time and to notice expiry promptly.
-                let sleep = Duration::from_micros((timing.renew_ticks / 4).max(50));
+                let length = length.clone();
                 std::thread::Builder::new()
                     .name(format!("farm-lease-m{}", machine.id.0))
-                    .spawn(move || run(&machine, timing, &fabric, epoch, &stop, &suspicions, sleep))
+                    .spawn(move || run(&machine, &length, &fabric, epoch, &stop, &suspicions))
                     .expect("spawn lease thread")
             })
             .collect();
@@ -152,14 +188,16 @@ fn role_for(me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64
 
 fn run(
     machine: &MachineState,
-    timing: LeaseConfig,
+    length: &LeaseLength,
     fabric: &MemFabric,
     epoch: Instant,
     stop: &AtomicBool,
     suspicions: &Mutex<Vec<Suspicion>>,
-    sleep: Duration,
 ) {
     raise_priority();
+    let mut lease = length.current();
+    let mut timing = LeaseConfig::new(lease.as_micros() as u64);
+    let mut sleep = round_sleep(timing);
     let me = machine.id;
     let mut out: Vec<(MachineId, LeaseMsg)> = Vec::with_capacity(256);
     let mut events: Vec<LeaseEvent> = Vec::with_capacity(256);
@@ -175,6 +213,18 @@ fn run(
         // A killed machine's lease manager dies with it.
         if fabric.is_alive(me) {
             let now = epoch.elapsed().as_micros() as u64;
+            if length.current() != lease {
+                // Expiries already computed stay: a shorter lease takes effect once the longer
+                // ones end.
+                lease = length.current();
+                timing = LeaseConfig::new(lease.as_micros() as u64);
+                sleep = round_sleep(timing);
+                match &mut role {
+                    Some(Role::Cm(c)) => c.set_timing(timing),
+                    Some(Role::Member(m)) => m.set_timing(timing),
+                    None => {}
+                }
+            }
             if machine.view_generation() != generation {
                 generation = machine.view_generation();
                 role = next_role(role, me, &machine.view().config, timing, now);

@@ -122,3 +122,38 @@ fn a_killed_cm_is_suspected_by_members() {
         LEASE.as_micros()
     );
 }
+
+/// The lease can be shortened while the cluster runs (benchmarks populate with long leases and
+/// measure with short ones): renewals go on under the new length without a false suspicion, and
+/// a killed member is still detected.
+#[test]
+fn a_lease_shortened_at_run_time_keeps_everyone_and_still_detects_a_kill() {
+    let c = Arc::new(
+        Cluster::builder()
+            .machines(4)
+            .workers(2)
+            .replicas(3)
+            .region_bytes(4 << 20)
+            .lease(Duration::from_millis(200))
+            .build()
+            .unwrap(),
+    );
+    assert!(workload(&c, Duration::from_millis(100)) > 0);
+    c.set_lease(LEASE);
+    assert_eq!(c.lease(), LEASE);
+    assert!(workload(&c, Duration::from_millis(400)) > 0);
+    assert_eq!(c.suspicions(), vec![], "no suspicion across the change");
+    let killed_at = c.now_us();
+    c.kill(MachineId(3));
+    let s = wait_for(&c, |s| !s.is_empty());
+    assert_eq!(
+        (s[0].observer, s[0].suspect),
+        (MachineId(0), MachineId(3)),
+        "{s:?}"
+    );
+    println!(
+        "machine 3 suspected {} us after the kill (lease now {} us)",
+        s[0].at_us - killed_at,
+        LEASE.as_micros()
+    );
+}
