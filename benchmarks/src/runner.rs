@@ -294,12 +294,22 @@ pub struct RunReport {
 }
 
 impl RunReport {
-    /// A machine that was not killed.
-    pub fn survivor(&self, machines: u16) -> MachineId {
-        (0..machines)
+    /// A machine that was not killed and is a member of the newest configuration (a falsely
+    /// suspected machine is out too, §5.2), to run checks from.
+    pub fn survivor(&self, cluster: &Cluster) -> MachineId {
+        let alive = |m: &MachineId| !self.killed.iter().any(|(k, _)| k == m);
+        let newest = (0..cluster.machines())
             .map(MachineId)
-            .find(|m| !self.killed.iter().any(|(k, _)| k == m))
-            .expect("kills leave a machine")
+            .filter(alive)
+            .map(|m| cluster.view(m).config.clone())
+            .max_by_key(|c| c.id)
+            .expect("kills leave a machine");
+        newest
+            .members
+            .iter()
+            .copied()
+            .find(alive)
+            .expect("the newest configuration has a live member")
     }
 }
 

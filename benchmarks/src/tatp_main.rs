@@ -157,7 +157,7 @@ fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let cfs = workload
             .tables
-            .check(&cluster, run.survivor(common.machines))
+            .check(&cluster, run.survivor(&cluster))
             .map_err(|e| anyhow::anyhow!("integrity check failed: {e}"))?;
         println!(
             "integrity check passed: {} subscribers, {cfs} call forwardings ({:.1} s)",

@@ -195,7 +195,7 @@ fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     workload
         .tables
-        .check(&cluster, run.survivor(common.machines))
+        .check(&cluster, run.survivor(&cluster))
         .map_err(|e| anyhow::anyhow!("consistency check failed: {e}"))?;
     println!(
         "consistency conditions 1-4 hold ({:.1} s)",
