@@ -336,25 +336,43 @@ pub const fn log_header_bytes(truncated: usize) -> usize {
 impl LogRecord {
     /// Appends the encoding to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
+        Self::encode_parts(
+            self.txn,
+            self.truncate_below,
+            &self.truncated,
+            &self.body,
+            out,
+        );
+    }
+
+    /// Appends the encoding of the record these parts make to `out`, without building it (a
+    /// coordinator sends the same write set to a primary or backup it keeps for itself).
+    pub fn encode_parts(
+        txn: TxnId,
+        truncate_below: u64,
+        truncated: &[u64],
+        body: &LogBody,
+        out: &mut Vec<u8>,
+    ) {
         assert!(
-            self.truncated.len() <= TRUNCATED_IDS_MAX,
+            truncated.len() <= TRUNCATED_IDS_MAX,
             "too many piggybacked truncations"
         );
         out.push(WIRE_VERSION);
-        out.push(match self.body {
+        out.push(match body {
             LogBody::Lock(_) => LOG_LOCK,
             LogBody::CommitBackup(_) => LOG_COMMIT_BACKUP,
             LogBody::CommitPrimary => LOG_COMMIT_PRIMARY,
             LogBody::Abort => LOG_ABORT,
             LogBody::Truncate => LOG_TRUNCATE,
         });
-        put_txn(out, self.txn);
-        out.extend_from_slice(&self.truncate_below.to_le_bytes());
-        out.extend_from_slice(&(self.truncated.len() as u16).to_le_bytes());
-        for t in &self.truncated {
+        put_txn(out, txn);
+        out.extend_from_slice(&truncate_below.to_le_bytes());
+        out.extend_from_slice(&(truncated.len() as u16).to_le_bytes());
+        for t in truncated {
             out.extend_from_slice(&t.to_le_bytes());
         }
-        if let LogBody::Lock(ws) | LogBody::CommitBackup(ws) = &self.body {
+        if let LogBody::Lock(ws) | LogBody::CommitBackup(ws) = body {
             put_write_set(out, ws);
         }
     }

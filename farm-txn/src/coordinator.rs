@@ -761,8 +761,15 @@ impl Worker {
                     }
                     let mut awaiting = BTreeSet::new();
                     for p in c.primaries.keys().copied().collect::<Vec<_>>() {
-                        let ws = c.primaries[&p].clone();
-                        if let Err(e) = self.send_log(c, p, LogBody::Lock(ws)) {
+                        // Lent to the record and taken back: no copy of the writes.
+                        let ws = std::mem::take(c.primaries.get_mut(&p).expect("listed"));
+                        let body = LogBody::Lock(ws);
+                        let sent = self.send_log(c, p, &body);
+                        let LogBody::Lock(ws) = body else {
+                            unreachable!("built above")
+                        };
+                        c.primaries.insert(p, ws);
+                        if let Err(e) = sent {
                             self.abort(c, &awaiting);
                             return Some(Err(e));
                         }
@@ -810,12 +817,17 @@ impl Worker {
                     let mut tickets = Vec::new();
                     let mut failed = false;
                     for b in c.backups.keys().copied().collect::<Vec<_>>() {
-                        let ws = c.backups[&b].clone();
+                        let ws = std::mem::take(c.backups.get_mut(&b).expect("listed"));
+                        let body = LogBody::CommitBackup(ws);
                         // Once one COMMIT-BACKUP may be out, only recovery may abort.
-                        match self.send_log(c, b, LogBody::CommitBackup(ws)) {
+                        match self.send_log(c, b, &body) {
                             Ok(t) => tickets.push((b, t)),
                             Err(_) => failed = true,
                         }
+                        let LogBody::CommitBackup(ws) = body else {
+                            unreachable!("built above")
+                        };
+                        c.backups.insert(b, ws);
                     }
                     let awaiting = match self.machine.params.replication {
                         Replication::OneSided => BTreeSet::new(),
@@ -859,7 +871,7 @@ impl Worker {
                     let mut tickets = Vec::new();
                     for p in c.primaries.keys().copied().collect::<Vec<_>>() {
                         // A dead primary leaves the transaction to recovery; the others commit.
-                        if let Ok(t) = self.send_log(c, p, LogBody::CommitPrimary) {
+                        if let Ok(t) = self.send_log(c, p, &LogBody::CommitPrimary) {
                             tickets.push((p, t));
                         }
                     }
@@ -1106,19 +1118,13 @@ impl Worker {
         &mut self,
         c: &mut Commit,
         dst: MachineId,
-        body: LogBody,
+        body: &LogBody,
     ) -> Result<Option<WriteTicket>, TxError> {
         // The active commit is `c`, held outside `coord` while it advances: count it.
         let (below, ids) = self.piggyback(dst, Some(c.txn.local));
-        let rec = LogRecord {
-            txn: c.txn,
-            truncate_below: below,
-            truncated: ids,
-            body,
-        };
         self.scratch.clear();
-        rec.encode(&mut self.scratch);
-        let reservation = RingWriter::reservation(framed_len(match &rec.body {
+        LogRecord::encode_parts(c.txn, below, &ids, body, &mut self.scratch);
+        let reservation = RingWriter::reservation(framed_len(match body {
             LogBody::Lock(ws) | LogBody::CommitBackup(ws) => {
                 header_bytes()
                     + write_set_bytes(ws.regions.len(), ws.writes.iter().map(|w| w.data.len()))
@@ -1142,7 +1148,7 @@ impl Worker {
     /// ABORT to `primaries` (those that got a LOCK); everything else reserved is returned.
     fn abort(&mut self, c: &mut Commit, primaries: &BTreeSet<MachineId>) {
         for p in primaries {
-            let _ = self.send_log(c, *p, LogBody::Abort);
+            let _ = self.send_log(c, *p, &LogBody::Abort);
             // The primary frees the slots this transaction allocated there once it has
             // unlocked them; a RELEASE could overtake the ABORT.
             for w in &c.primaries[p].writes {
