@@ -36,6 +36,14 @@ pub trait Workload: Send + Sync + 'static {
     ) -> (usize, Result<bool, TxError>);
 }
 
+/// The machine that `draw` (a random number) picks among those `down` does not mark.
+pub fn pick_alive(down: &[bool], draw: u64) -> MachineId {
+    let alive: Vec<u16> = (0..down.len() as u16)
+        .filter(|m| !down[*m as usize])
+        .collect();
+    MachineId(alive[(draw % alive.len() as u64) as usize])
+}
+
 /// A machine to kill, and when.
 #[derive(Clone, Copy, Debug)]
 pub struct Kill {

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use farm::{MachineId, Session, TxError};
+use farm::{Session, TxError};
 use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
 use farm_benchmarks::tatp::{Kind, Tables};
 use farm_benchmarks::Rand;
@@ -57,7 +57,6 @@ struct Report<'a> {
 struct Tatp {
     tables: Tables,
     partitioned: bool,
-    machines: u16,
 }
 
 impl Workload for Tatp {
@@ -82,8 +81,7 @@ impl Workload for Tatp {
         let m = if self.partitioned && !down.iter().any(|d| *d) {
             None
         } else {
-            let alive: Vec<u16> = (0..self.machines).filter(|m| !down[*m as usize]).collect();
-            Some(MachineId(alive[(pick % alive.len() as u64) as usize]))
+            Some(runner::pick_alive(down, pick))
         };
         (
             kind as usize,
@@ -127,7 +125,6 @@ fn main() -> anyhow::Result<()> {
     let workload = Arc::new(Tatp {
         tables,
         partitioned: args.partitioned,
-        machines: common.machines,
     });
     let run = runner::run(&cluster, &workload, &opts)?;
     println!(

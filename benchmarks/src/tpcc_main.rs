@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use farm::{MachineId, Session, TxError};
+use farm::{Session, TxError};
 use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
 use farm_benchmarks::tpcc::{Kind, Outcome, Scale, Tables};
 use farm_benchmarks::Rand;
@@ -59,7 +59,6 @@ struct Tpcc {
     tables: Tables,
     mix: Mix,
     clients: u32,
-    machines: u16,
 }
 
 impl Workload for Tpcc {
@@ -89,10 +88,7 @@ impl Workload for Tpcc {
         let w = self.home_warehouse(client, rng);
         let home = self.tables.machine_of(session, w);
         let m = if down[home.0 as usize] {
-            let alive: Vec<u16> = (0..self.machines).filter(|m| !down[*m as usize]).collect();
-            Some(MachineId(
-                alive[(rng.next_u64() % alive.len() as u64) as usize],
-            ))
+            Some(runner::pick_alive(down, rng.next_u64()))
         } else {
             Some(home)
         };
@@ -170,7 +166,6 @@ fn main() -> anyhow::Result<()> {
         tables,
         mix: args.mix,
         clients: common.clients as u32,
-        machines: common.machines,
     });
     let run = runner::run(&cluster, &workload, &opts)?;
     let new_orders = run.types[Kind::NewOrder as usize].successes as f64 / run.seconds;

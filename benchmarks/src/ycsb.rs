@@ -10,7 +10,7 @@
 
 use farm::{Addr, Client, Cluster, MachineId, Session, TxError};
 
-use crate::runner::Workload;
+use crate::runner::{pick_alive, Workload};
 use crate::Rand;
 
 /// A YCSB mix.
@@ -249,7 +249,7 @@ impl Workload for Ycsb {
             let m = if alive(primary) {
                 primary
             } else {
-                any_alive(down, rng)
+                pick_alive(down, rng.next_u64())
             };
             let r = session.txn(m, |tx| {
                 *attempts += 1;
@@ -260,17 +260,10 @@ impl Workload for Ycsb {
             *attempts += 1;
             let mut buf = [0u8; 8 + 1024];
             let len = (8 + self.value_bytes).min(buf.len());
-            let r = session.read_bytes_into(any_alive(down, rng), a, &mut buf[..len]);
+            let r = session.read_bytes_into(pick_alive(down, rng.next_u64()), a, &mut buf[..len]);
             (0, r.map(|()| true))
         }
     }
-}
-
-fn any_alive(down: &[bool], rng: &mut Rand) -> MachineId {
-    let alive: Vec<u16> = (0..down.len() as u16)
-        .filter(|m| !down[*m as usize])
-        .collect();
-    MachineId(alive[(rng.next_u64() % alive.len() as u64) as usize])
 }
 
 #[cfg(test)]

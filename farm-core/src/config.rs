@@ -38,6 +38,15 @@ impl Configuration {
     pub fn contains(&self, m: MachineId) -> bool {
         self.members.binary_search(&m).is_ok()
     }
+
+    /// The members other than the CM: those that hold leases with it (§5.1).
+    pub fn leaseholders(&self) -> Vec<MachineId> {
+        self.members
+            .iter()
+            .copied()
+            .filter(|m| *m != self.cm)
+            .collect()
+    }
 }
 
 /// When each region last changed primary and replicas (`LastPrimaryChange`,

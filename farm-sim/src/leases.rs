@@ -74,12 +74,7 @@ impl SimLeases {
         for m in &config.members {
             self.orphans.remove(m);
         }
-        let others: Vec<MachineId> = config
-            .members
-            .iter()
-            .copied()
-            .filter(|m| *m != config.cm)
-            .collect();
+        let others = config.leaseholders();
         if self.config != ConfigId(0) && config.cm == self.cm {
             // The same CM: leases carry over (§5.2 resets them only when the CM changed).
             self.cm_leases.reconfigure(config.id, &others, now);

@@ -152,13 +152,7 @@ fn next_role(
 ) -> Option<Role> {
     match old {
         Some(Role::Cm(mut c)) if config.cm == me => {
-            let others: Vec<MachineId> = config
-                .members
-                .iter()
-                .copied()
-                .filter(|m| *m != me)
-                .collect();
-            c.reconfigure(config.id, &others, now);
+            c.reconfigure(config.id, &config.leaseholders(), now);
             Some(Role::Cm(c))
         }
         Some(Role::Member(mut l)) if config.contains(me) && config.cm == l.cm() && me != l.cm() => {
@@ -174,13 +168,12 @@ fn role_for(me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64
         return None;
     }
     Some(if me == config.cm {
-        let others: Vec<MachineId> = config
-            .members
-            .iter()
-            .copied()
-            .filter(|m| *m != me)
-            .collect();
-        Role::Cm(CmLeases::new(config.id, timing, &others, now))
+        Role::Cm(CmLeases::new(
+            config.id,
+            timing,
+            &config.leaseholders(),
+            now,
+        ))
     } else {
         Role::Member(MemberLease::new(config.id, timing, config.cm, now))
     })
