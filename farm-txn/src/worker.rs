@@ -948,6 +948,19 @@ impl Worker {
             ids.iter()
                 .filter(|id| **id >= below && inbound.retained.contains_key(id)),
         );
+        // The backup copies are cold (nothing reads them before a failure): touch every
+        // header first so their cache misses overlap instead of following one another.
+        for local in &done {
+            let ws = inbound
+                .retained
+                .get(local)
+                .and_then(|r| r.backup_writes.as_ref());
+            for w in ws.map_or(&[][..], |ws| &ws.writes[..]) {
+                if let Some(mem) = self.view.region(w.addr.region) {
+                    mem.prefetch(w.addr.offset as usize, object::HEADER_BYTES + w.data.len());
+                }
+            }
+        }
         for local in done {
             let r = inbound.retained.remove(&local).expect("listed");
             if let Some(ws) = r.backup_writes {
