@@ -878,6 +878,14 @@ impl Tables {
         let all_local = lines.iter().all(|(_, sw, _)| *sw == w) as u8;
         let result = cluster.txn(m, |tx| {
             *attempts += 1;
+            // Every row's key is known up front: start all the fetches before the first read.
+            self.warehouse.prefetch(tx, &w);
+            self.district.prefetch(tx, &d_key(w, d));
+            self.customer.prefetch(tx, &c_key(w, d, c));
+            for &(item_id, supply, _) in &lines {
+                self.item.prefetch(tx, &item_id);
+                self.stock.prefetch(tx, &s_key(supply, item_id));
+            }
             // W_TAX and C_DISCOUNT are read for the total the terminal shows (clause 2.4.2.2),
             // which nothing stores.
             self.warehouse
@@ -1010,6 +1018,11 @@ impl Tables {
         let seq = rng.next_u64();
         cluster.txn(m, |tx| {
             *attempts += 1;
+            self.warehouse.prefetch(tx, &w);
+            self.district.prefetch(tx, &d_key(w, d));
+            if by_name.is_none() {
+                self.customer.prefetch(tx, &c_key(c_w, c_d, id));
+            }
             let mut warehouse = self
                 .warehouse
                 .get_in(tx, &w)?

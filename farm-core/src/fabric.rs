@@ -90,6 +90,10 @@ pub trait RemoteMemory: Send + Sync + fmt::Debug {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError>;
     /// The machine this handle reads from.
     fn machine(&self) -> MachineId;
+    /// A hint that `len` bytes at `offset` will be read soon: a fabric may start fetching them
+    /// so that several reads overlap (as an RDMA client posts reads before polling for any).
+    /// Never fails and changes nothing a read returns.
+    fn prefetch(&self, _offset: u64, _len: usize) {}
 }
 
 impl crate::object::ObjectSource for dyn RemoteMemory {

@@ -117,6 +117,10 @@ impl RemoteMemory for MemRemote {
     fn machine(&self) -> MachineId {
         self.dst
     }
+
+    fn prefetch(&self, offset: u64, len: usize) {
+        self.mem.prefetch(offset as usize, len);
+    }
 }
 
 fn same_side(groups: &[AtomicU32], a: MachineId, b: MachineId) -> bool {

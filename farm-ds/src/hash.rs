@@ -337,6 +337,12 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
         bucket_bytes::<K, V>(self.slots)
     }
 
+    /// A hint that `key` will be looked up soon in `tx`: its home bucket starts on its way
+    /// ([`Txn::prefetch`]), so that lookups of several keys known ahead overlap.
+    pub fn prefetch(&self, tx: &mut Txn<'_>, key: &K) {
+        tx.prefetch(self.home_bucket(key), self.bucket_bytes());
+    }
+
     /// Looks `key` up in the transaction: its value, if present. The buckets read are validated
     /// at commit like any read.
     pub fn get_in(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {

@@ -209,6 +209,14 @@ impl<'w> Tx<'w> {
         Ok(&e.data[..len])
     }
 
+    /// A hint that `len` bytes of the object at `addr` will be read soon
+    /// ([`Worker::prefetch_object`]); nothing when this transaction read it already.
+    pub fn prefetch(&mut self, addr: Addr, len: usize) {
+        if !self.state.objects.contains_key(&addr) {
+            self.worker.prefetch_object(addr, len);
+        }
+    }
+
     /// Buffers a write of `data` to the object at `addr` (read first if it was not).
     pub fn write(&mut self, addr: Addr, data: &[u8]) -> Result<(), TxError> {
         self.read(addr, 0)?;
@@ -527,6 +535,27 @@ impl Worker {
             }
         }
         Err(TxError::Conflict(Conflict::ReadTorn(addr)))
+    }
+
+    /// A hint that the object at `addr` (header and `len` payload bytes) will be read soon, from
+    /// local memory or its primary: its cache lines are fetched without waiting, so that a
+    /// transaction that knows several addresses ahead overlaps their misses. Addresses that a
+    /// read would reject are ignored; the read itself reports them.
+    pub fn prefetch_object(&mut self, addr: Addr, len: usize) {
+        self.refresh_view();
+        let Some(placement) = self.view.map.get(addr.region) else {
+            return;
+        };
+        let len = HEADER_BYTES + len;
+        if placement.primary == self.machine.id {
+            if let Some(mem) = self.view.region(addr.region) {
+                mem.prefetch(addr.offset as usize, len);
+            }
+        } else if !self.region_blocked(addr.region) {
+            if let Ok(remote) = self.remote(addr.region) {
+                remote.prefetch(addr.offset as u64, len);
+            }
+        }
     }
 
     /// Takes a free slot for `len` bytes, near `near` when this machine is its region's primary.

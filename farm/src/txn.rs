@@ -45,6 +45,14 @@ impl<'w> Txn<'w> {
         self.inner.read(addr, len)
     }
 
+    /// A hint that the first `len` bytes of the object at `addr` will be read soon: its bytes
+    /// start on their way without waiting, so that a transaction which knows the addresses of
+    /// several reads ahead overlaps their fetches, as FaRM's applications issue reads in
+    /// parallel (§4). Changes nothing the transaction reads.
+    pub fn prefetch(&mut self, addr: Addr, len: usize) {
+        self.inner.prefetch(addr, len)
+    }
+
     /// Writes `data` to the object at `addr` at commit (it must fit the object's slot).
     pub fn write_bytes(&mut self, addr: Addr, data: &[u8]) -> Result<(), TxError> {
         self.inner.write(addr, data)
