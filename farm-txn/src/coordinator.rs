@@ -478,10 +478,14 @@ impl Worker {
     /// this machine is the primary, a one-sided read otherwise (§3). A locked object is a
     /// conflict at once: waiting for it here could wait for this very thread (DESIGN.md).
     pub fn read_object(&mut self, addr: Addr, len: usize) -> Result<(Header, Vec<u8>), TxError> {
-        let mut buf = vec![0u8; HEADER_BYTES + len];
-        let h = self.read_object_into(addr, &mut buf)?;
-        buf.drain(..HEADER_BYTES);
-        Ok((h, buf))
+        // Read through the encoding buffer (free while a transaction executes): only the
+        // payload is allocated, and nothing is zeroed first.
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.resize(HEADER_BYTES + len, 0);
+        let read = self.read_object_into(addr, &mut buf);
+        let out = read.map(|h| (h, buf[HEADER_BYTES..].to_vec()));
+        self.scratch = buf;
+        out
     }
 
     /// [`Worker::read_object`] into `buf` (header then payload), without allocating: the path of
