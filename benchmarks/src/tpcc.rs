@@ -312,6 +312,31 @@ fn warehouse_machine(w: u64, machines: usize) -> usize {
     (w.saturating_sub(1)) as usize % machines
 }
 
+/// One B-tree per warehouse, each created on the warehouse's machine so that its nodes (splits
+/// allocate next to the node they split) live with the warehouse's rows: a warehouse's
+/// transactions then lock and replicate at one primary (§6.1 co-partitions TPC-C by
+/// warehouse). Its keys all begin with the warehouse id.
+#[derive(Clone, Debug)]
+pub struct PerWarehouse<K, V>(Vec<BTree<K, V>>);
+
+impl<K: Pod + Ord, V: Pod> PerWarehouse<K, V> {
+    fn create(cluster: &impl Client, warehouses: u32, fanout: usize) -> Result<Self, TxError> {
+        let machines = cluster.machines() as usize;
+        (1..=warehouses as u64)
+            .map(|w| {
+                let m = MachineId(warehouse_machine(w, machines) as u16);
+                BTree::create(cluster, m, fanout, None)
+            })
+            .collect::<Result<_, _>>()
+            .map(Self)
+    }
+
+    /// The tree of warehouse `w`.
+    pub fn of(&self, w: u32) -> &BTree<K, V> {
+        &self.0[w as usize - 1]
+    }
+}
+
 /// The tables of one TPC-C database.
 #[derive(Clone, Debug)]
 pub struct Tables {
@@ -326,15 +351,15 @@ pub struct Tables {
     /// CUSTOMER by [`c_key`].
     pub customer: HashTable<u64, Customer>,
     /// Customers by [`name_key`], to their `C_ID`.
-    pub customer_by_name: BTree<[u8; 40], u32>,
+    pub customer_by_name: PerWarehouse<[u8; 40], u32>,
     /// HISTORY by a unique id (it has no key of its own).
     pub history: HashTable<u64, History>,
     /// ORDER by [`o_key`].
     pub order: HashTable<u64, Order>,
     /// NEW-ORDER by [`o_key`], in order.
-    pub new_order: BTree<u64, u8>,
+    pub new_order: PerWarehouse<u64, u8>,
     /// Orders by customer, [`co_key`], in order (ORDER-STATUS reads a customer's newest).
-    pub order_by_customer: BTree<u64, u8>,
+    pub order_by_customer: PerWarehouse<u64, u8>,
     /// ORDER-LINE, clustered by order: an order's rows by [`o_key`].
     pub order_line: HashTable<u64, OrderLines>,
     /// ITEM by `I_ID`.
@@ -374,13 +399,13 @@ impl Tables {
                 .with_partitioner(move |k: &u64| by_w(k >> 8)),
             customer: HashTable::create(cluster, &spec(d * c, 1, 3))?
                 .with_partitioner(move |k: &u64| by_w(k >> 24)),
-            customer_by_name: BTree::create(cluster, machines[0], 32, None)?,
+            customer_by_name: PerWarehouse::create(cluster, scale.warehouses, 32)?,
             history: HashTable::create(cluster, &spec(d * orders, 2, 2))?
                 .with_partitioner(move |k: &u64| by_w(k >> 48)),
             order: HashTable::create(cluster, &spec(d * orders, 4, 2))?
                 .with_partitioner(move |k: &u64| by_w(k >> 40)),
-            new_order: BTree::create(cluster, machines[0], 64, None)?,
-            order_by_customer: BTree::create(cluster, machines[0], 64, None)?,
+            new_order: PerWarehouse::create(cluster, scale.warehouses, 64)?,
+            order_by_customer: PerWarehouse::create(cluster, scale.warehouses, 64)?,
             order_line: HashTable::create(cluster, &spec(d * orders, 1, 2))?
                 .with_partitioner(move |k: &u64| by_w(k >> 40)),
             item: HashTable::create(
@@ -520,7 +545,7 @@ impl Tables {
                 for (&c, row) in chunk.iter().zip(&rows) {
                     self.customer.insert(tx, &c_key(w, d, c), row)?;
                     let key = name_key(w, d, &row.last, &row.first, c);
-                    self.customer_by_name.insert(tx, &key, &c)?;
+                    self.customer_by_name.of(w).insert(tx, &key, &c)?;
                     let h = History {
                         amount: 1000,
                         date: 0,
@@ -578,11 +603,11 @@ impl Tables {
                 for (o, order, lines) in &orders {
                     self.order.insert(tx, &o_key(w, d, *o), order)?;
                     let by_customer = co_key(w, d, order.c_id, *o);
-                    self.order_by_customer.insert(tx, &by_customer, &0)?;
+                    self.order_by_customer.of(w).insert(tx, &by_customer, &0)?;
                     self.order_line
                         .insert(tx, &o_key(w, d, *o), &OrderLines::new(lines))?;
                     if *o >= s.new_order_from {
-                        self.new_order.insert(tx, &o_key(w, d, *o), &0)?;
+                        self.new_order.of(w).insert(tx, &o_key(w, d, *o), &0)?;
                     }
                 }
                 Ok(())
@@ -679,7 +704,10 @@ impl Tables {
                 let after = self.order.get_in(tx, &o_key(w, d, next))?.is_some();
                 let from = o_key(w, d, 0);
                 let to = o_key(w, d + 1, 0);
-                let rows = self.new_order.range(tx, &from, Some(&to), usize::MAX)?;
+                let rows = self
+                    .new_order
+                    .of(w)
+                    .range(tx, &from, Some(&to), usize::MAX)?;
                 Ok((newest, after, rows))
             })
             .map_err(|e| e.to_string())?;
@@ -910,8 +938,10 @@ impl Tables {
                 _pad: 0,
             };
             self.order.insert(tx, &o_key(w, d, o), &order)?;
-            self.new_order.insert(tx, &o_key(w, d, o), &0)?;
-            self.order_by_customer.insert(tx, &co_key(w, d, c, o), &0)?;
+            self.new_order.of(w).insert(tx, &o_key(w, d, o), &0)?;
+            self.order_by_customer
+                .of(w)
+                .insert(tx, &co_key(w, d, c, o), &0)?;
             let mut rows = OrderLines::zeroed();
             for (i, &(item_id, supply, qty)) in lines.iter().enumerate() {
                 let Some(item) = self.item.get_in(tx, &item_id)? else {
@@ -979,6 +1009,7 @@ impl Tables {
         let to = name_key(w, d, &to_last, &[0; 16], 0);
         let found = self
             .customer_by_name
+            .of(w)
             .range(tx, &from, Some(&to), usize::MAX)?;
         if found.is_empty() {
             return Ok(None);
@@ -1099,6 +1130,7 @@ impl Tables {
             let to = co_key(w, d, c + 1, 0);
             let orders = self
                 .order_by_customer
+                .of(w)
                 .range(tx, &from, Some(&to), usize::MAX)?;
             if let Some((key, _)) = orders.last() {
                 let o = (key & 0xff_ffff) as u32;
@@ -1135,13 +1167,16 @@ impl Tables {
             let mut executions = 0u64;
             cluster.txn(m, |tx| {
                 executions += 1;
-                let oldest =
-                    self.new_order
-                        .range(tx, &o_key(w, d, 0), Some(&o_key(w, d + 1, 0)), 1)?;
+                let oldest = self.new_order.of(w).range(
+                    tx,
+                    &o_key(w, d, 0),
+                    Some(&o_key(w, d + 1, 0)),
+                    1,
+                )?;
                 let Some(&(key, _)) = oldest.first() else {
                     return Ok(()); // No undelivered order in this district.
                 };
-                self.new_order.remove(tx, &key)?;
+                self.new_order.of(w).remove(tx, &key)?;
                 let mut order = self
                     .order
                     .get_in(tx, &key)?

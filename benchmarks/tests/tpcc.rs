@@ -38,6 +38,9 @@ fn population_is_consistent_and_broken_invariants_are_named() {
     for w in 1..=2u32 {
         let at = MachineId(w as u16 - 1);
         assert_eq!(primary(t.district.home_bucket(&d_key(w, 1))), at);
+        assert_eq!(primary(t.new_order.of(w).meta()), at);
+        assert_eq!(primary(t.order_by_customer.of(w).meta()), at);
+        assert_eq!(primary(t.customer_by_name.of(w).meta()), at);
         assert_eq!(primary(t.customer.home_bucket(&c_key(w, 2, 3))), at);
         assert_eq!(primary(t.order.home_bucket(&o_key(w, 3, 9))), at);
         assert_eq!(primary(t.order_line.home_bucket(&o_key(w, 3, 9))), at);
@@ -58,11 +61,11 @@ fn population_is_consistent_and_broken_invariants_are_named() {
     c.txn(m, |tx| t.order_line.update(tx, &o_key(1, 2, 7), &lines))
         .unwrap();
     // Condition 3: a gap in NEW-ORDER.
-    c.txn(m, |tx| t.new_order.remove(tx, &o_key(2, 3, 25)))
+    c.txn(m, |tx| t.new_order.of(2).remove(tx, &o_key(2, 3, 25)))
         .unwrap();
     let e = t.check(&c, m).unwrap_err();
     assert!(e.contains("warehouse 2 district 3: condition 3"), "{e}");
-    c.txn(m, |tx| t.new_order.insert(tx, &o_key(2, 3, 25), &0))
+    c.txn(m, |tx| t.new_order.of(2).insert(tx, &o_key(2, 3, 25), &0))
         .unwrap();
     // Condition 1: a district's YTD moves without its warehouse's.
     c.txn(m, |tx| {
@@ -100,7 +103,9 @@ fn customers_are_indexed_by_last_name() {
         .txn(m, |tx| {
             let from = farm_benchmarks::tpcc::name_key(1, 1, &[0; 16], &[0; 16], 0);
             let to = farm_benchmarks::tpcc::name_key(1, 2, &[0; 16], &[0; 16], 0);
-            t.customer_by_name.range(tx, &from, Some(&to), usize::MAX)
+            t.customer_by_name
+                .of(1)
+                .range(tx, &from, Some(&to), usize::MAX)
         })
         .unwrap();
     assert_eq!(rows.len(), 30);
