@@ -256,6 +256,18 @@ impl CmLeases {
         self.timing = timing;
     }
 
+    /// This CM's lease manager did not run for `ticks` past its round (its thread was not
+    /// scheduled): the leases it granted are extended by as much, as if its clock had stopped.
+    /// A machine that stalls cannot tell a silent peer from its own silence, and every peer's
+    /// renewals were due while it could not answer them. Suspecting later is always safe
+    /// (reconfiguration waits out the leases it knows of, and they only grow); the leases
+    /// this CM *holds* do not move, so it never believes itself covered longer.
+    pub fn stalled(&mut self, ticks: u64) {
+        for m in self.members.values_mut() {
+            m.member_expires += ticks;
+        }
+    }
+
     /// When `member`'s lease at the CM ends (CM's clock).
     pub fn member_expires(&self, member: MachineId) -> Option<u64> {
         self.members.get(&member).map(|m| m.member_expires)
@@ -391,6 +403,13 @@ impl MemberLease {
         self.cm_expires
     }
 
+    /// This member's lease manager did not run for `ticks` past its round: the lease it granted
+    /// the CM is extended by as much; its own lease at the CM does not move. See
+    /// [`CmLeases::stalled`].
+    pub fn stalled(&mut self, ticks: u64) {
+        self.cm_expires += ticks;
+    }
+
     /// Changes the lease length from now on; see [`CmLeases::set_timing`].
     pub fn set_timing(&mut self, timing: LeaseConfig) {
         self.timing = timing;
@@ -496,6 +515,45 @@ mod tests {
             &mut out,
         );
         assert!(out.is_empty());
+    }
+
+    /// A lease manager that was not scheduled credits its stall to the leases it granted,
+    /// never to those it holds: after a stall as long as the lease, neither side suspects the
+    /// other, each still knows exactly when its own lease ends, and a peer that stays silent
+    /// after the stall is suspected one lease later.
+    #[test]
+    fn a_stall_delays_suspicion_but_never_extends_a_held_lease() {
+        let t = LeaseConfig::new(100);
+        let (cm, m) = (MachineId(0), MachineId(1));
+        let mut c = CmLeases::new(ConfigId(1), t, &[m], 0);
+        let mut l = MemberLease::new(ConfigId(1), t, cm, 0);
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        l.tick(0, &mut out, &mut ev);
+        let req = out.pop().unwrap().1;
+        c.on_datagram(m, req, 0, &mut out);
+        let grant_req = out.pop().unwrap().1;
+        l.on_datagram(cm, grant_req, 0, &mut out);
+        let grant = out.pop().unwrap().1;
+        c.on_datagram(m, grant, 0, &mut out);
+        // Both stall from 0 to 150.
+        c.stalled(150);
+        l.stalled(150);
+        c.tick(150, &mut ev);
+        l.tick(150, &mut out, &mut ev);
+        assert!(ev.is_empty(), "a stall alone made a suspicion: {ev:?}");
+        assert_eq!(l.lease_expires(), Some(100), "a held lease moved");
+        assert!(!c.holds_lease_at(m, 101), "a held lease moved");
+        // The member is dead from here: suspected once the credited lease ends.
+        out.clear();
+        c.tick(250, &mut ev);
+        assert!(ev.is_empty());
+        c.tick(251, &mut ev);
+        assert_eq!(ev, vec![LeaseEvent::Suspect(m)]);
+        // Without the credit the CM would have suspected at 150.
+        let mut uncredited = CmLeases::new(ConfigId(1), t, &[m], 0);
+        let mut ev = Vec::new();
+        uncredited.tick(150, &mut ev);
+        assert_eq!(ev, vec![LeaseEvent::Suspect(m)]);
     }
 
     /// Delivers everything in `out` between one CM and its members (no loss, no delay).

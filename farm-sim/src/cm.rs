@@ -230,9 +230,9 @@ impl SimCm {
             return;
         }
         // As in the runtime (§5.2): the CM removes the members it suspects itself; once the CM
-        // is suspected, it does not (a CM paused past its leases suspects every member on
-        // resuming, while they suspect it), and the first backup CM that runs removes it and
-        // those it suspects itself.
+        // is suspected, it does not (a CM paused past its leases would suspect every member on
+        // resuming, had it not credited its stall to their leases, while they suspect it), and
+        // the first backup CM that runs removes it and those it suspects itself.
         let cm = config.cm;
         let cm_suspected = due.iter().any(|(m, _)| *m == cm);
         let mut order = vec![cm];

@@ -30,6 +30,10 @@ pub struct SimLeases {
     out: Vec<(MachineId, LeaseMsg)>,
     events: Vec<LeaseEvent>,
     buf: Vec<u8>,
+    /// When each machine last took a lease step: a machine that was not stepped for longer
+    /// than a renewal (paused) credits the gap to the leases it granted, as the runtime's
+    /// lease threads do (`CmLeases::stalled`).
+    last_step: BTreeMap<MachineId, u64>,
 }
 
 impl SimLeases {
@@ -46,6 +50,7 @@ impl SimLeases {
             out: Vec::new(),
             events: Vec::new(),
             buf: Vec::new(),
+            last_step: BTreeMap::new(),
         };
         s.reconfigure(config, now);
         s
@@ -111,6 +116,18 @@ impl SimLeases {
             // An orphan or a spare: no lease to keep, datagrams go unread.
             while fabric.recv_datagram(m, now, &mut self.buf).is_some() {}
             return Vec::new();
+        }
+        // Stepped every tick while it runs: a longer gap is a stall of this machine.
+        let late = self
+            .last_step
+            .insert(m, now)
+            .map_or(0, |t| now.saturating_sub(t + 1));
+        if late > self.timing.renew_ticks {
+            if is_cm {
+                self.cm_leases.stalled(late);
+            } else if let Some(l) = self.members.get_mut(&m) {
+                l.stalled(late);
+            }
         }
         while let Some(from) = fabric.recv_datagram(m, now, &mut self.buf) {
             let Some(msg) = LeaseMsg::decode(&self.buf) else {

@@ -196,6 +196,7 @@ fn run(
     let mut events: Vec<LeaseEvent> = Vec::with_capacity(256);
     let mut buf: Vec<u8> = Vec::with_capacity(64);
     let mut generation = machine.view_generation();
+    let mut last_round: Option<u64> = None;
     let mut role = role_for(
         me,
         &machine.view().config,
@@ -206,6 +207,20 @@ fn run(
         // A killed machine's lease manager dies with it.
         if fabric.is_alive(me) {
             let now = epoch.elapsed().as_micros() as u64;
+            // This thread not being scheduled is no evidence against the peers: credit a
+            // stall longer than a renewal to the leases it granted (`CmLeases::stalled`).
+            // On this VM two threads faulting in fresh memory stall every thread, real-time
+            // ones included, for 10-40 ms (docs/ARCHITECTURE.md, "Leases").
+            let late = last_round.map_or(0, |t| now.saturating_sub(t + sleep.as_micros() as u64));
+            if late > timing.renew_ticks {
+                tracing::info!(machine = me.0, late_us = late, "lease manager stalled");
+                match &mut role {
+                    Some(Role::Cm(c)) => c.stalled(late),
+                    Some(Role::Member(m)) => m.stalled(late),
+                    None => {}
+                }
+            }
+            last_round = Some(now);
             if length.current() != lease {
                 // Expiries already computed stay: a shorter lease takes effect once the longer
                 // ones end.
@@ -258,6 +273,8 @@ fn run(
                     }
                 }
             }
+        } else {
+            last_round = None;
         }
         std::thread::sleep(sleep);
     }
