@@ -103,6 +103,32 @@ impl crate::object::ObjectSource for dyn RemoteMemory {
     }
 }
 
+/// That `len` bytes at `offset` of `machine`'s area `key` (`mem`) are word-aligned and inside
+/// it: what a NIC checks against a memory registration.
+pub(crate) fn check_bounds(
+    machine: MachineId,
+    key: MemKey,
+    mem: &Nvram,
+    offset: u64,
+    len: usize,
+) -> Result<(), FabricError> {
+    let in_bounds = offset.is_multiple_of(8)
+        && offset
+            .checked_add(len as u64)
+            .is_some_and(|end| end <= mem.len() as u64);
+    if in_bounds {
+        Ok(())
+    } else {
+        Err(FabricError::OutOfBounds {
+            machine,
+            key,
+            offset,
+            len,
+            size: mem.len(),
+        })
+    }
+}
+
 /// The RDMA-like network of the cluster. See the module docs for its guarantees.
 pub trait Fabric: Send + Sync + fmt::Debug {
     /// Registers `mem` as `key` of `machine` so that peers can read and write it.

@@ -5,7 +5,8 @@
 //! - [`codec`]: how configurations and machines' views are stored;
 //! - [`nvram`]: memory-mapped NVRAM, the only module with raw-memory code;
 //! - [`object`]: object headers, locking and consistent reads;
-//! - [`fabric`] and [`mem_fabric`]: one-sided reads and writes, datagrams, fault injection;
+//! - [`fabric`], [`mem_fabric`] and [`shm_fabric`]: one-sided reads and writes, datagrams,
+//!   fault injection; in one process, or one process per machine over shared files;
 //! - [`ring`]: ring buffers for transaction logs and message queues;
 //! - [`wire`]: the records of the commit protocol;
 //! - [`rng`]: the seeded generator every random choice flows from.
@@ -31,6 +32,7 @@ pub mod nvram;
 pub mod object;
 pub mod ring;
 pub mod rng;
+pub mod shm_fabric;
 pub mod wire;
 
 pub use ids::{Addr, ConfigId, MachineId, RegionId, ThreadId, TxnId, Version};

@@ -109,7 +109,7 @@ impl RemoteMemory for MemRemote {
         if !self.dst_alive.load(Ordering::Relaxed) || !same_side(&self.groups, self.src, self.dst) {
             return Err(FabricError::Unreachable(self.dst));
         }
-        check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
+        crate::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
         self.mem.read(offset as usize, buf);
         Ok(())
     }
@@ -125,30 +125,6 @@ impl RemoteMemory for MemRemote {
 
 fn same_side(groups: &[AtomicU32], a: MachineId, b: MachineId) -> bool {
     groups[a.0 as usize].load(Ordering::Relaxed) == groups[b.0 as usize].load(Ordering::Relaxed)
-}
-
-fn check_bounds(
-    machine: MachineId,
-    key: MemKey,
-    mem: &Nvram,
-    offset: u64,
-    len: usize,
-) -> Result<(), FabricError> {
-    let in_bounds = offset.is_multiple_of(8)
-        && offset
-            .checked_add(len as u64)
-            .is_some_and(|end| end <= mem.len() as u64);
-    if in_bounds {
-        Ok(())
-    } else {
-        Err(FabricError::OutOfBounds {
-            machine,
-            key,
-            offset,
-            len,
-            size: mem.len(),
-        })
-    }
 }
 
 impl MemFabric {
@@ -432,7 +408,7 @@ impl Fabric for MemFabric {
             return Err(FabricError::Unreachable(dst));
         }
         let mem = self.area(dst, key)?;
-        check_bounds(dst, key, &mem, offset, data.len())?;
+        crate::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
         let link = self.link(src, dst);
         let seq = link.issued.fetch_add(1, Ordering::SeqCst) + 1;
         if self.hold_writes.load(Ordering::SeqCst) {

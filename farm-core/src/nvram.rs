@@ -92,16 +92,36 @@ impl Nvram {
                 ),
             ));
         }
-        // SAFETY: the file is ours (created under the NVRAM directory of this machine); other
-        // processes that map it follow the same atomic-access discipline, so the usual hazard of
-        // a file changing under a mapping is the intended shared-memory semantics here.
-        let mut map = unsafe { MmapOptions::new().len(len).map_mut(&file)? };
+        Self::map_file(&file, len)
+    }
+
+    /// Maps `len` bytes of `file`, shared with every process that maps it.
+    fn map_file(file: &std::fs::File, len: usize) -> io::Result<Self> {
+        // SAFETY: NVRAM files live under a cluster's NVRAM directory; every process that maps
+        // one (its machine's, or a peer on the `shm` fabric) follows the same atomic-access
+        // discipline, so the usual hazard of a file changing under a mapping is the intended
+        // shared-memory semantics here.
+        let mut map = unsafe { MmapOptions::new().len(len).map_mut(file)? };
         let base = map.as_mut_ptr();
         Ok(Self {
             _map: map,
             base,
             len,
         })
+    }
+
+    /// Maps an existing NVRAM file at its size, never creating one: how a peer process maps
+    /// another machine's registered memory on the `shm` fabric.
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let len = file.metadata()?.len() as usize;
+        if len == 0 || !len.is_multiple_of(WORD_BYTES) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("NVRAM file {} has {len} bytes", path.display()),
+            ));
+        }
+        Self::map_file(&file, len)
     }
 
     /// Size in bytes.

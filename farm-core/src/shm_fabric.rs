@@ -1,0 +1,446 @@
+//! The `shm` fabric: one process per machine on one host (DESIGN.md, Fabric).
+//!
+//! Every machine's registered memory is a file of its NVRAM directory, `<dir>/m<id>/<area>`
+//! (the names [`area_file`] gives, which the machine's own NVRAM uses), and peers map those
+//! files: a one-sided read or write is a copy into or out of the mapping, so the target's CPU
+//! is never involved, as with RDMA. Writes are synchronous copies, so a write's ticket is done
+//! when `write` returns, and one endpoint's writes land in order.
+//!
+//! Liveness: the process running machine `m` holds an exclusive `flock` on `<dir>/m<id>/alive`
+//! for as long as it lives; the kernel drops it when the process dies, however it dies.
+//! Operations to a machine check the lock at most every [`LIVENESS_CHECK`]: an operation to a
+//! machine whose process is gone fails with [`FabricError::Unreachable`] from at most that long
+//! after its death (like an operation already in flight on a NIC when its target died). Its
+//! files survive it (they are its NVRAM); a restarted process maps them again.
+//!
+//! Precise membership (§5.2): [`Fabric::admit`] writes the admitted machines into the target's
+//! `admitted` file, which writers read before each write: a write from a machine that is not
+//! admitted fails without landing. (A write that passed the check just before the target
+//! changed the set may still land, as a write already on the wire does with a NIC.)
+//!
+//! Datagrams (leases) go over UDP on loopback, machine `m` at port `base_port + m`, each with
+//! the cluster's id and its sender; datagrams of another cluster or malformed ones are dropped.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::fabric::{
+    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+};
+use crate::ids::MachineId;
+use crate::nvram::Nvram;
+
+/// How stale a machine's liveness may be when an operation relies on it.
+pub const LIVENESS_CHECK: Duration = Duration::from_millis(1);
+
+/// Machines an `admitted` file can name (one bit each).
+pub const ADMIT_MACHINES_MAX: usize = 512;
+
+const DATAGRAM_MAGIC: u32 = 0xfa53_d6a7;
+const DATAGRAM_HEADER_BYTES: usize = 4 + 8 + 2;
+/// Largest datagram payload.
+pub const DATAGRAM_BYTES_MAX: usize = 1024;
+
+/// The file of `key` in a machine's NVRAM directory (`<dir>/m<id>/`).
+pub fn area_file(key: MemKey) -> String {
+    match key {
+        MemKey::Region(r) => format!("region-{}", r.0),
+        MemKey::Rings => "rings".to_string(),
+        MemKey::Feedback => "feedback".to_string(),
+    }
+}
+
+/// A machine's NVRAM directory under the cluster's directory.
+pub fn machine_dir(dir: &Path, machine: MachineId) -> PathBuf {
+    dir.join(format!("m{}", machine.0))
+}
+
+/// What one process knows of one machine.
+#[derive(Debug)]
+struct Machine {
+    /// Its `alive` lock file.
+    lock_path: PathBuf,
+    /// Whether its process was alive at `checked`.
+    alive: AtomicBool,
+    /// When liveness was last checked, in microseconds since the fabric started (0: never).
+    checked: AtomicU64,
+    /// Its mapped areas.
+    areas: Mutex<HashMap<MemKey, Arc<Nvram>>>,
+    /// Its `admitted` bitmap, once mapped.
+    admitted: Mutex<Option<Arc<Nvram>>>,
+}
+
+impl Machine {
+    /// Whether its process lives, as checked at most [`LIVENESS_CHECK`] before `now` (in
+    /// microseconds since the fabric started).
+    fn alive(&self, now: u64) -> bool {
+        let checked = self.checked.load(Ordering::Acquire);
+        if checked != 0 && now - checked < LIVENESS_CHECK.as_micros() as u64 {
+            return self.alive.load(Ordering::Acquire);
+        }
+        let alive = probe_alive(&self.lock_path);
+        self.alive.store(alive, Ordering::Release);
+        self.checked.store(now, Ordering::Release);
+        alive
+    }
+}
+
+/// This process's machine: the lock that says it lives, its socket.
+#[derive(Debug)]
+struct Local {
+    id: MachineId,
+    _alive: File,
+    socket: UdpSocket,
+}
+
+/// The `shm` fabric of one process. See the module docs.
+#[derive(Debug)]
+pub struct ShmFabric {
+    dir: PathBuf,
+    cluster: u64,
+    base_port: u16,
+    epoch: Instant,
+    local: Local,
+    machines: Mutex<HashMap<MachineId, Arc<Machine>>>,
+    /// Tickets handed out per (endpoint, target).
+    tickets: Mutex<HashMap<(Endpoint, MachineId), u64>>,
+    /// A socket to send from (any machine's datagrams carry their sender inside).
+    sender: UdpSocket,
+}
+
+/// Why the fabric could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// Another live process runs this machine.
+    #[error("machine {0} already runs in another process (its `alive` lock is held)")]
+    AlreadyRunning(MachineId),
+    /// The directory or the socket failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ShmError {
+    let what = what.into();
+    move |source| ShmError::Io { what, source }
+}
+
+impl ShmFabric {
+    /// The fabric of the process that runs machine `me` of cluster `cluster`, whose machines
+    /// keep their NVRAM under `dir`: takes `me`'s `alive` lock (failing if another live process
+    /// holds it) and binds its datagram port, `base_port + me`, on loopback.
+    pub fn start(
+        dir: &Path,
+        cluster: u64,
+        me: MachineId,
+        base_port: u16,
+    ) -> Result<Self, ShmError> {
+        let mdir = machine_dir(dir, me);
+        std::fs::create_dir_all(&mdir).map_err(io_err(format!("creating {}", mdir.display())))?;
+        let path = mdir.join("alive");
+        let alive = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io_err(format!("opening {}", path.display())))?;
+        match alive.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => return Err(ShmError::AlreadyRunning(me)),
+            Err(TryLockError::Error(e)) => {
+                return Err(io_err(format!("locking {}", path.display()))(e))
+            }
+        }
+        let port = port_of(base_port, me);
+        let socket = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))
+            .map_err(io_err(format!("binding UDP port {port} on loopback")))?;
+        socket
+            .set_nonblocking(true)
+            .map_err(io_err("making the datagram socket non-blocking"))?;
+        let sender = socket
+            .try_clone()
+            .map_err(io_err("cloning the datagram socket"))?;
+        // The admitted set starts empty: nobody writes here until the first configuration.
+        let admitted = mdir.join("admitted");
+        Nvram::file(&admitted, ADMIT_MACHINES_MAX / 8)
+            .map_err(io_err(format!("creating {}", admitted.display())))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            cluster,
+            base_port,
+            epoch: Instant::now(),
+            local: Local {
+                id: me,
+                _alive: alive,
+                socket,
+            },
+            machines: Mutex::new(HashMap::new()),
+            tickets: Mutex::new(HashMap::new()),
+            sender,
+        })
+    }
+
+    /// The machine this process runs.
+    pub fn me(&self) -> MachineId {
+        self.local.id
+    }
+
+    fn machine(&self, m: MachineId) -> Arc<Machine> {
+        self.machines
+            .lock()
+            .expect("machines poisoned")
+            .entry(m)
+            .or_insert_with(|| {
+                Arc::new(Machine {
+                    lock_path: machine_dir(&self.dir, m).join("alive"),
+                    alive: AtomicBool::new(false),
+                    checked: AtomicU64::new(0),
+                    areas: Mutex::new(HashMap::new()),
+                    admitted: Mutex::new(None),
+                })
+            })
+            .clone()
+    }
+
+    /// Whether machine `m`'s process lives, checked at most [`LIVENESS_CHECK`] ago.
+    fn alive(&self, m: MachineId, state: &Machine) -> bool {
+        m == self.local.id || state.alive(micros_since(self.epoch))
+    }
+
+    /// Machine `m`'s area `key`, mapped on first use.
+    fn area(&self, m: MachineId, state: &Machine, key: MemKey) -> Result<Arc<Nvram>, FabricError> {
+        let mut areas = state.areas.lock().expect("areas poisoned");
+        if let Some(a) = areas.get(&key) {
+            return Ok(a.clone());
+        }
+        let path = machine_dir(&self.dir, m).join(area_file(key));
+        let mem = Nvram::open(&path)
+            .map(Arc::new)
+            .map_err(|_| FabricError::NotRegistered { machine: m, key })?;
+        areas.insert(key, mem.clone());
+        Ok(mem)
+    }
+
+    /// Whether `dst` admits one-sided writes from `src`.
+    fn admits(&self, dst: MachineId, state: &Machine, src: MachineId) -> bool {
+        let mut admitted = state.admitted.lock().expect("admitted poisoned");
+        if admitted.is_none() {
+            let path = machine_dir(&self.dir, dst).join("admitted");
+            *admitted = Nvram::open(&path).ok().map(Arc::new);
+        }
+        let Some(bits) = admitted.as_ref() else {
+            return false;
+        };
+        let i = src.0 as usize;
+        i < ADMIT_MACHINES_MAX
+            && bits.load_u64(i / 64 * 8, Ordering::Acquire) & (1 << (i % 64)) != 0
+    }
+}
+
+/// Microseconds since `epoch`, never 0 (which means "never checked").
+fn micros_since(epoch: Instant) -> u64 {
+    epoch.elapsed().as_micros() as u64 + 1
+}
+
+fn port_of(base: u16, m: MachineId) -> u16 {
+    base.checked_add(m.0)
+        .expect("datagram port past 65535: lower the base port")
+}
+
+/// Whether the process holding the exclusive lock on `path` lives: a shared lock can be taken
+/// only once it died (or never started).
+fn probe_alive(path: &Path) -> bool {
+    let Ok(f) = File::open(path) else {
+        return false;
+    };
+    match f.try_lock_shared() {
+        Ok(()) => false, // Dropping `f` releases it.
+        Err(TryLockError::WouldBlock) => true,
+        Err(TryLockError::Error(_)) => false,
+    }
+}
+
+/// A one-sided read handle to a peer's mapped area.
+#[derive(Debug)]
+struct ShmRemote {
+    epoch: Instant,
+    dst: MachineId,
+    key: MemKey,
+    state: Arc<Machine>,
+    mem: Arc<Nvram>,
+}
+
+impl RemoteMemory for ShmRemote {
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
+        if !self.state.alive(micros_since(self.epoch)) {
+            return Err(FabricError::Unreachable(self.dst));
+        }
+        crate::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
+        self.mem.read(offset as usize, buf);
+        Ok(())
+    }
+
+    fn machine(&self) -> MachineId {
+        self.dst
+    }
+
+    fn prefetch(&self, offset: u64, len: usize) {
+        self.mem.prefetch(offset as usize, len);
+    }
+}
+
+impl Fabric for ShmFabric {
+    fn register(&self, machine: MachineId, key: MemKey, mem: Arc<Nvram>) {
+        assert_eq!(
+            machine, self.local.id,
+            "the shm fabric registers only its own machine's memory"
+        );
+        // Peers map the file itself; locally the caller's mapping serves.
+        let state = self.machine(machine);
+        state.areas.lock().expect("areas poisoned").insert(key, mem);
+    }
+
+    fn remote(
+        &self,
+        src: MachineId,
+        dst: MachineId,
+        key: MemKey,
+    ) -> Result<Arc<dyn RemoteMemory>, FabricError> {
+        let _ = src;
+        let state = self.machine(dst);
+        if !self.alive(dst, &state) {
+            return Err(FabricError::Unreachable(dst));
+        }
+        let mem = self.area(dst, &state, key)?;
+        Ok(Arc::new(ShmRemote {
+            epoch: self.epoch,
+            dst,
+            key,
+            state,
+            mem,
+        }))
+    }
+
+    fn write(
+        &self,
+        src: Endpoint,
+        dst: MachineId,
+        key: MemKey,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<WriteTicket, FabricError> {
+        let state = self.machine(dst);
+        if !self.alive(dst, &state) {
+            return Err(FabricError::Unreachable(dst));
+        }
+        if dst != src.machine && !self.admits(dst, &state, src.machine) {
+            return Err(FabricError::Unreachable(dst));
+        }
+        let mem = self.area(dst, &state, key)?;
+        crate::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
+        mem.write(offset as usize, data);
+        let mut tickets = self.tickets.lock().expect("tickets poisoned");
+        let t = tickets.entry((src, dst)).or_insert(0);
+        *t += 1;
+        Ok(WriteTicket(*t))
+    }
+
+    fn write_status(&self, src: Endpoint, dst: MachineId, ticket: WriteTicket) -> WriteStatus {
+        // Writes are copies done before `write` returned.
+        let issued = self
+            .tickets
+            .lock()
+            .expect("tickets poisoned")
+            .get(&(src, dst))
+            .copied()
+            .unwrap_or(0);
+        if ticket.0 <= issued {
+            WriteStatus::Done
+        } else {
+            WriteStatus::Failed
+        }
+    }
+
+    fn send_datagram(&self, src: MachineId, dst: MachineId, data: &[u8], now: u64) {
+        let _ = now;
+        if data.len() > DATAGRAM_BYTES_MAX {
+            return;
+        }
+        let mut msg = Vec::with_capacity(DATAGRAM_HEADER_BYTES + data.len());
+        msg.extend_from_slice(&DATAGRAM_MAGIC.to_le_bytes());
+        msg.extend_from_slice(&self.cluster.to_le_bytes());
+        msg.extend_from_slice(&src.0.to_le_bytes());
+        msg.extend_from_slice(data);
+        let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port_of(self.base_port, dst));
+        // Unreliable by contract: a full buffer or a dead peer loses the datagram.
+        let _ = self.sender.send_to(&msg, to);
+    }
+
+    fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let _ = now;
+        if dst != self.local.id {
+            return None;
+        }
+        let mut raw = [0u8; DATAGRAM_HEADER_BYTES + DATAGRAM_BYTES_MAX];
+        loop {
+            let n = match self.local.socket.recv_from(&mut raw) {
+                Ok((n, _)) => n,
+                Err(_) => return None, // WouldBlock: nothing due.
+            };
+            if n < DATAGRAM_HEADER_BYTES
+                || raw[..4] != DATAGRAM_MAGIC.to_le_bytes()
+                || raw[4..12] != self.cluster.to_le_bytes()
+            {
+                continue; // Not this cluster's, or malformed: dropped unread.
+            }
+            let src = MachineId(u16::from_le_bytes([raw[12], raw[13]]));
+            buf.clear();
+            buf.extend_from_slice(&raw[DATAGRAM_HEADER_BYTES..n]);
+            return Some(src);
+        }
+    }
+
+    fn admit(&self, machine: MachineId, members: &[MachineId]) {
+        assert_eq!(
+            machine, self.local.id,
+            "a machine admits writers to itself only"
+        );
+        let state = self.machine(machine);
+        let bits = {
+            let mut admitted = state.admitted.lock().expect("admitted poisoned");
+            if admitted.is_none() {
+                let path = machine_dir(&self.dir, machine).join("admitted");
+                *admitted = Some(Arc::new(Nvram::open(&path).expect("created at start")));
+            }
+            admitted.clone().expect("mapped")
+        };
+        let mut words = [0u64; ADMIT_MACHINES_MAX / 64];
+        for m in members {
+            let i = m.0 as usize;
+            assert!(
+                i < ADMIT_MACHINES_MAX,
+                "machine {m} past the admitted bitmap"
+            );
+            words[i / 64] |= 1 << (i % 64);
+        }
+        for (w, v) in words.iter().enumerate() {
+            bits.store_u64(w * 8, *v, Ordering::Release);
+        }
+    }
+
+    fn is_up(&self, machine: MachineId) -> bool {
+        let state = self.machine(machine);
+        self.alive(machine, &state)
+    }
+}
