@@ -57,6 +57,11 @@ pub struct SimConfig {
     /// recovery as likely as not: every machine crashes at once, each landing a seeded prefix
     /// of its held writes, and the cluster restarts from its NVRAM (`MachineState::restore`).
     pub power_losses: u16,
+    /// Stalls of the whole cluster at seeded steps, for two to five leases each: no machine
+    /// runs (a single-process cluster under SIGSTOP, or a VM stalling every thread). Nothing
+    /// failed, so nobody may be suspected for it: every lease manager credits its own stall
+    /// to the leases it granted (`CmLeases::stalled`).
+    pub stalls: u16,
     /// How backups acknowledge COMMIT-BACKUP (FaRM's one-sided writes, or RPCs as in
     /// Tailwind's baseline).
     pub replication: Replication,
@@ -75,6 +80,7 @@ impl Default for SimConfig {
             pauses: 0,
             lossy_datagrams: false,
             power_losses: 0,
+            stalls: 0,
             replication: Replication::OneSided,
         }
     }
@@ -111,6 +117,8 @@ pub struct SimOutcome {
     pub paused: u64,
     /// Machines that stopped because their own lease told them they had been removed.
     pub evicted: u64,
+    /// Whole-cluster stalls.
+    pub stalls: u64,
 }
 
 #[derive(Debug)]
@@ -158,6 +166,9 @@ pub struct Sim {
     past_stats: Stats,
     /// Steps at which a machine pauses, earliest last.
     pause_at: Vec<u64>,
+    /// Steps at which the whole cluster stalls, earliest last.
+    stall_at: Vec<u64>,
+    stalls_done: u64,
     /// Paused machines, with the tick they run again.
     paused: BTreeMap<MachineId, u64>,
     /// Resumed machines, with the tick until which they run without looking at their leases.
@@ -251,6 +262,10 @@ impl Sim {
             .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
             .collect();
         pause_at.sort_unstable_by(|a, b| b.cmp(a));
+        let mut stall_at: Vec<u64> = (0..config.stalls)
+            .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
+            .collect();
+        stall_at.sort_unstable_by(|a, b| b.cmp(a));
         let leases = SimLeases::new(&cfg, LEASE_TICKS, 0);
         let cm = SimCm::new(&machines, config.replicas as usize);
         let mut sim = Sim {
@@ -274,6 +289,8 @@ impl Sim {
             slow_link: None,
             past_stats: Stats::default(),
             pause_at,
+            stall_at,
+            stalls_done: 0,
             paused: BTreeMap::new(),
             grace: BTreeMap::new(),
             leases,
@@ -618,6 +635,13 @@ impl Sim {
             self.pause_at.pop();
             self.pause_one();
         }
+        // Two stalls drawn at the same step are one after the other.
+        while self.stall_at.last() == Some(&self.step_no) {
+            self.stall_at.pop();
+            // Nothing runs while the cluster stalls: time simply moves on.
+            self.now += LEASE_TICKS * (2 + self.rng.below(4));
+            self.stalls_done += 1;
+        }
         self.resume_due();
         self.lease_step();
         if self.power_loss_in_reconfiguration && self.cm.reconfiguring() {
@@ -938,6 +962,7 @@ impl Sim {
             restarts_mid: self.restarts_mid,
             paused: self.pauses_done,
             evicted: self.evicted,
+            stalls: self.stalls_done,
         }
     }
 

@@ -13,6 +13,8 @@
 //! Leases detect the failures (FaRM §5.1), over datagrams that half of the seeds lose and delay;
 //! a third of the seeds pause a machine for longer than a lease: it is removed, runs again
 //! on its stale view, and stops once its own lease tells it it is out.
+//! A quarter of the seeds also stall the whole cluster (no machine runs for a few leases), and a
+//! third campaign stalls a cluster without failures, where nobody may be suspected at all.
 //! A fifth of the seeds replicate with RPCs (backups' CPUs acknowledge COMMIT-BACKUP) instead of
 //! one-sided writes.
 //! `FARM_SIM_SEED=N` replays one seed (in both campaigns; name one test to run only it);
@@ -36,6 +38,7 @@ fn config(seed: u64) -> SimConfig {
         pauses: (crashes == 1 && !seed.is_multiple_of(3)) as u16,
         lossy_datagrams: seed % 4 >= 2,
         power_losses: 0,
+        stalls: (seed % 4 == 1) as u16,
         replication: if seed % 5 == 4 {
             Replication::Rpc
         } else {
@@ -93,9 +96,10 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
         .map(|s| s.parse().expect("a number"))
         .unwrap_or(1000);
     let (mut unknown, mut unknown_committed, mut recovered) = (0, 0, 0);
-    let (mut paused, mut evicted) = (0, 0);
+    let (mut paused, mut evicted, mut stalls) = (0, 0, 0);
     for seed in 0..seeds {
         let out = check_seed(seed);
+        stalls += out.stalls;
         unknown += out.unknown.0;
         unknown_committed += out.unknown.1;
         recovered += out.stats.recovered_commits + out.stats.recovered_aborts;
@@ -106,7 +110,7 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
         "{seeds} seeds: {recovered} transactions decided by recovery, {unknown} in flight at a \
          crashed or stopped coordinator ({unknown_committed} of them committed); {paused} \
          machines paused past their lease, {evicted} stopped when their lease told them they \
-         were out"
+         were out; {stalls} whole-cluster stalls"
     );
     assert!(recovered > 0, "no transaction ever went through recovery");
     assert!(unknown > 0, "no coordinator ever crashed mid-commit");
@@ -157,4 +161,37 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
         "fewer restarts ({restarts}) than seeds ({seeds})"
     );
     assert!(unknown > 0, "no commit was ever in flight at a power loss");
+}
+
+/// A stall of every machine at once (FaRM §5.1 leases; a single-process cluster under SIGSTOP,
+/// or a VM stalling every thread) is no failure: every lease manager credits its own stall to
+/// the leases it granted, so no machine is suspected, no configuration is committed, and the
+/// history stays strictly serializable. Without the credit every stall longer than a lease
+/// made each machine suspect its lease peers.
+#[test]
+fn whole_cluster_stalls_suspect_nobody() {
+    let stall_config = |seed| SimConfig {
+        crashes: 0,
+        pauses: 0,
+        lossy_datagrams: false,
+        stalls: 2,
+        ..config(seed)
+    };
+    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
+        let seed = seed.parse().expect("FARM_SIM_SEED is a number");
+        check(seed, stall_config(seed));
+        return;
+    }
+    let seeds: u64 = std::env::var("FARM_SIM_FAULT_SEEDS")
+        .map(|s| s.parse().expect("a number"))
+        .unwrap_or(200);
+    for seed in 0..seeds {
+        let out = check(seed, stall_config(seed));
+        assert_eq!(out.stalls, 2, "seed {seed}: the stalls did not happen");
+        assert_eq!(
+            (out.configurations, out.evicted),
+            (0, 0),
+            "seed {seed}: a stall of the whole cluster changed the configuration"
+        );
+    }
 }
