@@ -419,7 +419,7 @@ impl ClusterBuilder {
         let leases = LeaseThreads::start(
             &machines,
             lease_length.clone(),
-            fabric.clone(),
+            fabric.clone() as Arc<dyn farm_core::fabric::Fabric>,
             epoch,
             lease_stop.clone(),
             suspicions.clone(),

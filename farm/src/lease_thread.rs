@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use farm_cm::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, MemberLease};
 use farm_core::config::Configuration;
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::MemFabric;
 use farm_core::MachineId;
 use farm_txn::MachineState;
 
@@ -86,7 +85,7 @@ impl LeaseThreads {
     pub(crate) fn start(
         machines: &[Arc<MachineState>],
         length: Arc<LeaseLength>,
-        fabric: Arc<MemFabric>,
+        fabric: Arc<dyn Fabric>,
         epoch: Instant,
         stop: Arc<AtomicBool>,
         suspicions: Arc<Mutex<Vec<Suspicion>>>,
@@ -99,7 +98,7 @@ impl LeaseThreads {
                 let length = length.clone();
                 std::thread::Builder::new()
                     .name(format!("farm-lease-m{}", machine.id.0))
-                    .spawn(move || run(&machine, &length, &fabric, epoch, &stop, &suspicions))
+                    .spawn(move || run(&machine, &length, &*fabric, epoch, &stop, &suspicions))
                     .expect("spawn lease thread")
             })
             .collect();
@@ -182,7 +181,7 @@ fn role_for(me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64
 fn run(
     machine: &MachineState,
     length: &LeaseLength,
-    fabric: &MemFabric,
+    fabric: &dyn Fabric,
     epoch: Instant,
     stop: &AtomicBool,
     suspicions: &Mutex<Vec<Suspicion>>,
@@ -205,7 +204,7 @@ fn run(
     );
     while !stop.load(Ordering::Relaxed) {
         // A killed machine's lease manager dies with it.
-        if fabric.is_alive(me) {
+        if fabric.is_up(me) {
             let now = epoch.elapsed().as_micros() as u64;
             // This thread not being scheduled is no evidence against the peers: credit a
             // stall longer than a renewal to the leases it granted (`CmLeases::stalled`).

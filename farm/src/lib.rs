@@ -23,6 +23,7 @@ mod backoff;
 mod cluster;
 mod cm;
 mod lease_thread;
+pub mod node;
 mod txn;
 pub mod zk;
 
