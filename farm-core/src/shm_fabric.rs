@@ -27,7 +27,7 @@ use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::fabric::{
@@ -71,7 +71,7 @@ struct Machine {
     /// When liveness was last checked, in microseconds since the fabric started (0: never).
     checked: AtomicU64,
     /// Its mapped areas.
-    areas: Mutex<HashMap<MemKey, Arc<Nvram>>>,
+    areas: RwLock<HashMap<MemKey, Arc<Nvram>>>,
     /// Its `admitted` bitmap, once mapped.
     admitted: Mutex<Option<Arc<Nvram>>>,
 }
@@ -107,7 +107,9 @@ pub struct ShmFabric {
     base_port: u16,
     epoch: Instant,
     local: Local,
-    machines: Mutex<HashMap<MachineId, Arc<Machine>>>,
+    /// Read on every operation (the lease thread's included: a writer's lock held by a
+    /// descheduled worker would delay it), written once per machine.
+    machines: RwLock<HashMap<MachineId, Arc<Machine>>>,
     /// Tickets handed out per (endpoint, target).
     tickets: Mutex<HashMap<(Endpoint, MachineId), u64>>,
     /// A socket to send from (any machine's datagrams carry their sender inside).
@@ -185,7 +187,7 @@ impl ShmFabric {
                 _alive: alive,
                 socket,
             },
-            machines: Mutex::new(HashMap::new()),
+            machines: RwLock::new(HashMap::new()),
             tickets: Mutex::new(HashMap::new()),
             sender,
         })
@@ -196,9 +198,22 @@ impl ShmFabric {
         self.local.id
     }
 
+    /// Whether machine `m` is running and takes this machine's writes to its logs: its
+    /// process lives, its rings are mapped and it admitted this machine. A machine whose
+    /// commits need `m` waits for this before its first transaction.
+    pub fn ready(&self, m: MachineId) -> bool {
+        let state = self.machine(m);
+        self.alive(m, &state)
+            && self.admits(m, &state, self.local.id)
+            && self.area(m, &state, MemKey::Rings).is_ok()
+    }
+
     fn machine(&self, m: MachineId) -> Arc<Machine> {
+        if let Some(state) = self.machines.read().expect("machines poisoned").get(&m) {
+            return state.clone();
+        }
         self.machines
-            .lock()
+            .write()
             .expect("machines poisoned")
             .entry(m)
             .or_insert_with(|| {
@@ -206,7 +221,7 @@ impl ShmFabric {
                     lock_path: machine_dir(&self.dir, m).join("alive"),
                     alive: AtomicBool::new(false),
                     checked: AtomicU64::new(0),
-                    areas: Mutex::new(HashMap::new()),
+                    areas: RwLock::new(HashMap::new()),
                     admitted: Mutex::new(None),
                 })
             })
@@ -220,10 +235,10 @@ impl ShmFabric {
 
     /// Machine `m`'s area `key`, mapped on first use.
     fn area(&self, m: MachineId, state: &Machine, key: MemKey) -> Result<Arc<Nvram>, FabricError> {
-        let mut areas = state.areas.lock().expect("areas poisoned");
-        if let Some(a) = areas.get(&key) {
+        if let Some(a) = state.areas.read().expect("areas poisoned").get(&key) {
             return Ok(a.clone());
         }
+        let mut areas = state.areas.write().expect("areas poisoned");
         let path = machine_dir(&self.dir, m).join(area_file(key));
         let mem = Nvram::open(&path)
             .map(Arc::new)
@@ -308,7 +323,11 @@ impl Fabric for ShmFabric {
         );
         // Peers map the file itself; locally the caller's mapping serves.
         let state = self.machine(machine);
-        state.areas.lock().expect("areas poisoned").insert(key, mem);
+        state
+            .areas
+            .write()
+            .expect("areas poisoned")
+            .insert(key, mem);
     }
 
     fn remote(
@@ -440,7 +459,7 @@ impl Fabric for ShmFabric {
     }
 
     fn is_up(&self, machine: MachineId) -> bool {
-        let state = self.machine(machine);
-        self.alive(machine, &state)
+        // A machine's own threads (its lease thread each round) see it up without a lock.
+        machine == self.local.id || self.alive(machine, &self.machine(machine))
     }
 }

@@ -3,24 +3,33 @@
 //! liveness lock, maps its NVRAM under `<dir>/m<id>/` (where its peers map it too) and runs its
 //! lease thread with the CM of its configuration (§5.1), over UDP datagrams on loopback.
 //!
-//! This is the first step of the multi-process runtime: membership of the cluster's first
-//! configuration and failure detection across processes. Workers, the CM's reconfiguration
-//! over messages and joining through ZooKeeper come next; until then a suspicion is recorded
-//! ([`Node::suspicions`]) and acted on by nobody.
+//! Its worker threads run transactions coordinated here ([`Node::txn`]) and serve the commit
+//! protocol for every peer: reads of remote objects are one-sided reads of the peer's mapped
+//! region files, and LOCK, COMMIT-BACKUP and COMMIT-PRIMARY records are one-sided writes into
+//! the peers' mapped logs (§4), as in the in-process cluster.
+//!
+//! This is the first step of the multi-process runtime. The cluster's first configuration is
+//! fixed at start, with the regions of [`RegionMap::striped`] (every machine computes the same
+//! map). The CM's reconfiguration over messages, region allocation and joining through
+//! ZooKeeper come next; until then a suspicion is recorded ([`Node::suspicions`]) and acted on
+//! by nobody, so a commit that waits for a dead participant waits.
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
 use farm_core::ring::RingLayout;
 use farm_core::shm_fabric::{ShmError, ShmFabric};
-use farm_core::MachineId;
-use farm_txn::{MachineState, Params, Replication};
+use farm_core::{MachineId, ThreadId};
+use farm_txn::{MachineState, Params, Replication, Tx, TxError, Worker};
 
+use crate::backoff::Backoff;
 use crate::lease_thread::{LeaseLength, LeaseThreads, Suspicion};
+use crate::{Txn, TXN_ATTEMPTS_MAX};
 
 /// How to run one machine of a multi-process cluster.
 #[derive(Clone, Debug)]
@@ -40,6 +49,14 @@ pub struct NodeConfig {
     pub base_port: u16,
     /// Lease length.
     pub lease: Duration,
+    /// How long to wait at start for every machine of the first configuration to run.
+    pub start_timeout: Duration,
+    /// Regions each machine is primary of in the first configuration.
+    pub regions_per_machine: u32,
+    /// Replicas of each region (primary included).
+    pub replicas: u16,
+    /// Bytes per region.
+    pub region_bytes: usize,
 }
 
 /// Why a node could not start.
@@ -51,6 +68,14 @@ pub enum NodeError {
     /// The fabric could not start (another process runs this machine, or I/O).
     #[error(transparent)]
     Fabric(#[from] ShmError),
+    /// Machines of the first configuration that did not start in time.
+    #[error("machines {missing:?} of the first configuration did not start within {waited:?}")]
+    PeersMissing {
+        /// The machines not running.
+        missing: Vec<MachineId>,
+        /// How long the node waited.
+        waited: Duration,
+    },
     /// Mapping the machine's NVRAM failed.
     #[error("mapping the NVRAM of machine {machine} under {dir}: {source}")]
     Nvram {
@@ -71,6 +96,36 @@ pub struct Node {
     leases: LeaseThreads,
     stop: Arc<AtomicBool>,
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
+    shared: Arc<Workers>,
+    pollers: Vec<JoinHandle<()>>,
+}
+
+/// The machine's workers, each polled by its poller thread unless a transaction holds it.
+#[derive(Debug)]
+struct Workers {
+    workers: Vec<Mutex<Worker>>,
+    epoch: Instant,
+    stop: AtomicBool,
+    next: AtomicUsize,
+}
+
+impl Workers {
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    fn poll(&self, t: usize) {
+        let mut backoff = Backoff::new();
+        while !self.stop.load(Ordering::Relaxed) {
+            // The guard is a temporary: the worker is released before any sleep.
+            let busy = self.workers[t].try_lock().map(|mut w| w.poll(self.now()));
+            match busy {
+                Ok(true) => backoff.reset(),
+                Ok(false) => backoff.sleep(),
+                Err(_) => backoff.park(), // A transaction polls it while it waits.
+            }
+        }
+    }
 }
 
 impl Node {
@@ -87,6 +142,12 @@ impl Node {
                 "a node needs at least one worker and a lease of at least 5 us".into(),
             ));
         }
+        if config.replicas == 0 || config.replicas > config.machines {
+            return Err(NodeError::Invalid(format!(
+                "{} replicas need at least that many machines, have {}",
+                config.replicas, config.machines
+            )));
+        }
         let fabric = Arc::new(ShmFabric::start(
             &config.dir,
             config.cluster,
@@ -100,7 +161,7 @@ impl Node {
                 log_bytes: 1 << 20,
                 queue_bytes: 256 << 10,
             },
-            region_bytes: 2 << 30,
+            region_bytes: config.region_bytes,
             validate_rpc_threshold: 4,
             recovery_interval_ticks: 50,
             replication: Replication::OneSided,
@@ -110,7 +171,11 @@ impl Node {
             config.machine,
             params,
             Configuration::initial(config.machines),
-            RegionMap::default(),
+            RegionMap::striped(
+                config.machines,
+                config.regions_per_machine,
+                config.replicas - 1,
+            ),
             fabric.clone() as Arc<dyn Fabric>,
             Some(&config.dir),
         )
@@ -119,6 +184,25 @@ impl Node {
             dir: config.dir.display().to_string(),
             source,
         })?;
+        // Commits write into every replica's logs: the first configuration starts once all of
+        // its machines run (a write to a machine not yet up would count as a failure).
+        let started = Instant::now();
+        loop {
+            let missing: Vec<MachineId> = (0..config.machines)
+                .map(MachineId)
+                .filter(|m| !fabric.ready(*m))
+                .collect();
+            if missing.is_empty() {
+                break;
+            }
+            if started.elapsed() > config.start_timeout {
+                return Err(NodeError::PeersMissing {
+                    missing,
+                    waited: config.start_timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let suspicions = Arc::new(Mutex::new(Vec::new()));
         let leases = LeaseThreads::start(
@@ -129,13 +213,55 @@ impl Node {
             stop.clone(),
             suspicions.clone(),
         );
+        let shared = Arc::new(Workers {
+            workers: (0..config.workers)
+                .map(|t| Mutex::new(Worker::new(machine.clone(), ThreadId(t))))
+                .collect(),
+            epoch: Instant::now(),
+            stop: AtomicBool::new(false),
+            next: AtomicUsize::new(0),
+        });
+        let pollers = (0..config.workers as usize)
+            .map(|t| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("farm-poller-{t}"))
+                    .spawn(move || shared.poll(t))
+                    .expect("spawn poller")
+            })
+            .collect();
         Ok(Self {
             machine,
             fabric,
             leases,
             stop,
             suspicions,
+            shared,
+            pollers,
         })
+    }
+
+    /// Runs `f` as a transaction coordinated by this machine, retrying it on conflicts, and
+    /// commits it (§4); its reads and writes reach every machine of the cluster.
+    pub fn txn<R>(
+        &self,
+        mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        let w = &self.shared;
+        let t = w.next.fetch_add(1, Ordering::Relaxed) % w.workers.len();
+        let mut worker = w.workers[t].lock().expect("worker poisoned");
+        let mut backoff = Backoff::new();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match run_once(&mut worker, w, &mut f) {
+                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
+                    worker.poll(w.now());
+                    backoff.conflict(attempt);
+                }
+                other => return other,
+            }
+        }
     }
 
     /// The machine this node runs.
@@ -159,9 +285,46 @@ impl Node {
     }
 }
 
+/// One execution and commit of `f` on `worker`.
+fn run_once<R>(
+    worker: &mut Worker,
+    w: &Workers,
+    f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+) -> Result<R, TxError> {
+    let (value, state) = {
+        let mut txn = Txn::new(Tx::new(worker));
+        let value = f(&mut txn);
+        (value, txn.into_state())
+    };
+    let value = match value {
+        Ok(v) => v,
+        Err(e) => {
+            worker.abort_execution(state, &e);
+            return Err(e);
+        }
+    };
+    worker.start_commit(state);
+    let mut backoff = Backoff::new();
+    loop {
+        let now = w.now();
+        if let Some(r) = worker.poll_commit(now) {
+            return r.map(|()| value);
+        }
+        if worker.poll(now) {
+            backoff.reset();
+        } else {
+            backoff.idle();
+        }
+    }
+}
+
 impl Drop for Node {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for p in self.pollers.drain(..) {
+            let _ = p.join();
+        }
+        self.stop.store(true, Ordering::Relaxed);
         self.leases.join();
     }
 }

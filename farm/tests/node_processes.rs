@@ -12,15 +12,16 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use farm::node::{Node, NodeConfig};
-use farm::MachineId;
+use farm::{Addr, MachineId, RegionId};
 
 const CHILD_ENV: &str = "FARM_NODE_CHILD";
 const CLUSTER: u64 = 0xc1a5_7e11;
 const MACHINES: u16 = 3;
 const LEASE: Duration = Duration::from_millis(20);
 
-fn base_port() -> u16 {
-    20_000 + (std::process::id() % 9_000) as u16
+/// Datagram ports of a test's machines (each test its own range: tests run in parallel).
+fn base_port(test: u16) -> u16 {
+    20_000 + (std::process::id() % 4_000) as u16 * 8 + test * 4
 }
 
 fn node_config(machine: u16, port: u16, dir: &Path) -> NodeConfig {
@@ -29,27 +30,44 @@ fn node_config(machine: u16, port: u16, dir: &Path) -> NodeConfig {
         cluster: CLUSTER,
         machine: MachineId(machine),
         machines: MACHINES,
-        workers: 1,
+        workers: 2,
         base_port: port,
         lease: LEASE,
+        start_timeout: Duration::from_secs(30),
+        regions_per_machine: 1,
+        replicas: 3,
+        region_bytes: 4 << 20,
     }
 }
 
-/// One machine, run by `lease_failures_are_detected_across_processes` as a child process:
-/// `FARM_NODE_CHILD=<machine>:<base port>:<dir>`. Prints `up`, then `suspect <m> by <o>` for
-/// each suspicion, for at most 60 s.
+/// Accounts each machine opens in the bank test, and their opening balance.
+const ACCOUNTS: u64 = 4;
+const BALANCE: u64 = 100;
+const TRANSFERS: u64 = 300;
+
+/// One machine, run by the tests below as a child process:
+/// `FARM_NODE_CHILD=<mode>:<machine>:<base port>:<dir>`. Prints `up`; in mode `bank`, opens
+/// its accounts (`accounts <region>:<offset> ...`), waits for the file `<dir>/accounts` naming
+/// every machine's, makes transfers among all of them and prints `sum <total>` read in one
+/// transaction afterwards, with how many accounts differ from their opening balance. Then
+/// prints `suspect <m> by <o>` for each suspicion, for at most
+/// 60 s.
 #[test]
-#[ignore = "a child process of the multi-process test"]
+#[ignore = "a child process of the multi-process tests"]
 fn node_child() {
     let spec = std::env::var(CHILD_ENV).expect("run by the multi-process test, which sets it");
-    let mut parts = spec.splitn(3, ':');
-    let (machine, port, dir) = (
+    let mut parts = spec.splitn(4, ':');
+    let (mode, machine, port, dir) = (
+        parts.next().unwrap().to_string(),
         parts.next().unwrap().parse::<u16>().unwrap(),
         parts.next().unwrap().parse::<u16>().unwrap(),
         Path::new(parts.next().unwrap()),
     );
     let node = Node::start(&node_config(machine, port, dir)).unwrap();
     println!("up");
+    if mode == "bank" {
+        bank(&node, dir);
+    }
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = 0;
     while Instant::now() < deadline {
@@ -62,19 +80,79 @@ fn node_child() {
     }
 }
 
+fn bank(node: &Node, dir: &Path) {
+    let mine: Vec<Addr> = (0..ACCOUNTS)
+        .map(|_| node.txn(|tx| tx.alloc(&BALANCE, None)).unwrap())
+        .collect();
+    let named: Vec<String> = mine
+        .iter()
+        .map(|a| format!("{}:{}", a.region.0, a.offset))
+        .collect();
+    println!("accounts {}", named.join(" "));
+    let file = dir.join("accounts");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !file.exists() {
+        assert!(Instant::now() < deadline, "no accounts file");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let all: Vec<Addr> = std::fs::read_to_string(&file)
+        .unwrap()
+        .split_whitespace()
+        .map(|a| {
+            let (r, o) = a.split_once(':').unwrap();
+            Addr::new(RegionId(r.parse().unwrap()), o.parse().unwrap())
+        })
+        .collect();
+    let mut x = node.id().0 as u64 * 7919 + 1;
+    let mut next = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let n = all.len() as u64;
+    for _ in 0..TRANSFERS {
+        let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
+        if from == to {
+            continue;
+        }
+        node.txn(|tx| {
+            let a: u64 = tx.read(from)?;
+            let b: u64 = tx.read(to)?;
+            if a >= amount {
+                tx.write(from, &(a - amount))?;
+                tx.write(to, &(b + amount))?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+    let balances: Vec<u64> = node
+        .txn(|tx| all.iter().map(|a| tx.read::<u64>(*a)).collect())
+        .unwrap();
+    println!(
+        "sum {} moved {}",
+        balances.iter().sum::<u64>(),
+        balances.iter().filter(|b| **b != BALANCE).count()
+    );
+}
+
 struct Machines {
     children: Vec<Child>,
     lines: Receiver<(u16, String)>,
 }
 
 impl Machines {
-    fn start(dir: &Path) -> Self {
+    fn start(mode: &str, test: u16, dir: &Path) -> Self {
         let (tx, lines) = channel();
         let children = (0..MACHINES)
             .map(|m| {
                 let mut child = Command::new(std::env::current_exe().unwrap())
                     .args(["--ignored", "--exact", "node_child", "--nocapture"])
-                    .env(CHILD_ENV, format!("{m}:{}:{}", base_port(), dir.display()))
+                    .env(
+                        CHILD_ENV,
+                        format!("{mode}:{m}:{}:{}", base_port(test), dir.display()),
+                    )
                     .stdout(Stdio::piped())
                     .spawn()
                     .unwrap();
@@ -129,7 +207,7 @@ impl Drop for Machines {
 #[test]
 fn lease_failures_are_detected_across_processes() {
     let dir = tempfile::tempdir().unwrap();
-    let machines = Machines::start(dir.path());
+    let machines = Machines::start("leases", 0, dir.path());
     let mut up = std::collections::BTreeSet::new();
     while up.len() < MACHINES as usize {
         match machines.lines.recv_timeout(Duration::from_secs(30)) {
@@ -163,5 +241,53 @@ fn lease_failures_are_detected_across_processes() {
     assert!(
         machines.expect(0, "suspect 1 by 0", Duration::from_secs(20)),
         "the CM did not suspect a killed member"
+    );
+}
+
+/// Transactions across processes (§4): every machine process opens accounts in its own
+/// regions, then transfers among all of them, reading remote accounts one-sided and committing
+/// through the peers' logs; the snapshot each machine reads in one transaction at its end
+/// holds the total, and shows balances moved.
+#[test]
+fn transfers_between_processes_keep_the_total() {
+    let dir = tempfile::tempdir().unwrap();
+    let machines = Machines::start("bank", 1, dir.path());
+    let mut accounts = std::collections::BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while accounts.len() < MACHINES as usize {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match machines.lines.recv_timeout(left) {
+            Ok((m, line)) => {
+                if let Some(list) = line.strip_prefix("accounts ") {
+                    accounts.insert(m, list.to_string());
+                }
+            }
+            Err(e) => panic!("accounts of {accounts:?} only: {e}"),
+        }
+    }
+    let all: Vec<&str> = accounts.values().map(String::as_str).collect();
+    let tmp = dir.path().join("accounts.tmp");
+    std::fs::write(&tmp, all.join(" ")).unwrap();
+    std::fs::rename(&tmp, dir.path().join("accounts")).unwrap();
+    let mut sums = std::collections::BTreeMap::new();
+    while sums.len() < MACHINES as usize {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match machines.lines.recv_timeout(left) {
+            Ok((m, line)) => {
+                assert!(!line.starts_with("suspect"), "machine {m}: {line}");
+                if let Some(rest) = line.strip_prefix("sum ") {
+                    let (sum, moved) = rest.split_once(" moved ").unwrap();
+                    let moved: usize = moved.parse().unwrap();
+                    sums.insert(m, sum.parse::<u64>().unwrap());
+                    assert!(moved > 0, "machine {m}: no account changed: {line}");
+                }
+            }
+            Err(e) => panic!("sums of {sums:?} only: {e}"),
+        }
+    }
+    let total = MACHINES as u64 * ACCOUNTS * BALANCE;
+    assert!(
+        sums.values().all(|s| *s == total),
+        "sums {sums:?}, expected {total} everywhere"
     );
 }
