@@ -4,6 +4,7 @@
 //!   embedded store; the ZooKeeper store lives in the runtime crate, as protocol crates never
 //!   talk to servers themselves.
 //! - [`codec`]: how a configuration is stored (re-exported from `farm_core::codec`).
+//! - [`control`]: the CM's control messages between processes (NEW-CONFIG and the rest).
 //! - [`lease`]: leases over datagrams with the 3-way handshake, as deterministic state machines.
 //! - [`placement`]: region allocation (§3): ids, replica choice, two-phase prepare/commit.
 //! - [`reconfig`]: reconfiguration steps 2-7 as a state machine, and backup CMs.
@@ -11,6 +12,7 @@
 #![deny(missing_docs)]
 
 pub use farm_core::codec;
+pub mod control;
 pub mod lease;
 pub mod placement;
 pub mod reconfig;

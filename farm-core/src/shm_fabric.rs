@@ -18,10 +18,13 @@
 //! admitted fails without landing. (A write that passed the check just before the target
 //! changed the set may still land, as a write already on the wire does with a NIC.)
 //!
-//! Datagrams (leases) go over UDP on loopback, machine `m` at port `base_port + m`, each with
-//! the cluster's id and its sender; datagrams of another cluster or malformed ones are dropped.
+//! Datagrams go over UDP on loopback, machine `m` at port `base_port + m`, each with the
+//! cluster's id and its sender; datagrams of another cluster or malformed ones are dropped.
+//! Lease datagrams are read with [`Fabric::recv_datagram`] (the lease thread), control
+//! datagrams ([`CONTROL_TAG`]) with [`ShmFabric::recv_control`] (the CM's control thread);
+//! whichever reads one of the other kind queues it for the other.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -31,7 +34,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::fabric::{
-    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket, CONTROL_TAG,
 };
 use crate::ids::MachineId;
 use crate::nvram::Nvram;
@@ -44,8 +47,8 @@ pub const ADMIT_MACHINES_MAX: usize = 512;
 
 const DATAGRAM_MAGIC: u32 = 0xfa53_d6a7;
 const DATAGRAM_HEADER_BYTES: usize = 4 + 8 + 2;
-/// Largest datagram payload.
-pub const DATAGRAM_BYTES_MAX: usize = 1024;
+/// Largest datagram payload (a NEW-CONFIG carries the region map).
+pub const DATAGRAM_BYTES_MAX: usize = 60 << 10;
 
 /// The file of `key` in a machine's NVRAM directory (`<dir>/m<id>/`).
 pub fn area_file(key: MemKey) -> String {
@@ -114,6 +117,9 @@ pub struct ShmFabric {
     tickets: Mutex<HashMap<(Endpoint, MachineId), u64>>,
     /// A socket to send from (any machine's datagrams carry their sender inside).
     sender: UdpSocket,
+    /// Datagrams read by the other kind's reader: (sender, payload).
+    lease_in: Mutex<VecDeque<(MachineId, Vec<u8>)>>,
+    control_in: Mutex<VecDeque<(MachineId, Vec<u8>)>>,
 }
 
 /// Why the fabric could not start.
@@ -190,6 +196,8 @@ impl ShmFabric {
             machines: RwLock::new(HashMap::new()),
             tickets: Mutex::new(HashMap::new()),
             sender,
+            lease_in: Mutex::new(VecDeque::new()),
+            control_in: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -261,6 +269,68 @@ impl ShmFabric {
         i < ADMIT_MACHINES_MAX
             && bits.load_u64(i / 64 * 8, Ordering::Acquire) & (1 << (i % 64)) != 0
     }
+}
+
+impl ShmFabric {
+    /// Takes one control datagram ([`CONTROL_TAG`]) for this machine into `buf`, returning its
+    /// sender; lease datagrams read on the way are kept for [`Fabric::recv_datagram`].
+    pub fn recv_control(&self, buf: &mut Vec<u8>) -> Option<MachineId> {
+        self.recv_kind(true, buf)
+    }
+
+    /// One datagram of the kind asked (control or not), queued or from the socket.
+    fn recv_kind(&self, control: bool, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let (mine, theirs) = if control {
+            (&self.control_in, &self.lease_in)
+        } else {
+            (&self.lease_in, &self.control_in)
+        };
+        if let Some((src, data)) = mine.lock().expect("datagrams poisoned").pop_front() {
+            buf.clear();
+            buf.extend_from_slice(&data);
+            return Some(src);
+        }
+        RECV_BUF.with_borrow_mut(|raw| self.recv_socket(control, theirs, raw, buf))
+    }
+
+    fn recv_socket(
+        &self,
+        control: bool,
+        theirs: &Mutex<VecDeque<(MachineId, Vec<u8>)>>,
+        raw: &mut Vec<u8>,
+        buf: &mut Vec<u8>,
+    ) -> Option<MachineId> {
+        raw.resize(DATAGRAM_HEADER_BYTES + DATAGRAM_BYTES_MAX, 0);
+        loop {
+            let n = match self.local.socket.recv_from(raw) {
+                Ok((n, _)) => n,
+                Err(_) => return None, // WouldBlock: nothing due.
+            };
+            if n < DATAGRAM_HEADER_BYTES
+                || raw[..4] != DATAGRAM_MAGIC.to_le_bytes()
+                || raw[4..12] != self.cluster.to_le_bytes()
+            {
+                continue; // Not this cluster's, or malformed: dropped unread.
+            }
+            let src = MachineId(u16::from_le_bytes([raw[12], raw[13]]));
+            let payload = &raw[DATAGRAM_HEADER_BYTES..n];
+            if payload.first().is_some_and(|b| *b == CONTROL_TAG) != control {
+                theirs
+                    .lock()
+                    .expect("datagrams poisoned")
+                    .push_back((src, payload.to_vec()));
+                continue;
+            }
+            buf.clear();
+            buf.extend_from_slice(payload);
+            return Some(src);
+        }
+    }
+}
+
+thread_local! {
+    /// Each reader thread's receive buffer, allocated once.
+    static RECV_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Microseconds since `epoch`, never 0 (which means "never checked").
@@ -411,23 +481,7 @@ impl Fabric for ShmFabric {
         if dst != self.local.id {
             return None;
         }
-        let mut raw = [0u8; DATAGRAM_HEADER_BYTES + DATAGRAM_BYTES_MAX];
-        loop {
-            let n = match self.local.socket.recv_from(&mut raw) {
-                Ok((n, _)) => n,
-                Err(_) => return None, // WouldBlock: nothing due.
-            };
-            if n < DATAGRAM_HEADER_BYTES
-                || raw[..4] != DATAGRAM_MAGIC.to_le_bytes()
-                || raw[4..12] != self.cluster.to_le_bytes()
-            {
-                continue; // Not this cluster's, or malformed: dropped unread.
-            }
-            let src = MachineId(u16::from_le_bytes([raw[12], raw[13]]));
-            buf.clear();
-            buf.extend_from_slice(&raw[DATAGRAM_HEADER_BYTES..n]);
-            return Some(src);
-        }
+        self.recv_kind(false, buf)
     }
 
     fn admit(&self, machine: MachineId, members: &[MachineId]) {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus};
+use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, CONTROL_TAG};
 use farm_core::nvram::Nvram;
 use farm_core::shm_fabric::{machine_dir, ShmError, ShmFabric, LIVENESS_CHECK};
 use farm_core::{MachineId, RegionId, ThreadId};
@@ -157,6 +157,22 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
         std::thread::sleep(Duration::from_micros(100));
     };
     assert_eq!((from, &buf[..]), (M1, &b"ping"[..]));
+
+    // Control datagrams go to recv_control, lease ones to recv_datagram, whichever reads the
+    // socket first (here the lease reader, which passes the control datagram over).
+    f0.send_datagram(M0, M0, &[CONTROL_TAG, 1], 0);
+    f0.send_datagram(M0, M0, b"lease", 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while f0.recv_datagram(M0, 0, &mut buf).is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the lease datagram did not arrive"
+        );
+    }
+    assert_eq!(&buf[..], b"lease");
+    assert_eq!(f0.recv_control(&mut buf), Some(M0));
+    assert_eq!(&buf[..], &[CONTROL_TAG, 1]);
+    assert_eq!(f0.recv_control(&mut buf), None);
 
     // SIGKILL: the kernel drops its lock; operations fail once liveness is rechecked.
     child.kill().unwrap();

@@ -1,0 +1,143 @@
+//! The CM's control messages between processes (§5.2, §5.4): NEW-CONFIG, its ack,
+//! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE. In one process the CM's driver
+//! calls into the members instead; with one process per machine these travel as datagrams
+//! beside the leases, so they may be lost or repeated: each is idempotent (installing or
+//! committing a configuration twice does nothing the second time) and the sender repeats it
+//! until the answer it waits for arrives.
+//!
+//! A control datagram starts with [`CONTROL_TAG`], which no lease message starts with, so one
+//! socket carries both.
+
+use std::collections::BTreeMap;
+
+use farm_core::codec::{decode_view, encode_view, StoredView};
+use farm_core::config::{Configuration, RegionChanges, RegionMap};
+use farm_core::{ConfigId, RegionId};
+
+pub use farm_core::fabric::CONTROL_TAG;
+
+/// A control message.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum ControlMsg {
+    /// CM to member: install this configuration and region map (§5.2 step 5).
+    NewConfig(StoredView),
+    /// Member to CM: installed (§5.2 step 6).
+    NewConfigAck(ConfigId),
+    /// CM to member: committed; transaction recovery may start (§5.2 step 7, §5.3).
+    NewConfigCommit(ConfigId),
+    /// Member to CM: committed here, and every region it is primary of is active (§5.4).
+    RegionsActive(ConfigId),
+    /// CM to member: every member's regions are active; data and allocator recovery may
+    /// start (§5.4-5.5).
+    AllRegionsActive(ConfigId),
+}
+
+impl ControlMsg {
+    /// NEW-CONFIG of a view.
+    pub fn new_config(
+        config: &Configuration,
+        map: &RegionMap,
+        changes: &BTreeMap<RegionId, RegionChanges>,
+    ) -> Self {
+        ControlMsg::NewConfig(StoredView {
+            config: config.clone(),
+            map: map.clone(),
+            changes: changes.clone(),
+        })
+    }
+
+    /// The datagram.
+    pub fn encode(&self) -> Vec<u8> {
+        let (kind, id) = match self {
+            ControlMsg::NewConfig(v) => (1u8, v.config.id),
+            ControlMsg::NewConfigAck(c) => (2, *c),
+            ControlMsg::NewConfigCommit(c) => (3, *c),
+            ControlMsg::RegionsActive(c) => (4, *c),
+            ControlMsg::AllRegionsActive(c) => (5, *c),
+        };
+        let mut out = vec![CONTROL_TAG, kind];
+        out.extend_from_slice(&id.0.to_le_bytes());
+        if let ControlMsg::NewConfig(v) = self {
+            out.extend_from_slice(&encode_view(&v.config, &v.map, &v.changes));
+        }
+        out
+    }
+
+    /// Decodes a datagram; `None` for anything that is not a well-formed control message
+    /// (datagrams are unauthenticated input: dropped, never trusted).
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() < 10 || bytes[0] != CONTROL_TAG {
+            return None;
+        }
+        let id = ConfigId(u64::from_le_bytes(bytes[2..10].try_into().ok()?));
+        let rest = &bytes[10..];
+        let msg = match (bytes[1], rest.is_empty()) {
+            (1, false) => {
+                let view = decode_view(rest).ok()?;
+                if view.config.id != id {
+                    return None;
+                }
+                ControlMsg::NewConfig(view)
+            }
+            (2, true) => ControlMsg::NewConfigAck(id),
+            (3, true) => ControlMsg::NewConfigCommit(id),
+            (4, true) => ControlMsg::RegionsActive(id),
+            (5, true) => ControlMsg::AllRegionsActive(id),
+            _ => return None,
+        };
+        Some(msg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip_and_garbage_is_dropped() {
+        let mut config = Configuration::initial(3);
+        config.id = ConfigId(7);
+        let map = RegionMap::striped(3, 2, 2);
+        let changes = BTreeMap::from([(
+            RegionId(1),
+            RegionChanges {
+                last_primary_change: ConfigId(7),
+                last_replica_change: ConfigId(6),
+            },
+        )]);
+        let all = [
+            ControlMsg::new_config(&config, &map, &changes),
+            ControlMsg::NewConfigAck(ConfigId(7)),
+            ControlMsg::NewConfigCommit(ConfigId(7)),
+            ControlMsg::RegionsActive(ConfigId(7)),
+            ControlMsg::AllRegionsActive(ConfigId(u64::MAX)),
+        ];
+        for m in &all {
+            assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));
+        }
+        let new_config = all[0].encode();
+        // Truncated, retagged, an unknown kind, a view whose id disagrees, trailing bytes.
+        assert_eq!(
+            ControlMsg::decode(&new_config[..new_config.len() - 1]),
+            None
+        );
+        let mut bad = new_config.clone();
+        bad[0] = 1;
+        assert_eq!(ControlMsg::decode(&bad), None);
+        bad = new_config.clone();
+        bad[1] = 9;
+        assert_eq!(ControlMsg::decode(&bad), None);
+        bad = new_config.clone();
+        bad[2] = 8;
+        assert_eq!(ControlMsg::decode(&bad), None);
+        let mut ack = all[1].encode();
+        ack.push(0);
+        assert_eq!(ControlMsg::decode(&ack), None);
+        // Lease datagrams are not control messages.
+        let lease = crate::LeaseMsg::Grant {
+            config: ConfigId(1),
+            seq: 1,
+        };
+        assert_eq!(ControlMsg::decode(&lease.encode()), None);
+    }
+}
