@@ -24,6 +24,7 @@ mod cluster;
 mod cm;
 mod lease_thread;
 pub mod node;
+mod node_control;
 mod txn;
 pub mod zk;
 

@@ -55,6 +55,9 @@ pub struct NodeConfig {
     pub regions_per_machine: u32,
     /// Replicas of each region (primary included).
     pub replicas: u16,
+    /// The ZooKeeper ensemble (`host:port,...`) and the cluster's znode (`/farm/name`) that
+    /// hold its configuration. Without it, suspicions are only recorded: nobody reconfigures.
+    pub zookeeper: Option<(String, String)>,
     /// Bytes per region.
     pub region_bytes: usize,
 }
@@ -76,6 +79,9 @@ pub enum NodeError {
         /// How long the node waited.
         waited: Duration,
     },
+    /// The coordination store failed or holds something this node cannot start from.
+    #[error("coordination store: {0}")]
+    Store(String),
     /// Mapping the machine's NVRAM failed.
     #[error("mapping the NVRAM of machine {machine} under {dir}: {source}")]
     Nvram {
@@ -98,6 +104,8 @@ pub struct Node {
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
     shared: Arc<Workers>,
     pollers: Vec<JoinHandle<()>>,
+    control: Option<JoinHandle<()>>,
+    committed: Arc<Mutex<Vec<farm_core::ConfigId>>>,
 }
 
 /// The machine's workers, each polled by its poller thread unless a transaction holds it.
@@ -154,6 +162,13 @@ impl Node {
             config.machine,
             config.base_port,
         )?);
+        // Connecting may take tens of milliseconds: before the start barrier, so that every
+        // node's lease thread starts within a poll of the others' (a member whose CM starts a
+        // lease later suspects it).
+        let store = match &config.zookeeper {
+            Some((connect, root)) => Some(open_store(connect, root, config.machines)?),
+            None => None,
+        };
         let params = Params {
             layout: RingLayout {
                 machines_max: config.machines,
@@ -230,6 +245,24 @@ impl Node {
                     .expect("spawn poller")
             })
             .collect();
+        let committed = Arc::new(Mutex::new(Vec::new()));
+        let control = store.map(|store| {
+            let c = crate::node_control::Control {
+                machine: machine.clone(),
+                fabric: fabric.clone(),
+                store,
+                suspicions: suspicions.clone(),
+                lease: config.lease,
+                replicas: config.replicas as usize,
+                epoch: Instant::now(),
+                stop: stop.clone(),
+                committed: committed.clone(),
+            };
+            std::thread::Builder::new()
+                .name("farm-control".into())
+                .spawn(move || c.run())
+                .expect("spawn control thread")
+        });
         Ok(Self {
             machine,
             fabric,
@@ -238,7 +271,14 @@ impl Node {
             suspicions,
             shared,
             pollers,
+            control,
+            committed,
         })
+    }
+
+    /// Configurations this node committed as the driver of a reconfiguration.
+    pub fn committed_configurations(&self) -> Vec<farm_core::ConfigId> {
+        self.committed.lock().expect("poisoned").clone()
     }
 
     /// Runs `f` as a transaction coordinated by this machine, retrying it on conflicts, and
@@ -291,6 +331,9 @@ fn run_once<R>(
     w: &Workers,
     f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
 ) -> Result<R, TxError> {
+    if worker.machine().is_evicted() {
+        return Err(TxError::Evicted(worker.machine().id));
+    }
     let (value, state) = {
         let mut txn = Txn::new(Tx::new(worker));
         let value = f(&mut txn);
@@ -325,6 +368,48 @@ impl Drop for Node {
             let _ = p.join();
         }
         self.stop.store(true, Ordering::Relaxed);
+        if let Some(c) = self.control.take() {
+            let _ = c.join();
+        }
         self.leases.join();
     }
+}
+
+/// The cluster's coordination store in ZooKeeper, holding the first configuration of
+/// `machines` machines: stored by whichever node comes first, checked by the others.
+fn open_store(
+    connect: &str,
+    root: &str,
+    machines: u16,
+) -> Result<Arc<dyn farm_cm::CoordinationStore>, NodeError> {
+    use farm_cm::{CasOutcome, CoordinationStore};
+    let store = crate::zk::ZkStore::connect(connect, root, Duration::from_secs(10))
+        .map_err(|e| NodeError::Store(format!("ZooKeeper at {connect}: {e}")))?;
+    let initial = Configuration::initial(machines);
+    let stored = match store.read().map_err(|e| NodeError::Store(e.to_string()))? {
+        Some((_, bytes)) => bytes,
+        None => {
+            let bytes = farm_cm::codec::encode(&initial);
+            match store.compare_and_set(None, &bytes) {
+                Ok(CasOutcome::Written(_)) => bytes,
+                Ok(CasOutcome::Conflict) => {
+                    match store.read().map_err(|e| NodeError::Store(e.to_string()))? {
+                        Some((_, b)) => b,
+                        None => return Err(NodeError::Store("the configuration vanished".into())),
+                    }
+                }
+                Err(e) => return Err(NodeError::Store(e.to_string())),
+            }
+        }
+    };
+    let config = farm_cm::codec::decode(&stored)
+        .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?;
+    if config != initial {
+        return Err(NodeError::Store(format!(
+            "{root} holds configuration {} with members {:?}, not the first configuration of \
+             {machines} machines: restarting or joining a running cluster is not supported yet",
+            config.id.0, config.members
+        )));
+    }
+    Ok(Arc::new(store))
 }

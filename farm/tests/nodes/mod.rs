@@ -1,0 +1,286 @@
+//! Machines as separate processes for the multi-process tests (farm::node over the `shm`
+//! fabric): a test binary runs itself again as each machine (`child_main`, behind an ignored
+//! `node_child` test), and `Machines` starts them, reads what they print and signals them.
+#![allow(dead_code)] // Each test binary uses part of it.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use farm::node::{Node, NodeConfig};
+use farm::{Addr, MachineId, RegionId};
+
+pub const CHILD_ENV: &str = "FARM_NODE_CHILD";
+pub const CLUSTER: u64 = 0xc1a5_7e11;
+pub const MACHINES: u16 = 3;
+/// Lease length of the lease test; the kill test's is [`KILL_LEASE`], and the transfer test,
+/// which is not about leases, uses long ones so that a loaded machine suspects nobody.
+pub const LEASE: Duration = Duration::from_millis(20);
+pub const KILL_LEASE: Duration = Duration::from_millis(50);
+const BANK_LEASE: Duration = Duration::from_millis(500);
+
+/// Datagram ports of a test's machines (each test its own range: tests run in parallel).
+pub fn base_port(test: u16) -> u16 {
+    20_000 + (std::process::id() % 4_000) as u16 * 8 + test * 4
+}
+
+pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfig {
+    NodeConfig {
+        dir: dir.to_path_buf(),
+        cluster: CLUSTER,
+        machine: MachineId(machine),
+        machines: MACHINES,
+        workers: 2,
+        base_port: port,
+        lease: match mode {
+            "bank" => BANK_LEASE,
+            "kill" => KILL_LEASE,
+            _ => LEASE,
+        },
+        start_timeout: Duration::from_secs(30),
+        regions_per_machine: 1,
+        replicas: 3,
+        region_bytes: 4 << 20,
+        zookeeper: std::env::var(ZK_ENV).ok().map(|z| {
+            let (connect, root) = z.split_once('|').unwrap();
+            (connect.to_string(), root.to_string())
+        }),
+    }
+}
+
+/// The ZooKeeper ensemble and znode of the kill test's machines: `<connect>|<root>`.
+pub const ZK_ENV: &str = "FARM_NODE_ZK";
+
+/// Accounts each machine opens in the bank test, and their opening balance.
+pub const ACCOUNTS: u64 = 4;
+pub const BALANCE: u64 = 100;
+pub const TRANSFERS: u64 = 300;
+
+/// One machine, run by the tests below as a child process:
+/// `FARM_NODE_CHILD=<mode>:<machine>:<base port>:<dir>`. Prints `up`; in mode `bank`, opens
+/// its accounts (`accounts <region>:<offset> ...`), waits for the file `<dir>/accounts` naming
+/// every machine's, makes transfers among all of them and prints `sum <total>` read in one
+/// transaction afterwards, with how many accounts differ from their opening balance. Then
+/// prints `suspect <m> by <o>` for each suspicion, for at most
+/// 60 s.
+pub fn child_main() {
+    let spec = std::env::var(CHILD_ENV).expect("run by the multi-process test, which sets it");
+    let mut parts = spec.splitn(4, ':');
+    let (mode, machine, port, dir) = (
+        parts.next().unwrap().to_string(),
+        parts.next().unwrap().parse::<u16>().unwrap(),
+        parts.next().unwrap().parse::<u16>().unwrap(),
+        Path::new(parts.next().unwrap()),
+    );
+    if std::env::var_os("FARM_NODE_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+    let node = Node::start(&node_config(&mode, machine, port, dir)).unwrap();
+    println!("up");
+    match mode.as_str() {
+        "bank" => bank(&node, dir),
+        "kill" => bank_until_stopped(&node, dir),
+        _ => {}
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = 0;
+    while Instant::now() < deadline {
+        let s = node.suspicions();
+        for x in &s[seen..] {
+            println!("suspect {} by {}", x.suspect.0, x.observer.0);
+        }
+        seen = s.len();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn bank(node: &Node, dir: &Path) {
+    let all = open_accounts(node, dir);
+    let mut next = rng(node);
+    let n = all.len() as u64;
+    for _ in 0..TRANSFERS {
+        let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
+        transfer(node, from, to, amount).unwrap();
+    }
+    print_sum(node, &all);
+}
+
+/// Transfers until the file `<dir>/stop` appears, printing errors; then how many committed,
+/// the configuration and its members, and the sum.
+fn bank_until_stopped(node: &Node, dir: &Path) {
+    let all = open_accounts(node, dir);
+    let mut next = rng(node);
+    let n = all.len() as u64;
+    let stop = dir.join("stop");
+    let mut done = 0u64;
+    while !stop.exists() {
+        let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
+        match transfer(node, from, to, amount) {
+            Ok(()) => done += 1,
+            Err(e) => println!("error {e}"),
+        }
+    }
+    let config = node.configuration();
+    let members: Vec<String> = config.members.iter().map(|m| m.0.to_string()).collect();
+    println!("transfers {done}");
+    println!("config {} members {}", config.id.0, members.join(","));
+    print_sum(node, &all);
+}
+
+fn rng(node: &Node) -> impl FnMut(u64) -> u64 {
+    let mut x = node.id().0 as u64 * 7919 + 1;
+    move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    }
+}
+
+fn transfer(node: &Node, from: Addr, to: Addr, amount: u64) -> Result<(), farm::TxError> {
+    if from == to {
+        return Ok(());
+    }
+    node.txn(|tx| {
+        let a: u64 = tx.read(from)?;
+        let b: u64 = tx.read(to)?;
+        if a >= amount {
+            tx.write(from, &(a - amount))?;
+            tx.write(to, &(b + amount))?;
+        }
+        Ok(())
+    })
+}
+
+fn print_sum(node: &Node, all: &[Addr]) {
+    let balances: Vec<u64> = node
+        .txn(|tx| all.iter().map(|a| tx.read::<u64>(*a)).collect())
+        .unwrap();
+    println!(
+        "sum {} moved {}",
+        balances.iter().sum::<u64>(),
+        balances.iter().filter(|b| **b != BALANCE).count()
+    );
+}
+
+/// Opens this machine's accounts, prints them, and returns every machine's once the file
+/// `<dir>/accounts` names them.
+fn open_accounts(node: &Node, dir: &Path) -> Vec<Addr> {
+    let mine: Vec<Addr> = (0..ACCOUNTS)
+        .map(|_| node.txn(|tx| tx.alloc(&BALANCE, None)).unwrap())
+        .collect();
+    let named: Vec<String> = mine
+        .iter()
+        .map(|a| format!("{}:{}", a.region.0, a.offset))
+        .collect();
+    println!("accounts {}", named.join(" "));
+    let file = dir.join("accounts");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !file.exists() {
+        assert!(Instant::now() < deadline, "no accounts file");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::fs::read_to_string(&file)
+        .unwrap()
+        .split_whitespace()
+        .map(|a| {
+            let (r, o) = a.split_once(':').unwrap();
+            Addr::new(RegionId(r.parse().unwrap()), o.parse().unwrap())
+        })
+        .collect()
+}
+
+pub struct Machines {
+    children: Vec<Child>,
+    pub lines: Receiver<(u16, String)>,
+}
+
+impl Machines {
+    pub fn start(mode: &str, test: u16, dir: &Path, zookeeper: Option<(String, String)>) -> Self {
+        let (tx, lines) = channel();
+        let children = (0..MACHINES)
+            .map(|m| {
+                let mut command = Command::new(std::env::current_exe().unwrap());
+                command
+                    .args(["--ignored", "--exact", "node_child", "--nocapture"])
+                    .env(
+                        CHILD_ENV,
+                        format!("{mode}:{m}:{}:{}", base_port(test), dir.display()),
+                    )
+                    .stdout(Stdio::piped());
+                if let Some((connect, root)) = &zookeeper {
+                    command.env(ZK_ENV, format!("{connect}|{root}"));
+                }
+                let mut child = command.spawn().unwrap();
+                let out = BufReader::new(child.stdout.take().unwrap());
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in out.lines().map_while(Result::ok) {
+                        let _ = tx.send((m, line));
+                    }
+                });
+                child
+            })
+            .collect();
+        Self { children, lines }
+    }
+
+    /// Waits up to `within` for a line `what` from machine `from`, failing on any other
+    /// suspicion; returns whether it came.
+    pub fn expect(&self, from: u16, what: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((m, line)) if m == from && line == what => return true,
+                Ok((m, line)) => assert!(
+                    !line.starts_with("suspect"),
+                    "machine {m}: unexpected {line:?} while waiting for {what:?} from {from}"
+                ),
+                Err(RecvTimeoutError::Timeout) => return false,
+                Err(RecvTimeoutError::Disconnected) => panic!("every machine ended"),
+            }
+        }
+    }
+
+    /// Collects every machine's `accounts` line and writes them all to `<dir>/accounts`.
+    pub fn share_accounts(&self, dir: &Path) {
+        let mut accounts = std::collections::BTreeMap::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while accounts.len() < MACHINES as usize {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((m, line)) => {
+                    if let Some(list) = line.strip_prefix("accounts ") {
+                        accounts.insert(m, list.to_string());
+                    }
+                }
+                Err(e) => panic!("accounts of {accounts:?} only: {e}"),
+            }
+        }
+        let all: Vec<&str> = accounts.values().map(String::as_str).collect();
+        let tmp = dir.join("accounts.tmp");
+        std::fs::write(&tmp, all.join(" ")).unwrap();
+        std::fs::rename(&tmp, dir.join("accounts")).unwrap();
+    }
+
+    pub fn signal(&self, m: u16, signal: libc::c_int) {
+        let pid = self.children[m as usize].id() as libc::pid_t;
+        // SAFETY: kill(2) with the pid of a child this test spawned and has not reaped.
+        let sent = unsafe { libc::kill(pid, signal) };
+        assert_eq!(sent, 0, "kill({pid}, {signal})");
+    }
+}
+
+impl Drop for Machines {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
