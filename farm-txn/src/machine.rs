@@ -122,6 +122,11 @@ pub struct View {
     /// and 4), which may be a later configuration than the change when recovery was
     /// interrupted by another failure.
     pub blocked: BTreeSet<RegionId>,
+    /// The regions of this configuration's NEW-CONFIG, which its transaction recovery covers
+    /// (§5.3 steps 3-4). A region allocated later in the same configuration holds no
+    /// transaction to recover, and machines that ran their recovery round before it existed
+    /// sent no NEED-RECOVERY for it: its primary must not wait for one.
+    pub recovery_regions: Arc<BTreeSet<RegionId>>,
     regions: Vec<Option<Arc<Nvram>>>,
     pools: Vec<Option<Arc<BlockPool>>>,
 }
@@ -419,6 +424,7 @@ impl MachineState {
             map: RegionMap::default(),
             changes: BTreeMap::new(),
             blocked: BTreeSet::new(),
+            recovery_regions: Arc::default(),
             regions: Vec::new(),
             pools: Vec::new(),
         };
@@ -645,11 +651,19 @@ impl MachineState {
         // pass for complete after a restart.
         self.persist_copying()?;
         self.persist_view(&config, &map, &changes)?;
+        // Region allocation installs a new map in the same configuration: its recovery keeps
+        // covering the regions of the configuration's NEW-CONFIG.
+        let recovery_regions = if old.config.id == config.id && old.map.iter().next().is_some() {
+            old.recovery_regions.clone()
+        } else {
+            Arc::new(map.iter().map(|(r, _)| r).collect())
+        };
         *guard = Arc::new(View {
             config,
             map,
             changes,
             blocked,
+            recovery_regions,
             regions,
             pools,
         });
@@ -872,6 +886,7 @@ impl MachineState {
             map: old.map.clone(),
             changes: old.changes.clone(),
             blocked: old.blocked.clone(),
+            recovery_regions: old.recovery_regions.clone(),
             regions: old.regions.clone(),
             pools,
         });

@@ -536,7 +536,7 @@ impl Worker {
         }
         // NEED-RECOVERY from backups (step 3), for every region this machine backs up.
         for (region, placement) in view.map.iter() {
-            if !placement.backups.contains(&me) {
+            if !placement.backups.contains(&me) || !view.recovery_regions.contains(&region) {
                 continue;
             }
             let txns: Vec<TxnId> = self
@@ -554,7 +554,11 @@ impl Worker {
             );
         }
         // Lock recovery at primaries (step 4) starts once every backup has reported.
-        let primary_of: Vec<RegionId> = view.map.primary_of(me).collect();
+        let primary_of: Vec<RegionId> = view
+            .map
+            .primary_of(me)
+            .filter(|r| view.recovery_regions.contains(r))
+            .collect();
         for region in primary_of {
             let placement = view.map.get(region).expect("mapped");
             let listed = self
