@@ -276,6 +276,12 @@ impl Node {
         })
     }
 
+    /// Whether this machine learnt it was removed from the configuration (precise membership,
+    /// §5.2): its transactions fail with [`TxError::Evicted`].
+    pub fn is_evicted(&self) -> bool {
+        self.machine.is_evicted()
+    }
+
     /// Configurations this node committed as the driver of a reconfiguration.
     pub fn committed_configurations(&self) -> Vec<farm_core::ConfigId> {
         self.committed.lock().expect("poisoned").clone()
@@ -349,6 +355,12 @@ fn run_once<R>(
     worker.start_commit(state);
     let mut backoff = Backoff::new();
     loop {
+        if worker.machine().is_evicted() {
+            // Removed from the configuration (§5.2): the outcome is recovery's to decide
+            // among the members; this machine's writes are refused there.
+            worker.abandon_commit();
+            return Err(TxError::Evicted(worker.machine().id));
+        }
         let now = w.now();
         if let Some(r) = worker.poll_commit(now) {
             return r.map(|()| value);

@@ -110,6 +110,10 @@ impl Control {
                     retry = None;
                 }
             }
+            if suspects.contains(&config.cm) && self.removed(&config) {
+                // Out of the cluster: nothing more to drive or answer.
+                continue;
+            }
             if config.cm == me && !suspects.is_empty() && config.contains(me) {
                 if !self.reconfigure(&config, suspects.clone(), &mut cm) {
                     retry = Some((suspects, Instant::now()));
@@ -125,6 +129,29 @@ impl Control {
                 }
             }
             std::thread::sleep((self.lease / 20).max(Duration::from_micros(200)));
+        }
+    }
+
+    /// Whether the coordination store holds a newer configuration without this machine (asked
+    /// when its CM falls silent: a machine paused past its lease was removed meanwhile, and
+    /// nobody sends NEW-CONFIG to removed machines). Marks the machine evicted if so.
+    fn removed(&self, config: &Configuration) -> bool {
+        let me = self.machine.id;
+        let stored = match self.store.read() {
+            Ok(Some((_, bytes))) => farm_cm::codec::decode(&bytes).ok(),
+            _ => None,
+        };
+        match stored {
+            Some(s) if s.id > config.id && !s.contains(me) => {
+                tracing::warn!(
+                    machine = me.0,
+                    config = s.id.0,
+                    "removed from the configuration"
+                );
+                self.machine.set_evicted(true);
+                true
+            }
+            _ => false,
         }
     }
 

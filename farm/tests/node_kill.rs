@@ -1,6 +1,7 @@
-//! A machine process killed with SIGKILL in the middle of a workload (FaRM §5), with the
-//! configuration in ZooKeeper: its own binary, so that its three processes do not share the
-//! two cores with other multi-process tests.
+//! Machine processes failing in the middle of a workload (FaRM §5), with the configuration in
+//! ZooKeeper: one killed with SIGKILL, one stopped with SIGSTOP past its lease and continued.
+//! Their own binary, so that these processes do not share the two cores with other
+//! multi-process tests.
 
 use std::time::{Duration, Instant};
 
@@ -67,5 +68,55 @@ fn a_killed_machine_process_is_removed_and_transfers_go_on() {
             "machine {m} is in {c}, not a configuration without the killed machine"
         );
         assert!(transfers[&m] > 0, "machine {m} made no transfer");
+    }
+}
+
+/// SIGSTOP a machine process for ten leases in the middle of transfers, then SIGCONT it
+/// (§5.2, precise membership): the CM removes it meanwhile; continued, it finds its CM silent,
+/// reads the newer configuration without it from ZooKeeper and stops as evicted. Its writes
+/// are refused by the members, so the total holds on both survivors.
+#[test]
+fn a_stopped_machine_is_removed_and_corrupts_nothing_when_continued() {
+    let Some(zookeeper) = common::zookeeper("node-stop") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let machines = Machines::start("kill", 3, dir.path(), Some(zookeeper));
+    machines.share_accounts(dir.path());
+    std::thread::sleep(Duration::from_millis(300));
+    machines.signal(2, libc::SIGSTOP);
+    std::thread::sleep(nodes::KILL_LEASE * 10);
+    machines.signal(2, libc::SIGCONT);
+    let mut evicted = false;
+    let mut sums = std::collections::BTreeMap::new();
+    let mut configs = std::collections::BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !evicted || sums.len() < 2 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match machines.lines.recv_timeout(left) {
+            Ok((m, line)) => {
+                if line.starts_with("evicted") {
+                    assert_eq!(m, 2, "machine {m} evicted");
+                    evicted = true;
+                    std::fs::write(dir.path().join("stop"), b"").unwrap();
+                } else if let Some(rest) = line.strip_prefix("sum ") {
+                    let (sum, _) = rest.split_once(" moved ").unwrap();
+                    sums.insert(m, sum.parse::<u64>().unwrap());
+                } else if let Some(rest) = line.strip_prefix("config ") {
+                    configs.insert(m, rest.to_string());
+                }
+            }
+            Err(e) => panic!("evicted {evicted}, sums {sums:?} ({configs:?}): {e}"),
+        }
+    }
+    let total = MACHINES as u64 * ACCOUNTS * BALANCE;
+    assert_eq!(
+        sums,
+        std::collections::BTreeMap::from([(0, total), (1, total)]),
+        "the total did not hold"
+    );
+    for m in [0u16, 1] {
+        let c = &configs[&m];
+        assert!(c.ends_with("members 0,1"), "machine {m} is in {c}");
     }
 }

@@ -23,7 +23,7 @@ const BANK_LEASE: Duration = Duration::from_millis(500);
 
 /// Datagram ports of a test's machines (each test its own range: tests run in parallel).
 pub fn base_port(test: u16) -> u16 {
-    20_000 + (std::process::id() % 4_000) as u16 * 8 + test * 4
+    20_000 + (std::process::id() % 2_500) as u16 * 16 + test * 4
 }
 
 pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfig {
@@ -110,7 +110,8 @@ fn bank(node: &Node, dir: &Path) {
 }
 
 /// Transfers until the file `<dir>/stop` appears, printing errors; then how many committed,
-/// the configuration and its members, and the sum.
+/// the configuration and its members, and the sum. A machine that learns it was removed says
+/// `evicted` and stops.
 fn bank_until_stopped(node: &Node, dir: &Path) {
     let all = open_accounts(node, dir);
     let mut next = rng(node);
@@ -118,6 +119,10 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
     let stop = dir.join("stop");
     let mut done = 0u64;
     while !stop.exists() {
+        if node.is_evicted() {
+            println!("evicted after {done} transfers");
+            return;
+        }
         let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
         match transfer(node, from, to, amount) {
             Ok(()) => done += 1,
