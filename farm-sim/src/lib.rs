@@ -15,4 +15,4 @@ pub mod replicas;
 
 pub use driver::{run_seed, Sim, SimConfig, SimOutcome};
 pub use history::{check, Anomaly, Op, TxnRecord};
-pub use replicas::{check_replicas, ReplicaReport};
+pub use replicas::{check_region, check_replicas, ReplicaReport};

@@ -320,6 +320,30 @@ impl Node {
         self.machine.view().config.clone()
     }
 
+    /// This machine's view: configuration, region map, replicas held.
+    pub fn view(&self) -> Arc<farm_txn::machine::View> {
+        self.machine.view()
+    }
+
+    /// One round of quiescing, for checks once no transaction runs anywhere: flushes
+    /// truncations and freed-log reports and polls every worker. Returns whether this machine
+    /// is quiet: nothing it coordinates in flight, no untruncated record held (backups have
+    /// installed every write, §4 step 5), recovery idle, and data and allocator recovery done
+    /// (§5.4-5.5). Every machine of the cluster must be quiescing for all to get there.
+    pub fn quiesce_step(&self) -> bool {
+        let now = self.shared.now();
+        let mut quiet = true;
+        for w in &self.shared.workers {
+            let mut w = w.lock().expect("worker poisoned");
+            w.poll(now);
+            w.flush_truncations();
+            w.report_all_freed();
+            w.poll(now);
+            quiet &= w.coordinator_quiet() && w.retained_records() == 0 && w.recovery_idle();
+        }
+        quiet && self.machine.background_recovery_done()
+    }
+
     /// Whether `machine`'s process is alive, as the fabric sees it.
     pub fn is_up(&self, machine: MachineId) -> bool {
         self.fabric.is_up(machine)

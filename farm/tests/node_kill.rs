@@ -36,6 +36,7 @@ fn a_killed_machine_process_is_removed_and_transfers_go_on() {
     let mut sums = std::collections::BTreeMap::new();
     let mut configs = std::collections::BTreeMap::new();
     let mut transfers = std::collections::BTreeMap::new();
+    let mut placements = std::collections::BTreeMap::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     while sums.len() < 2 {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -48,6 +49,11 @@ fn a_killed_machine_process_is_removed_and_transfers_go_on() {
                     configs.insert(m, rest.to_string());
                 } else if let Some(n) = line.strip_prefix("transfers ") {
                     transfers.insert(m, n.parse::<u64>().unwrap());
+                } else if let Some(p) = line.strip_prefix("placement ") {
+                    placements
+                        .entry(m)
+                        .or_insert_with(Vec::new)
+                        .push(p.to_string());
                 } else if line.starts_with("error") {
                     eprintln!("machine {m}: {line}");
                 }
@@ -69,6 +75,27 @@ fn a_killed_machine_process_is_removed_and_transfers_go_on() {
         );
         assert!(transfers[&m] > 0, "machine {m} made no transfer");
     }
+    // Re-replication (§5.4): the regions the killed machine held have a new replica on the
+    // third machine, and every backup equals its primary.
+    assert_eq!(
+        placements[&0], placements[&1],
+        "survivors disagree on the map"
+    );
+    let holders = |p: &String| -> Vec<String> {
+        let f: Vec<&str> = p.split(' ').collect();
+        std::iter::once(f[1].to_string())
+            .chain(f[2].split(',').map(str::to_string))
+            .collect()
+    };
+    assert!(
+        placements[&0]
+            .iter()
+            .all(|p| holders(p).len() == 2 && !holders(p).contains(&"2".to_string())),
+        "not two replicas on the survivors: {:?}",
+        placements[&0]
+    );
+    let objects = Machines::check_replicas(dir.path(), &placements[&0]);
+    assert!(objects > 0, "no object compared");
 }
 
 /// SIGSTOP a machine process for ten leases in the middle of transfers, then SIGCONT it

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use farm::node::{Node, NodeConfig};
 use farm::{Addr, MachineId, RegionId};
+use farm_core::nvram::Nvram;
 
 pub const CHILD_ENV: &str = "FARM_NODE_CHILD";
 pub const CLUSTER: u64 = 0xc1a5_7e11;
@@ -19,6 +20,7 @@ pub const MACHINES: u16 = 3;
 /// which is not about leases, uses long ones so that a loaded machine suspects nobody.
 pub const LEASE: Duration = Duration::from_millis(20);
 pub const KILL_LEASE: Duration = Duration::from_millis(50);
+pub const REGION_BYTES: usize = 4 << 20;
 const BANK_LEASE: Duration = Duration::from_millis(500);
 
 /// Datagram ports of a test's machines (each test its own range: tests run in parallel).
@@ -41,8 +43,9 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         },
         start_timeout: Duration::from_secs(30),
         regions_per_machine: 1,
-        replicas: 3,
-        region_bytes: 4 << 20,
+        // The failure tests re-replicate onto the third machine (§5.4).
+        replicas: if mode == "kill" { 2 } else { 3 },
+        region_bytes: REGION_BYTES,
         zookeeper: std::env::var(ZK_ENV).ok().map(|z| {
             let (connect, root) = z.split_once('|').unwrap();
             (connect.to_string(), root.to_string())
@@ -109,7 +112,8 @@ fn bank(node: &Node, dir: &Path) {
     print_sum(node, &all);
 }
 
-/// Transfers until the file `<dir>/stop` appears, printing errors; then how many committed,
+/// Transfers until the file `<dir>/stop` appears, printing errors; then quiesces and prints
+/// how many committed, where every region lives (`placement <region> <primary> <backups>`),
 /// the configuration and its members, and the sum. A machine that learns it was removed says
 /// `evicted` and stops.
 fn bank_until_stopped(node: &Node, dir: &Path) {
@@ -129,11 +133,37 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
             Err(e) => println!("error {e}"),
         }
     }
-    let config = node.configuration();
-    let members: Vec<String> = config.members.iter().map(|m| m.0.to_string()).collect();
+    // Every survivor quiesces (truncations flushed, data recovery done) before the checks.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !node.quiesce_step() {
+        assert!(
+            Instant::now() < deadline,
+            "machine {} did not quiesce",
+            node.id()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let view = node.view();
+    let members: Vec<String> = view
+        .config
+        .members
+        .iter()
+        .map(|m| m.0.to_string())
+        .collect();
     println!("transfers {done}");
-    println!("config {} members {}", config.id.0, members.join(","));
+    for (r, p) in view.map.iter() {
+        let backups: Vec<String> = p.backups.iter().map(|b| b.0.to_string()).collect();
+        println!("placement {} {} {}", r.0, p.primary.0, backups.join(","));
+    }
+    println!("config {} members {}", view.config.id.0, members.join(","));
     print_sum(node, &all);
+    // Keep quiescing while the others finish theirs (they may need this machine's
+    // truncations).
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        node.quiesce_step();
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 fn rng(node: &Node) -> impl FnMut(u64) -> u64 {
@@ -271,6 +301,34 @@ impl Machines {
         let tmp = dir.join("accounts.tmp");
         std::fs::write(&tmp, all.join(" ")).unwrap();
         std::fs::rename(&tmp, dir.join("accounts")).unwrap();
+    }
+
+    /// Compares the replicas of every region of `placements` (`placement` lines) byte for byte
+    /// through their NVRAM files, as `farm_sim::check_region` does in one process.
+    pub fn check_replicas(dir: &Path, placements: &[String]) -> usize {
+        let open = |m: &str, r: &str| {
+            let path = dir.join(format!("m{m}")).join(format!("region-{r}"));
+            Nvram::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        };
+        let mut objects = 0;
+        for line in placements {
+            let mut f = line.split(' ');
+            let (r, p, backups) = (f.next().unwrap(), f.next().unwrap(), f.next().unwrap());
+            let primary = open(p, r);
+            let backups: Vec<(MachineId, Nvram)> = backups
+                .split(',')
+                .map(|b| (MachineId(b.parse().unwrap()), open(b, r)))
+                .collect();
+            let refs: Vec<(MachineId, &Nvram)> = backups.iter().map(|(m, n)| (*m, n)).collect();
+            objects += farm_sim::check_region(
+                RegionId(r.parse().unwrap()),
+                (MachineId(p.parse().unwrap()), &primary),
+                &refs,
+                REGION_BYTES,
+            )
+            .unwrap_or_else(|e| panic!("replicas differ: {e}"));
+        }
+        objects
     }
 
     pub fn signal(&self, m: u16, signal: libc::c_int) {
