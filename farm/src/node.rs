@@ -298,9 +298,17 @@ impl Node {
         let mut worker = w.workers[t].lock().expect("worker poisoned");
         let mut backoff = Backoff::new();
         let mut attempt = 0;
+        let started = Instant::now();
         loop {
             attempt += 1;
             match run_once(&mut worker, w, &mut f) {
+                // A machine failed or its regions recover: the cluster reconfigures and
+                // recovers within a few leases (across processes, a compare-and-set in
+                // ZooKeeper among them), so wait for it by time, without spinning.
+                Err(e) if waits_for_recovery(&e) && started.elapsed() < RECOVERY_WAIT_MAX => {
+                    worker.poll(w.now());
+                    std::thread::sleep(Duration::from_micros(100));
+                }
                 Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
                     worker.poll(w.now());
                     backoff.conflict(attempt);
@@ -353,6 +361,17 @@ impl Node {
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.suspicions.lock().expect("suspicions poisoned").clone()
     }
+}
+
+/// How long [`Node::txn`] waits for reconfiguration and recovery before giving up.
+const RECOVERY_WAIT_MAX: Duration = Duration::from_secs(30);
+
+/// Errors that end once a new configuration is in place and its regions recovered.
+fn waits_for_recovery(e: &TxError) -> bool {
+    matches!(
+        e,
+        TxError::Unavailable(_) | TxError::RegionBlocked(_) | TxError::ConfigurationChanged
+    )
 }
 
 /// One execution and commit of `f` on `worker`.

@@ -38,13 +38,17 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         base_port: port,
         lease: match mode {
             "bank" => BANK_LEASE,
-            "kill" => KILL_LEASE,
+            "kill" | "append" => KILL_LEASE,
             _ => LEASE,
         },
         start_timeout: Duration::from_secs(30),
         regions_per_machine: 1,
         // The failure tests re-replicate onto the third machine (§5.4).
-        replicas: if mode == "kill" { 2 } else { 3 },
+        replicas: if mode == "kill" || mode == "append" {
+            2
+        } else {
+            3
+        },
         region_bytes: REGION_BYTES,
         zookeeper: std::env::var(ZK_ENV).ok().map(|z| {
             let (connect, root) = z.split_once('|').unwrap();
@@ -87,6 +91,7 @@ pub fn child_main() {
     match mode.as_str() {
         "bank" => bank(&node, dir),
         "kill" => bank_until_stopped(&node, dir),
+        "append" => append_until_stopped(&node, dir),
         _ => {}
     }
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -166,6 +171,144 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
     }
 }
 
+/// Longest list of the list-append test.
+const LIST_CAP: usize = 128;
+type List = [u64; LIST_CAP + 1];
+
+/// A clock every process of the host shares (CLOCK_MONOTONIC), in nanoseconds: the checker
+/// orders transactions of different processes in real time by it.
+pub fn host_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass and reads nothing else.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// List-append (the simulator's workload, `farm_sim::check`) across processes: every machine
+/// opens lists; machines 0 and 1 run 1 to 3 reads or appends per transaction until
+/// `<dir>/stop`, printing each acknowledged one as `txn <invoke> <complete> <ops>` (`a:key:value`
+/// or `r:key:v.v.v`); machine 2 only holds lists (it is the one killed). Then machine 0 prints
+/// a final read of every list as a last transaction, and `done`.
+fn append_until_stopped(node: &Node, dir: &Path) {
+    let keys = open_objects(node, dir, |tx| tx.alloc(&[0u64; LIST_CAP + 1], None));
+    let me = node.id().0 as u64;
+    let stop = dir.join("stop");
+    let mut next = rng(node);
+    let mut i = 0u64;
+    while me < 2 && !stop.exists() {
+        let plan: Vec<(usize, bool)> = (0..1 + next(3))
+            .map(|_| (next(keys.len() as u64) as usize, next(2) == 0))
+            .collect();
+        let base = (me << 40) | (i << 4);
+        i += 1;
+        let invoke = host_ns();
+        match node.txn(|tx| list_append(tx, &keys, &plan, base)) {
+            Ok(ops) => println!("txn {invoke} {} {}", host_ns(), encode_ops(&ops)),
+            Err(e) => println!("error {e}"),
+        }
+    }
+    if me == 0 {
+        let invoke = host_ns();
+        let ops = node
+            .txn(|tx| {
+                keys.iter()
+                    .enumerate()
+                    .map(|(k, a)| {
+                        let list: List = tx.read(*a)?;
+                        Ok(farm_sim::Op::Read {
+                            key: k as u64,
+                            values: list[1..=list[0] as usize].to_vec(),
+                        })
+                    })
+                    .collect::<Result<Vec<_>, farm::TxError>>()
+            })
+            .unwrap();
+        println!("txn {invoke} {} {}", host_ns(), encode_ops(&ops));
+    }
+    println!("done");
+}
+
+fn list_append(
+    tx: &mut farm::Txn<'_>,
+    keys: &[Addr],
+    plan: &[(usize, bool)],
+    base: u64,
+) -> Result<Vec<farm_sim::Op>, farm::TxError> {
+    let mut ops = Vec::new();
+    for (j, (key, append)) in plan.iter().enumerate() {
+        let mut list: List = tx.read(keys[*key])?;
+        let len = list[0] as usize;
+        if *append && len < LIST_CAP {
+            let value = base | j as u64;
+            list[1 + len] = value;
+            list[0] += 1;
+            tx.write(keys[*key], &list)?;
+            ops.push(farm_sim::Op::Append {
+                key: *key as u64,
+                value,
+            });
+        } else {
+            ops.push(farm_sim::Op::Read {
+                key: *key as u64,
+                values: list[1..=len].to_vec(),
+            });
+        }
+    }
+    Ok(ops)
+}
+
+fn encode_ops(ops: &[farm_sim::Op]) -> String {
+    let each: Vec<String> = ops
+        .iter()
+        .map(|op| match op {
+            farm_sim::Op::Append { key, value } => format!("a:{key}:{value}"),
+            farm_sim::Op::Read { key, values } => {
+                let v: Vec<String> = values.iter().map(u64::to_string).collect();
+                format!("r:{key}:{}", v.join("."))
+            }
+        })
+        .collect();
+    each.join(" ")
+}
+
+/// A `txn` line's transaction, for the checker.
+pub fn decode_txn(line: &str) -> farm_sim::TxnRecord {
+    let mut f = line.split(' ');
+    let invoke = f.next().unwrap().parse().unwrap();
+    let complete = f.next().unwrap().parse().unwrap();
+    let ops = f
+        .map(|op| {
+            let mut p = op.splitn(3, ':');
+            let (kind, key, rest) = (p.next().unwrap(), p.next().unwrap(), p.next().unwrap());
+            let key = key.parse().unwrap();
+            match kind {
+                "a" => farm_sim::Op::Append {
+                    key,
+                    value: rest.parse().unwrap(),
+                },
+                _ => farm_sim::Op::Read {
+                    key,
+                    values: rest
+                        .split('.')
+                        .filter(|v| !v.is_empty())
+                        .map(|v| v.parse().unwrap())
+                        .collect(),
+                },
+            }
+        })
+        .collect();
+    farm_sim::TxnRecord {
+        ops,
+        invoke,
+        complete,
+        committed: true,
+    }
+}
+
 fn rng(node: &Node) -> impl FnMut(u64) -> u64 {
     let mut x = node.id().0 as u64 * 7919 + 1;
     move |n: u64| {
@@ -205,9 +348,18 @@ fn print_sum(node: &Node, all: &[Addr]) {
 /// Opens this machine's accounts, prints them, and returns every machine's once the file
 /// `<dir>/accounts` names them.
 fn open_accounts(node: &Node, dir: &Path) -> Vec<Addr> {
-    let mine: Vec<Addr> = (0..ACCOUNTS)
-        .map(|_| node.txn(|tx| tx.alloc(&BALANCE, None)).unwrap())
-        .collect();
+    open_objects(node, dir, |tx| tx.alloc(&BALANCE, None))
+}
+
+/// Opens [`ACCOUNTS`] objects made by `alloc` in this machine's regions, prints them
+/// (`accounts <region>:<offset> ...`), and returns every machine's once the file
+/// `<dir>/accounts` names them.
+fn open_objects(
+    node: &Node,
+    dir: &Path,
+    alloc: impl Fn(&mut farm::Txn<'_>) -> Result<Addr, farm::TxError>,
+) -> Vec<Addr> {
+    let mine: Vec<Addr> = (0..ACCOUNTS).map(|_| node.txn(&alloc).unwrap()).collect();
     let named: Vec<String> = mine
         .iter()
         .map(|a| format!("{}:{}", a.region.0, a.offset))
