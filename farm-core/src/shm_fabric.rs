@@ -125,6 +125,19 @@ pub struct ShmFabric {
 /// Why the fabric could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
+    /// The NVRAM directory holds another cluster's machines.
+    #[error(
+        "the NVRAM directory {dir} belongs to cluster {found:#x}, not {expected:#x}: use \
+         another directory, or the cluster id it was created with"
+    )]
+    OtherCluster {
+        /// The directory.
+        dir: String,
+        /// The cluster id stamped in it.
+        found: u64,
+        /// The cluster id asked for.
+        expected: u64,
+    },
     /// Another live process runs this machine.
     #[error("machine {0} already runs in another process (its `alive` lock is held)")]
     AlreadyRunning(MachineId),
@@ -145,14 +158,17 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ShmError {
 
 impl ShmFabric {
     /// The fabric of the process that runs machine `me` of cluster `cluster`, whose machines
-    /// keep their NVRAM under `dir`: takes `me`'s `alive` lock (failing if another live process
-    /// holds it) and binds its datagram port, `base_port + me`, on loopback.
+    /// keep their NVRAM under `dir`: checks that `dir` is this cluster's (stamping it when
+    /// new), takes `me`'s `alive` lock (failing if another live process holds it) and binds
+    /// its datagram port, `base_port + me`, on loopback.
     pub fn start(
         dir: &Path,
         cluster: u64,
         me: MachineId,
         base_port: u16,
     ) -> Result<Self, ShmError> {
+        std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        stamp_cluster(dir, me, cluster)?;
         let mdir = machine_dir(dir, me);
         std::fs::create_dir_all(&mdir).map_err(io_err(format!("creating {}", mdir.display())))?;
         let path = mdir.join("alive");
@@ -341,6 +357,37 @@ fn micros_since(epoch: Instant) -> u64 {
 fn port_of(base: u16, m: MachineId) -> u16 {
     base.checked_add(m.0)
         .expect("datagram port past 65535: lower the base port")
+}
+
+/// Stamps `dir` with the cluster id, or checks the stamp already there: a directory holds the
+/// NVRAM of one cluster only. The stamp appears whole (written aside, then linked into place),
+/// so racing first processes of one cluster all read the same id.
+fn stamp_cluster(dir: &Path, me: MachineId, cluster: u64) -> Result<(), ShmError> {
+    let stamp = dir.join("cluster");
+    if !stamp.exists() {
+        let aside = dir.join(format!("cluster.m{}", me.0));
+        std::fs::write(&aside, format!("{cluster:#x}\n"))
+            .map_err(io_err(format!("writing {}", aside.display())))?;
+        // Fails if another process linked its stamp first: then that one is checked below.
+        let _ = std::fs::hard_link(&aside, &stamp);
+        let _ = std::fs::remove_file(&aside);
+    }
+    let text =
+        std::fs::read_to_string(&stamp).map_err(io_err(format!("reading {}", stamp.display())))?;
+    let found = u64::from_str_radix(text.trim().trim_start_matches("0x"), 16).map_err(|e| {
+        io_err(format!("reading {}", stamp.display()))(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("not a cluster id: {e}"),
+        ))
+    })?;
+    if found != cluster {
+        return Err(ShmError::OtherCluster {
+            dir: dir.display().to_string(),
+            found,
+            expected: cluster,
+        });
+    }
+    Ok(())
 }
 
 /// Whether the process holding the exclusive lock on `path` lives: a shared lock can be taken

@@ -98,6 +98,14 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
         "a second process for a running machine must be refused"
     );
     assert!(f0.is_up(M1));
+    // The directory is this cluster's: another cluster's machine is refused, naming both ids.
+    match ShmFabric::start(dir.path(), CLUSTER + 1, MachineId(3), base_port()) {
+        Err(e @ ShmError::OtherCluster { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("{CLUSTER:#x}")), "{msg}");
+        }
+        other => panic!("another cluster's machine started: {other:?}"),
+    }
 
     // One-sided read and write of the child's memory: its CPU is not involved.
     let region = MemKey::Region(RegionId(0));
