@@ -335,14 +335,7 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
         }
         for e in effects {
             match e {
-                Effect::Probe(m) => {
-                    let ok = s
-                        .fabric
-                        .remote(me, m, MemKey::Feedback)
-                        .and_then(|h| h.read(0, &mut [0u8; 8]))
-                        .is_ok();
-                    r.on_probe(m, ok, now());
-                }
+                Effect::Probe(m) => r.on_probe(m, probe(&*s.fabric, me, m), now()),
                 Effect::CompareAndSet { expected, data } => {
                     if !probed {
                         probed = true;
@@ -418,6 +411,15 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
             Err(e.to_string())
         }
     }
+}
+
+/// A reconfiguration probe (§5.2 step 2): a one-sided read of `m`'s memory from `me`, which
+/// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers.
+pub(crate) fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> bool {
+    fabric
+        .remote(me, m, MemKey::Feedback)
+        .and_then(|h| h.read(0, &mut [0u8; 8]))
+        .is_ok()
 }
 
 /// An administrative request for the CM.

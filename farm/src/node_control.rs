@@ -21,7 +21,7 @@ use farm_cm::control::ControlMsg;
 use farm_cm::reconfig::{attempt_base, backup_cms, Effect, Reconfig, ReconfigParams};
 use farm_cm::CoordinationStore;
 use farm_core::config::Configuration;
-use farm_core::fabric::{Fabric, MemKey};
+use farm_core::fabric::Fabric;
 use farm_core::shm_fabric::ShmFabric;
 use farm_core::{ConfigId, MachineId};
 use farm_txn::MachineState;
@@ -320,12 +320,7 @@ impl Control {
             for e in effects {
                 match e {
                     Effect::Probe(m) => {
-                        let ok = self
-                            .fabric
-                            .remote(me, m, MemKey::Feedback)
-                            .and_then(|h| h.read(0, &mut [0u8; 8]))
-                            .is_ok();
-                        r.on_probe(m, ok, self.now());
+                        r.on_probe(m, crate::cm::probe(&*self.fabric, me, m), self.now())
                     }
                     Effect::CompareAndSet { expected, data } => {
                         r.on_store(self.store.compare_and_set(Some(expected), &data));

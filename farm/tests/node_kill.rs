@@ -3,12 +3,12 @@
 //! Their own binary, so that these processes do not share the two cores with other
 //! multi-process tests.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 mod nodes;
 
-use nodes::{Machines, ACCOUNTS, BALANCE, MACHINES};
+use nodes::Machines;
 
 /// A machine process of the tests below (see `nodes::child_main`).
 #[test]
@@ -33,50 +33,14 @@ fn a_killed_machine_process_is_removed_and_transfers_go_on() {
     machines.signal(2, libc::SIGKILL);
     std::thread::sleep(Duration::from_millis(700));
     std::fs::write(dir.path().join("stop"), b"").unwrap();
-    let mut sums = std::collections::BTreeMap::new();
-    let mut configs = std::collections::BTreeMap::new();
-    let mut transfers = std::collections::BTreeMap::new();
-    let mut placements = std::collections::BTreeMap::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while sums.len() < 2 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match machines.lines.recv_timeout(left) {
-            Ok((m, line)) => {
-                if let Some(rest) = line.strip_prefix("sum ") {
-                    let (sum, _) = rest.split_once(" moved ").unwrap();
-                    sums.insert(m, sum.parse::<u64>().unwrap());
-                } else if let Some(rest) = line.strip_prefix("config ") {
-                    configs.insert(m, rest.to_string());
-                } else if let Some(n) = line.strip_prefix("transfers ") {
-                    transfers.insert(m, n.parse::<u64>().unwrap());
-                } else if let Some(p) = line.strip_prefix("placement ") {
-                    placements
-                        .entry(m)
-                        .or_insert_with(Vec::new)
-                        .push(p.to_string());
-                } else if line.starts_with("error") {
-                    eprintln!("machine {m}: {line}");
-                }
-            }
-            Err(e) => panic!("sums of {sums:?} only ({configs:?}): {e}"),
-        }
-    }
-    let total = MACHINES as u64 * ACCOUNTS * BALANCE;
-    assert_eq!(
-        sums,
-        std::collections::BTreeMap::from([(0, total), (1, total)]),
-        "the total did not hold"
-    );
+    let ends = machines.ends(|e| e.sums.len() == 2, |_, _| {});
+    ends.assert_survivors_hold_the_total();
     for m in [0u16, 1] {
-        let c = &configs[&m];
-        assert!(
-            c.ends_with("members 0,1"),
-            "machine {m} is in {c}, not a configuration without the killed machine"
-        );
-        assert!(transfers[&m] > 0, "machine {m} made no transfer");
+        assert!(ends.transfers[&m] > 0, "machine {m} made no transfer");
     }
     // Re-replication (§5.4): the regions the killed machine held have a new replica on the
     // third machine, and every backup equals its primary.
+    let placements = &ends.placements;
     assert_eq!(
         placements[&0], placements[&1],
         "survivors disagree on the map"
@@ -114,36 +78,14 @@ fn a_stopped_machine_is_removed_and_corrupts_nothing_when_continued() {
     machines.signal(2, libc::SIGSTOP);
     std::thread::sleep(nodes::KILL_LEASE * 10);
     machines.signal(2, libc::SIGCONT);
-    let mut evicted = false;
-    let mut sums = std::collections::BTreeMap::new();
-    let mut configs = std::collections::BTreeMap::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !evicted || sums.len() < 2 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match machines.lines.recv_timeout(left) {
-            Ok((m, line)) => {
-                if line.starts_with("evicted") {
-                    assert_eq!(m, 2, "machine {m} evicted");
-                    evicted = true;
-                    std::fs::write(dir.path().join("stop"), b"").unwrap();
-                } else if let Some(rest) = line.strip_prefix("sum ") {
-                    let (sum, _) = rest.split_once(" moved ").unwrap();
-                    sums.insert(m, sum.parse::<u64>().unwrap());
-                } else if let Some(rest) = line.strip_prefix("config ") {
-                    configs.insert(m, rest.to_string());
-                }
+    let ends = machines.ends(
+        |e| !e.evicted.is_empty() && e.sums.len() == 2,
+        |m, line| {
+            if line.starts_with("evicted") {
+                assert_eq!(m, 2, "machine {m} evicted");
+                std::fs::write(dir.path().join("stop"), b"").unwrap();
             }
-            Err(e) => panic!("evicted {evicted}, sums {sums:?} ({configs:?}): {e}"),
-        }
-    }
-    let total = MACHINES as u64 * ACCOUNTS * BALANCE;
-    assert_eq!(
-        sums,
-        std::collections::BTreeMap::from([(0, total), (1, total)]),
-        "the total did not hold"
+        },
     );
-    for m in [0u16, 1] {
-        let c = &configs[&m];
-        assert!(c.ends_with("members 0,1"), "machine {m} is in {c}");
-    }
+    ends.assert_survivors_hold_the_total();
 }

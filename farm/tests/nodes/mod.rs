@@ -3,6 +3,7 @@
 //! `node_child` test), and `Machines` starts them, reads what they print and signals them.
 #![allow(dead_code)] // Each test binary uses part of it.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -381,6 +382,57 @@ fn open_objects(
         .collect()
 }
 
+/// What the machines of a failure test print at their end (`bank_until_stopped`).
+#[derive(Debug, Default)]
+pub struct Ends {
+    /// The sum each machine read.
+    pub sums: BTreeMap<u16, u64>,
+    /// Each machine's `<id> members <list>`.
+    pub configs: BTreeMap<u16, String>,
+    /// Transfers each machine committed.
+    pub transfers: BTreeMap<u16, u64>,
+    /// Each machine's `placement` lines.
+    pub placements: BTreeMap<u16, Vec<String>>,
+    /// Machines that said they were evicted.
+    pub evicted: BTreeSet<u16>,
+}
+
+impl Ends {
+    fn take(&mut self, m: u16, line: &str) {
+        if let Some(rest) = line.strip_prefix("sum ") {
+            let (sum, _) = rest.split_once(" moved ").unwrap();
+            self.sums.insert(m, sum.parse().unwrap());
+        } else if let Some(rest) = line.strip_prefix("config ") {
+            self.configs.insert(m, rest.to_string());
+        } else if let Some(n) = line.strip_prefix("transfers ") {
+            self.transfers.insert(m, n.parse().unwrap());
+        } else if let Some(p) = line.strip_prefix("placement ") {
+            self.placements.entry(m).or_default().push(p.to_string());
+        } else if line.starts_with("evicted") {
+            self.evicted.insert(m);
+        } else if line.starts_with("error") {
+            eprintln!("machine {m}: {line}");
+        }
+    }
+
+    /// The total holds on machines 0 and 1, both in the configuration without machine 2.
+    pub fn assert_survivors_hold_the_total(&self) {
+        let total = MACHINES as u64 * ACCOUNTS * BALANCE;
+        assert_eq!(
+            self.sums,
+            BTreeMap::from([(0, total), (1, total)]),
+            "the total did not hold"
+        );
+        for m in [0u16, 1] {
+            let c = &self.configs[&m];
+            assert!(
+                c.ends_with("members 0,1"),
+                "machine {m} is in {c}, not a configuration without machine 2"
+            );
+        }
+    }
+}
+
 pub struct Machines {
     children: Vec<Child>,
     pub lines: Receiver<(u16, String)>,
@@ -432,6 +484,24 @@ impl Machines {
                 Err(RecvTimeoutError::Disconnected) => panic!("every machine ended"),
             }
         }
+    }
+
+    /// Reads what the machines print at their end until `done` (at most 60 s), passing every
+    /// line to `each` first.
+    pub fn ends(&self, done: impl Fn(&Ends) -> bool, mut each: impl FnMut(u16, &str)) -> Ends {
+        let mut ends = Ends::default();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done(&ends) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((m, line)) => {
+                    each(m, &line);
+                    ends.take(m, &line);
+                }
+                Err(e) => panic!("{ends:?}: {e}"),
+            }
+        }
+        ends
     }
 
     /// Collects every machine's `accounts` line and writes them all to `<dir>/accounts`.
