@@ -1,5 +1,6 @@
 //! The CM's control messages between processes (§5.2, §5.4): NEW-CONFIG, its ack,
-//! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE. In one process the CM's driver
+//! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE, and those of a whole-cluster
+//! restart (the restart decision and where each ring resumes). In one process the CM's driver
 //! calls into the members instead; with one process per machine these travel as datagrams
 //! beside the leases, so they may be lost or repeated: each is idempotent (installing or
 //! committing a configuration twice does nothing the second time) and the sender repeats it
@@ -30,6 +31,27 @@ pub enum ControlMsg {
     /// CM to member: every member's regions are active; data and allocator recovery may
     /// start (§5.4-5.5).
     AllRegionsActive(ConfigId),
+    /// Machine 0 to every machine of a whole-cluster restart: the cluster restarts as
+    /// configuration `restart` (stored in the coordination store) from the view `from`, the
+    /// newest any machine left in NVRAM. Repeated until the machine sends its
+    /// [`ControlMsg::RingStarts`].
+    Restart {
+        /// The restart configuration's id.
+        restart: ConfigId,
+        /// The view restarted from.
+        from: StoredView,
+    },
+    /// After a restart, where the receiver found the sender's rings to it: per worker thread,
+    /// `[log head, log tail, queue head, queue tail]`, so that the sender continues each at its
+    /// tail. A request (`reply == false`) asks for the peer's in return.
+    RingStarts {
+        /// The restart configuration.
+        config: ConfigId,
+        /// Whether this answers a request.
+        reply: bool,
+        /// Per thread of the sender.
+        starts: Vec<[u64; 4]>,
+    },
 }
 
 impl ControlMsg {
@@ -54,11 +76,21 @@ impl ControlMsg {
             ControlMsg::NewConfigCommit(c) => (3, *c),
             ControlMsg::RegionsActive(c) => (4, *c),
             ControlMsg::AllRegionsActive(c) => (5, *c),
+            ControlMsg::Restart { restart, .. } => (6, *restart),
+            ControlMsg::RingStarts { config, reply, .. } => (8 + *reply as u8, *config),
         };
         let mut out = vec![CONTROL_TAG, kind];
         out.extend_from_slice(&id.0.to_le_bytes());
-        if let ControlMsg::NewConfig(v) = self {
-            out.extend_from_slice(&encode_view(&v.config, &v.map, &v.changes));
+        match self {
+            ControlMsg::NewConfig(v) | ControlMsg::Restart { from: v, .. } => {
+                out.extend_from_slice(&encode_view(&v.config, &v.map, &v.changes))
+            }
+            ControlMsg::RingStarts { starts, .. } => {
+                for word in starts.iter().flatten() {
+                    out.extend_from_slice(&word.to_le_bytes());
+                }
+            }
+            _ => {}
         }
         out
     }
@@ -83,6 +115,25 @@ impl ControlMsg {
             (3, true) => ControlMsg::NewConfigCommit(id),
             (4, true) => ControlMsg::RegionsActive(id),
             (5, true) => ControlMsg::AllRegionsActive(id),
+            (6, false) => {
+                let from = decode_view(rest).ok()?;
+                if from.config.id >= id {
+                    return None;
+                }
+                ControlMsg::Restart { restart: id, from }
+            }
+            (8 | 9, false) if rest.len().is_multiple_of(32) => ControlMsg::RingStarts {
+                config: id,
+                reply: bytes[1] == 9,
+                starts: rest
+                    .chunks(32)
+                    .map(|c| {
+                        std::array::from_fn(|i| {
+                            u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+                        })
+                    })
+                    .collect(),
+            },
             _ => return None,
         };
         Some(msg)
@@ -111,6 +162,24 @@ mod tests {
             ControlMsg::NewConfigCommit(ConfigId(7)),
             ControlMsg::RegionsActive(ConfigId(7)),
             ControlMsg::AllRegionsActive(ConfigId(u64::MAX)),
+            ControlMsg::Restart {
+                restart: ConfigId(9),
+                from: StoredView {
+                    config: config.clone(),
+                    map: map.clone(),
+                    changes: changes.clone(),
+                },
+            },
+            ControlMsg::RingStarts {
+                config: ConfigId(9),
+                reply: false,
+                starts: vec![[1, 2, 3, 4], [5, 6, 7, u64::MAX]],
+            },
+            ControlMsg::RingStarts {
+                config: ConfigId(9),
+                reply: true,
+                starts: vec![[0; 4]],
+            },
         ];
         for m in &all {
             assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));
@@ -133,6 +202,12 @@ mod tests {
         let mut ack = all[1].encode();
         ack.push(0);
         assert_eq!(ControlMsg::decode(&ack), None);
+        // A restart to a configuration not newer than its view; ring starts cut mid-word.
+        let mut restart = all[5].encode();
+        restart[2..10].copy_from_slice(&7u64.to_le_bytes());
+        assert_eq!(ControlMsg::decode(&restart), None);
+        let starts = all[6].encode();
+        assert_eq!(ControlMsg::decode(&starts[..starts.len() - 8]), None);
         // Lease datagrams are not control messages.
         let lease = crate::LeaseMsg::Grant {
             config: ConfigId(1),

@@ -197,10 +197,15 @@ impl ShmFabric {
         let sender = socket
             .try_clone()
             .map_err(io_err("cloning the datagram socket"))?;
-        // The admitted set starts empty: nobody writes here until the first configuration.
+        // The admitted set starts empty, also after a restart (the file is the previous
+        // life's): nobody writes here until this process installs a configuration, so a peer
+        // sees this machine ready only once it runs one.
         let admitted = mdir.join("admitted");
-        Nvram::file(&admitted, ADMIT_MACHINES_MAX / 8)
+        let bits = Nvram::file(&admitted, ADMIT_MACHINES_MAX / 8)
             .map_err(io_err(format!("creating {}", admitted.display())))?;
+        for w in 0..ADMIT_MACHINES_MAX / 64 {
+            bits.store_u64(w * 8, 0, Ordering::Release);
+        }
         Ok(Self {
             dir: dir.to_path_buf(),
             cluster,

@@ -270,8 +270,9 @@ impl Worker {
     }
 
     /// Where the sender's log and queue to this worker stood when it started: `(head, tail)` of
-    /// each.
-    fn inbound_start(&self, sender: MachineId) -> [(u64, u64); 2] {
+    /// each. With one process per machine the sender is elsewhere: this travels to it in a
+    /// message, and it calls [`Worker::resume_outbound`].
+    pub fn inbound_start(&self, sender: MachineId) -> [(u64, u64); 2] {
         let i = &self.inbound[sender.0 as usize];
         [
             (i.log.freed(), i.started_tails[0]),
@@ -279,8 +280,9 @@ impl Worker {
         ]
     }
 
-    /// Continues this worker's log and queue to `receiver` from `start`.
-    fn resume_outbound(&mut self, receiver: MachineId, start: [(u64, u64); 2]) {
+    /// Continues this worker's log and queue to `receiver` from `start`, what the receiver's
+    /// worker of this thread found at its restart ([`Worker::inbound_start`]).
+    pub fn resume_outbound(&mut self, receiver: MachineId, start: [(u64, u64); 2]) {
         let layout = self.machine.params.layout;
         let out = &mut self.outbound[receiver.0 as usize];
         assert!(

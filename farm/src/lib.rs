@@ -25,6 +25,7 @@ mod cm;
 mod lease_thread;
 pub mod node;
 mod node_control;
+mod node_restart;
 mod txn;
 pub mod zk;
 

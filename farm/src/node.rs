@@ -8,11 +8,13 @@
 //! region files, and LOCK, COMMIT-BACKUP and COMMIT-PRIMARY records are one-sided writes into
 //! the peers' mapped logs (§4), as in the in-process cluster.
 //!
-//! This is the first step of the multi-process runtime. The cluster's first configuration is
-//! fixed at start, with the regions of [`RegionMap::striped`] (every machine computes the same
-//! map). The CM's reconfiguration over messages, region allocation and joining through
-//! ZooKeeper come next; until then a suspicion is recorded ([`Node::suspicions`]) and acted on
-//! by nobody, so a commit that waits for a dead participant waits.
+//! The cluster's first configuration has the regions of [`RegionMap::striped`] (every machine
+//! computes the same map). With ZooKeeper ([`NodeConfig::zookeeper`]) the configuration lives
+//! there and a control thread (`node_control`) reconfigures when a machine fails (§5.2-5.4);
+//! without it, a suspicion is only recorded ([`Node::suspicions`]). With
+//! [`NodeConfig::restart`], every machine of a stopped cluster restarts from its NVRAM
+//! (`node_restart`). Not yet: region allocation beyond the first map, and a removed machine
+//! rejoining (it stops as evicted).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -60,6 +62,12 @@ pub struct NodeConfig {
     pub zookeeper: Option<(String, String)>,
     /// Bytes per region.
     pub region_bytes: usize,
+    /// Restart this machine from its NVRAM under `dir`, as part of a whole-cluster restart:
+    /// every machine of the cluster starts with it, machine 0 decides the restart
+    /// configuration from the views all of them left (stored in ZooKeeper, which a restart
+    /// needs), and each member recovers what its logs hold (§5.3). Without it, a node refuses
+    /// a directory that holds its machine's state.
+    pub restart: bool,
 }
 
 /// Why a node could not start.
@@ -137,12 +145,14 @@ impl Workers {
 }
 
 impl Node {
-    /// Starts machine `config.machine`: its fabric endpoint, its NVRAM and its lease thread.
+    /// Starts machine `config.machine`: its fabric endpoint, its NVRAM and its lease thread;
+    /// with [`NodeConfig::restart`], restarts it from its NVRAM with the rest of the cluster.
     pub fn start(config: &NodeConfig) -> Result<Self, NodeError> {
-        if config.machine.0 >= config.machines {
+        let me = config.machine;
+        if me.0 >= config.machines {
             return Err(NodeError::Invalid(format!(
                 "machine {} is not one of the {} machines of the first configuration",
-                config.machine, config.machines
+                me, config.machines
             )));
         }
         if config.workers == 0 || config.lease < Duration::from_micros(5) {
@@ -156,17 +166,53 @@ impl Node {
                 config.replicas, config.machines
             )));
         }
+        if config.restart && config.zookeeper.is_none() {
+            return Err(NodeError::Invalid(
+                "a restart needs the ZooKeeper store the cluster ran with".into(),
+            ));
+        }
         let fabric = Arc::new(ShmFabric::start(
             &config.dir,
             config.cluster,
-            config.machine,
+            me,
             config.base_port,
         )?);
+        let nvram_err = |source| NodeError::Nvram {
+            machine: me,
+            dir: config.dir.display().to_string(),
+            source,
+        };
+        let persisted = farm_txn::machine::read_persisted(&config.dir, me).map_err(nvram_err)?;
+        match (&persisted, config.restart) {
+            (Some(p), false) => {
+                return Err(NodeError::Invalid(format!(
+                    "{} already holds machine {me}'s state (configuration {}): restart the \
+                     whole cluster from it, or give a new cluster an empty directory",
+                    config.dir.display(),
+                    p.view.config.id.0
+                )))
+            }
+            (None, true) => {
+                return Err(NodeError::Invalid(format!(
+                    "{} holds no state of machine {me}: nothing to restart",
+                    config.dir.display()
+                )))
+            }
+            _ => {}
+        }
         // Connecting may take tens of milliseconds: before the start barrier, so that every
         // node's lease thread starts within a poll of the others' (a member whose CM starts a
         // lease later suspects it).
         let store = match &config.zookeeper {
-            Some((connect, root)) => Some(open_store(connect, root, config.machines)?),
+            Some((connect, root)) => {
+                let store = crate::zk::ZkStore::connect(connect, root, Duration::from_secs(10))
+                    .map_err(|e| NodeError::Store(format!("ZooKeeper at {connect}: {e}")))?;
+                let store: Arc<dyn farm_cm::CoordinationStore> = Arc::new(store);
+                if !config.restart {
+                    store_initial(&*store, root, config.machines)?;
+                }
+                Some(store)
+            }
             None => None,
         };
         let params = Params {
@@ -182,29 +228,48 @@ impl Node {
             replication: Replication::OneSided,
         };
         params.validate().map_err(NodeError::Invalid)?;
-        let machine = MachineState::new(
-            config.machine,
-            params,
-            Configuration::initial(config.machines),
-            RegionMap::striped(
-                config.machines,
-                config.regions_per_machine,
-                config.replicas - 1,
-            ),
-            fabric.clone() as Arc<dyn Fabric>,
-            Some(&config.dir),
-        )
-        .map_err(|source| NodeError::Nvram {
-            machine: config.machine,
-            dir: config.dir.display().to_string(),
-            source,
-        })?;
-        // Commits write into every replica's logs: the first configuration starts once all of
-        // its machines run (a write to a machine not yet up would count as a failure).
+        let (machine, restart) = match &store {
+            Some(store) if config.restart => {
+                let restart = crate::node_restart::decide(config, &fabric, &**store)?;
+                let machine = MachineState::restore(
+                    me,
+                    params,
+                    restart.from.clone(),
+                    restart.config.id,
+                    fabric.clone() as Arc<dyn Fabric>,
+                    farm_txn::machine::Reopen::Dir(&config.dir),
+                )
+                .map_err(nvram_err)?;
+                (machine, Some(restart))
+            }
+            _ => {
+                let machine = MachineState::new(
+                    me,
+                    params,
+                    Configuration::initial(config.machines),
+                    RegionMap::striped(
+                        config.machines,
+                        config.regions_per_machine,
+                        config.replicas - 1,
+                    ),
+                    fabric.clone() as Arc<dyn Fabric>,
+                    Some(&config.dir),
+                )
+                .map_err(nvram_err)?;
+                (machine, None)
+            }
+        };
+        let mut workers: Vec<Worker> = (0..config.workers)
+            .map(|t| Worker::new(machine.clone(), ThreadId(t)))
+            .collect();
+        // Commits write into every replica's logs: the configuration starts once all of its
+        // machines run it (a write to a machine not yet up would count as a failure).
+        let members = machine.view().config.members.clone();
         let started = Instant::now();
         loop {
-            let missing: Vec<MachineId> = (0..config.machines)
-                .map(MachineId)
+            let missing: Vec<MachineId> = members
+                .iter()
+                .copied()
                 .filter(|m| !fabric.ready(*m))
                 .collect();
             if missing.is_empty() {
@@ -218,6 +283,23 @@ impl Node {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+        let ring_starts = match &restart {
+            Some(r) => {
+                let starts = crate::node_restart::resume_rings(
+                    &fabric,
+                    &mut workers,
+                    r,
+                    config.start_timeout,
+                )?;
+                // NEW-CONFIG-COMMIT of the restart: transaction recovery of everything the
+                // logs hold starts at each worker's first poll (§5.3).
+                machine.commit_config(r.config.id);
+                tracing::info!(machine = me.0, config = r.config.id.0,
+                    members = ?r.config.members, "restarted from NVRAM");
+                Some((r.config.id, starts))
+            }
+            None => None,
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let suspicions = Arc::new(Mutex::new(Vec::new()));
         let leases = LeaseThreads::start(
@@ -229,9 +311,7 @@ impl Node {
             suspicions.clone(),
         );
         let shared = Arc::new(Workers {
-            workers: (0..config.workers)
-                .map(|t| Mutex::new(Worker::new(machine.clone(), ThreadId(t))))
-                .collect(),
+            workers: workers.into_iter().map(Mutex::new).collect(),
             epoch: Instant::now(),
             stop: AtomicBool::new(false),
             next: AtomicUsize::new(0),
@@ -257,6 +337,7 @@ impl Node {
                 epoch: Instant::now(),
                 stop: stop.clone(),
                 committed: committed.clone(),
+                ring_starts,
             };
             std::thread::Builder::new()
                 .name("farm-control".into())
@@ -430,16 +511,14 @@ impl Drop for Node {
     }
 }
 
-/// The cluster's coordination store in ZooKeeper, holding the first configuration of
-/// `machines` machines: stored by whichever node comes first, checked by the others.
-fn open_store(
-    connect: &str,
+/// Stores the first configuration of `machines` machines in the cluster's coordination store
+/// (whichever node comes first), or checks that it is the one there.
+fn store_initial(
+    store: &dyn farm_cm::CoordinationStore,
     root: &str,
     machines: u16,
-) -> Result<Arc<dyn farm_cm::CoordinationStore>, NodeError> {
-    use farm_cm::{CasOutcome, CoordinationStore};
-    let store = crate::zk::ZkStore::connect(connect, root, Duration::from_secs(10))
-        .map_err(|e| NodeError::Store(format!("ZooKeeper at {connect}: {e}")))?;
+) -> Result<(), NodeError> {
+    use farm_cm::CasOutcome;
     let initial = Configuration::initial(machines);
     let stored = match store.read().map_err(|e| NodeError::Store(e.to_string()))? {
         Some((_, bytes)) => bytes,
@@ -462,9 +541,10 @@ fn open_store(
     if config != initial {
         return Err(NodeError::Store(format!(
             "{root} holds configuration {} with members {:?}, not the first configuration of \
-             {machines} machines: restarting or joining a running cluster is not supported yet",
+             {machines} machines: restart a stopped cluster from its NVRAM, or give a new \
+             cluster a znode of its own (joining a running cluster is not supported yet)",
             config.id.0, config.members
         )));
     }
-    Ok(Arc::new(store))
+    Ok(())
 }

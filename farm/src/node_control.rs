@@ -45,6 +45,9 @@ pub(crate) struct Control {
     pub(crate) stop: Arc<AtomicBool>,
     /// Configurations this node committed as CM or driver, for the caller.
     pub(crate) committed: Arc<Mutex<Vec<ConfigId>>>,
+    /// After a restart, where this machine found each peer's rings, for peers that still ask
+    /// (`crate::node_restart`).
+    pub(crate) ring_starts: Option<(ConfigId, crate::node_restart::RingStarts)>,
 }
 
 /// What the CM heard from members about its configuration.
@@ -228,6 +231,22 @@ impl Control {
                     self.machine.all_regions_active(id);
                 }
             }
+            ControlMsg::RingStarts {
+                config,
+                reply: false,
+                ..
+            } => {
+                if let Some(starts) = self
+                    .ring_starts
+                    .as_ref()
+                    .filter(|(id, _)| *id == config)
+                    .and_then(|(_, s)| s.get(&from))
+                {
+                    crate::node_restart::send_starts(&self.fabric, from, config, true, starts);
+                }
+            }
+            // Repeats of a restart this machine is past.
+            ControlMsg::RingStarts { reply: true, .. } | ControlMsg::Restart { .. } => {}
         }
     }
 

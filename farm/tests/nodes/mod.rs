@@ -39,13 +39,13 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         base_port: port,
         lease: match mode {
             "bank" => BANK_LEASE,
-            "kill" | "append" => KILL_LEASE,
+            "kill" | "append" | "run" | "restarted" => KILL_LEASE,
             _ => LEASE,
         },
         start_timeout: Duration::from_secs(30),
         regions_per_machine: 1,
         // The failure tests re-replicate onto the third machine (§5.4).
-        replicas: if mode == "kill" || mode == "append" {
+        replicas: if matches!(mode, "kill" | "append" | "run" | "restarted") {
             2
         } else {
             3
@@ -55,6 +55,7 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
             let (connect, root) = z.split_once('|').unwrap();
             (connect.to_string(), root.to_string())
         }),
+        restart: mode == "restarted",
     }
 }
 
@@ -93,6 +94,8 @@ pub fn child_main() {
         "bank" => bank(&node, dir),
         "kill" => bank_until_stopped(&node, dir),
         "append" => append_until_stopped(&node, dir),
+        "run" => run_until_killed(&node, dir),
+        "restarted" => restarted(&node, dir),
         _ => {}
     }
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -139,6 +142,12 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
             Err(e) => println!("error {e}"),
         }
     }
+    quiesce_and_report(node, &all, done);
+}
+
+/// Quiesces with the other machines and prints `transfers <done>`, where every region lives
+/// (`placement <region> <primary> <backups>`), the configuration and its members, and the sum.
+fn quiesce_and_report(node: &Node, all: &[Addr], done: u64) {
     // Every survivor quiesces (truncations flushed, data recovery done) before the checks.
     let deadline = Instant::now() + Duration::from_secs(30);
     while !node.quiesce_step() {
@@ -162,7 +171,7 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
         println!("placement {} {} {}", r.0, p.primary.0, backups.join(","));
     }
     println!("config {} members {}", view.config.id.0, members.join(","));
-    print_sum(node, &all);
+    print_sum(node, all);
     // Keep quiescing while the others finish theirs (they may need this machine's
     // truncations).
     let until = Instant::now() + Duration::from_secs(5);
@@ -170,6 +179,74 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
         node.quiesce_step();
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Transfers after a restart, before the checks.
+pub const AFTER_RESTART: u64 = 50;
+
+/// The restart test's first life: allocates this machine's counter (its address in
+/// `<dir>/counter-<m>`), then transfers until killed, each transfer also incrementing the
+/// counter and printing `acked <count>` once committed.
+fn run_until_killed(node: &Node, dir: &Path) {
+    let counter = node.txn(|tx| tx.alloc(&0u64, None)).unwrap();
+    let file = dir.join(format!("counter-{}", node.id().0));
+    std::fs::write(&file, format!("{}:{}", counter.region.0, counter.offset)).unwrap();
+    let all = open_accounts(node, dir);
+    let mut next = rng(node);
+    let n = all.len() as u64;
+    loop {
+        let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
+        match counted_transfer(node, counter, from, to, amount) {
+            Ok(count) => println!("acked {count}"),
+            Err(e) => println!("error {e}"),
+        }
+    }
+}
+
+/// The restart test's second life, started with `restart`: prints `counter <count>` and the
+/// sum as the restart left them, makes [`AFTER_RESTART`] more transfers, then quiesces and
+/// prints what `bank_until_stopped` prints at its end.
+fn restarted(node: &Node, dir: &Path) {
+    let file = dir.join(format!("counter-{}", node.id().0));
+    let text = std::fs::read_to_string(&file).unwrap();
+    let (r, o) = text.split_once(':').unwrap();
+    let counter = Addr::new(RegionId(r.parse().unwrap()), o.parse().unwrap());
+    let all = open_existing(dir);
+    println!(
+        "counter {}",
+        node.txn(|tx| tx.read::<u64>(counter)).unwrap()
+    );
+    print_sum(node, &all);
+    let mut next = rng(node);
+    let n = all.len() as u64;
+    for _ in 0..AFTER_RESTART {
+        let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
+        counted_transfer(node, counter, from, to, amount).unwrap();
+    }
+    quiesce_and_report(node, &all, AFTER_RESTART);
+}
+
+/// A transfer that also increments `counter`; returns the count it committed.
+fn counted_transfer(
+    node: &Node,
+    counter: Addr,
+    from: Addr,
+    to: Addr,
+    amount: u64,
+) -> Result<u64, farm::TxError> {
+    node.txn(|tx| {
+        let count: u64 = tx.read(counter)?;
+        tx.write(counter, &(count + 1))?;
+        if from != to {
+            let a: u64 = tx.read(from)?;
+            let b: u64 = tx.read(to)?;
+            if a >= amount {
+                tx.write(from, &(a - amount))?;
+                tx.write(to, &(b + amount))?;
+            }
+        }
+        Ok(count + 1)
+    })
 }
 
 /// Longest list of the list-append test.
@@ -372,7 +449,12 @@ fn open_objects(
         assert!(Instant::now() < deadline, "no accounts file");
         std::thread::sleep(Duration::from_millis(1));
     }
-    std::fs::read_to_string(&file)
+    open_existing(dir)
+}
+
+/// Every machine's objects, as `<dir>/accounts` names them.
+fn open_existing(dir: &Path) -> Vec<Addr> {
+    std::fs::read_to_string(dir.join("accounts"))
         .unwrap()
         .split_whitespace()
         .map(|a| {

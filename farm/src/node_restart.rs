@@ -1,0 +1,314 @@
+//! A whole-cluster restart of machine processes from their NVRAM (FaRM §2, §5: committed
+//! transactions survive the loss of power of every machine), the multi-process form of
+//! `ClusterBuilder::restart`:
+//!
+//! 1. Every machine's process starts with `restart`. Each holds its machine's `alive` lock, so
+//!    once all run, no process of the previous life does.
+//! 2. Machine 0 decides: the restart configuration is the newest view any machine left in
+//!    NVRAM ([`farm_txn::machine::restart_view`], which refuses a region without a complete
+//!    replica), under the next configuration id, compare-and-set in ZooKeeper at the version
+//!    it read (a cluster that still reconfigures makes that fail). It announces it with
+//!    [`ControlMsg::Restart`]; the others check it against the store.
+//! 3. Each member reopens its NVRAM with that view (`MachineState::restore`): its readers
+//!    resume every inbound ring at its head word, keeping the complete records after it.
+//! 4. Senders continue each ring where its receiver found the tail, which only the receiver
+//!    knows: members exchange [`ControlMsg::RingStarts`] before any worker writes.
+//! 5. Each member commits the restart configuration; transaction recovery of what the logs
+//!    hold starts at the workers' first poll (§5.3), as after any reconfiguration.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use farm_cm::control::ControlMsg;
+use farm_cm::{CasOutcome, CoordinationStore};
+use farm_core::codec::StoredView;
+use farm_core::config::Configuration;
+use farm_core::fabric::Fabric;
+use farm_core::shm_fabric::ShmFabric;
+use farm_core::{ConfigId, MachineId};
+use farm_txn::Worker;
+
+use crate::node::{NodeConfig, NodeError};
+
+/// How often machine 0 repeats its decision and members their ring starts, until answered.
+const REPEAT: Duration = Duration::from_millis(2);
+
+/// What a restart resumes from.
+#[derive(Clone, Debug)]
+pub(crate) struct Restart {
+    /// The restart configuration, as stored.
+    pub(crate) config: Configuration,
+    /// The newest view the machines left, which the members reopen their NVRAM with.
+    pub(crate) from: StoredView,
+}
+
+/// Where this machine found each peer's rings to it, per peer: what it answers requests with.
+pub(crate) type RingStarts = BTreeMap<MachineId, Vec<[u64; 4]>>;
+
+/// Steps 1 and 2: waits for every machine's process, then decides (machine 0) or learns the
+/// restart configuration. Fails if this machine is not a member of it.
+pub(crate) fn decide(
+    config: &NodeConfig,
+    fabric: &ShmFabric,
+    store: &dyn CoordinationStore,
+) -> Result<Restart, NodeError> {
+    let me = config.machine;
+    let started = Instant::now();
+    loop {
+        let missing: Vec<MachineId> = (0..config.machines)
+            .map(MachineId)
+            .filter(|m| !fabric.is_up(*m))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        if started.elapsed() > config.start_timeout {
+            return Err(NodeError::PeersMissing {
+                missing,
+                waited: config.start_timeout,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let restart = if me.0 == 0 {
+        lead(config, fabric, store)?
+    } else {
+        follow(config, fabric, store)?
+    };
+    if !restart.config.contains(me) {
+        return Err(NodeError::Invalid(format!(
+            "machine {me} is not a member of restart configuration {} (members {:?}): it was \
+             removed before the cluster stopped, so its NVRAM is stale",
+            restart.config.id.0, restart.config.members
+        )));
+    }
+    Ok(restart)
+}
+
+fn store_err(what: &str) -> impl Fn(farm_cm::StoreError) -> NodeError + '_ {
+    move |e| NodeError::Store(format!("{what}: {e}"))
+}
+
+/// Machine 0's part of step 2.
+fn lead(
+    config: &NodeConfig,
+    fabric: &ShmFabric,
+    store: &dyn CoordinationStore,
+) -> Result<Restart, NodeError> {
+    let (version, bytes) = store
+        .read()
+        .map_err(store_err("reading the stored configuration"))?
+        .ok_or_else(|| {
+            NodeError::Store("ZooKeeper holds no configuration: nothing to restart".into())
+        })?;
+    let stored = farm_cm::codec::decode(&bytes)
+        .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?;
+    let mut persisted = Vec::new();
+    for m in (0..config.machines).map(MachineId) {
+        persisted.push(
+            farm_txn::machine::read_persisted(&config.dir, m).map_err(|source| {
+                NodeError::Nvram {
+                    machine: m,
+                    dir: config.dir.display().to_string(),
+                    source,
+                }
+            })?,
+        );
+    }
+    let from =
+        farm_txn::machine::restart_view(stored.id, &persisted).map_err(NodeError::Invalid)?;
+    if let Some(m) = from.config.members.iter().find(|m| m.0 >= config.machines) {
+        return Err(NodeError::Invalid(format!(
+            "machine {m} is a member of configuration {} but the cluster runs {} machines",
+            from.config.id.0, config.machines
+        )));
+    }
+    let restart = Configuration {
+        id: ConfigId(stored.id.0 + 1),
+        ..from.config.clone()
+    };
+    match store.compare_and_set(Some(version), &farm_cm::codec::encode(&restart)) {
+        Ok(CasOutcome::Written(_)) => {}
+        Ok(CasOutcome::Conflict) => {
+            return Err(NodeError::Store(
+                "the stored configuration changed during the restart: is the cluster running?"
+                    .into(),
+            ))
+        }
+        Err(e) => return Err(store_err("storing the restart configuration")(e)),
+    }
+    tracing::info!(config = restart.id.0, from = from.config.id.0, members = ?restart.members,
+        "restart decided");
+    let msg = ControlMsg::Restart {
+        restart: restart.id,
+        from: from.clone(),
+    }
+    .encode();
+    for m in (1..config.machines).map(MachineId) {
+        fabric.send_datagram(config.machine, m, &msg, 0);
+    }
+    Ok(Restart {
+        config: restart,
+        from,
+    })
+}
+
+/// Every other machine's part of step 2: machine 0's decision, checked against the store.
+fn follow(
+    config: &NodeConfig,
+    fabric: &ShmFabric,
+    store: &dyn CoordinationStore,
+) -> Result<Restart, NodeError> {
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let (id, from) = loop {
+        if let Some(sender) = fabric.recv_control(&mut buf) {
+            // Peers' ring starts may come first: dropped, they repeat them.
+            if let (MachineId(0), Some(ControlMsg::Restart { restart, from })) =
+                (sender, ControlMsg::decode(&buf))
+            {
+                break (restart, from);
+            }
+            continue;
+        }
+        if started.elapsed() > config.start_timeout {
+            return Err(NodeError::Store(format!(
+                "machine 0 announced no restart configuration within {:?}",
+                config.start_timeout
+            )));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    };
+    let restart = Configuration {
+        id,
+        ..from.config.clone()
+    };
+    let stored = store
+        .read()
+        .map_err(store_err("reading the stored configuration"))?
+        .and_then(|(_, bytes)| farm_cm::codec::decode(&bytes).ok());
+    if stored.as_ref() != Some(&restart) {
+        return Err(NodeError::Store(format!(
+            "ZooKeeper holds {:?}, not restart configuration {} (members {:?}) that machine 0 \
+             announced",
+            stored.map(|c| (c.id.0, c.members)),
+            id.0,
+            restart.members
+        )));
+    }
+    Ok(Restart {
+        config: restart,
+        from,
+    })
+}
+
+/// Step 4: continues every outbound ring of `workers` where its receiver found it, and returns
+/// where this machine found each peer's (for the peers' later requests).
+pub(crate) fn resume_rings(
+    fabric: &ShmFabric,
+    workers: &mut [Worker],
+    restart: &Restart,
+    timeout: Duration,
+) -> Result<RingStarts, NodeError> {
+    let me = fabric.me();
+    let id = restart.config.id;
+    let peers: Vec<MachineId> = restart
+        .config
+        .members
+        .iter()
+        .copied()
+        .filter(|m| *m != me)
+        .collect();
+    let mine: RingStarts = peers
+        .iter()
+        .map(|p| {
+            let starts = workers
+                .iter()
+                .map(|w| {
+                    let [(lh, lt), (qh, qt)] = w.inbound_start(*p);
+                    [lh, lt, qh, qt]
+                })
+                .collect();
+            (*p, starts)
+        })
+        .collect();
+    for w in workers.iter_mut() {
+        let own = w.inbound_start(me);
+        w.resume_outbound(me, own);
+    }
+    let decision = (me.0 == 0).then(|| {
+        ControlMsg::Restart {
+            restart: id,
+            from: restart.from.clone(),
+        }
+        .encode()
+    });
+    let started = Instant::now();
+    let mut last_repeat: Option<Instant> = None;
+    let mut got = BTreeSet::new();
+    let mut buf = Vec::new();
+    while got.len() < peers.len() {
+        if started.elapsed() > timeout {
+            return Err(NodeError::PeersMissing {
+                missing: peers.iter().copied().filter(|p| !got.contains(p)).collect(),
+                waited: timeout,
+            });
+        }
+        while let Some(from) = fabric.recv_control(&mut buf) {
+            let Some(ControlMsg::RingStarts {
+                config,
+                reply,
+                starts,
+            }) = ControlMsg::decode(&buf)
+            else {
+                continue;
+            };
+            let Some(answer) = mine.get(&from).filter(|_| config == id) else {
+                continue;
+            };
+            if starts.len() != workers.len() {
+                return Err(NodeError::Invalid(format!(
+                    "machine {from} runs {} workers and this machine {}: every machine of a \
+                     cluster runs as many",
+                    starts.len(),
+                    workers.len()
+                )));
+            }
+            if !reply {
+                send_starts(fabric, from, id, true, answer);
+            }
+            if got.insert(from) {
+                for (w, s) in workers.iter_mut().zip(&starts) {
+                    w.resume_outbound(from, [(s[0], s[1]), (s[2], s[3])]);
+                }
+            }
+        }
+        if last_repeat.is_none_or(|at| at.elapsed() >= REPEAT) {
+            last_repeat = Some(Instant::now());
+            for p in peers.iter().filter(|p| !got.contains(*p)) {
+                if let Some(d) = &decision {
+                    fabric.send_datagram(me, *p, d, 0);
+                }
+                send_starts(fabric, *p, id, false, &mine[p]);
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(mine)
+}
+
+/// Sends where this machine found `to`'s rings to it.
+pub(crate) fn send_starts(
+    fabric: &ShmFabric,
+    to: MachineId,
+    config: ConfigId,
+    reply: bool,
+    starts: &[[u64; 4]],
+) {
+    let msg = ControlMsg::RingStarts {
+        config,
+        reply,
+        starts: starts.to_vec(),
+    };
+    fabric.send_datagram(fabric.me(), to, &msg.encode(), 0);
+}
