@@ -1,6 +1,6 @@
 //! The CM's control messages between processes (§5.2, §5.4): NEW-CONFIG, its ack,
-//! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE, and those of a whole-cluster
-//! restart (the restart decision and where each ring resumes). In one process the CM's driver
+//! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE, a machine's request to join, and
+//! those of a whole-cluster restart (the restart decision and where each ring resumes). In one process the CM's driver
 //! calls into the members instead; with one process per machine these travel as datagrams
 //! beside the leases, so they may be lost or repeated: each is idempotent (installing or
 //! committing a configuration twice does nothing the second time) and the sender repeats it
@@ -52,6 +52,10 @@ pub enum ControlMsg {
         /// Per thread of the sender.
         starts: Vec<[u64; 4]>,
     },
+    /// A machine outside the configuration to its CM: add me (§5.2, a join). Carries the
+    /// configuration the machine read from the coordination store. Repeated until NEW-CONFIG
+    /// adds it.
+    Join(ConfigId),
 }
 
 impl ControlMsg {
@@ -78,6 +82,7 @@ impl ControlMsg {
             ControlMsg::AllRegionsActive(c) => (5, *c),
             ControlMsg::Restart { restart, .. } => (6, *restart),
             ControlMsg::RingStarts { config, reply, .. } => (8 + *reply as u8, *config),
+            ControlMsg::Join(c) => (10, *c),
         };
         let mut out = vec![CONTROL_TAG, kind];
         out.extend_from_slice(&id.0.to_le_bytes());
@@ -134,6 +139,7 @@ impl ControlMsg {
                     })
                     .collect(),
             },
+            (10, true) => ControlMsg::Join(id),
             _ => return None,
         };
         Some(msg)
@@ -180,6 +186,7 @@ mod tests {
                 reply: true,
                 starts: vec![[0; 4]],
             },
+            ControlMsg::Join(ConfigId(4)),
         ];
         for m in &all {
             assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));

@@ -80,8 +80,12 @@ pub fn remap(
             out.promoted.push(region);
             entry.last_primary_change = new.id;
         }
-        if replica_lost {
-            entry.last_replica_change = new.id;
+        // A region short of f + 1 since an earlier remap (no capacity then) gets its replicas
+        // once there is room, for instance from a machine that joins.
+        if replica_lost || survivors.len() < replicas {
+            if replica_lost {
+                entry.last_replica_change = new.id;
+            }
             // Restore f + 1: least-loaded members in failure domains not yet used.
             while survivors.len() < replicas {
                 let domains: BTreeSet<u32> = survivors
@@ -102,6 +106,7 @@ pub fn remap(
                     break;
                 };
                 *load.get_mut(&m).expect("member") += 1;
+                entry.last_replica_change = new.id;
                 survivors.push(m);
                 out.new_backups.push((region, m));
             }
@@ -173,6 +178,35 @@ mod tests {
             "two machines cannot hold three replicas"
         );
         assert!(r.map.iter().all(|(_, p)| p.backups.len() == 1));
+    }
+
+    /// Regions left short of replicas get them once a machine joins; a later configuration
+    /// that adds no room changes nothing (no region is blocked for nothing).
+    #[test]
+    fn under_replicated_regions_get_replicas_on_a_joining_machine() {
+        let map = RegionMap::striped(3, 1, 2);
+        let short = remap(&map, &BTreeMap::new(), &config(2, &[0, 1]), 3, 8).unwrap();
+        let again = remap(&short.map, &short.changes, &config(3, &[0, 1]), 3, 8).unwrap();
+        assert_eq!(again.map, short.map);
+        assert_eq!(
+            again.changes, short.changes,
+            "nothing changed, nothing blocked"
+        );
+        let joined = remap(&short.map, &short.changes, &config(4, &[0, 1, 2]), 3, 8).unwrap();
+        for (region, p) in joined.map.iter() {
+            assert_eq!(p.backups.len(), 2, "{region:?} back to 3 replicas");
+            assert!(
+                p.holds(MachineId(2)),
+                "{region:?} has a replica on the joiner"
+            );
+            assert_eq!(
+                joined.changes[&region].last_replica_change,
+                ConfigId(4),
+                "{region:?} changed replicas in the join"
+            );
+        }
+        assert_eq!(joined.new_backups.len(), 3);
+        assert!(joined.under_replicated.is_empty());
     }
 
     #[test]

@@ -212,6 +212,11 @@ pub struct MachineState {
     settled_threads: Mutex<BTreeMap<u16, ConfigId>>,
     /// The newest configuration this machine settled in ([`MachineState::settled_config`]).
     settled: AtomicU64,
+    /// Per local thread, the view generation its worker picked up last.
+    refreshed: Vec<AtomicU64>,
+    /// A new incarnation waiting to join ([`MachineState::joiner`]): the view that adds it is
+    /// its first with data, and every replica it gets there is copied (§5.4).
+    joining: std::sync::atomic::AtomicBool,
     /// Persistent state: [`STATE_MAGIC`], which marks the directory as a farm-rs machine's.
     state: Arc<Nvram>,
     /// Inbound logs and message queues.
@@ -259,6 +264,26 @@ impl MachineState {
         )?;
         state.settled.store(config.id.0, Ordering::Release);
         state.install(config, region_map, BTreeMap::new())?;
+        Ok(state)
+    }
+
+    /// A new incarnation of machine `id` that will join `config` (a configuration without it,
+    /// §5.2): whatever an earlier life left under `nvram_dir` is forgotten first
+    /// ([`forget_state`]), and every replica the joining view gives it is copied from its
+    /// primary (§5.4).
+    pub fn joiner(
+        id: MachineId,
+        params: Params,
+        config: Configuration,
+        fabric: Arc<dyn Fabric>,
+        nvram_dir: Option<&Path>,
+    ) -> io::Result<Arc<Self>> {
+        assert!(!config.contains(id), "{id} joins a configuration it is in");
+        if let Some(dir) = nvram_dir {
+            forget_state(dir, id)?;
+        }
+        let state = Self::new(id, params, config, RegionMap::default(), fabric, nvram_dir)?;
+        state.joining.store(true, Ordering::Release);
         Ok(state)
     }
 
@@ -450,6 +475,10 @@ impl MachineState {
             restored,
             settled_threads: Mutex::new(BTreeMap::new()),
             settled: AtomicU64::new(0),
+            refreshed: (0..params.layout.threads)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            joining: std::sync::atomic::AtomicBool::new(false),
             state,
             rings,
             heads,
@@ -503,6 +532,30 @@ impl MachineState {
     /// Offset in [`MachineState::truncation`] of the bound from `sender`'s thread `thread`.
     pub fn truncation_offset(&self, sender: MachineId, thread: u16) -> usize {
         (sender.0 as usize * self.params.layout.threads as usize + thread as usize) * 8
+    }
+
+    /// Forgets the truncation bound and drain mark of `sender`'s log to `thread`: a new
+    /// incarnation of the sender joined (`Worker` starts its rings afresh).
+    pub(crate) fn forget_marks(&self, sender: MachineId, thread: u16) {
+        let at = self.truncation_offset(sender, thread);
+        self.truncation.store_u64(at, 0, Ordering::Release);
+        self.drain_marks.store_u64(2 * at, 0, Ordering::Release);
+        self.drain_marks.store_u64(2 * at + 8, 0, Ordering::Release);
+    }
+
+    /// Records that local `thread`'s worker picked up view `generation`.
+    pub(crate) fn note_refreshed(&self, thread: farm_core::ThreadId, generation: u64) {
+        self.refreshed[thread.0 as usize].fetch_max(generation, Ordering::AcqRel);
+    }
+
+    /// Whether every local worker picked up the newest view: a member acknowledges NEW-CONFIG
+    /// only then, so that a machine joining in it finds the rings it writes to started afresh
+    /// (`Worker::refresh_view`) when the configuration commits.
+    pub fn workers_refreshed(&self) -> bool {
+        let generation = self.view_generation();
+        self.refreshed
+            .iter()
+            .all(|r| r.load(Ordering::Acquire) >= generation)
     }
 
     /// The configuration this machine restarted into, if the cluster restarted from NVRAM.
@@ -594,7 +647,8 @@ impl MachineState {
         // landing here, those still in flight included.
         self.fabric.admit(self.id, &config.members);
         let old = guard.clone();
-        let first = old.map.iter().next().is_none() && new_pools;
+        let joining = config.contains(self.id) && self.joining.swap(false, Ordering::AcqRel);
+        let first = old.map.iter().next().is_none() && new_pools && !joining;
         let mut regions = Vec::new();
         let mut pools = Vec::new();
         for (region, placement) in map.iter() {
@@ -617,7 +671,13 @@ impl MachineState {
                 (None, None) => {
                     // A new backup of an existing region starts empty: data recovery copies it
                     // (§5.4).
-                    if let (false, Some(before)) = (first, old.map.get(region)) {
+                    if joining {
+                        let others = placement.replicas().filter(|m| *m != self.id).count();
+                        self.to_copy
+                            .lock()
+                            .expect("poisoned")
+                            .insert(region, others <= 1);
+                    } else if let (false, Some(before)) = (first, old.map.get(region)) {
                         // Replicas that held the region before and still do: one means the
                         // region is down to a single copy of its data. So may it be when the
                         // previous configuration changed its replicas too (their copies may
@@ -1288,6 +1348,43 @@ pub fn read_persisted(nvram_dir: &Path, id: MachineId) -> io::Result<Option<Pers
     }
     let copying = read_copying(&dir)?;
     Ok(Some(Persisted { view, copying }))
+}
+
+/// Forgets what machine `id` left under `nvram_dir`, for a new incarnation that joins the
+/// cluster: its views and copy list are removed and every NVRAM file zeroed in place (peers
+/// may have it mapped: a new file would leave them the old one). The fabric's own files
+/// (liveness lock, admitted set) are the fabric's.
+pub fn forget_state(nvram_dir: &Path, id: MachineId) -> io::Result<()> {
+    let dir = machine_dir(nvram_dir, id);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let nvram = matches!(
+            name.as_str(),
+            "rings"
+                | "feedback"
+                | "heads"
+                | "truncation"
+                | "state"
+                | "recovery-log"
+                | "drain-marks"
+        ) || name.starts_with("region-");
+        if nvram {
+            let mem = Nvram::open(&entry.path())?;
+            mem.zero(0, mem.len());
+        } else if name.starts_with(VIEW_FILE_PREFIX)
+            || name == COPYING_FILE
+            || name.ends_with(".new")
+        {
+            std::fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
 }
 
 fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvram>> {

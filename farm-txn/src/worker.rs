@@ -77,6 +77,55 @@ pub(crate) struct Inbound {
     started_tails: [u64; 2],
 }
 
+impl Inbound {
+    /// This thread's readers of `sender`'s log and queue to it: at their head words, and after
+    /// a `restart` with the complete records that follow them.
+    fn open(machine: &MachineState, thread: ThreadId, sender: MachineId, restart: bool) -> Self {
+        let layout = machine.params.layout;
+        // Every reader keeps its head in NVRAM; after a restart it resumes there, with
+        // what it had not freed: log records (§5.3 recovers their transactions) and
+        // messages (recovery messages among them still count,
+        // `restart_read_recovery_messages`; the rest belong to threads that are gone).
+        let ring = |kind| {
+            let head = HeadWord {
+                mem: machine.heads.clone(),
+                offset: layout.feedback_offset(sender, thread, kind),
+            };
+            let (mem, base, bytes) = (
+                machine.rings.clone(),
+                layout.ring_offset(sender, thread, kind),
+                layout.ring_bytes(kind),
+            );
+            if restart {
+                RingReader::resume(mem, base, bytes, head)
+            } else {
+                (RingReader::new(mem, base, bytes).with_head_word(head), 0)
+            }
+        };
+        let (log, log_tail) = ring(RingKind::Log);
+        let (queue, queue_tail) = ring(RingKind::Queue);
+        Inbound {
+            log_reported: log.freed(),
+            queue_reported: queue.freed(),
+            log,
+            queue,
+            locks: BTreeMap::new(),
+            retained: BTreeMap::new(),
+            truncated_below: 0,
+            truncated_ids: BTreeSet::new(),
+            restart_truncated_below: if restart {
+                machine.truncation.load_u64(
+                    machine.truncation_offset(sender, thread.0),
+                    Ordering::Acquire,
+                )
+            } else {
+                0
+            },
+            started_tails: [log_tail, queue_tail],
+        }
+    }
+}
+
 /// Outbound state for one peer (receiver) machine on this thread.
 #[derive(Debug)]
 pub(crate) struct Outbound {
@@ -155,49 +204,7 @@ impl Worker {
         let peers = layout.machines_max;
         let restart = machine.restart_config();
         let inbound = (0..peers)
-            .map(|s| {
-                let sender = MachineId(s);
-                // Every reader keeps its head in NVRAM; after a restart it resumes there, with
-                // what it had not freed: log records (§5.3 recovers their transactions) and
-                // messages (recovery messages among them still count,
-                // `restart_read_recovery_messages`; the rest belong to threads that are gone).
-                let ring = |kind| {
-                    let head = HeadWord {
-                        mem: machine.heads.clone(),
-                        offset: layout.feedback_offset(sender, thread, kind),
-                    };
-                    let (mem, base, bytes) = (
-                        machine.rings.clone(),
-                        layout.ring_offset(sender, thread, kind),
-                        layout.ring_bytes(kind),
-                    );
-                    if restart.is_some() {
-                        RingReader::resume(mem, base, bytes, head)
-                    } else {
-                        (RingReader::new(mem, base, bytes).with_head_word(head), 0)
-                    }
-                };
-                let (log, log_tail) = ring(RingKind::Log);
-                let (queue, queue_tail) = ring(RingKind::Queue);
-                Inbound {
-                    log_reported: log.freed(),
-                    queue_reported: queue.freed(),
-                    log,
-                    queue,
-                    locks: BTreeMap::new(),
-                    retained: BTreeMap::new(),
-                    truncated_below: 0,
-                    truncated_ids: BTreeSet::new(),
-                    restart_truncated_below: match restart {
-                        Some(_) => machine.truncation.load_u64(
-                            machine.truncation_offset(sender, thread.0),
-                            Ordering::Acquire,
-                        ),
-                        None => 0,
-                    },
-                    started_tails: [log_tail, queue_tail],
-                }
-            })
+            .map(|s| Inbound::open(&machine, thread, MachineId(s), restart.is_some()))
             .collect();
         let outbound = (0..peers)
             .map(|_| Outbound {
@@ -254,6 +261,7 @@ impl Worker {
         if restart.is_some() {
             worker.restart_read_recovery_messages(logged);
         }
+        worker.machine.note_refreshed(thread, view_generation);
         worker
     }
 
@@ -355,12 +363,25 @@ impl Worker {
         if generation == self.view_generation {
             return false;
         }
+        let old = std::mem::replace(&mut self.view, self.machine.view());
         self.view_generation = generation;
-        self.view = self.machine.view();
         self.remotes.clear();
         self.active.clear();
         let me = self.machine.id;
         let view = self.view.clone();
+        let joined: Vec<MachineId> = view
+            .config
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != me && !old.config.contains(*m))
+            .collect();
+        for m in joined {
+            self.forget_peer(m);
+        }
+        // Acknowledged only now (see `MachineState::workers_refreshed`): a joined machine
+        // writes here once the configuration commits, after every member acknowledged it.
+        self.machine.note_refreshed(self.thread, generation);
         self.slabs.retain(|r, _| {
             view.pool(*r).is_some() && view.map.get(*r).is_some_and(|p| p.primary == me)
         });
@@ -375,6 +396,35 @@ impl Worker {
             }
         }
         true
+    }
+
+    /// Starts afresh with `peer`, which joined the configuration: a new incarnation of a
+    /// machine, with empty NVRAM, whose earlier life (if it had one) was removed and recovered
+    /// (§5.2-5.3). This thread's rings from it are zeroed and read from the start, its rings to
+    /// it written from the start, and whatever this thread still held of the earlier life
+    /// (records, locks, truncation and drain marks, messages waiting) is dropped. The peer
+    /// writes here only once the configuration commits, after this thread got here.
+    fn forget_peer(&mut self, peer: MachineId) {
+        let machine = self.machine.clone();
+        let layout = machine.params.layout;
+        for kind in [RingKind::Log, RingKind::Queue] {
+            machine.rings.zero(
+                layout.ring_offset(peer, self.thread, kind),
+                layout.ring_bytes(kind),
+            );
+            let slot = layout.feedback_offset(peer, self.thread, kind);
+            machine.heads.store_u64(slot, 0, Ordering::Release);
+            machine.feedback.store_u64(slot, 0, Ordering::Release);
+        }
+        machine.forget_marks(peer, self.thread.0);
+        self.inbound[peer.0 as usize] = Inbound::open(&machine, self.thread, peer, false);
+        self.outbound[peer.0 as usize] = Outbound {
+            log: RingWriter::new(layout.log_bytes),
+            queue: RingWriter::new(layout.queue_bytes),
+        };
+        self.backlog.retain(|(m, _)| *m != peer);
+        self.alloc_replies.retain(|(m, ..)| *m != peer);
+        self.replies.retain(|(m, _)| *m != peer);
     }
 
     /// Data recovery (§5.4) and allocator recovery (§5.5), after ALL-REGIONS-ACTIVE: thread 0

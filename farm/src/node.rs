@@ -13,8 +13,8 @@
 //! there and a control thread (`node_control`) reconfigures when a machine fails (§5.2-5.4);
 //! without it, a suspicion is only recorded ([`Node::suspicions`]). With
 //! [`NodeConfig::restart`], every machine of a stopped cluster restarts from its NVRAM
-//! (`node_restart`). Not yet: region allocation beyond the first map, and a removed machine
-//! rejoining (it stops as evicted).
+//! (`node_restart`), and with [`NodeConfig::join`] a new incarnation of a removed machine joins
+//! the running cluster. Not yet: region allocation beyond the first map.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -68,6 +68,11 @@ pub struct NodeConfig {
     /// needs), and each member recovers what its logs hold (§5.3). Without it, a node refuses
     /// a directory that holds its machine's state.
     pub restart: bool,
+    /// Join the running cluster in ZooKeeper (which a join needs) as a new incarnation of
+    /// this machine: whatever its NVRAM holds is forgotten, it waits until the cluster removed
+    /// any earlier life of it, then asks the CM to add it (§5.2) and receives replicas of
+    /// regions short of them (§5.4). See [`Node::wait_joined`].
+    pub join: bool,
 }
 
 /// Why a node could not start.
@@ -171,6 +176,12 @@ impl Node {
                 "a restart needs the ZooKeeper store the cluster ran with".into(),
             ));
         }
+        if config.join && (config.restart || config.zookeeper.is_none()) {
+            return Err(NodeError::Invalid(
+                "a join needs the ZooKeeper store of the running cluster, and is not a restart"
+                    .into(),
+            ));
+        }
         let fabric = Arc::new(ShmFabric::start(
             &config.dir,
             config.cluster,
@@ -184,6 +195,7 @@ impl Node {
         };
         let persisted = farm_txn::machine::read_persisted(&config.dir, me).map_err(nvram_err)?;
         match (&persisted, config.restart) {
+            _ if config.join => {}
             (Some(p), false) => {
                 return Err(NodeError::Invalid(format!(
                     "{} already holds machine {me}'s state (configuration {}): restart the \
@@ -208,7 +220,7 @@ impl Node {
                 let store = crate::zk::ZkStore::connect(connect, root, Duration::from_secs(10))
                     .map_err(|e| NodeError::Store(format!("ZooKeeper at {connect}: {e}")))?;
                 let store: Arc<dyn farm_cm::CoordinationStore> = Arc::new(store);
-                if !config.restart {
+                if !config.restart && !config.join {
                     store_initial(&*store, root, config.machines)?;
                 }
                 Some(store)
@@ -242,6 +254,18 @@ impl Node {
                 .map_err(nvram_err)?;
                 (machine, Some(restart))
             }
+            Some(store) if config.join => {
+                let current = removed_from(config, &**store)?;
+                let machine = MachineState::joiner(
+                    me,
+                    params,
+                    current,
+                    fabric.clone() as Arc<dyn Fabric>,
+                    Some(&config.dir),
+                )
+                .map_err(nvram_err)?;
+                (machine, None)
+            }
             _ => {
                 let machine = MachineState::new(
                     me,
@@ -264,7 +288,13 @@ impl Node {
             .collect();
         // Commits write into every replica's logs: the configuration starts once all of its
         // machines run it (a write to a machine not yet up would count as a failure).
-        let members = machine.view().config.members.clone();
+        // A joiner is outside the configuration: nobody writes to it, nor it to anybody, before
+        // the configuration that adds it.
+        let members = if config.join {
+            Vec::new()
+        } else {
+            machine.view().config.members.clone()
+        };
         let started = Instant::now();
         loop {
             let missing: Vec<MachineId> = members
@@ -355,6 +385,28 @@ impl Node {
             control,
             committed,
         })
+    }
+
+    /// Waits until this machine is a member of the configuration (see [`NodeConfig::join`])
+    /// and every region of it is active (§5.4); returns the configuration.
+    pub fn wait_joined(&self, timeout: Duration) -> Result<Configuration, NodeError> {
+        let started = Instant::now();
+        loop {
+            let config = self.configuration();
+            if config.contains(self.id()) && self.machine.all_active_config() >= config.id {
+                return Ok(config);
+            }
+            if started.elapsed() > timeout {
+                return Err(NodeError::Store(format!(
+                    "machine {} was not added to the configuration within {timeout:?} (the \
+                     cluster is in configuration {} with members {:?})",
+                    self.id(),
+                    config.id.0,
+                    config.members
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Whether this machine learnt it was removed from the configuration (precise membership,
@@ -508,6 +560,38 @@ impl Drop for Node {
             let _ = c.join();
         }
         self.leases.join();
+    }
+}
+
+/// The configuration a joining machine starts from: the stored one, once it no longer holds an
+/// earlier life of the machine (the CM removes one whose lease expired, §5.2).
+fn removed_from(
+    config: &NodeConfig,
+    store: &dyn farm_cm::CoordinationStore,
+) -> Result<Configuration, NodeError> {
+    let me = config.machine;
+    let started = Instant::now();
+    loop {
+        let stored = match store.read().map_err(|e| NodeError::Store(e.to_string()))? {
+            Some((_, bytes)) => farm_cm::codec::decode(&bytes)
+                .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?,
+            None => {
+                return Err(NodeError::Store(
+                    "ZooKeeper holds no configuration: there is no cluster to join".into(),
+                ))
+            }
+        };
+        if !stored.contains(me) {
+            return Ok(stored);
+        }
+        if started.elapsed() > config.start_timeout {
+            return Err(NodeError::Store(format!(
+                "machine {me} is still a member of configuration {} after {:?}: is it running \
+                 elsewhere?",
+                stored.id.0, config.start_timeout
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -6,7 +6,10 @@
 //! - as the CM, it removes the members it suspects, repeats NEW-CONFIG-COMMIT to members that
 //!   have not reported their regions active, and announces ALL-REGIONS-ACTIVE once all have;
 //! - as the first backup CM of a configuration whose CM it suspects, it removes the CM and
-//!   becomes CM (§5.2).
+//!   becomes CM (§5.2);
+//! - outside the configuration (a new incarnation of a removed machine), it asks the CM of the
+//!   stored configuration to add it, and the CM adds it once its configuration is settled
+//!   (`Reconfig::start_join`).
 //!
 //! Reconfiguration itself is `farm_cm::reconfig::Reconfig`, as in the in-process runtime: probes
 //! are one-sided reads, the new configuration is compare-and-set in the coordination store
@@ -34,6 +37,17 @@ const REPEAT: Duration = Duration::from_millis(2);
 /// Region replicas one machine may hold.
 const REGIONS_PER_MACHINE_MAX: usize = 4096;
 
+/// How often a machine outside the configuration asks to join.
+const JOIN_REPEAT: Duration = Duration::from_millis(20);
+
+/// What a reconfiguration changes.
+enum Change {
+    /// Remove suspected machines.
+    Remove(BTreeSet<MachineId>),
+    /// Add a machine that asked to join.
+    Join(MachineId),
+}
+
 pub(crate) struct Control {
     pub(crate) machine: Arc<MachineState>,
     pub(crate) fabric: Arc<ShmFabric>,
@@ -55,6 +69,8 @@ pub(crate) struct Control {
 struct CmState {
     config: ConfigId,
     regions_active: BTreeSet<MachineId>,
+    /// Machines outside the configuration that asked to join it.
+    joins: BTreeSet<MachineId>,
 }
 
 impl Control {
@@ -74,6 +90,7 @@ impl Control {
         let mut buf = Vec::new();
         let mut last_repeat = Instant::now();
         let mut backup_tried: Option<ConfigId> = None;
+        let mut last_join: Option<Instant> = None;
         // Suspects of a failed attempt, retried two leases later (from the stored
         // configuration, which the failed attempt may have advanced).
         let mut retry: Option<(BTreeSet<MachineId>, Instant)> = None;
@@ -88,8 +105,18 @@ impl Control {
             if cm.config != config.id {
                 cm = CmState {
                     config: config.id,
-                    regions_active: BTreeSet::new(),
+                    ..CmState::default()
                 };
+            }
+            if !config.contains(me) {
+                if !self.machine.is_evicted()
+                    && last_join.is_none_or(|at| at.elapsed() >= JOIN_REPEAT)
+                {
+                    last_join = Some(Instant::now());
+                    self.ask_to_join();
+                }
+                std::thread::sleep((self.lease / 20).max(Duration::from_micros(200)));
+                continue;
             }
             let repeat = last_repeat.elapsed() >= REPEAT;
             if repeat {
@@ -117,8 +144,8 @@ impl Control {
                 // Out of the cluster: nothing more to drive or answer.
                 continue;
             }
-            if config.cm == me && !suspects.is_empty() && config.contains(me) {
-                if !self.reconfigure(&config, suspects.clone(), &mut cm) {
+            if config.cm == me && !suspects.is_empty() {
+                if !self.reconfigure(&config, Change::Remove(suspects.clone()), &mut cm) {
                     retry = Some((suspects, Instant::now()));
                 }
             } else if suspects.contains(&config.cm)
@@ -126,12 +153,36 @@ impl Control {
                 && backup_tried != Some(config.id)
             {
                 backup_tried = Some(config.id);
-                if !self.reconfigure(&config, BTreeSet::from([config.cm]), &mut cm) {
+                if !self.reconfigure(
+                    &config,
+                    Change::Remove(BTreeSet::from([config.cm])),
+                    &mut cm,
+                ) {
                     backup_tried = None;
                     retry = Some((BTreeSet::from([config.cm]), Instant::now()));
                 }
+            } else if config.cm == me
+                && retry.is_none()
+                && self.machine.all_active_config() >= config.id
+            {
+                // One join at a time, once the configuration is settled: every member recovered
+                // what the joiner's earlier life left (§5.3) before its rings start afresh.
+                if let Some(j) = cm.joins.pop_first() {
+                    self.reconfigure(&config, Change::Join(j), &mut cm);
+                }
             }
             std::thread::sleep((self.lease / 20).max(Duration::from_micros(200)));
+        }
+    }
+
+    /// Asks the CM of the stored configuration to add this machine.
+    fn ask_to_join(&self) {
+        let stored = match self.store.read() {
+            Ok(Some((_, bytes))) => farm_cm::codec::decode(&bytes).ok(),
+            _ => None,
+        };
+        if let Some(s) = stored.filter(|s| !s.contains(self.machine.id)) {
+            self.send(s.cm, &ControlMsg::Join(s.id));
         }
     }
 
@@ -203,7 +254,9 @@ impl Control {
                         return;
                     }
                 }
-                if self.machine.view().config.id == id {
+                // Acknowledged once every worker picked the view up: a machine joining in it
+                // writes here after the commit, into rings started afresh for it.
+                if self.machine.view().config.id == id && self.machine.workers_refreshed() {
                     self.send(from, &ControlMsg::NewConfigAck(id));
                 }
             }
@@ -245,19 +298,25 @@ impl Control {
                     crate::node_restart::send_starts(&self.fabric, from, config, true, starts);
                 }
             }
+            ControlMsg::Join(_) => {
+                let config = self.machine.view().config.clone();
+                let max = self.machine.params.layout.machines_max;
+                if cm.config == config.id
+                    && config.cm == me
+                    && !config.contains(from)
+                    && from.0 < max
+                {
+                    cm.joins.insert(from);
+                }
+            }
             // Repeats of a restart this machine is past.
             ControlMsg::RingStarts { reply: true, .. } | ControlMsg::Restart { .. } => {}
         }
     }
 
-    /// Removes `suspects` from `config` with this machine as driver (§5.2 steps 2-7); returns
-    /// whether a configuration was committed.
-    fn reconfigure(
-        &self,
-        config: &Configuration,
-        suspects: BTreeSet<MachineId>,
-        cm: &mut CmState,
-    ) -> bool {
+    /// Removes suspects from `config`, or adds a joiner, with this machine as driver (§5.2
+    /// steps 2-7); returns whether a configuration was committed.
+    fn reconfigure(&self, config: &Configuration, change: Change, cm: &mut CmState) -> bool {
         let me = self.machine.id;
         let (version, stored) = match self.store.read() {
             Ok(Some((v, bytes))) => match farm_cm::codec::decode(&bytes) {
@@ -300,18 +359,40 @@ impl Control {
             lease_ticks: self.lease.as_micros() as u64,
         };
         let now = self.now();
-        tracing::warn!(driver = me.0, suspects = ?suspects, "reconfiguring");
-        let mut r = Reconfig::start(
-            me,
-            attempt_base(config, &stored),
-            version,
-            view.map.clone(),
-            view.changes.clone(),
-            suspects,
-            params,
-            now,
-            now,
-        );
+        let mut r = match change {
+            Change::Remove(suspects) => {
+                tracing::warn!(driver = me.0, suspects = ?suspects, "reconfiguring");
+                Reconfig::start(
+                    me,
+                    attempt_base(config, &stored),
+                    version,
+                    view.map.clone(),
+                    view.changes.clone(),
+                    suspects,
+                    params,
+                    now,
+                    now,
+                )
+            }
+            // A join starts from the configuration the CM is in; if the store moved on, the
+            // joiner asks again.
+            Change::Join(_) if stored.id != config.id => return false,
+            Change::Join(j) => {
+                tracing::info!(driver = me.0, joiner = j.0, "adding a machine");
+                Reconfig::start_join(
+                    me,
+                    config.clone(),
+                    version,
+                    view.map.clone(),
+                    view.changes.clone(),
+                    BTreeMap::from([(j, j.0 as u32)]),
+                    params,
+                    now,
+                )
+            }
+        };
+        // This machine's own acknowledgement waits for its workers too (see `on_message`).
+        let mut own_ack: Option<ConfigId> = None;
         let mut pending: BTreeMap<MachineId, ControlMsg> = BTreeMap::new();
         let mut last_repeat = Instant::now();
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -353,7 +434,7 @@ impl Control {
                             tracing::error!(error = %e, "installing the new configuration");
                             return false;
                         }
-                        r.on_ack(m, new.config.id, self.now());
+                        own_ack = Some(new.config.id);
                     }
                     Effect::SendNewConfig(m, new) => {
                         let msg = ControlMsg::new_config(&new.config, &new.map, &new.changes);
@@ -365,6 +446,10 @@ impl Control {
                     Effect::SendCommit(m, id) if m == me => self.machine.commit_config(id),
                     Effect::SendCommit(m, id) => self.send(m, &ControlMsg::NewConfigCommit(id)),
                 }
+            }
+            if let Some(id) = own_ack.filter(|_| self.machine.workers_refreshed()) {
+                own_ack = None;
+                r.on_ack(me, id, self.now());
             }
             if last_repeat.elapsed() >= REPEAT {
                 last_repeat = Instant::now();

@@ -39,12 +39,14 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         base_port: port,
         lease: match mode {
             "bank" => BANK_LEASE,
-            "kill" | "append" | "run" | "restarted" => KILL_LEASE,
+            "kill" | "append" | "run" | "restarted" | "rejoin" => KILL_LEASE,
             _ => LEASE,
         },
         start_timeout: Duration::from_secs(30),
         regions_per_machine: 1,
         // The failure tests re-replicate onto the third machine (§5.4).
+        // With three replicas on three machines, a machine that rejoins gets a replica of
+        // every region, copied from the primaries (§5.4).
         replicas: if matches!(mode, "kill" | "append" | "run" | "restarted") {
             2
         } else {
@@ -56,6 +58,7 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
             (connect.to_string(), root.to_string())
         }),
         restart: mode == "restarted",
+        join: false,
     }
 }
 
@@ -90,6 +93,9 @@ pub fn child_main() {
     }
     let node = Node::start(&node_config(&mode, machine, port, dir)).unwrap();
     println!("up");
+    if mode == "rejoin" {
+        return rejoin_until_stopped(node, &node_config(&mode, machine, port, dir), dir);
+    }
     match mode.as_str() {
         "bank" => bank(&node, dir),
         "kill" => bank_until_stopped(&node, dir),
@@ -179,6 +185,44 @@ fn quiesce_and_report(node: &Node, all: &[Addr], done: u64) {
         node.quiesce_step();
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Transfers a machine makes after it rejoined, before it stops.
+pub const AFTER_REJOIN: u64 = 50;
+
+/// Transfers like `bank_until_stopped`, but a machine that learns it was removed says
+/// `evicted`, stops its node and starts a new one that joins the cluster, says
+/// `rejoined <configuration>` once it is a member with every region active, and makes at least
+/// [`AFTER_REJOIN`] transfers before it stops too.
+fn rejoin_until_stopped(mut node: Node, config: &NodeConfig, dir: &Path) {
+    let all = open_accounts(&node, dir);
+    let mut next = rng(&node);
+    let n = all.len() as u64;
+    let stop = dir.join("stop");
+    let mut done = 0u64;
+    let mut rejoined = false;
+    while !stop.exists() || (rejoined && done < AFTER_REJOIN) {
+        if node.is_evicted() {
+            println!("evicted after {done} transfers");
+            drop(node);
+            let join = NodeConfig {
+                join: true,
+                ..config.clone()
+            };
+            node = Node::start(&join).unwrap();
+            let c = node.wait_joined(Duration::from_secs(30)).unwrap();
+            println!("rejoined {}", c.id.0);
+            rejoined = true;
+            done = 0;
+        }
+        let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
+        match transfer(&node, from, to, amount) {
+            Ok(()) => done += 1,
+            Err(farm::TxError::Evicted(_)) => {}
+            Err(e) => println!("error {e}"),
+        }
+    }
+    quiesce_and_report(&node, &all, done);
 }
 
 /// Transfers after a restart, before the checks.
