@@ -15,7 +15,7 @@
 //! run where its subscriber lives.
 
 use bytemuck::{Pod, Zeroable};
-use farm::{Client, MachineId, TxError};
+use farm::{Addr, Client, MachineId, TxError};
 use farm_ds::{HashTable, TableSpec};
 
 use crate::Rand;
@@ -215,21 +215,68 @@ impl Tables {
                 slots,
             )
         };
-        let by_s_id = move |s: u64| partition_of_s_id(s as u32, n);
         Ok(Self {
             subscribers,
-            subscriber: HashTable::create(cluster, &spec(1, 4))?
-                .with_partitioner(move |s: &u32| by_s_id(*s as u64)),
+            subscriber: HashTable::create(cluster, &spec(1, 4))?,
             sub_nbr: HashTable::create(cluster, &spec(1, 8))?,
-            access_info: HashTable::create(cluster, &spec(4, 8))?
-                .with_partitioner(move |k: &u64| by_s_id(k >> 8)),
-            special_facility: HashTable::create(cluster, &spec(4, 8))?
-                .with_partitioner(move |k: &u64| by_s_id(k >> 8)),
+            access_info: HashTable::create(cluster, &spec(4, 8))?,
+            special_facility: HashTable::create(cluster, &spec(4, 8))?,
             // Up to 3 per special facility; the insert and delete transactions keep the count
             // near its start.
-            call_forwarding: HashTable::create(cluster, &spec(6, 8))?
+            call_forwarding: HashTable::create(cluster, &spec(6, 8))?,
+        }
+        .partitioned(n))
+    }
+
+    /// The tables' roots, from which [`Tables::open`] opens them elsewhere (another process).
+    pub fn roots(&self) -> [Addr; 5] {
+        [
+            self.subscriber.root(),
+            self.sub_nbr.root(),
+            self.access_info.root(),
+            self.special_facility.root(),
+            self.call_forwarding.root(),
+        ]
+    }
+
+    /// Opens the tables that [`Tables::create`] made for `subscribers`, from their
+    /// [`Tables::roots`], reading through `machine`.
+    pub fn open(
+        cluster: &impl Client,
+        machine: MachineId,
+        subscribers: u32,
+        roots: [Addr; 5],
+    ) -> Result<Self, TxError> {
+        let [subscriber, sub_nbr, access_info, special_facility, call_forwarding] = roots;
+        Ok(Self {
+            subscribers,
+            subscriber: HashTable::open(cluster, machine, subscriber)?,
+            sub_nbr: HashTable::open(cluster, machine, sub_nbr)?,
+            access_info: HashTable::open(cluster, machine, access_info)?,
+            special_facility: HashTable::open(cluster, machine, special_facility)?,
+            call_forwarding: HashTable::open(cluster, machine, call_forwarding)?,
+        }
+        .partitioned(cluster.machines() as usize))
+    }
+
+    /// Keys partitioned by subscriber over `machines`: a subscriber's rows live on its machine.
+    fn partitioned(self, machines: usize) -> Self {
+        let by_s_id = move |s: u64| partition_of_s_id(s as u32, machines);
+        Self {
+            subscriber: self
+                .subscriber
+                .with_partitioner(move |s: &u32| by_s_id(*s as u64)),
+            access_info: self
+                .access_info
+                .with_partitioner(move |k: &u64| by_s_id(k >> 8)),
+            special_facility: self
+                .special_facility
+                .with_partitioner(move |k: &u64| by_s_id(k >> 8)),
+            call_forwarding: self
+                .call_forwarding
                 .with_partitioner(move |k: &u64| by_s_id(k >> 16)),
-        })
+            ..self
+        }
     }
 
     /// Loads the subscribers of `partition` (clause 4.3), in transactions of `batch`

@@ -34,6 +34,7 @@ pub use cluster::{
 };
 pub use cm::ReconfigEvent;
 pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
+pub use farm_core::config::Configuration;
 pub use farm_core::{Addr, ConfigId, MachineId, RegionId};
 pub use farm_txn::{Conflict, RecoveryEvent, Replication, Stats, TxError};
 pub use lease_thread::Suspicion;

@@ -219,6 +219,7 @@ impl Node {
             Some((connect, root)) => {
                 let store = crate::zk::ZkStore::connect(connect, root, Duration::from_secs(10))
                     .map_err(|e| NodeError::Store(format!("ZooKeeper at {connect}: {e}")))?;
+                check_parameters(&store, config, root)?;
                 let store: Arc<dyn farm_cm::CoordinationStore> = Arc::new(store);
                 if !config.restart && !config.join {
                     store_initial(&*store, root, config.machines)?;
@@ -422,8 +423,31 @@ impl Node {
 
     /// Runs `f` as a transaction coordinated by this machine, retrying it on conflicts, and
     /// commits it (§4); its reads and writes reach every machine of the cluster.
-    pub fn txn<R>(
+    pub fn txn<R>(&self, f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>) -> Result<R, TxError> {
+        self.txn_placed(None, f)
+    }
+
+    /// [`Node::txn`], with allocations that name no locality hint placed in a region whose
+    /// primary is `machine` (the process coordinates only its own machine's transactions: the
+    /// objects go where the caller asked, the coordination stays here).
+    pub fn txn_allocating_on<R>(
         &self,
+        machine: MachineId,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        let place = (machine != self.id())
+            .then(|| {
+                let view = self.machine.view();
+                let region = view.map.primary_of(machine).next();
+                region.map(|r| farm_core::Addr::new(r, 0))
+            })
+            .flatten();
+        self.txn_placed(place, f)
+    }
+
+    fn txn_placed<R>(
+        &self,
+        place: Option<farm_core::Addr>,
         mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
         let w = &self.shared;
@@ -434,7 +458,7 @@ impl Node {
         let started = Instant::now();
         loop {
             attempt += 1;
-            match run_once(&mut worker, w, &mut f) {
+            match run_once(&mut worker, w, place, &mut f) {
                 // A machine failed or its regions recover: the cluster reconfigures and
                 // recovers within a few leases (across processes, a compare-and-set in
                 // ZooKeeper among them), so wait for it by time, without spinning.
@@ -485,6 +509,49 @@ impl Node {
         quiet && self.machine.background_recovery_done()
     }
 
+    /// Reads the committed object at `addr` into `buf` (its 8-byte header first, then the
+    /// value) with a one-sided read, outside any transaction (`Cluster::read_bytes_into`).
+    pub fn read_bytes_into(&self, addr: farm_core::Addr, buf: &mut [u8]) -> Result<(), TxError> {
+        assert!(buf.len() >= 8, "the buffer has no room for the header");
+        let w = &self.shared;
+        let t = w.next.fetch_add(1, Ordering::Relaxed) % w.workers.len();
+        let mut worker = w.workers[t].lock().expect("worker poisoned");
+        let mut backoff = Backoff::new();
+        let mut attempt = 0;
+        loop {
+            if worker.machine().is_evicted() {
+                return Err(TxError::Evicted(self.id()));
+            }
+            match worker.read_object_into(addr, buf) {
+                Ok(h) if h.allocated() => return Ok(()),
+                Ok(_) => {
+                    return Err(TxError::BadAddress {
+                        addr,
+                        why: "object is not allocated",
+                    })
+                }
+                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
+                    attempt += 1;
+                    if worker.poll(w.now()) {
+                        backoff.reset();
+                    } else {
+                        backoff.idle();
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The workers' counters, summed (commits, aborts by cause, waits, allocations).
+    pub fn stats(&self) -> farm_txn::Stats {
+        let mut total = farm_txn::Stats::default();
+        for w in &self.shared.workers {
+            total.add(w.lock().expect("worker poisoned").stats());
+        }
+        total
+    }
+
     /// Whether `machine`'s process is alive, as the fabric sees it.
     pub fn is_up(&self, machine: MachineId) -> bool {
         self.fabric.is_up(machine)
@@ -511,13 +578,17 @@ fn waits_for_recovery(e: &TxError) -> bool {
 fn run_once<R>(
     worker: &mut Worker,
     w: &Workers,
+    place: Option<farm_core::Addr>,
     f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
 ) -> Result<R, TxError> {
     if worker.machine().is_evicted() {
         return Err(TxError::Evicted(worker.machine().id));
     }
     let (value, state) = {
-        let mut txn = Txn::new(Tx::new(worker));
+        // An allocation at a remote primary waits for its reply polling this worker, which
+        // serves this machine's side of every peer thread: no other worker needs a poll.
+        let mut now = || w.now();
+        let mut txn = Txn::placed(Tx::with_poller(worker, &mut now), place);
         let value = f(&mut txn);
         (value, txn.into_state())
     };
@@ -561,6 +632,38 @@ impl Drop for Node {
         }
         self.leases.join();
     }
+}
+
+/// Checks that this node runs with the cluster's parameters, which the first node to start
+/// stored beside the configuration: machines of different region sizes, worker counts or
+/// leases cannot work together, and would otherwise fail much later (a replica's file of the
+/// wrong size, rings laid out differently).
+fn check_parameters(
+    store: &crate::zk::ZkStore,
+    config: &NodeConfig,
+    root: &str,
+) -> Result<(), NodeError> {
+    let mine = format!(
+        "machines={} workers={} region_bytes={} replicas={} regions_per_machine={} lease_us={}",
+        config.machines,
+        config.workers,
+        config.region_bytes,
+        config.replicas,
+        config.regions_per_machine,
+        config.lease.as_micros()
+    );
+    let err = |e: farm_cm::StoreError| NodeError::Store(format!("the cluster's parameters: {e}"));
+    if store.put_new("parameters", mine.as_bytes()).map_err(err)? {
+        return Ok(());
+    }
+    let stored = store.get("parameters").map_err(err)?.unwrap_or_default();
+    let stored = String::from_utf8_lossy(&stored);
+    if stored != mine {
+        return Err(NodeError::Invalid(format!(
+            "the cluster at {root} runs with {stored}; this node was started with {mine}"
+        )));
+    }
+    Ok(())
 }
 
 /// The configuration a joining machine starts from: the stored one, once it no longer holds an
@@ -631,4 +734,30 @@ fn store_initial(
         )));
     }
     Ok(())
+}
+
+/// A node as a [`crate::Client`] of the cluster: transactions are coordinated here whatever
+/// machine is named (a process runs its own machine only), with the objects they allocate
+/// placed on the named machine ([`Node::txn_allocating_on`]); reads are one-sided from here.
+impl crate::Client for Node {
+    fn txn<R>(
+        &self,
+        machine: MachineId,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        self.txn_allocating_on(machine, f)
+    }
+
+    fn read_bytes_into(
+        &self,
+        _machine: MachineId,
+        addr: farm_core::Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError> {
+        Node::read_bytes_into(self, addr, buf)
+    }
+
+    fn machines(&self) -> u16 {
+        self.machine.params.layout.machines_max
+    }
 }

@@ -40,6 +40,9 @@ const REGIONS_PER_MACHINE_MAX: usize = 4096;
 /// How often a machine outside the configuration asks to join.
 const JOIN_REPEAT: Duration = Duration::from_millis(20);
 
+/// The longest wait before another attempt to add a machine whose join failed.
+const JOIN_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
 /// What a reconfiguration changes.
 enum Change {
     /// Remove suspected machines.
@@ -91,6 +94,9 @@ impl Control {
         let mut last_repeat = Instant::now();
         let mut backup_tried: Option<ConfigId> = None;
         let mut last_join: Option<Instant> = None;
+        // A joiner whose join failed (it did not acknowledge NEW-CONFIG: it cannot install
+        // the view, or it failed meanwhile) waits before the next attempt, each time longer.
+        let mut join_backoff: BTreeMap<MachineId, (Instant, Duration)> = BTreeMap::new();
         // Suspects of a failed attempt, retried two leases later (from the stored
         // configuration, which the failed attempt may have advanced).
         let mut retry: Option<(BTreeSet<MachineId>, Instant)> = None;
@@ -167,8 +173,21 @@ impl Control {
             {
                 // One join at a time, once the configuration is settled: every member recovered
                 // what the joiner's earlier life left (§5.3) before its rings start afresh.
+                let now = Instant::now();
+                cm.joins
+                    .retain(|j| join_backoff.get(j).is_none_or(|(until, _)| now >= *until));
                 if let Some(j) = cm.joins.pop_first() {
-                    self.reconfigure(&config, Change::Join(j), &mut cm);
+                    if self.reconfigure(&config, Change::Join(j), &mut cm) {
+                        join_backoff.remove(&j);
+                    } else {
+                        let wait = join_backoff
+                            .get(&j)
+                            .map_or(Duration::from_millis(500), |(_, w)| {
+                                (*w * 2).min(JOIN_BACKOFF_MAX)
+                            });
+                        tracing::warn!(joiner = j.0, retry_in = ?wait, "join failed");
+                        join_backoff.insert(j, (Instant::now() + wait, wait));
+                    }
                 }
             }
             std::thread::sleep((self.lease / 20).max(Duration::from_micros(200)));

@@ -9,11 +9,18 @@ use farm_txn::{Tx, TxError, TxState};
 #[derive(Debug)]
 pub struct Txn<'w> {
     inner: Tx<'w>,
+    /// Where allocations without a hint go (see `Node`'s `Client::txn`).
+    place: Option<Addr>,
 }
 
 impl<'w> Txn<'w> {
     pub(crate) fn new(inner: Tx<'w>) -> Self {
-        Self { inner }
+        Self { inner, place: None }
+    }
+
+    /// A transaction whose allocations without a locality hint go near `place`.
+    pub(crate) fn placed(inner: Tx<'w>, place: Option<Addr>) -> Self {
+        Self { inner, place }
     }
 
     pub(crate) fn into_state(self) -> TxState {
@@ -34,7 +41,9 @@ impl<'w> Txn<'w> {
     /// Allocates an object holding `value`, in the region of `near` when this machine is its
     /// primary (a locality hint), else in a region this machine is primary for.
     pub fn alloc<T: Pod>(&mut self, value: &T, near: Option<Addr>) -> Result<Addr, TxError> {
-        let addr = self.inner.alloc(std::mem::size_of::<T>(), near)?;
+        let addr = self
+            .inner
+            .alloc(std::mem::size_of::<T>(), near.or(self.place))?;
         self.inner.write(addr, bytemuck::bytes_of(value))?;
         Ok(addr)
     }
@@ -60,7 +69,7 @@ impl<'w> Txn<'w> {
 
     /// Allocates an object holding `data`, placed as [`Txn::alloc`] places it.
     pub fn alloc_bytes(&mut self, data: &[u8], near: Option<Addr>) -> Result<Addr, TxError> {
-        let addr = self.inner.alloc(data.len(), near)?;
+        let addr = self.inner.alloc(data.len(), near.or(self.place))?;
         self.inner.write(addr, data)?;
         Ok(addr)
     }

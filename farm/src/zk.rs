@@ -16,6 +16,7 @@ use zookeeper_client as zk;
 pub struct ZkStore {
     runtime: tokio::runtime::Runtime,
     client: zk::Client,
+    root: String,
     path: String,
     timeout: Duration,
 }
@@ -71,6 +72,7 @@ impl ZkStore {
         let store = Self {
             runtime,
             client,
+            root: root.to_string(),
             path: format!("{root}/config"),
             timeout,
         };
@@ -93,6 +95,63 @@ impl ZkStore {
     /// The znode holding the configuration.
     pub fn path(&self) -> &str {
         &self.path
+    }
+
+    /// Sets the znode `<root>/<name>` (a name without `/`) to `data`, creating it if needed:
+    /// for what the cluster's processes share besides the configuration (a workload's table
+    /// roots, say).
+    pub fn put(&self, name: &str, data: &[u8]) -> Result<(), StoreError> {
+        let path = self.child(name)?;
+        let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+        match self.wait(self.client.create(&path, data, &options))? {
+            Ok(_) => Ok(()),
+            Err(zk::Error::NodeExists) => self
+                .wait(self.client.set_data(&path, data, None))?
+                .map(|_| ())
+                .map_err(|e| unavailable(&format!("setting {path}"), e)),
+            Err(e) => Err(unavailable(&format!("creating {path}"), e)),
+        }
+    }
+
+    /// Creates the znode `<root>/<name>` with `data` unless it exists; returns whether it
+    /// created it.
+    pub fn put_new(&self, name: &str, data: &[u8]) -> Result<bool, StoreError> {
+        let path = self.child(name)?;
+        let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+        match self.wait(self.client.create(&path, data, &options))? {
+            Ok(_) => Ok(true),
+            Err(zk::Error::NodeExists) => Ok(false),
+            Err(e) => Err(unavailable(&format!("creating {path}"), e)),
+        }
+    }
+
+    /// The data of the znode `<root>/<name>`, if it exists.
+    pub fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let path = self.child(name)?;
+        match self.wait(self.client.get_data(&path))? {
+            Ok((data, _)) => Ok(Some(data)),
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(e) => Err(unavailable(&format!("reading {path}"), e)),
+        }
+    }
+
+    /// The configuration stored, decoded, if there is one.
+    pub fn configuration(&self) -> Result<Option<farm_core::config::Configuration>, StoreError> {
+        match self.read()? {
+            Some((_, bytes)) => farm_cm::codec::decode(&bytes)
+                .map(Some)
+                .map_err(|e| StoreError::Unavailable(format!("the stored configuration: {e}"))),
+            None => Ok(None),
+        }
+    }
+
+    fn child(&self, name: &str) -> Result<String, StoreError> {
+        if name.is_empty() || name.contains('/') || name == "config" {
+            return Err(StoreError::Unavailable(format!(
+                "{name:?} is not a znode name beside the configuration"
+            )));
+        }
+        Ok(format!("{}/{name}", self.root))
     }
 }
 

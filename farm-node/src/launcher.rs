@@ -1,0 +1,479 @@
+//! `farm-node local`: a cluster of machine processes on this host. Each machine runs as
+//! `farm-node run --machine M` with the launcher's settings as flags, in its own process group
+//! (a Ctrl-C at the launcher's terminal does not reach it), its output appended to
+//! `<dir>/m<M>.log` and its pid in `<dir>/m<M>.pid`. The launcher returns once the machines it
+//! started run; they keep running until killed.
+
+use std::fs::OpenOptions;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use farm::zk::ZkStore;
+
+use crate::config::{ConfigArgs, Settings};
+use crate::workload::{TatpArgs, TatpResult};
+
+#[derive(Subcommand, Debug)]
+pub enum LocalCommand {
+    /// Start every machine of a new cluster, or with --restart of a stopped one from its NVRAM.
+    Start {
+        /// Restart a stopped cluster from its NVRAM directory.
+        #[arg(long)]
+        restart: bool,
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Show each machine's process and the configuration in ZooKeeper.
+    Status {
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Kill a machine's process with SIGKILL (its NVRAM survives it).
+    Kill {
+        /// The machine.
+        machine: u16,
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Start a killed machine again: it joins the running cluster as a new incarnation.
+    Restart {
+        /// The machine.
+        machine: u16,
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Kill every machine at once, as a power loss does; `start --restart` brings the cluster
+    /// back from NVRAM.
+    Stop {
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Run TATP on a new cluster of these settings (in `<dir>/runs/`, its own znode), report,
+    /// and stop it.
+    Tatp {
+        #[command(flatten)]
+        tatp: TatpArgs,
+        /// Keep the run's NVRAM directory afterwards.
+        #[arg(long)]
+        keep: bool,
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+}
+
+pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
+    match cmd {
+        LocalCommand::Start { restart, config } => {
+            let s = if restart {
+                saved(&config)?
+            } else {
+                config.resolve()?
+            };
+            let flag = if restart { vec!["--restart"] } else { vec![] };
+            start_all(&s, &flag, &[])?;
+            std::fs::write(s.dir.join(SAVED), s.to_toml())?;
+            status(&s)
+        }
+        LocalCommand::Status { config } => status(&saved(&config)?),
+        LocalCommand::Kill { machine, config } => {
+            let s = saved(&config)?;
+            check_machine(&s, machine)?;
+            let pid =
+                running(&s, machine).with_context(|| format!("machine {machine} does not run"))?;
+            signal(pid, libc::SIGKILL)?;
+            std::fs::remove_file(pid_file(&s, machine))?;
+            println!("killed machine {machine} (pid {pid})");
+            Ok(())
+        }
+        LocalCommand::Restart { machine, config } => {
+            let s = saved(&config)?;
+            check_machine(&s, machine)?;
+            if let Some(pid) = running(&s, machine) {
+                bail!("machine {machine} runs (pid {pid}): kill it first");
+            }
+            let from = log_len(&s, machine);
+            let mut child = spawn(&s, machine, &["--join"], &[])?;
+            wait_running(&s, machine, &mut child, from)?;
+            println!("machine {machine} rejoined");
+            status(&s)
+        }
+        LocalCommand::Stop { config } => {
+            let s = saved(&config)?;
+            let mut stopped = Vec::new();
+            for m in 0..s.machines {
+                if let Some(pid) = running(&s, m) {
+                    signal(pid, libc::SIGKILL)?;
+                    stopped.push(m);
+                }
+                let _ = std::fs::remove_file(pid_file(&s, m));
+            }
+            println!(
+                "stopped machines {stopped:?} at once; `farm-node local start --restart` restarts \
+                 the cluster from {}",
+                s.dir.display()
+            );
+            Ok(())
+        }
+        LocalCommand::Tatp { tatp, keep, config } => {
+            let base = config.resolve()?;
+            run_tatp(&base, &tatp, keep)
+        }
+    }
+}
+
+/// Where `local start` leaves its settings, in the cluster's directory.
+const SAVED: &str = "launcher.toml";
+
+/// The settings of the cluster `config` names: those `local start` saved in its directory
+/// (flags still win), else `config`'s.
+fn saved(config: &ConfigArgs) -> anyhow::Result<Settings> {
+    let s = config.resolve()?;
+    let path = s.dir.join(SAVED);
+    if !path.exists() {
+        return Ok(s);
+    }
+    ConfigArgs {
+        config: Some(path),
+        overrides: config.overrides.clone(),
+    }
+    .resolve()
+}
+
+fn check_machine(s: &Settings, machine: u16) -> anyhow::Result<()> {
+    if machine >= s.machines {
+        bail!(
+            "machine {machine}: the cluster has machines 0 to {}",
+            s.machines - 1
+        );
+    }
+    Ok(())
+}
+
+fn pid_file(s: &Settings, m: u16) -> PathBuf {
+    s.dir.join(format!("m{m}.pid"))
+}
+
+fn log_file(s: &Settings, m: u16) -> PathBuf {
+    s.dir.join(format!("m{m}.log"))
+}
+
+/// The pid of machine `m`'s process, if it runs.
+fn running(s: &Settings, m: u16) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(pid_file(s, m))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    (unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
+}
+
+fn signal(pid: i32, sig: libc::c_int) -> anyhow::Result<()> {
+    // SAFETY: kill(2) on a pid this launcher recorded for a machine process.
+    if unsafe { libc::kill(pid, sig) } != 0 {
+        bail!("kill({pid}, {sig}): {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The flags that give a machine process exactly these settings.
+fn settings_flags(s: &Settings) -> Vec<String> {
+    let mut f: Vec<String> = Vec::new();
+    let mut push = |k: &str, v: String| {
+        f.push(format!("--{k}"));
+        f.push(v);
+    };
+    push("cluster", s.cluster.clone());
+    push("dir", s.dir.display().to_string());
+    push("machines", s.machines.to_string());
+    push("workers", s.workers.to_string());
+    push("base-port", s.base_port.to_string());
+    push("lease-ms", s.lease_ms.to_string());
+    push("regions-per-machine", s.regions_per_machine.to_string());
+    push("replicas", s.replicas.to_string());
+    push("region-mb", s.region_mb.to_string());
+    push("zookeeper", s.zookeeper.clone());
+    push("stats-seconds", s.stats_seconds.to_string());
+    push("start-timeout-seconds", s.start_timeout_seconds.to_string());
+    f
+}
+
+/// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [workload]`.
+fn spawn(s: &Settings, m: u16, flags: &[&str], workload: &[String]) -> anyhow::Result<Child> {
+    std::fs::create_dir_all(&s.dir).with_context(|| format!("creating {}", s.dir.display()))?;
+    let log_path = log_file(s, m);
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("finding the farm-node binary")?;
+    let child = Command::new(exe)
+        .arg("run")
+        .args(["--machine", &m.to_string()])
+        .args(flags)
+        .args(settings_flags(s))
+        .args(workload)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("starting a machine process")?;
+    std::fs::write(pid_file(s, m), child.id().to_string())?;
+    Ok(child)
+}
+
+fn log_len(s: &Settings, m: u16) -> usize {
+    std::fs::metadata(log_file(s, m)).map_or(0, |md| md.len() as usize)
+}
+
+/// Waits until machine `m`'s log says, past byte `from`, that it runs; fails with the log's
+/// end if the process ends first.
+fn wait_running(s: &Settings, m: u16, child: &mut Child, from: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(s.start_timeout_seconds + 30);
+    let marker = format!("farm-node: machine {m} running");
+    loop {
+        let log = std::fs::read_to_string(log_file(s, m)).unwrap_or_default();
+        if log
+            .get(from..)
+            .unwrap_or("")
+            .lines()
+            .any(|l| l.starts_with(&marker))
+        {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            let _ = std::fs::remove_file(pid_file(s, m));
+            bail!(
+                "machine {m} exited ({status}) before running; the end of {}:\n{}",
+                log_file(s, m).display(),
+                tail(&log, 15)
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "machine {m} did not report running; see {}",
+                log_file(s, m).display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Starts every machine with `flags` and the `workload`, and waits until all run.
+fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Result<()> {
+    for m in 0..s.machines {
+        if let Some(pid) = running(s, m) {
+            bail!(
+                "machine {m} of cluster {} already runs (pid {pid}); `farm-node local stop` first",
+                s.cluster
+            );
+        }
+    }
+    // A log per start: what the previous life printed would look like this one's.
+    for m in 0..s.machines {
+        let _ = std::fs::remove_file(log_file(s, m));
+    }
+    let mut children = Vec::new();
+    for m in 0..s.machines {
+        children.push(spawn(s, m, flags, workload)?);
+    }
+    for (m, child) in children.iter_mut().enumerate() {
+        if let Err(e) = wait_running(s, m as u16, child, 0) {
+            for c in &mut children {
+                let _ = c.kill();
+            }
+            for m in 0..s.machines {
+                let _ = std::fs::remove_file(pid_file(s, m));
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+fn status(s: &Settings) -> anyhow::Result<()> {
+    println!(
+        "cluster {} ({} machines), NVRAM in {}, ZooKeeper {} at {}",
+        s.cluster,
+        s.machines,
+        s.dir.display(),
+        s.zookeeper,
+        s.root()
+    );
+    let store = ZkStore::connect(&s.zookeeper, &s.root(), Duration::from_secs(10))
+        .with_context(|| format!("connecting to ZooKeeper at {}", s.zookeeper))?;
+    let config = store.configuration()?;
+    match &config {
+        Some(c) => {
+            let members: Vec<u16> = c.members.iter().map(|m| m.0).collect();
+            println!(
+                "configuration {}: members {members:?}, CM {}",
+                c.id.0, c.cm.0
+            );
+        }
+        None => println!("no configuration stored"),
+    }
+    for m in 0..s.machines {
+        let process = match running(s, m) {
+            Some(pid) => format!("running (pid {pid})"),
+            None => "not running".to_string(),
+        };
+        let member = config
+            .as_ref()
+            .is_some_and(|c| c.contains(farm::MachineId(m)));
+        println!(
+            "machine {m}: {process}, {}; log {}",
+            if member { "member" } else { "not a member" },
+            log_file(s, m).display()
+        );
+    }
+    Ok(())
+}
+
+/// `local tatp`: a new cluster of `base`'s settings under `<dir>/runs/tatp-<time>` with its own
+/// znode, TATP from every machine, the results summed, the cluster stopped.
+fn run_tatp(base: &Settings, tatp: &TatpArgs, keep: bool) -> anyhow::Result<()> {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let s = Settings {
+        cluster: format!("{}-tatp-{stamp}", base.cluster),
+        dir: base.dir.join("runs").join(format!("tatp-{stamp}")),
+        ..base.clone()
+    };
+    let workload: Vec<String> = [
+        "tatp".to_string(),
+        format!("--subscribers={}", tatp.subscribers),
+        format!("--seconds={}", tatp.seconds),
+        format!("--clients={}", tatp.clients),
+        format!("--seed={}", tatp.seed),
+    ]
+    .into_iter()
+    .chain(tatp.check.then(|| "--check".to_string()))
+    .collect();
+    eprintln!(
+        "starting {} machine processes in {}",
+        s.machines,
+        s.dir.display()
+    );
+    start_all(&s, &[], &workload)?;
+    let outcome = collect_tatp(&s, tatp);
+    for m in 0..s.machines {
+        if let Some(pid) = running(&s, m) {
+            let _ = signal(pid, libc::SIGKILL);
+        }
+        let _ = std::fs::remove_file(pid_file(&s, m));
+    }
+    if !keep && outcome.is_ok() {
+        // The processes are gone once their pids are: then the files can go.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while (0..s.machines).any(|m| process_alive_in(&s, m)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::remove_dir_all(&s.dir).with_context(|| format!("removing {}", s.dir.display()))?;
+    }
+    outcome
+}
+
+/// Whether some process still holds machine `m`'s liveness lock.
+fn process_alive_in(s: &Settings, m: u16) -> bool {
+    let path: &Path = &s.dir.join(format!("m{m}")).join("alive");
+    match std::fs::File::open(path) {
+        Ok(f) => matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)),
+        Err(_) => false,
+    }
+}
+
+fn collect_tatp(s: &Settings, tatp: &TatpArgs) -> anyhow::Result<()> {
+    let store = ZkStore::connect(&s.zookeeper, &s.root(), Duration::from_secs(10))
+        .with_context(|| format!("connecting to ZooKeeper at {}", s.zookeeper))?;
+    let mut results: Vec<Option<TatpResult>> = vec![None; s.machines as usize];
+    let started = Instant::now();
+    let mut reported = 0;
+    while results.iter().any(Option::is_none) {
+        for m in 0..s.machines {
+            if results[m as usize].is_none() {
+                if let Some(bytes) = store.get(&format!("tatp-result-m{m}"))? {
+                    results[m as usize] = Some(serde_json::from_slice(&bytes)?);
+                }
+            }
+            if running(s, m).is_none() {
+                bail!(
+                    "machine {m} ended during the run; the end of {}:\n{}",
+                    log_file(s, m).display(),
+                    tail(
+                        &std::fs::read_to_string(log_file(s, m)).unwrap_or_default(),
+                        15
+                    )
+                );
+            }
+        }
+        let done = results.iter().flatten().count();
+        if done != reported {
+            eprintln!(
+                "{done} of {} machines finished ({:.0} s)",
+                s.machines,
+                started.elapsed().as_secs_f64()
+            );
+            reported = done;
+        }
+        if started.elapsed() > Duration::from_secs(900) {
+            bail!("no TATP result from every machine within 15 minutes");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let results: Vec<TatpResult> = results.into_iter().flatten().collect();
+    let total: u64 = results.iter().map(|r| r.transactions).sum();
+    let seconds = results.iter().map(|r| r.seconds).fold(0.0, f64::max);
+    println!(
+        "TATP: {} subscribers, {} machine processes x {} workers, {}-way replication, {} \
+         clients per machine, {:.1} s",
+        tatp.subscribers, s.machines, s.workers, s.replicas, tatp.clients, seconds
+    );
+    for r in &results {
+        println!(
+            "  machine {}: {} transactions ({:.0}/s), {} executions, {} errors, latency p50 {:.1} \
+             us p99 {:.1} us max {:.0} us",
+            r.machine,
+            r.transactions,
+            r.transactions as f64 / r.seconds,
+            r.executions,
+            r.errors,
+            r.p50_us,
+            r.p99_us,
+            r.max_us
+        );
+    }
+    println!(
+        "  total: {:.0} transactions/s",
+        results
+            .iter()
+            .map(|r| r.transactions as f64 / r.seconds)
+            .sum::<f64>()
+    );
+    if let Some(cfs) = results.iter().find_map(|r| r.checked_call_forwardings) {
+        println!(
+            "integrity check passed: {} subscribers, {cfs} call forwardings",
+            tatp.subscribers
+        );
+    }
+    let errors: u64 = results.iter().map(|r| r.errors).sum();
+    if total == 0 {
+        bail!("no transaction finished");
+    }
+    if errors > 0 {
+        bail!("{errors} transactions failed");
+    }
+    Ok(())
+}

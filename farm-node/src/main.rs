@@ -1,0 +1,210 @@
+//! `farm-node`: one farm-rs machine per process, and a launcher for a local cluster of them.
+//!
+//! `farm-node run --machine M` runs machine M of the cluster its settings describe (a TOML file
+//! with `--config`, flags, defaults; see `config`): its NVRAM under the cluster's directory,
+//! the `shm` fabric to the other processes, the configuration in ZooKeeper. It logs with
+//! `tracing` (`RUST_LOG`-style levels through `--log`), prints a statistics line every
+//! `stats_seconds`, and when the cluster evicts it (paused past its lease, FaRM §5.2) it
+//! starts again as a new incarnation that rejoins. `--restart` restarts it with the rest of a
+//! stopped cluster from NVRAM; `--join` joins a running cluster. `run ... tatp` also runs the
+//! TATP workload from this machine (see `workload`).
+//!
+//! `farm-node local start|status|kill|restart|stop|tatp` runs such processes on this host:
+//! see `launcher`.
+//!
+//! ```text
+//! farm-node local start --machines 3 --zookeeper 127.0.0.1:2181
+//! farm-node local status
+//! farm-node local kill 2
+//! farm-node local restart 2
+//! farm-node local stop
+//! farm-node local start --restart
+//! farm-node local tatp --subscribers 20000 --seconds 5
+//! ```
+
+mod config;
+mod launcher;
+mod workload;
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use farm::node::Node;
+use farm::zk::ZkStore;
+
+use crate::config::{ConfigArgs, Settings};
+use crate::workload::TatpArgs;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "farm-node",
+    about = "farm-rs machine server and local cluster launcher"
+)]
+struct Cli {
+    /// Log level: error, warn, info, debug or trace.
+    #[arg(long, global = true, default_value = "info")]
+    log: tracing::Level,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run one machine of a cluster in this process.
+    Run(RunArgs),
+    /// Start, inspect, fail and stop a cluster of machine processes on this host.
+    #[command(subcommand)]
+    Local(launcher::LocalCommand),
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// The machine this process runs (0 to machines - 1).
+    #[arg(long)]
+    machine: u16,
+    /// Restart from the NVRAM directory with every other machine of a stopped cluster.
+    #[arg(long, conflicts_with = "join")]
+    restart: bool,
+    /// Join the running cluster as a new incarnation of this machine (its NVRAM is forgotten).
+    #[arg(long)]
+    join: bool,
+    #[command(flatten)]
+    config: ConfigArgs,
+    #[command(subcommand)]
+    workload: Option<Workload>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Workload {
+    /// Run TATP from this machine once every machine loaded its subscribers.
+    Tatp(TatpArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    // The ZooKeeper client logs every session event at info.
+    let filter = tracing_subscriber::filter::Targets::new()
+        .with_default(cli.log)
+        .with_target("zookeeper_client", cli.log.min(tracing::Level::WARN));
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(filter)
+        .init();
+    match cli.command {
+        Command::Run(args) => run(args),
+        Command::Local(cmd) => launcher::main(cmd),
+    }
+}
+
+/// `farm-node run`.
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    let settings = args.config.resolve()?;
+    if args.machine >= settings.machines {
+        anyhow::bail!(
+            "--machine {}: the cluster has machines 0 to {}",
+            args.machine,
+            settings.machines - 1
+        );
+    }
+    let config = settings.node_config(args.machine, args.restart, args.join);
+    let node = Node::start(&config).with_context(|| {
+        format!(
+            "starting machine {} of cluster {} in {}",
+            args.machine,
+            settings.cluster,
+            settings.dir.display()
+        )
+    })?;
+    if args.join {
+        node.wait_joined(Duration::from_secs(settings.start_timeout_seconds))?;
+    }
+    announce(&node);
+    if let Some(Workload::Tatp(tatp)) = &args.workload {
+        let store = workload_store(&settings)?;
+        let result = workload::tatp(&node, &store, tatp)?;
+        println!("tatp result {}", serde_json::to_string(&result)?);
+    }
+    serve(node, &settings, &config)
+}
+
+fn announce(node: &Node) {
+    let c = node.configuration();
+    let members: Vec<u16> = c.members.iter().map(|m| m.0).collect();
+    // One write, so that the line does not interleave with the log on a shared file.
+    let line = format!(
+        "farm-node: machine {} running in configuration {} (members {members:?}, CM {})\n",
+        node.id().0,
+        c.id.0,
+        c.cm.0
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(line.as_bytes());
+}
+
+fn workload_store(settings: &Settings) -> anyhow::Result<ZkStore> {
+    ZkStore::connect(
+        &settings.zookeeper,
+        &settings.root(),
+        Duration::from_secs(10),
+    )
+    .with_context(|| format!("connecting to ZooKeeper at {}", settings.zookeeper))
+}
+
+/// Serves until the process is killed: a statistics line every `stats_seconds`, and a new
+/// incarnation that rejoins whenever the cluster evicts this one.
+fn serve(
+    mut node: Node,
+    settings: &Settings,
+    config: &farm::node::NodeConfig,
+) -> anyhow::Result<()> {
+    let every = Duration::from_secs(settings.stats_seconds);
+    let mut last = (Instant::now(), node.stats());
+    loop {
+        std::thread::sleep(every.min(Duration::from_millis(100)));
+        if node.is_evicted() {
+            tracing::warn!(
+                machine = node.id().0,
+                "evicted from the configuration; rejoining as a new incarnation"
+            );
+            drop(node);
+            let join = farm::node::NodeConfig {
+                join: true,
+                restart: false,
+                ..config.clone()
+            };
+            node = Node::start(&join).context("starting again to rejoin")?;
+            node.wait_joined(Duration::from_secs(settings.start_timeout_seconds))?;
+            announce(&node);
+            last = (Instant::now(), node.stats());
+            continue;
+        }
+        if last.0.elapsed() < every {
+            continue;
+        }
+        let stats = node.stats();
+        let seconds = last.0.elapsed().as_secs_f64();
+        let c = node.configuration();
+        let members: Vec<u16> = c.members.iter().map(|m| m.0).collect();
+        let aborts = |s: &farm::Stats| {
+            s.aborts_read_locked
+                + s.aborts_read_torn
+                + s.aborts_lock
+                + s.aborts_validate
+                + s.aborts_other
+        };
+        tracing::info!(
+            machine = node.id().0,
+            config = c.id.0,
+            members = ?members,
+            commits_per_s = ((stats.commits - last.1.commits) as f64 / seconds).round(),
+            aborts_per_s = ((aborts(&stats) - aborts(&last.1)) as f64 / seconds).round(),
+            commits = stats.commits,
+            suspicions = node.suspicions().len(),
+            "stats"
+        );
+        last = (Instant::now(), stats);
+    }
+}

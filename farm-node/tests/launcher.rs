@@ -1,0 +1,235 @@
+//! The `farm-node` binary end to end, with ZooKeeper (`ZK_CONNECT`; under `CI=true` it must be
+//! there): a local cluster of three machine processes started, inspected, one machine killed
+//! and started again (it rejoins), every machine stopped at once and the cluster restarted
+//! from NVRAM, TATP run across processes with its integrity check, and bad settings refused
+//! with messages that name the problem.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn zookeeper() -> Option<String> {
+    match std::env::var("ZK_CONNECT") {
+        Ok(z) => Some(z),
+        Err(_) => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "CI=true but ZK_CONNECT is not set: run the tests under scripts/with-zookeeper.sh"
+            );
+            eprintln!("skipping: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
+            None
+        }
+    }
+}
+
+/// A cluster name no other run used (the znodes stay in ZooKeeper).
+fn unique(test: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{test}-{}-{nanos}", std::process::id())
+}
+
+/// UDP ports of a test's machines: tests run in parallel.
+fn base_port(test: u16) -> String {
+    (30_000 + (std::process::id() % 2_000) as u16 * 8 + test * 4).to_string()
+}
+
+struct Local<'a> {
+    dir: &'a Path,
+    args: Vec<String>,
+}
+
+impl<'a> Local<'a> {
+    /// A cluster of its own for test number `test` in `dir`.
+    fn new(dir: &'a Path, test: &str, zookeeper: String, number: u16, region_mb: u16) -> Self {
+        let args = [
+            "--cluster",
+            &unique(test),
+            "--zookeeper",
+            &zookeeper,
+            "--base-port",
+            &base_port(number),
+            "--region-mb",
+            &region_mb.to_string(),
+        ];
+        Self {
+            dir,
+            args: args.iter().map(|a| a.to_string()).collect(),
+        }
+    }
+
+    fn run(&self, words: &[&str]) -> Output {
+        let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
+            .arg("local")
+            .args(words)
+            .args(&self.args)
+            .current_dir(self.dir)
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        eprintln!(
+            "farm-node local {words:?}: {}\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    fn ok(&self, words: &[&str]) -> String {
+        let out = self.run(words);
+        assert!(out.status.success(), "farm-node local {words:?} failed");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// `status` until it shows `configuration <id>` with these members (reconfiguration and
+    /// the status read race).
+    fn wait_status(&self, expected: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let status = self.ok(&["status"]);
+            if status.contains(expected) {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "never {expected:?}:\n{status}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Stops the test's machine processes however the test ends: they run until killed.
+struct StopOnDrop<'a>(&'a Local<'a>);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.run(&["stop"]);
+    }
+}
+
+/// Start, status, kill, rejoin, stop everything, restart from NVRAM: the launcher's commands
+/// and what the cluster does under them (FaRM §5.2 removal and joining, §5 durability).
+#[test]
+fn a_local_cluster_is_started_failed_rejoined_stopped_and_restarted() {
+    let Some(zk) = zookeeper() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let local = Local::new(dir.path(), "launcher", zk, 0, 4);
+    let _stop = StopOnDrop(&local);
+    let started = local.ok(&["start"]);
+    assert!(
+        started.contains("configuration 1: members [0, 1, 2], CM 0"),
+        "{started}"
+    );
+    for m in 0..3 {
+        assert!(
+            started.contains(&format!("machine {m}: running (pid")),
+            "{started}"
+        );
+    }
+    let again = local.run(&["start"]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already runs"));
+
+    assert!(local.ok(&["kill", "2"]).contains("killed machine 2"));
+    let removed = local.wait_status("configuration 2: members [0, 1], CM 0");
+    assert!(
+        removed.contains("machine 2: not running, not a member"),
+        "{removed}"
+    );
+    assert!(local.ok(&["restart", "2"]).contains("machine 2 rejoined"));
+    let rejoined = local.wait_status("configuration 3: members [0, 1, 2], CM 0");
+    assert!(rejoined.contains("machine 2: running (pid"), "{rejoined}");
+
+    assert!(local
+        .ok(&["stop"])
+        .contains("stopped machines [0, 1, 2] at once"));
+    let restarted = local.ok(&["start", "--restart"]);
+    assert!(
+        restarted.contains("configuration 4: members [0, 1, 2], CM 0"),
+        "{restarted}"
+    );
+}
+
+/// TATP from three machine processes: every machine runs the mix, no transaction fails, and
+/// the database's integrity holds afterwards (checked by machine 0).
+#[test]
+fn tatp_runs_across_machine_processes() {
+    let Some(zk) = zookeeper() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let local = Local::new(dir.path(), "tatp", zk, 1, 16);
+    let out = local.ok(&["tatp", "--subscribers", "2000", "--seconds", "1", "--check"]);
+    for m in 0..3 {
+        assert!(out.contains(&format!("machine {m}: ")), "{out}");
+    }
+    assert!(out.contains(" 0 errors"), "{out}");
+    assert!(
+        out.contains("integrity check passed: 2000 subscribers"),
+        "{out}"
+    );
+    let runs = dir.path().join("farm-data");
+    let left: Vec<_> = std::fs::read_dir(runs.join(local.args[1].clone()).join("runs"))
+        .map(|d| d.collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "the run's directory was not removed");
+}
+
+/// Bad settings fail at start, naming the problem: an unknown key in the file, an unreachable
+/// ZooKeeper, and an NVRAM directory that belongs to another cluster.
+#[test]
+fn bad_settings_fail_at_start_with_a_clear_message() {
+    let Some(zk) = zookeeper() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
+            .arg("run")
+            .args(args)
+            .current_dir(dir.path())
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} started");
+        String::from_utf8(out.stderr).unwrap()
+    };
+    std::fs::write(dir.path().join("node.toml"), "machines = 1\nlease = 20\n").unwrap();
+    let e = run(&["--machine", "0", "--config", "node.toml"]);
+    assert!(
+        e.contains("node.toml") && e.contains("unknown field `lease`"),
+        "{e}"
+    );
+    let e = run(&[
+        "--machine",
+        "0",
+        "--machines",
+        "1",
+        "--zookeeper",
+        "127.0.0.1:9",
+        "--start-timeout-seconds",
+        "1",
+    ]);
+    assert!(e.contains("ZooKeeper at 127.0.0.1:9"), "{e}");
+    let e = run(&["--machine", "3", "--machines", "3"]);
+    assert!(
+        e.contains("--machine 3: the cluster has machines 0 to 2"),
+        "{e}"
+    );
+    // A directory stamped by one cluster refuses a machine of another.
+    let shared = dir.path().join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    std::fs::write(shared.join("cluster"), "0x1234\n").unwrap();
+    let e = run(&[
+        "--machine",
+        "0",
+        "--machines",
+        "1",
+        "--cluster",
+        &unique("other"),
+        "--dir",
+        shared.to_str().unwrap(),
+        "--zookeeper",
+        &zk,
+        "--base-port",
+        &base_port(2),
+    ]);
+    assert!(e.contains("belongs to cluster 0x1234"), "{e}");
+}
