@@ -153,6 +153,15 @@ impl CommonArgs {
             self.machines
         );
         anyhow::ensure!(self.lease_ms >= 1, "--lease-ms must be at least 1");
+        // Each client keeps a session, which holds one host (a worker thread of every machine)
+        // for the run: a client beyond the workers would wait for a host forever.
+        anyhow::ensure!(
+            self.clients <= self.workers,
+            "--clients {} needs at least as many --workers ({}): each client keeps a worker \
+             thread of every machine for the run",
+            self.clients,
+            self.workers
+        );
         let opts = RunOptions {
             clients: self.clients,
             seconds: self.seconds,

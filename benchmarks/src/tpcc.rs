@@ -18,7 +18,7 @@
 //! lock-free reads instead of a serializable transaction.
 
 use bytemuck::{Pod, Zeroable};
-use farm::{Client, MachineId, TxError, Txn};
+use farm::{Addr, Client, MachineId, TxError, Txn};
 use farm_ds::{BTree, HashTable, TableSpec};
 
 use crate::tpcc_input::{
@@ -335,6 +335,18 @@ impl<K: Pod + Ord, V: Pod> PerWarehouse<K, V> {
     pub fn of(&self, w: u32) -> &BTree<K, V> {
         &self.0[w as usize - 1]
     }
+
+    fn metas(&self) -> impl Iterator<Item = Addr> + '_ {
+        self.0.iter().map(BTree::meta)
+    }
+
+    fn open(cluster: &impl Client, machine: MachineId, metas: &[Addr]) -> Result<Self, TxError> {
+        metas
+            .iter()
+            .map(|m| BTree::open(cluster, machine, *m))
+            .collect::<Result<_, _>>()
+            .map(Self)
+    }
 }
 
 /// The tables of one TPC-C database.
@@ -388,33 +400,100 @@ impl Tables {
                 .max(1) as u32,
             slots,
         };
-        let by_w = move |w: u64| warehouse_machine(w, n);
-        let mut rng = Rand::new(seed);
         Ok(Self {
             scale,
-            constants: NuRandConstants::draw(&mut rng),
-            warehouse: HashTable::create(cluster, &spec(1, 1, 3))?
-                .with_partitioner(move |w: &u32| by_w(*w as u64)),
-            district: HashTable::create(cluster, &spec(d, 1, 3))?
-                .with_partitioner(move |k: &u64| by_w(k >> 8)),
-            customer: HashTable::create(cluster, &spec(d * c, 1, 3))?
-                .with_partitioner(move |k: &u64| by_w(k >> 24)),
+            constants: NuRandConstants::draw(&mut Rand::new(seed)),
+            warehouse: HashTable::create(cluster, &spec(1, 1, 3))?,
+            district: HashTable::create(cluster, &spec(d, 1, 3))?,
+            customer: HashTable::create(cluster, &spec(d * c, 1, 3))?,
             customer_by_name: PerWarehouse::create(cluster, scale.warehouses, 32)?,
-            history: HashTable::create(cluster, &spec(d * orders, 2, 2))?
-                .with_partitioner(move |k: &u64| by_w(k >> 48)),
-            order: HashTable::create(cluster, &spec(d * orders, 4, 2))?
-                .with_partitioner(move |k: &u64| by_w(k >> 40)),
+            history: HashTable::create(cluster, &spec(d * orders, 2, 2))?,
+            order: HashTable::create(cluster, &spec(d * orders, 4, 2))?,
             new_order: PerWarehouse::create(cluster, scale.warehouses, 64)?,
             order_by_customer: PerWarehouse::create(cluster, scale.warehouses, 64)?,
-            order_line: HashTable::create(cluster, &spec(d * orders, 1, 2))?
-                .with_partitioner(move |k: &u64| by_w(k >> 40)),
+            order_line: HashTable::create(cluster, &spec(d * orders, 1, 2))?,
             item: HashTable::create(
                 cluster,
                 &TableSpec::with_capacity(machines.clone(), scale.items as u64, 2),
             )?,
-            stock: HashTable::create(cluster, &spec(scale.items as u64, 1, 3))?
-                .with_partitioner(move |k: &u64| by_w(k >> 20)),
-        })
+            stock: HashTable::create(cluster, &spec(scale.items as u64, 1, 3))?,
+        }
+        .partitioned(n))
+    }
+
+    /// Rows partitioned by warehouse over `machines`: a warehouse's rows live on its machine.
+    fn partitioned(self, machines: usize) -> Self {
+        let by_w = move |w: u64| warehouse_machine(w, machines);
+        Self {
+            warehouse: self
+                .warehouse
+                .with_partitioner(move |w: &u32| by_w(*w as u64)),
+            district: self.district.with_partitioner(move |k: &u64| by_w(k >> 8)),
+            customer: self.customer.with_partitioner(move |k: &u64| by_w(k >> 24)),
+            history: self.history.with_partitioner(move |k: &u64| by_w(k >> 48)),
+            order: self.order.with_partitioner(move |k: &u64| by_w(k >> 40)),
+            order_line: self
+                .order_line
+                .with_partitioner(move |k: &u64| by_w(k >> 40)),
+            stock: self.stock.with_partitioner(move |k: &u64| by_w(k >> 20)),
+            ..self
+        }
+    }
+
+    /// The tables' roots, from which [`Tables::open`] opens them elsewhere (another process):
+    /// the hash tables', then each warehouse's B-trees.
+    pub fn roots(&self) -> Vec<Addr> {
+        [
+            self.warehouse.root(),
+            self.district.root(),
+            self.customer.root(),
+            self.history.root(),
+            self.order.root(),
+            self.order_line.root(),
+            self.item.root(),
+            self.stock.root(),
+        ]
+        .into_iter()
+        .chain(self.customer_by_name.metas())
+        .chain(self.new_order.metas())
+        .chain(self.order_by_customer.metas())
+        .collect()
+    }
+
+    /// Opens the tables that [`Tables::create`] made for `scale` with `seed`, from their
+    /// [`Tables::roots`], reading through `machine`.
+    pub fn open(
+        cluster: &impl Client,
+        machine: MachineId,
+        scale: Scale,
+        seed: u64,
+        roots: &[Addr],
+    ) -> Result<Self, TxError> {
+        let w = scale.warehouses as usize;
+        if roots.len() != 8 + 3 * w {
+            return Err(TxError::Aborted(format!(
+                "{} roots for {w} warehouses: expected {}",
+                roots.len(),
+                8 + 3 * w
+            )));
+        }
+        let trees = &roots[8..];
+        Ok(Self {
+            scale,
+            constants: NuRandConstants::draw(&mut Rand::new(seed)),
+            warehouse: HashTable::open(cluster, machine, roots[0])?,
+            district: HashTable::open(cluster, machine, roots[1])?,
+            customer: HashTable::open(cluster, machine, roots[2])?,
+            history: HashTable::open(cluster, machine, roots[3])?,
+            order: HashTable::open(cluster, machine, roots[4])?,
+            order_line: HashTable::open(cluster, machine, roots[5])?,
+            item: HashTable::open(cluster, machine, roots[6])?,
+            stock: HashTable::open(cluster, machine, roots[7])?,
+            customer_by_name: PerWarehouse::open(cluster, machine, &trees[..w])?,
+            new_order: PerWarehouse::open(cluster, machine, &trees[w..2 * w])?,
+            order_by_customer: PerWarehouse::open(cluster, machine, &trees[2 * w..])?,
+        }
+        .partitioned(cluster.machines() as usize))
     }
 
     /// The machine where warehouse `w`'s rows live.

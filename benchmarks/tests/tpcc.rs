@@ -93,6 +93,33 @@ fn population_is_consistent_and_broken_invariants_are_named() {
     assert!(e.contains("warehouse 2 district 2: condition 2"), "{e}");
 }
 
+/// Tables opened from their roots (as another process opens them) are the same tables: the
+/// check passes through them, and a row written through one handle is read through the other,
+/// in the partition the original put it in.
+#[test]
+fn tables_opened_from_their_roots_are_the_same_tables() {
+    let (c, t) = populated();
+    let m = MachineId(2);
+    let opened = Tables::open(&c, m, t.scale, 5, &t.roots()).unwrap();
+    assert_eq!(opened.roots(), t.roots());
+    opened.check(&c, m).unwrap();
+    let key = d_key(2, 3);
+    assert_eq!(
+        opened.district.home_bucket(&key),
+        t.district.home_bucket(&key)
+    );
+    let mut row = c.txn(m, |tx| t.district.get_in(tx, &key)).unwrap().unwrap();
+    row.ytd += 7;
+    c.txn(m, |tx| opened.district.update(tx, &key, &row))
+        .unwrap();
+    let again = c.txn(m, |tx| t.district.get_in(tx, &key)).unwrap().unwrap();
+    assert_eq!(again.ytd, row.ytd);
+    let mut wrong = t.roots();
+    wrong.pop();
+    let e = Tables::open(&c, m, t.scale, 5, &wrong).unwrap_err();
+    assert!(e.to_string().contains("roots for 2 warehouses"), "{e}");
+}
+
 /// Customers are findable by last name in name order (the B-tree index), and the first 1,000
 /// customers' names follow their ids (clause 4.3.2.3).
 #[test]

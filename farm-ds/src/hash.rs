@@ -181,11 +181,7 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
             let mut left = spec.buckets as usize;
             while left > 0 {
                 let n = left.min(per_txn);
-                let got = cluster.txn(machine, |tx| {
-                    (0..n)
-                        .map(|_| tx.alloc_bytes(&empty, None))
-                        .collect::<Result<Vec<_>, _>>()
-                })?;
+                let got = cluster.txn(machine, |tx| tx.alloc_bytes_many(&empty, n, None))?;
                 dir.extend(got);
                 left -= n;
             }

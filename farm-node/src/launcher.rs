@@ -15,7 +15,7 @@ use clap::Subcommand;
 use farm::zk::ZkStore;
 
 use crate::config::{ConfigArgs, Settings};
-use crate::workload::{TatpArgs, TatpResult};
+use crate::workload::{TatpArgs, WorkloadResult};
 
 #[derive(Subcommand, Debug)]
 pub enum LocalCommand {
@@ -74,7 +74,8 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
                 config.resolve()?
             };
             let flag = if restart { vec!["--restart"] } else { vec![] };
-            start_all(&s, &flag, &[])?;
+            // They run on after the launcher exits.
+            drop(start_all(&s, &flag, &[])?);
             std::fs::write(s.dir.join(SAVED), s.to_toml())?;
             status(&s)
         }
@@ -120,7 +121,17 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
         }
         LocalCommand::Tatp { tatp, keep, config } => {
             let base = config.resolve()?;
-            run_tatp(&base, &tatp, keep)
+            let mut args = vec![format!("--subscribers={}", tatp.subscribers)];
+            args.extend(tatp.run.flags());
+            let title = format!("TATP: {} subscribers", tatp.subscribers);
+            run_workload(
+                &base,
+                "tatp",
+                &args,
+                keep,
+                &title,
+                "transactions that found their rows",
+            )
         }
     }
 }
@@ -270,8 +281,9 @@ fn tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// Starts every machine with `flags` and the `workload`, and waits until all run.
-fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Result<()> {
+/// Starts every machine with `flags` and the `workload`, and waits until all run; returns
+/// their processes.
+fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Result<Vec<Child>> {
     for m in 0..s.machines {
         if let Some(pid) = running(s, m) {
             bail!(
@@ -299,7 +311,7 @@ fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Resul
             return Err(e);
         }
     }
-    Ok(())
+    Ok(children)
 }
 
 fn status(s: &Settings) -> anyhow::Result<()> {
@@ -341,42 +353,42 @@ fn status(s: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `local tatp`: a new cluster of `base`'s settings under `<dir>/runs/tatp-<time>` with its own
-/// znode, TATP from every machine, the results summed, the cluster stopped.
-fn run_tatp(base: &Settings, tatp: &TatpArgs, keep: bool) -> anyhow::Result<()> {
+/// `local tatp`: a new cluster of `base`'s settings under
+/// `<dir>/runs/<workload>-<time>` with its own znode, the workload from every machine, the
+/// results summed, the cluster stopped.
+fn run_workload(
+    base: &Settings,
+    workload: &str,
+    args: &[String],
+    keep: bool,
+    title: &str,
+    counted: &str,
+) -> anyhow::Result<()> {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();
     let s = Settings {
-        cluster: format!("{}-tatp-{stamp}", base.cluster),
-        dir: base.dir.join("runs").join(format!("tatp-{stamp}")),
+        cluster: format!("{}-{workload}-{stamp}", base.cluster),
+        dir: base.dir.join("runs").join(format!("{workload}-{stamp}")),
         ..base.clone()
     };
-    let workload: Vec<String> = [
-        "tatp".to_string(),
-        format!("--subscribers={}", tatp.subscribers),
-        format!("--seconds={}", tatp.seconds),
-        format!("--clients={}", tatp.clients),
-        format!("--seed={}", tatp.seed),
-    ]
-    .into_iter()
-    .chain(tatp.check.then(|| "--check".to_string()))
-    .collect();
+    let workload_args: Vec<String> = std::iter::once(workload.to_string())
+        .chain(args.iter().cloned())
+        .collect();
     eprintln!(
         "starting {} machine processes in {}",
         s.machines,
         s.dir.display()
     );
-    start_all(&s, &[], &workload)?;
-    let outcome = collect_tatp(&s, tatp);
-    for m in 0..s.machines {
-        if let Some(pid) = running(&s, m) {
-            let _ = signal(pid, libc::SIGKILL);
-        }
-        let _ = std::fs::remove_file(pid_file(&s, m));
+    let mut children = start_all(&s, &[], &workload_args)?;
+    let outcome = collect(&s, workload, &mut children).and_then(|r| report(&s, &r, title, counted));
+    for (m, c) in children.iter_mut().enumerate() {
+        let _ = c.kill();
+        let _ = c.wait();
+        let _ = std::fs::remove_file(pid_file(&s, m as u16));
     }
     if !keep && outcome.is_ok() {
-        // The processes are gone once their pids are: then the files can go.
+        // The processes are gone once no liveness lock is held: then the files can go.
         let deadline = Instant::now() + Duration::from_secs(10);
         while (0..s.machines).any(|m| process_alive_in(&s, m)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
@@ -395,20 +407,25 @@ fn process_alive_in(s: &Settings, m: u16) -> bool {
     }
 }
 
-fn collect_tatp(s: &Settings, tatp: &TatpArgs) -> anyhow::Result<()> {
+/// Every machine's result of `workload`, as they publish them in ZooKeeper.
+fn collect(
+    s: &Settings,
+    workload: &str,
+    children: &mut [Child],
+) -> anyhow::Result<Vec<WorkloadResult>> {
     let store = ZkStore::connect(&s.zookeeper, &s.root(), Duration::from_secs(10))
         .with_context(|| format!("connecting to ZooKeeper at {}", s.zookeeper))?;
-    let mut results: Vec<Option<TatpResult>> = vec![None; s.machines as usize];
+    let mut results: Vec<Option<WorkloadResult>> = vec![None; s.machines as usize];
     let started = Instant::now();
     let mut reported = 0;
     while results.iter().any(Option::is_none) {
         for m in 0..s.machines {
             if results[m as usize].is_none() {
-                if let Some(bytes) = store.get(&format!("tatp-result-m{m}"))? {
+                if let Some(bytes) = store.get(&format!("{workload}-result-m{m}"))? {
                     results[m as usize] = Some(serde_json::from_slice(&bytes)?);
                 }
             }
-            if running(s, m).is_none() {
+            if results[m as usize].is_none() && children[m as usize].try_wait()?.is_some() {
                 bail!(
                     "machine {m} ended during the run; the end of {}:\n{}",
                     log_file(s, m).display(),
@@ -428,26 +445,35 @@ fn collect_tatp(s: &Settings, tatp: &TatpArgs) -> anyhow::Result<()> {
             );
             reported = done;
         }
-        if started.elapsed() > Duration::from_secs(900) {
-            bail!("no TATP result from every machine within 15 minutes");
+        if started.elapsed() > Duration::from_secs(1800) {
+            bail!("no result from every machine within 30 minutes");
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let results: Vec<TatpResult> = results.into_iter().flatten().collect();
-    let total: u64 = results.iter().map(|r| r.transactions).sum();
+    Ok(results.into_iter().flatten().collect())
+}
+
+/// Prints the run's results; fails if a transaction failed or none finished.
+fn report(
+    s: &Settings,
+    results: &[WorkloadResult],
+    title: &str,
+    counted: &str,
+) -> anyhow::Result<()> {
     let seconds = results.iter().map(|r| r.seconds).fold(0.0, f64::max);
     println!(
-        "TATP: {} subscribers, {} machine processes x {} workers, {}-way replication, {} \
-         clients per machine, {:.1} s",
-        tatp.subscribers, s.machines, s.workers, s.replicas, tatp.clients, seconds
+        "{title}, {} machine processes x {} workers, {}-way replication, {:.1} s",
+        s.machines, s.workers, s.replicas, seconds
     );
-    for r in &results {
+    for r in results {
         println!(
-            "  machine {}: {} transactions ({:.0}/s), {} executions, {} errors, latency p50 {:.1} \
-             us p99 {:.1} us max {:.0} us",
+            "  machine {}: {} transactions ({:.0}/s), {} {counted} ({:.0}/s), {} executions, {} \
+             errors, latency p50 {:.1} us p99 {:.1} us max {:.0} us",
             r.machine,
             r.transactions,
             r.transactions as f64 / r.seconds,
+            r.counted,
+            r.counted as f64 / r.seconds,
             r.executions,
             r.errors,
             r.p50_us,
@@ -455,21 +481,19 @@ fn collect_tatp(s: &Settings, tatp: &TatpArgs) -> anyhow::Result<()> {
             r.max_us
         );
     }
+    let per_s = |f: fn(&WorkloadResult) -> u64| {
+        results.iter().map(|r| f(r) as f64 / r.seconds).sum::<f64>()
+    };
     println!(
-        "  total: {:.0} transactions/s",
-        results
-            .iter()
-            .map(|r| r.transactions as f64 / r.seconds)
-            .sum::<f64>()
+        "  total: {:.0} transactions/s, {:.0} {counted}/s",
+        per_s(|r| r.transactions),
+        per_s(|r| r.counted)
     );
-    if let Some(cfs) = results.iter().find_map(|r| r.checked_call_forwardings) {
-        println!(
-            "integrity check passed: {} subscribers, {cfs} call forwardings",
-            tatp.subscribers
-        );
+    if let Some(check) = results.iter().find_map(|r| r.check.as_ref()) {
+        println!("integrity check passed: {check}");
     }
     let errors: u64 = results.iter().map(|r| r.errors).sum();
-    if total == 0 {
+    if results.iter().map(|r| r.transactions).sum::<u64>() == 0 {
         bail!("no transaction finished");
     }
     if errors > 0 {

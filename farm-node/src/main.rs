@@ -19,7 +19,7 @@
 //! farm-node local restart 2
 //! farm-node local stop
 //! farm-node local start --restart
-//! farm-node local tatp --subscribers 20000 --seconds 5
+//! farm-node local tatp --subscribers 20000 --seconds 5 --check
 //! ```
 
 mod config;
@@ -122,10 +122,12 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         node.wait_joined(Duration::from_secs(settings.start_timeout_seconds))?;
     }
     announce(&node);
-    if let Some(Workload::Tatp(tatp)) = &args.workload {
+    if let Some(w) = &args.workload {
         let store = workload_store(&settings)?;
-        let result = workload::tatp(&node, &store, tatp)?;
-        println!("tatp result {}", serde_json::to_string(&result)?);
+        let (name, result) = match w {
+            Workload::Tatp(a) => ("tatp", workload::run_tatp(&node, &store, a)?),
+        };
+        println!("{name} result {}", serde_json::to_string(&result)?);
     }
     serve(node, &settings, &config)
 }

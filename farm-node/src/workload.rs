@@ -1,8 +1,10 @@
-//! TATP run by every machine process of a cluster (`farm_benchmarks::tatp`): machine 0 creates
-//! the tables (each machine's buckets in its own regions) and publishes their roots in
-//! ZooKeeper; every machine opens them, loads its own subscribers, waits for the others, then
-//! runs the mix from its client threads for the run's length, every transaction coordinated on
-//! this machine, and publishes its result (`tatp-result-m<id>`) for the launcher.
+//! TATP run by every machine process of a cluster (`farm_benchmarks::tatp`): machine 0
+//! creates the tables (each machine's partition in its own regions) and publishes their roots
+//! in ZooKeeper; every machine opens them, loads its own
+//! partition, waits for the others, then runs the mix from its client threads for the run's
+//! length, every transaction coordinated on this machine; once all are done, machine 0 checks
+//! the database. Each machine publishes its result (`<workload>-result-m<id>`) for the
+//! launcher.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -11,9 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use farm::node::Node;
 use farm::zk::ZkStore;
-use farm::{Addr, TxError};
-use farm_benchmarks::tatp::{Kind, Tables};
-use farm_benchmarks::Rand;
+use farm::{Addr, MachineId, TxError};
+use farm_benchmarks::{tatp, Rand};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
@@ -23,6 +24,13 @@ pub struct TatpArgs {
     /// Subscribers in the database.
     #[arg(long, default_value_t = 20_000)]
     pub subscribers: u32,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// What every workload run takes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
     /// Seconds of measured run.
     #[arg(long, default_value_t = 5.0)]
     pub seconds: f64,
@@ -37,13 +45,30 @@ pub struct TatpArgs {
     pub check: bool,
 }
 
+impl RunArgs {
+    /// The flags that give a machine process this run.
+    pub fn flags(&self) -> Vec<String> {
+        let mut f = vec![
+            format!("--seconds={}", self.seconds),
+            format!("--clients={}", self.clients),
+            format!("--seed={}", self.seed),
+        ];
+        if self.check {
+            f.push("--check".into());
+        }
+        f
+    }
+}
+
 /// What one machine measured.
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub struct TatpResult {
+pub struct WorkloadResult {
     pub machine: u16,
     pub seconds: f64,
     /// Transactions finished (found or not, as the specification counts them).
     pub transactions: u64,
+    /// Transactions that found their rows.
+    pub counted: u64,
     /// Executions, retries included.
     pub executions: u64,
     /// Transactions that failed with an error.
@@ -52,123 +77,221 @@ pub struct TatpResult {
     pub p50_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
-    /// Call forwardings the integrity check counted (machine 0 with `--check`).
-    pub checked_call_forwardings: Option<u64>,
+    /// What machine 0's integrity check found, with `--check`.
+    pub check: Option<String>,
 }
 
 /// How long a machine waits for the others at each step.
-const STEP_WAIT: Duration = Duration::from_secs(300);
+const STEP_WAIT: Duration = Duration::from_secs(600);
 
-fn wait_for(store: &ZkStore, name: &str) -> anyhow::Result<Vec<u8>> {
-    let started = Instant::now();
-    loop {
-        if let Some(data) = store.get(name)? {
-            return Ok(data);
-        }
-        if started.elapsed() > STEP_WAIT {
-            bail!("{name} did not appear in ZooKeeper within {STEP_WAIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+/// The machines of a run, meeting in ZooKeeper under names prefixed with the workload's.
+struct Meeting<'a> {
+    store: &'a ZkStore,
+    workload: &'static str,
+    me: MachineId,
+    machines: u16,
 }
 
-/// Runs TATP on this machine as described in the module docs; returns its result.
-pub fn tatp(node: &Node, store: &ZkStore, args: &TatpArgs) -> anyhow::Result<TatpResult> {
-    if args.subscribers == 0 || args.clients == 0 || args.seconds.is_nan() || args.seconds <= 0.0 {
-        bail!("TATP needs at least one subscriber, one client and a positive run length");
+impl Meeting<'_> {
+    fn publish(&self, what: &str, data: &[u8]) -> anyhow::Result<()> {
+        Ok(self.store.put(&format!("{}-{what}", self.workload), data)?)
     }
-    let me = node.id();
-    let machines = node.configuration().members.len() as u16;
-    let tables = if me.0 == 0 {
-        let tables = Tables::create(node, args.subscribers).context("creating the tables")?;
-        let roots: Vec<u8> = tables
-            .roots()
+
+    fn wait(&self, what: &str) -> anyhow::Result<Vec<u8>> {
+        let name = format!("{}-{what}", self.workload);
+        let started = Instant::now();
+        loop {
+            if let Some(data) = self.store.get(&name)? {
+                return Ok(data);
+            }
+            if started.elapsed() > STEP_WAIT {
+                bail!("{name} did not appear in ZooKeeper within {STEP_WAIT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until every machine got to `step`.
+    fn barrier(&self, step: &str) -> anyhow::Result<()> {
+        self.publish(&format!("{step}-m{}", self.me.0), b"")?;
+        for m in 0..self.machines {
+            self.wait(&format!("{step}-m{m}"))?;
+        }
+        Ok(())
+    }
+
+    fn publish_roots(&self, roots: &[Addr]) -> anyhow::Result<()> {
+        let bytes: Vec<u8> = roots
             .iter()
             .flat_map(|a| a.to_u64().to_le_bytes())
             .collect();
-        store.put("tatp-roots", &roots)?;
+        self.publish("roots", &bytes)
+    }
+
+    fn roots(&self) -> anyhow::Result<Vec<Addr>> {
+        let bytes = self.wait("roots")?;
+        if bytes.len() % 8 != 0 {
+            bail!("the published roots are {} bytes", bytes.len());
+        }
+        Ok(bytes
+            .chunks(8)
+            .map(|c| Addr::from_u64(u64::from_le_bytes(c.try_into().expect("8 bytes"))))
+            .collect())
+    }
+}
+
+/// What the client threads of one machine measured.
+struct Measured {
+    seconds: f64,
+    hist: Histogram<u64>,
+    transactions: u64,
+    counted: u64,
+    executions: u64,
+    errors: u64,
+}
+
+/// Runs `one` from `clients` threads for `seconds`: `one(client, rng, executions)` runs a
+/// transaction and says whether it counts.
+fn measure(
+    run: &RunArgs,
+    me: MachineId,
+    one: impl Fn(u16, &mut Rand, &mut u64) -> Result<bool, TxError> + Sync,
+) -> anyhow::Result<Measured> {
+    let stop = AtomicBool::new(false);
+    let total = Mutex::new(Measured {
+        seconds: 0.0,
+        hist: Histogram::new(3)?,
+        transactions: 0,
+        counted: 0,
+        executions: 0,
+        errors: 0,
+    });
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for client in 0..run.clients {
+            let (stop, total, one) = (&stop, &total, &one);
+            s.spawn(move || {
+                let mut rng = Rand::new(run.seed ^ (me.0 as u64) << 40 ^ (client as u64) << 20);
+                let mut hist = Histogram::<u64>::new(3).expect("histogram");
+                let (mut done, mut counted, mut executions, mut errors) = (0, 0, 0, 0);
+                while !stop.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    match one(client, &mut rng, &mut executions) {
+                        Ok(c) => {
+                            done += 1;
+                            counted += c as u64;
+                            let _ = hist.record(t.elapsed().as_nanos() as u64);
+                        }
+                        Err(TxError::Evicted(_)) => break,
+                        Err(e) => {
+                            if errors == 0 {
+                                tracing::warn!(client, error = %e, "a transaction failed");
+                            }
+                            errors += 1;
+                        }
+                    }
+                }
+                let mut t = total.lock().expect("poisoned");
+                t.hist.add(&hist).expect("same bounds");
+                t.transactions += done;
+                t.counted += counted;
+                t.executions += executions;
+                t.errors += errors;
+            });
+        }
+        std::thread::sleep(Duration::from_secs_f64(run.seconds));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let mut m = total.into_inner().expect("poisoned");
+    m.seconds = started.elapsed().as_secs_f64();
+    Ok(m)
+}
+
+fn check_args(run: &RunArgs) -> anyhow::Result<()> {
+    if run.clients == 0 || run.seconds.is_nan() || run.seconds <= 0.0 {
+        bail!("a run needs at least one client and a positive length");
+    }
+    Ok(())
+}
+
+/// Ends a run: waits for every machine, lets machine 0 check, publishes the result.
+fn finish(
+    meeting: &Meeting<'_>,
+    measured: Measured,
+    check: impl FnOnce() -> Result<String, String>,
+    run: &RunArgs,
+) -> anyhow::Result<WorkloadResult> {
+    meeting.barrier("done")?;
+    let check = (run.check && meeting.me.0 == 0)
+        .then(check)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("integrity check failed: {e}"))?;
+    let h = &measured.hist;
+    let result = WorkloadResult {
+        machine: meeting.me.0,
+        seconds: measured.seconds,
+        transactions: measured.transactions,
+        counted: measured.counted,
+        executions: measured.executions,
+        errors: measured.errors,
+        p50_us: h.value_at_quantile(0.5) as f64 / 1e3,
+        p99_us: h.value_at_quantile(0.99) as f64 / 1e3,
+        max_us: h.max() as f64 / 1e3,
+        check,
+    };
+    meeting.publish(
+        &format!("result-m{}", meeting.me.0),
+        &serde_json::to_vec(&result)?,
+    )?;
+    Ok(result)
+}
+
+/// TATP on this machine, as the module docs say.
+pub fn run_tatp(node: &Node, store: &ZkStore, args: &TatpArgs) -> anyhow::Result<WorkloadResult> {
+    check_args(&args.run)?;
+    if args.subscribers == 0 {
+        bail!("TATP needs at least one subscriber");
+    }
+    let me = node.id();
+    let meeting = Meeting {
+        store,
+        workload: "tatp",
+        me,
+        machines: node.configuration().members.len() as u16,
+    };
+    let tables = if me.0 == 0 {
+        let tables = tatp::Tables::create(node, args.subscribers).context("creating the tables")?;
+        meeting.publish_roots(&tables.roots())?;
         tables
     } else {
-        let bytes = wait_for(store, "tatp-roots")?;
-        if bytes.len() != 40 {
-            bail!("tatp-roots holds {} bytes, not five addresses", bytes.len());
-        }
-        let roots: [Addr; 5] = std::array::from_fn(|i| {
-            Addr::from_u64(u64::from_le_bytes(
-                bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"),
-            ))
-        });
-        Tables::open(node, me, args.subscribers, roots).context("opening the tables")?
+        let roots = meeting.roots()?;
+        let roots: [Addr; 5] = roots
+            .try_into()
+            .map_err(|r: Vec<Addr>| anyhow::anyhow!("{} TATP roots, not 5", r.len()))?;
+        tatp::Tables::open(node, me, args.subscribers, roots).context("opening the tables")?
     };
     let started = Instant::now();
     tables
-        .populate_partition(node, me.0 as usize, 8, args.seed, &|_| {})
+        .populate_partition(node, me.0 as usize, 8, args.run.seed, &|_| {})
         .context("loading this machine's subscribers")?;
     tracing::info!(
         machine = me.0,
         seconds = started.elapsed().as_secs_f64(),
-        "subscribers loaded"
+        "loaded"
     );
-    store.put(&format!("tatp-loaded-m{}", me.0), b"")?;
-    for m in 0..machines {
-        wait_for(store, &format!("tatp-loaded-m{m}"))?;
-    }
-    let stop = AtomicBool::new(false);
-    let totals = Mutex::new((Histogram::<u64>::new(3)?, 0u64, 0u64, 0u64));
-    let run_started = Instant::now();
-    std::thread::scope(|s| {
-        for client in 0..args.clients {
-            let (tables, stop, totals) = (&tables, &stop, &totals);
-            s.spawn(move || {
-                let mut rng = Rand::new(args.seed ^ (me.0 as u64) << 40 ^ (client as u64) << 20);
-                let mut hist = Histogram::<u64>::new(3).expect("histogram");
-                let (mut done, mut executions, mut errors) = (0u64, 0u64, 0u64);
-                while !stop.load(Ordering::Relaxed) {
-                    let kind = Kind::from_draw(rng.next_u64() % 100);
-                    let t = Instant::now();
-                    match tables.run(node, Some(me), kind, &mut rng, &mut executions) {
-                        Ok(_) => {
-                            done += 1;
-                            let _ = hist.record(t.elapsed().as_nanos() as u64);
-                        }
-                        Err(TxError::Evicted(_)) => break,
-                        Err(_) => errors += 1,
-                    }
-                }
-                let mut t = totals.lock().expect("poisoned");
-                t.0.add(&hist).expect("same bounds");
-                t.1 += done;
-                t.2 += executions;
-                t.3 += errors;
-            });
-        }
-        std::thread::sleep(Duration::from_secs_f64(args.seconds));
-        stop.store(true, Ordering::Relaxed);
-    });
-    let seconds = run_started.elapsed().as_secs_f64();
-    let (hist, transactions, executions, errors) = totals.into_inner().expect("poisoned");
-    let checked_call_forwardings = if args.check && me.0 == 0 {
-        let cfs = tables
-            .check(node, me)
-            .map_err(|e| anyhow::anyhow!("integrity check failed: {e}"))?;
-        Some(cfs)
-    } else {
-        None
-    };
-    let result = TatpResult {
-        machine: me.0,
-        seconds,
-        transactions,
-        executions,
-        errors,
-        p50_us: hist.value_at_quantile(0.5) as f64 / 1e3,
-        p99_us: hist.value_at_quantile(0.99) as f64 / 1e3,
-        max_us: hist.max() as f64 / 1e3,
-        checked_call_forwardings,
-    };
-    store.put(
-        &format!("tatp-result-m{}", me.0),
-        &serde_json::to_vec(&result)?,
-    )?;
-    Ok(result)
+    meeting.barrier("loaded")?;
+    let measured = measure(&args.run, me, |_, rng, executions| {
+        let kind = tatp::Kind::from_draw(rng.next_u64() % 100);
+        tables.run(node, Some(me), kind, rng, executions)
+    })?;
+    finish(
+        &meeting,
+        measured,
+        || {
+            tables
+                .check(node, me)
+                .map(|cfs| format!("{} subscribers, {cfs} call forwardings", args.subscribers))
+        },
+        &args.run,
+    )
 }

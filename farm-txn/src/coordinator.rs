@@ -229,6 +229,8 @@ impl<'w> Tx<'w> {
 
     /// Allocates an object with room for `len` bytes, zeroed, in a region this machine is
     /// primary for: the region of `near` when it is one, else the first with space (§5.5).
+    /// With a poller, a `near` whose primary is another machine allocates there (in another
+    /// of its regions if that one is full) with ALLOC.
     pub fn alloc(&mut self, len: usize, near: Option<Addr>) -> Result<Addr, TxError> {
         let near_blocked = near.is_some_and(|n| self.worker.region_blocked(n.region));
         let remote = near.filter(|n| {
@@ -242,7 +244,7 @@ impl<'w> Tx<'w> {
                     .is_some_and(|p| p.primary != self.worker.machine.id)
         });
         let (addr, slot, header) = match remote {
-            Some(n) => match self.alloc_remote(n.region, len)? {
+            Some(n) => match self.alloc_at_primary_of(n.region, len)? {
                 Some(got) => got,
                 None => self.alloc_local(len, None)?,
             },
@@ -260,6 +262,45 @@ impl<'w> Tx<'w> {
                 other => other?,
             },
         };
+        Ok(self.allocated(addr, slot, header, len))
+    }
+
+    /// [`Tx::alloc`] of `n` objects at once: when they go to another machine's region, the
+    /// ALLOC requests are all sent before any reply is awaited (one round trip for the lot,
+    /// as FaRM's applications issue operations in parallel, §4).
+    pub fn alloc_many(
+        &mut self,
+        len: usize,
+        n: usize,
+        near: Option<Addr>,
+    ) -> Result<Vec<Addr>, TxError> {
+        let remote = near.filter(|n| {
+            self.poller.is_some()
+                && self
+                    .worker
+                    .view
+                    .map
+                    .get(n.region)
+                    .is_some_and(|p| p.primary != self.worker.machine.id)
+                && !self.worker.region_blocked(n.region)
+        });
+        let Some(at) = remote else {
+            return (0..n).map(|_| self.alloc(len, near)).collect();
+        };
+        let got = self.alloc_remote_batch(at.region, len, n)?;
+        let mut out = Vec::with_capacity(n);
+        for g in got {
+            out.push(match g {
+                Some((addr, slot, header)) => self.allocated(addr, slot, header, len),
+                // That region filled up: one at a time, as `alloc` places it.
+                None => self.alloc(len, near)?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Records a slot the allocator handed out as an object this transaction allocates.
+    fn allocated(&mut self, addr: Addr, slot: u32, header: Header, len: usize) -> Addr {
         assert!(
             !header.allocated() && !header.locked(),
             "allocator handed out {addr} whose header is {header:?}"
@@ -278,7 +319,7 @@ impl<'w> Tx<'w> {
             prev.is_none(),
             "slot {addr} allocated twice in one transaction"
         );
-        Ok(addr)
+        addr
     }
 
     /// An unblocked region whose primary is another machine.
@@ -309,6 +350,32 @@ impl<'w> Tx<'w> {
         Ok((addr, slot, header))
     }
 
+    /// A slot in `region`, or when it is full in another region of its primary (which keeps
+    /// the locality the hint asked for); `None` when every one is full.
+    fn alloc_at_primary_of(
+        &mut self,
+        region: RegionId,
+        len: usize,
+    ) -> Result<Option<(Addr, u32, Header)>, TxError> {
+        let primary = self.worker.view.map.get(region).expect("checked").primary;
+        let others: Vec<RegionId> = self
+            .worker
+            .view
+            .map
+            .primary_of(primary)
+            .filter(|r| *r != region)
+            .collect();
+        for r in std::iter::once(region).chain(others) {
+            if r != region && self.worker.region_blocked(r) {
+                continue;
+            }
+            if let Some(got) = self.alloc_remote(r, len)? {
+                return Ok(Some(got));
+            }
+        }
+        Ok(None)
+    }
+
     /// A slot from the primary of `region` over ALLOC / ALLOC-REPLY, polling this thread's
     /// workers while waiting. `None` when that region is full (the hint is only a hint).
     fn alloc_remote(
@@ -316,43 +383,79 @@ impl<'w> Tx<'w> {
         region: RegionId,
         len: usize,
     ) -> Result<Option<(Addr, u32, Header)>, TxError> {
+        Ok(self
+            .alloc_remote_batch(region, len, 1)?
+            .pop()
+            .expect("one asked"))
+    }
+
+    /// `n` slots from the primary of `region`: every ALLOC sent, then every ALLOC-REPLY
+    /// awaited, polling this thread's workers meanwhile. `None` for each the region had no
+    /// room for.
+    #[allow(clippy::type_complexity)]
+    fn alloc_remote_batch(
+        &mut self,
+        region: RegionId,
+        len: usize,
+        n: usize,
+    ) -> Result<Vec<Option<(Addr, u32, Header)>>, TxError> {
         class_for(len)?;
         let primary = self.worker.view.map.get(region).expect("checked").primary;
-        self.worker.coord.next_request += 1;
-        let request = self.worker.coord.next_request;
-        let msg = Message::Alloc {
-            request,
-            region,
-            len: len as u32,
-        };
-        let ticket = self.worker.send_tracked(primary, &msg).flatten();
-        if ticket.is_none() && primary != self.worker.machine.id {
-            self.worker.send_message(primary, &msg);
+        let first = self.worker.coord.next_request + 1;
+        let mut ticket = None;
+        for _ in 0..n {
+            self.worker.coord.next_request += 1;
+            let msg = Message::Alloc {
+                request: self.worker.coord.next_request,
+                region,
+                len: len as u32,
+            };
+            ticket = self.worker.send_tracked(primary, &msg).flatten();
+            if ticket.is_none() && primary != self.worker.machine.id {
+                self.worker.send_message(primary, &msg);
+            }
         }
+        let requests = first..first + n as u64;
+        let mut got: Vec<Option<Option<(Addr, u32, Header)>>> = vec![None; n];
+        let mut waiting = n;
         let generation = self.worker.machine.view_generation();
         let poller = self
             .poller
             .as_mut()
             .expect("remote allocation needs a poller");
         for _ in 0..ALLOC_WAIT_POLLS_MAX {
-            let found = self.worker.replies.iter().position(
-                |(_, m)| matches!(m, Message::AllocReply { request: r, .. } if *r == request),
-            );
-            if let Some(at) = found {
-                let (_, Message::AllocReply { outcome, .. }) = self.worker.replies.remove(at)
+            let mut i = 0;
+            while i < self.worker.replies.len() {
+                let ours = matches!(&self.worker.replies[i].1,
+                    Message::AllocReply { request, .. } if requests.contains(request));
+                if !ours {
+                    i += 1;
+                    continue;
+                }
+                let (_, Message::AllocReply { request, outcome }) = self.worker.replies.remove(i)
                 else {
                     unreachable!("matched above")
                 };
                 self.worker.stats.allocs_remote += 1;
-                return match outcome {
+                let slot = match outcome {
                     AllocOutcome::Slot {
                         offset,
                         slot_bytes,
                         header,
-                    } => Ok(Some((Addr::new(region, offset), slot_bytes, header))),
-                    AllocOutcome::RegionFull | AllocOutcome::NotPrimary => Ok(None),
-                    AllocOutcome::TooLarge => Err(farm_alloc::AllocError::TooLarge(len).into()),
+                    } => Some((Addr::new(region, offset), slot_bytes, header)),
+                    AllocOutcome::RegionFull | AllocOutcome::NotPrimary => None,
+                    AllocOutcome::TooLarge => {
+                        return Err(farm_alloc::AllocError::TooLarge(len).into())
+                    }
                 };
+                let at = (request - first) as usize;
+                if got[at].is_none() {
+                    waiting -= 1;
+                }
+                got[at] = Some(slot);
+            }
+            if waiting == 0 {
+                return Ok(got.into_iter().map(|g| g.expect("answered")).collect());
             }
             let now = poller();
             self.worker.poll(now);

@@ -74,6 +74,21 @@ impl<'w> Txn<'w> {
         Ok(addr)
     }
 
+    /// Allocates `n` objects holding `data`, placed as [`Txn::alloc`] places them; on another
+    /// machine, with every request sent before any answer is awaited.
+    pub fn alloc_bytes_many(
+        &mut self,
+        data: &[u8],
+        n: usize,
+        near: Option<Addr>,
+    ) -> Result<Vec<Addr>, TxError> {
+        let addrs = self.inner.alloc_many(data.len(), n, near.or(self.place))?;
+        for a in &addrs {
+            self.inner.write(*a, data)?;
+        }
+        Ok(addrs)
+    }
+
     /// Frees the object at `addr` at commit.
     pub fn free(&mut self, addr: Addr) -> Result<(), TxError> {
         self.inner.free(addr)
