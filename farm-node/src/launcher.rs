@@ -15,7 +15,7 @@ use clap::Subcommand;
 use farm::zk::ZkStore;
 
 use crate::config::{ConfigArgs, Settings};
-use crate::workload::{TatpArgs, WorkloadResult};
+use crate::workload::{TatpArgs, TpccArgs, WorkloadResult};
 
 #[derive(Subcommand, Debug)]
 pub enum LocalCommand {
@@ -57,6 +57,16 @@ pub enum LocalCommand {
     Tatp {
         #[command(flatten)]
         tatp: TatpArgs,
+        /// Keep the run's NVRAM directory afterwards.
+        #[arg(long)]
+        keep: bool,
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Run TPC-C on a new cluster of these settings, as `tatp` does.
+    Tpcc {
+        #[command(flatten)]
+        tpcc: TpccArgs,
         /// Keep the run's NVRAM directory afterwards.
         #[arg(long)]
         keep: bool,
@@ -132,6 +142,21 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
                 &title,
                 "transactions that found their rows",
             )
+        }
+        LocalCommand::Tpcc { tpcc, keep, config } => {
+            let mut base = config.resolve()?;
+            // Regions are fixed at start (no allocation of new ones across processes yet): room
+            // for about 640 MiB of rows per warehouse, unless more was asked.
+            let per_machine = tpcc.warehouses.div_ceil(base.machines as u32);
+            let needed = (640 * per_machine as usize).div_ceil(base.region_mb) as u32;
+            base.regions_per_machine = base.regions_per_machine.max(needed);
+            let mut args = vec![
+                format!("--warehouses={}", tpcc.warehouses),
+                format!("--mix={}", tpcc.mix),
+            ];
+            args.extend(tpcc.run.flags());
+            let title = format!("TPC-C ({} mix): {} warehouses", tpcc.mix, tpcc.warehouses);
+            run_workload(&base, "tpcc", &args, keep, &title, "committed NEW-ORDERs")
         }
     }
 }
@@ -353,7 +378,7 @@ fn status(s: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `local tatp`: a new cluster of `base`'s settings under
+/// `local tatp` and `local tpcc`: a new cluster of `base`'s settings under
 /// `<dir>/runs/<workload>-<time>` with its own znode, the workload from every machine, the
 /// results summed, the cluster stopped.
 fn run_workload(

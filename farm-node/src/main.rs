@@ -6,8 +6,8 @@
 //! `tracing` (`RUST_LOG`-style levels through `--log`), prints a statistics line every
 //! `stats_seconds`, and when the cluster evicts it (paused past its lease, FaRM §5.2) it
 //! starts again as a new incarnation that rejoins. `--restart` restarts it with the rest of a
-//! stopped cluster from NVRAM; `--join` joins a running cluster. `run ... tatp` also runs the
-//! TATP workload from this machine (see `workload`).
+//! stopped cluster from NVRAM; `--join` joins a running cluster. `run ... tatp` and
+//! `run ... tpcc` also run those workloads from this machine (see `workload`).
 //!
 //! `farm-node local start|status|kill|restart|stop|tatp` runs such processes on this host:
 //! see `launcher`.
@@ -20,6 +20,7 @@
 //! farm-node local stop
 //! farm-node local start --restart
 //! farm-node local tatp --subscribers 20000 --seconds 5 --check
+//! farm-node local tpcc --warehouses 3 --seconds 5 --check
 //! ```
 
 mod config;
@@ -34,7 +35,7 @@ use farm::node::Node;
 use farm::zk::ZkStore;
 
 use crate::config::{ConfigArgs, Settings};
-use crate::workload::TatpArgs;
+use crate::workload::{TatpArgs, TpccArgs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -79,6 +80,8 @@ struct RunArgs {
 enum Workload {
     /// Run TATP from this machine once every machine loaded its subscribers.
     Tatp(TatpArgs),
+    /// Run TPC-C from this machine once every machine loaded its warehouses.
+    Tpcc(TpccArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -126,6 +129,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         let store = workload_store(&settings)?;
         let (name, result) = match w {
             Workload::Tatp(a) => ("tatp", workload::run_tatp(&node, &store, a)?),
+            Workload::Tpcc(a) => ("tpcc", workload::run_tpcc(&node, &store, a)?),
         };
         println!("{name} result {}", serde_json::to_string(&result)?);
     }

@@ -1,6 +1,6 @@
-//! TATP run by every machine process of a cluster (`farm_benchmarks::tatp`): machine 0
-//! creates the tables (each machine's partition in its own regions) and publishes their roots
-//! in ZooKeeper; every machine opens them, loads its own
+//! TATP and TPC-C run by every machine process of a cluster (`farm_benchmarks::tatp`,
+//! `farm_benchmarks::tpcc`): machine 0 creates the tables (each machine's partition in its own
+//! regions) and publishes their roots in ZooKeeper; every machine opens them, loads its own
 //! partition, waits for the others, then runs the mix from its client threads for the run's
 //! length, every transaction coordinated on this machine; once all are done, machine 0 checks
 //! the database. Each machine publishes its result (`<workload>-result-m<id>`) for the
@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use farm::node::Node;
 use farm::zk::ZkStore;
 use farm::{Addr, MachineId, TxError};
-use farm_benchmarks::{tatp, Rand};
+use farm_benchmarks::{tatp, tpcc, Rand};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
@@ -24,6 +24,19 @@ pub struct TatpArgs {
     /// Subscribers in the database.
     #[arg(long, default_value_t = 20_000)]
     pub subscribers: u32,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// A TPC-C run.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TpccArgs {
+    /// Warehouses (warehouse w lives on machine (w - 1) mod machines).
+    #[arg(long, default_value_t = 3)]
+    pub warehouses: u32,
+    /// The mix: `full` (45/43/4/4/4) or `new-order-payment` (50/50).
+    #[arg(long, default_value = "full", value_parser = ["full", "new-order-payment"])]
+    pub mix: String,
     #[command(flatten)]
     pub run: RunArgs,
 }
@@ -40,7 +53,7 @@ pub struct RunArgs {
     /// Seed of the population and of the clients' inputs.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Machine 0 checks the database's integrity after the run.
+    /// Machine 0 checks the database's integrity after the run (TPC-C: conditions 1 to 4).
     #[arg(long)]
     pub check: bool,
 }
@@ -65,9 +78,10 @@ impl RunArgs {
 pub struct WorkloadResult {
     pub machine: u16,
     pub seconds: f64,
-    /// Transactions finished (found or not, as the specification counts them).
+    /// Transactions finished (TATP: found or not, as the specification counts them; TPC-C:
+    /// committed or rolled back as asked).
     pub transactions: u64,
-    /// Transactions that found their rows.
+    /// TATP: transactions that found their rows; TPC-C: committed NEW-ORDERs.
     pub counted: u64,
     /// Executions, retries included.
     pub executions: u64,
@@ -294,4 +308,92 @@ pub fn run_tatp(node: &Node, store: &ZkStore, args: &TatpArgs) -> anyhow::Result
         },
         &args.run,
     )
+}
+
+/// TPC-C on this machine, as the module docs say: its clients serve the warehouses that live
+/// here.
+pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result<WorkloadResult> {
+    check_args(&args.run)?;
+    if !(1..=255).contains(&args.warehouses) {
+        bail!("TPC-C needs 1 to 255 warehouses");
+    }
+    let me = node.id();
+    let meeting = Meeting {
+        store,
+        workload: "tpcc",
+        me,
+        machines: node.configuration().members.len() as u16,
+    };
+    // Room for the NEW-ORDERs of the run, as the tpcc binary sizes it.
+    let districts = args.warehouses as f64 * 10.0;
+    let growth = (50_000.0 * args.run.seconds / districts).max(1000.0) as u32;
+    let scale = tpcc::Scale {
+        growth,
+        ..tpcc::Scale::spec(args.warehouses)
+    };
+    let seed = args.run.seed;
+    let started = Instant::now();
+    let tables = if me.0 == 0 {
+        let tables = tpcc::Tables::create(node, scale, seed).context("creating the tables")?;
+        tracing::info!(seconds = started.elapsed().as_secs_f64(), "tables created");
+        meeting.publish_roots(&tables.roots())?;
+        tables
+            .populate_items(node, 40, seed)
+            .context("loading ITEM")?;
+        tables
+    } else {
+        tpcc::Tables::open(node, me, scale, seed, &meeting.roots()?)
+            .context("opening the tables")?
+    };
+    let mine: Vec<u32> = (1..=args.warehouses)
+        .filter(|w| tables.machine_of(node, *w) == me)
+        .collect();
+    for &w in &mine {
+        tables
+            .populate_warehouse(node, w, seed, &|_| {})
+            .with_context(|| format!("loading warehouse {w}"))?;
+    }
+    tracing::info!(machine = me.0, warehouses = ?mine,
+        seconds = started.elapsed().as_secs_f64(), "loaded");
+    meeting.barrier("loaded")?;
+    let only_new_order_payment = args.mix == "new-order-payment";
+    let clients = args.run.clients as usize;
+    let measured = measure(&args.run, me, |client, rng, executions| {
+        if mine.is_empty() {
+            return Err(TxError::Aborted(
+                "no warehouse lives on this machine".into(),
+            ));
+        }
+        // Client c's home warehouses: every clients-th of this machine's, from the c-th.
+        let homes: Vec<u32> = mine
+            .iter()
+            .copied()
+            .skip(client as usize % mine.len())
+            .step_by(clients)
+            .collect();
+        let w = homes[(rng.next_u64() % homes.len() as u64) as usize];
+        let kind = tpcc::Kind::from_draw(rng.next_u64() % 100, only_new_order_payment);
+        let outcome = tables.run(node, Some(me), (kind, w), rng, now_ms(), executions)?;
+        Ok(kind == tpcc::Kind::NewOrder && outcome == tpcc::Outcome::Committed)
+    })?;
+    finish(
+        &meeting,
+        measured,
+        || {
+            tables.check(node, me).map(|()| {
+                format!(
+                    "consistency conditions 1-4 hold for {} warehouses",
+                    args.warehouses
+                )
+            })
+        },
+        &args.run,
+    )
+}
+
+/// Milliseconds since 1970, for TPC-C's dates.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -1,8 +1,8 @@
 //! The `farm-node` binary end to end, with ZooKeeper (`ZK_CONNECT`; under `CI=true` it must be
 //! there): a local cluster of three machine processes started, inspected, one machine killed
 //! and started again (it rejoins), every machine stopped at once and the cluster restarted
-//! from NVRAM, TATP run across processes with its integrity check, and bad settings refused
-//! with messages that name the problem.
+//! from NVRAM, TATP and TPC-C run across processes with their integrity checks, and bad
+//! settings refused with messages that name the problem.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -33,7 +33,7 @@ fn unique(test: &str) -> String {
 
 /// UDP ports of a test's machines: tests run in parallel.
 fn base_port(test: u16) -> String {
-    (30_000 + (std::process::id() % 2_000) as u16 * 8 + test * 4).to_string()
+    (30_000 + (std::process::id() % 2_000) as u16 * 16 + test * 4).to_string()
 }
 
 struct Local<'a> {
@@ -172,6 +172,28 @@ fn tatp_runs_across_machine_processes() {
         .map(|d| d.collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "the run's directory was not removed");
+}
+
+/// TPC-C from three machine processes, one warehouse each: no transaction fails, NEW-ORDERs
+/// commit on every machine, and consistency conditions 1 to 4 hold afterwards.
+#[test]
+fn tpcc_runs_across_machine_processes() {
+    let Some(zk) = zookeeper() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let local = Local::new(dir.path(), "tpcc", zk, 3, 64);
+    let out = local.ok(&["tpcc", "--warehouses", "3", "--seconds", "1", "--check"]);
+    for m in 0..3 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("  machine {m}: ")))
+            .unwrap_or_else(|| panic!("no line for machine {m}: {out}"));
+        assert!(line.contains(" 0 errors"), "{line}");
+        assert!(!line.contains(" 0 committed NEW-ORDERs"), "{line}");
+    }
+    assert!(
+        out.contains("integrity check passed: consistency conditions 1-4 hold for 3 warehouses"),
+        "{out}"
+    );
 }
 
 /// Bad settings fail at start, naming the problem: an unknown key in the file, an unreachable

@@ -287,14 +287,41 @@ impl<'w> Tx<'w> {
         let Some(at) = remote else {
             return (0..n).map(|_| self.alloc(len, near)).collect();
         };
-        let got = self.alloc_remote_batch(at.region, len, n)?;
+        // The hinted region, then the primary's others, each asked for what is still missing.
+        let primary = self
+            .worker
+            .view
+            .map
+            .get(at.region)
+            .expect("checked")
+            .primary;
+        let others: Vec<RegionId> = self
+            .worker
+            .view
+            .map
+            .primary_of(primary)
+            .filter(|r| *r != at.region)
+            .collect();
         let mut out = Vec::with_capacity(n);
-        for g in got {
-            out.push(match g {
-                Some((addr, slot, header)) => self.allocated(addr, slot, header, len),
-                // That region filled up: one at a time, as `alloc` places it.
-                None => self.alloc(len, near)?,
-            });
+        for r in std::iter::once(at.region).chain(others) {
+            if out.len() == n {
+                break;
+            }
+            if r != at.region && self.worker.region_blocked(r) {
+                continue;
+            }
+            for (addr, slot, header) in self
+                .alloc_remote_batch(r, len, n - out.len())?
+                .into_iter()
+                .flatten()
+            {
+                out.push(self.allocated(addr, slot, header, len));
+            }
+        }
+        // Every region of that primary is full: here, as `alloc` places it.
+        while out.len() < n {
+            let (addr, slot, header) = self.alloc_local(len, None)?;
+            out.push(self.allocated(addr, slot, header, len));
         }
         Ok(out)
     }
