@@ -167,6 +167,49 @@ impl Nvram {
             .compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
     }
 
+    /// Adds `value` to the word at `offset` (`AcqRel`); returns the previous value.
+    pub fn fetch_add_u64(&self, offset: usize, value: u64) -> u64 {
+        self.word(offset).fetch_add(value, Ordering::AcqRel)
+    }
+
+    /// Subtracts `value` from the word at `offset` (`AcqRel`); returns the previous value.
+    pub fn fetch_sub_u64(&self, offset: usize, value: u64) -> u64 {
+        self.word(offset).fetch_sub(value, Ordering::AcqRel)
+    }
+
+    /// Sleeps while the low 32 bits of the word at `offset` are `expected`, at most `timeout`:
+    /// a futex on the mapping, which every process mapping the same file shares, so that
+    /// [`Nvram::futex_wake`] from any of them ends the wait. Returns early on any change,
+    /// wake-up or signal.
+    pub fn futex_wait(&self, offset: usize, expected: u32, timeout: std::time::Duration) {
+        let word = self.word(offset) as *const AtomicU64 as *const u32;
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `word` is the 8-aligned in-bounds word checked by `word()` (its low half on
+        // this little-endian target), valid while `&self` lives; FUTEX_WAIT only reads it. A
+        // shared (not private) futex, since other processes wait on and wake the same file.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word,
+                libc::FUTEX_WAIT,
+                expected,
+                &ts as *const libc::timespec,
+            );
+        }
+    }
+
+    /// Wakes every waiter of [`Nvram::futex_wait`] on the word at `offset`.
+    pub fn futex_wake(&self, offset: usize) {
+        let word = self.word(offset) as *const AtomicU64 as *const u32;
+        // SAFETY: as in `futex_wait`; FUTEX_WAKE does not touch the memory.
+        unsafe {
+            libc::syscall(libc::SYS_futex, word, libc::FUTEX_WAKE, i32::MAX);
+        }
+    }
+
     /// Copies `buf.len()` bytes starting at the word-aligned `offset` into `buf`, loading whole
     /// words with `Acquire`.
     pub fn read(&self, offset: usize, buf: &mut [u8]) {
@@ -285,6 +328,32 @@ mod tests {
         let mut back = [0u8; 64];
         nv.read(4096 - 64, &mut back);
         assert_eq!(&back[..], &data[..]);
+    }
+
+    /// A futex wait on one mapping of a file ends when another mapping of it (as another
+    /// process has) changes the word and wakes it: the shm fabric's doorbell. The wait's
+    /// timeout is an hour, so the test ends only through the wake-up (or the change, if it
+    /// came first).
+    #[test]
+    fn a_futex_wait_on_one_mapping_is_woken_through_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bell");
+        let waiter = Nvram::file(&path, 16).unwrap();
+        let waker = Nvram::open(&path).unwrap();
+        std::thread::scope(|s| {
+            let w = s.spawn(|| {
+                while waiter.load_u64(0, Ordering::Acquire) == 0 {
+                    waiter.futex_wait(0, 0, std::time::Duration::from_secs(3600));
+                }
+                waiter.load_u64(0, Ordering::Acquire)
+            });
+            waker.fetch_add_u64(0, 1);
+            waker.futex_wake(0);
+            assert_eq!(w.join().unwrap(), 1);
+        });
+        // A wait for a value the word no longer has returns at once.
+        waiter.futex_wait(0, 0, std::time::Duration::from_secs(3600));
+        assert_eq!(waker.fetch_sub_u64(0, 1), 1);
     }
 
     #[test]

@@ -77,6 +77,8 @@ struct Machine {
     areas: RwLock<HashMap<MemKey, Arc<Nvram>>>,
     /// Its `admitted` bitmap, once mapped.
     admitted: Mutex<Option<Arc<Nvram>>>,
+    /// Its doorbell, once mapped.
+    doorbell: Mutex<Option<Arc<Nvram>>>,
 }
 
 impl Machine {
@@ -100,6 +102,8 @@ struct Local {
     id: MachineId,
     _alive: File,
     socket: UdpSocket,
+    /// This machine's doorbell (see [`ShmFabric::wait_for_writes`]).
+    doorbell: Arc<Nvram>,
 }
 
 /// The `shm` fabric of one process. See the module docs.
@@ -206,6 +210,11 @@ impl ShmFabric {
         for w in 0..ADMIT_MACHINES_MAX / 64 {
             bits.store_u64(w * 8, 0, Ordering::Release);
         }
+        let path = mdir.join("doorbell");
+        let doorbell = Arc::new(
+            Nvram::file(&path, DOORBELL_BYTES)
+                .map_err(io_err(format!("creating {}", path.display())))?,
+        );
         Ok(Self {
             dir: dir.to_path_buf(),
             cluster,
@@ -215,6 +224,7 @@ impl ShmFabric {
                 id: me,
                 _alive: alive,
                 socket,
+                doorbell,
             },
             machines: RwLock::new(HashMap::new()),
             tickets: AtomicU64::new(0),
@@ -227,6 +237,46 @@ impl ShmFabric {
     /// The machine this process runs.
     pub fn me(&self) -> MachineId {
         self.local.id
+    }
+
+    /// How many writes into this machine's rings peers have announced: read it, look for
+    /// work, then [`ShmFabric::wait_for_writes`] with it.
+    pub fn writes_seen(&self) -> u64 {
+        self.local
+            .doorbell
+            .load_u64(DOORBELL_COUNT, Ordering::Acquire)
+    }
+
+    /// Sleeps until a peer writes into this machine's rings after `seen` (from
+    /// [`ShmFabric::writes_seen`]) or `timeout` passes: an idle poller wakes for a peer's LOCK
+    /// or message at once instead of at its next timer, and costs no CPU meanwhile. The
+    /// writer rings the doorbell, a futex word in `<dir>/m<id>/doorbell`, after its write.
+    pub fn wait_for_writes(&self, seen: u64, timeout: Duration) {
+        let bell = &self.local.doorbell;
+        bell.fetch_add_u64(DOORBELL_WAITERS, 1);
+        if bell.load_u64(DOORBELL_COUNT, Ordering::Acquire) == seen {
+            bell.futex_wait(DOORBELL_COUNT, seen as u32, timeout);
+        }
+        bell.fetch_sub_u64(DOORBELL_WAITERS, 1);
+    }
+
+    /// Announces a write into `dst`'s rings, waking its pollers if they wait.
+    fn ring(&self, dst: MachineId, state: &Machine) {
+        let bell = {
+            let mut bell = state.doorbell.lock().expect("doorbell poisoned");
+            if bell.is_none() {
+                let path = machine_dir(&self.dir, dst).join("doorbell");
+                // A peer from before doorbells, or one gone: its pollers wake by their timers.
+                *bell = Nvram::open(&path).ok().map(Arc::new);
+            }
+            bell.clone()
+        };
+        if let Some(bell) = bell {
+            bell.fetch_add_u64(DOORBELL_COUNT, 1);
+            if bell.load_u64(DOORBELL_WAITERS, Ordering::Acquire) > 0 {
+                bell.futex_wake(DOORBELL_COUNT);
+            }
+        }
     }
 
     /// Whether machine `m` is running and takes this machine's writes to its logs: its
@@ -254,6 +304,7 @@ impl ShmFabric {
                     checked: AtomicU64::new(0),
                     areas: RwLock::new(HashMap::new()),
                     admitted: Mutex::new(None),
+                    doorbell: Mutex::new(None),
                 })
             })
             .clone()
@@ -365,6 +416,12 @@ fn port_of(base: u16, m: MachineId) -> u16 {
     base.checked_add(m.0)
         .expect("datagram port past 65535: lower the base port")
 }
+
+/// The doorbell file: a count of writes peers made into the machine's rings (a futex word) and
+/// how many of its pollers wait on it.
+const DOORBELL_BYTES: usize = 16;
+const DOORBELL_COUNT: usize = 0;
+const DOORBELL_WAITERS: usize = 8;
 
 /// Stamps `dir` with the cluster id, or checks the stamp already there: a directory holds the
 /// NVRAM of one cluster only. The stamp appears whole (written aside, then linked into place),
@@ -493,6 +550,9 @@ impl Fabric for ShmFabric {
         let mem = self.area(dst, &state, key)?;
         crate::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
         mem.write(offset as usize, data);
+        if key == MemKey::Rings && dst != src.machine {
+            self.ring(dst, &state);
+        }
         Ok(WriteTicket(self.tickets.fetch_add(1, Ordering::AcqRel) + 1))
     }
 

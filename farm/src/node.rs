@@ -125,6 +125,7 @@ pub struct Node {
 #[derive(Debug)]
 struct Workers {
     workers: Vec<Mutex<Worker>>,
+    fabric: Arc<ShmFabric>,
     epoch: Instant,
     stop: AtomicBool,
     next: AtomicUsize,
@@ -138,12 +139,17 @@ impl Workers {
     fn poll(&self, t: usize) {
         let mut backoff = Backoff::new();
         while !self.stop.load(Ordering::Relaxed) {
+            let seen = self.fabric.writes_seen();
             // The guard is a temporary: the worker is released before any sleep.
             let busy = self.workers[t].try_lock().map(|mut w| w.poll(self.now()));
             match busy {
                 Ok(true) => backoff.reset(),
-                Ok(false) => backoff.sleep(),
-                Err(_) => backoff.park(), // A transaction polls it while it waits.
+                // Nothing to do: sleep until a peer writes into this machine's rings (a LOCK,
+                // a message), or for lazy work (truncation, recovery timers) a while later.
+                Ok(false) => self.fabric.wait_for_writes(seen, IDLE_WAIT),
+                // A transaction holds the worker and polls it while it waits; once it lets go,
+                // what peers wrote meanwhile is this poller's again.
+                Err(_) => self.fabric.wait_for_writes(seen, IDLE_WAIT),
             }
         }
     }
@@ -343,6 +349,7 @@ impl Node {
         );
         let shared = Arc::new(Workers {
             workers: workers.into_iter().map(Mutex::new).collect(),
+            fabric: fabric.clone(),
             epoch: Instant::now(),
             stop: AtomicBool::new(false),
             next: AtomicUsize::new(0),
@@ -562,6 +569,9 @@ impl Node {
         self.suspicions.lock().expect("suspicions poisoned").clone()
     }
 }
+
+/// The longest an idle poller sleeps when no peer writes to it.
+const IDLE_WAIT: Duration = Duration::from_micros(500);
 
 /// How long [`Node::txn`] waits for reconfiguration and recovery before giving up.
 const RECOVERY_WAIT_MAX: Duration = Duration::from_secs(30);
