@@ -443,7 +443,23 @@ fn collect(
     let mut results: Vec<Option<WorkloadResult>> = vec![None; s.machines as usize];
     let started = Instant::now();
     let mut reported = 0;
+    // Progress through the steps the machines publish: tables created, each machine loaded.
+    let mut created = false;
+    let mut loaded = vec![false; s.machines as usize];
     while results.iter().any(Option::is_none) {
+        if !created && store.get(&format!("{workload}-roots"))?.is_some() {
+            created = true;
+            eprintln!("tables created ({:.0} s)", started.elapsed().as_secs_f64());
+        }
+        for m in 0..s.machines {
+            if !loaded[m as usize] && store.get(&format!("{workload}-loaded-m{m}"))?.is_some() {
+                loaded[m as usize] = true;
+                eprintln!(
+                    "machine {m} loaded its partition ({:.0} s)",
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
         for m in 0..s.machines {
             if results[m as usize].is_none() {
                 if let Some(bytes) = store.get(&format!("{workload}-result-m{m}"))? {
