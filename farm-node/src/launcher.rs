@@ -374,8 +374,20 @@ fn status(s: &Settings) -> anyhow::Result<()> {
             if member { "member" } else { "not a member" },
             log_file(s, m).display()
         );
+        if let Some(stats) = last_stats(&log_file(s, m)) {
+            println!("  last stats: {stats}");
+        }
     }
     Ok(())
+}
+
+/// The fields of the last statistics line in a machine's log (`farm-node run` prints one
+/// every `stats_seconds`).
+fn last_stats(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text.lines().rev().find(|l| l.contains(" stats "))?;
+    let fields = line.split_once(": stats ")?.1;
+    Some(fields.trim().to_string())
 }
 
 /// `local tatp` and `local tpcc`: a new cluster of `base`'s settings under

@@ -114,7 +114,10 @@ impl Drop for StopOnDrop<'_> {
 fn a_local_cluster_is_started_failed_rejoined_stopped_and_restarted() {
     let Some(zk) = zookeeper() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let local = Local::new(dir.path(), "launcher", zk, 0, 4);
+    let mut local = Local::new(dir.path(), "launcher", zk, 0, 4);
+    local
+        .args
+        .extend(["--stats-seconds".to_string(), "1".to_string()]);
     let _stop = StopOnDrop(&local);
     let started = local.ok(&["start"]);
     assert!(
@@ -149,6 +152,12 @@ fn a_local_cluster_is_started_failed_rejoined_stopped_and_restarted() {
         restarted.contains("configuration 4: members [0, 1, 2], CM 0"),
         "{restarted}"
     );
+    // Each machine logs statistics every second; status shows the last.
+    for m in 0..3 {
+        local.wait_status(&format!(
+            "  last stats: machine={m} config=4 members=[0, 1, 2]"
+        ));
+    }
 }
 
 /// TATP from three machine processes: every machine runs the mix, no transaction fails, and

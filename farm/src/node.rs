@@ -738,8 +738,8 @@ fn store_initial(
     if config != initial {
         return Err(NodeError::Store(format!(
             "{root} holds configuration {} with members {:?}, not the first configuration of \
-             {machines} machines: restart a stopped cluster from its NVRAM, or give a new \
-             cluster a znode of its own (joining a running cluster is not supported yet)",
+             {machines} machines: join the running cluster (`join`), restart a stopped one \
+             from its NVRAM (`restart`), or give a new cluster a znode of its own",
             config.id.0, config.members
         )));
     }
