@@ -232,19 +232,8 @@ impl<'w> Tx<'w> {
     /// With a poller, a `near` whose primary is another machine allocates there (in another
     /// of its regions if that one is full) with ALLOC.
     pub fn alloc(&mut self, len: usize, near: Option<Addr>) -> Result<Addr, TxError> {
-        let near_blocked = near.is_some_and(|n| self.worker.region_blocked(n.region));
-        let remote = near.filter(|n| {
-            self.poller.is_some()
-                && !near_blocked
-                && self
-                    .worker
-                    .view
-                    .map
-                    .get(n.region)
-                    .is_some_and(|p| p.primary != self.worker.machine.id)
-        });
-        let (addr, slot, header) = match remote {
-            Some(n) => match self.alloc_at_primary_of(n.region, len)? {
+        let (addr, slot, header) = match self.remote_hint(near) {
+            Some(region) => match self.alloc_at_primary_of(region, len, 1)?.pop() {
                 Some(got) => got,
                 None => self.alloc_local(len, None)?,
             },
@@ -274,49 +263,12 @@ impl<'w> Tx<'w> {
         n: usize,
         near: Option<Addr>,
     ) -> Result<Vec<Addr>, TxError> {
-        let remote = near.filter(|n| {
-            self.poller.is_some()
-                && self
-                    .worker
-                    .view
-                    .map
-                    .get(n.region)
-                    .is_some_and(|p| p.primary != self.worker.machine.id)
-                && !self.worker.region_blocked(n.region)
-        });
-        let Some(at) = remote else {
+        let Some(region) = self.remote_hint(near) else {
             return (0..n).map(|_| self.alloc(len, near)).collect();
         };
-        // The hinted region, then the primary's others, each asked for what is still missing.
-        let primary = self
-            .worker
-            .view
-            .map
-            .get(at.region)
-            .expect("checked")
-            .primary;
-        let others: Vec<RegionId> = self
-            .worker
-            .view
-            .map
-            .primary_of(primary)
-            .filter(|r| *r != at.region)
-            .collect();
         let mut out = Vec::with_capacity(n);
-        for r in std::iter::once(at.region).chain(others) {
-            if out.len() == n {
-                break;
-            }
-            if r != at.region && self.worker.region_blocked(r) {
-                continue;
-            }
-            for (addr, slot, header) in self
-                .alloc_remote_batch(r, len, n - out.len())?
-                .into_iter()
-                .flatten()
-            {
-                out.push(self.allocated(addr, slot, header, len));
-            }
+        for (addr, slot, header) in self.alloc_at_primary_of(region, len, n)? {
+            out.push(self.allocated(addr, slot, header, len));
         }
         // Every region of that primary is full: here, as `alloc` places it.
         while out.len() < n {
@@ -377,13 +329,29 @@ impl<'w> Tx<'w> {
         Ok((addr, slot, header))
     }
 
-    /// A slot in `region`, or when it is full in another region of its primary (which keeps
-    /// the locality the hint asked for); `None` when every one is full.
+    /// The region of a locality hint to allocate in with ALLOC: one whose primary is another
+    /// machine, not blocked, when this transaction can wait for the answer (it has a poller).
+    fn remote_hint(&mut self, near: Option<Addr>) -> Option<RegionId> {
+        let n = near?;
+        let elsewhere = self.poller.is_some()
+            && self
+                .worker
+                .view
+                .map
+                .get(n.region)
+                .is_some_and(|p| p.primary != self.worker.machine.id);
+        (elsewhere && !self.worker.region_blocked(n.region)).then_some(n.region)
+    }
+
+    /// Up to `n` slots at the primary of `region`: in `region`, then in the primary's other
+    /// unblocked regions when it is full (which keeps the locality the hint asked for), each
+    /// asked for what is still missing in one batch. Fewer when every one is full.
     fn alloc_at_primary_of(
         &mut self,
         region: RegionId,
         len: usize,
-    ) -> Result<Option<(Addr, u32, Header)>, TxError> {
+        n: usize,
+    ) -> Result<Vec<(Addr, u32, Header)>, TxError> {
         let primary = self.worker.view.map.get(region).expect("checked").primary;
         let others: Vec<RegionId> = self
             .worker
@@ -392,15 +360,21 @@ impl<'w> Tx<'w> {
             .primary_of(primary)
             .filter(|r| *r != region)
             .collect();
+        let mut got = Vec::with_capacity(n);
         for r in std::iter::once(region).chain(others) {
+            if got.len() == n {
+                break;
+            }
             if r != region && self.worker.region_blocked(r) {
                 continue;
             }
-            if let Some(got) = self.alloc_remote(r, len)? {
-                return Ok(Some(got));
-            }
+            got.extend(
+                self.alloc_remote_batch(r, len, n - got.len())?
+                    .into_iter()
+                    .flatten(),
+            );
         }
-        Ok(None)
+        Ok(got)
     }
 
     /// A slot from the primary of `region` over ALLOC / ALLOC-REPLY, polling this thread's

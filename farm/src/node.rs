@@ -137,19 +137,16 @@ impl Workers {
     }
 
     fn poll(&self, t: usize) {
-        let mut backoff = Backoff::new();
         while !self.stop.load(Ordering::Relaxed) {
             let seen = self.fabric.writes_seen();
             // The guard is a temporary: the worker is released before any sleep.
             let busy = self.workers[t].try_lock().map(|mut w| w.poll(self.now()));
-            match busy {
-                Ok(true) => backoff.reset(),
-                // Nothing to do: sleep until a peer writes into this machine's rings (a LOCK,
-                // a message), or for lazy work (truncation, recovery timers) a while later.
-                Ok(false) => self.fabric.wait_for_writes(seen, IDLE_WAIT),
-                // A transaction holds the worker and polls it while it waits; once it lets go,
-                // what peers wrote meanwhile is this poller's again.
-                Err(_) => self.fabric.wait_for_writes(seen, IDLE_WAIT),
+            // Nothing to do, or a transaction holds the worker (and polls it while it waits;
+            // once it lets go, what peers wrote meanwhile is this poller's again): sleep until
+            // a peer writes into this machine's rings (a LOCK, a message), or for lazy work
+            // (truncation, recovery timers) a while later.
+            if !matches!(busy, Ok(true)) {
+                self.fabric.wait_for_writes(seen, IDLE_WAIT);
             }
         }
     }
@@ -302,24 +299,7 @@ impl Node {
         } else {
             machine.view().config.members.clone()
         };
-        let started = Instant::now();
-        loop {
-            let missing: Vec<MachineId> = members
-                .iter()
-                .copied()
-                .filter(|m| !fabric.ready(*m))
-                .collect();
-            if missing.is_empty() {
-                break;
-            }
-            if started.elapsed() > config.start_timeout {
-                return Err(NodeError::PeersMissing {
-                    missing,
-                    waited: config.start_timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_for_machines(&members, |m| fabric.ready(m), config.start_timeout)?;
         let ring_starts = match &restart {
             Some(r) => {
                 let starts = crate::node_restart::resume_rings(
@@ -567,6 +547,29 @@ impl Node {
     /// Machines this node's lease thread suspected, in order (time in µs since it started).
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.suspicions.lock().expect("suspicions poisoned").clone()
+    }
+}
+
+/// Waits until `ok` holds for every machine of `machines`, failing with those it does not hold
+/// for after `timeout`.
+pub(crate) fn wait_for_machines(
+    machines: &[MachineId],
+    ok: impl Fn(MachineId) -> bool,
+    timeout: Duration,
+) -> Result<(), NodeError> {
+    let started = Instant::now();
+    loop {
+        let missing: Vec<MachineId> = machines.iter().copied().filter(|m| !ok(*m)).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if started.elapsed() > timeout {
+            return Err(NodeError::PeersMissing {
+                missing,
+                waited: timeout,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

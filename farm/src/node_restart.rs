@@ -53,23 +53,8 @@ pub(crate) fn decide(
     store: &dyn CoordinationStore,
 ) -> Result<Restart, NodeError> {
     let me = config.machine;
-    let started = Instant::now();
-    loop {
-        let missing: Vec<MachineId> = (0..config.machines)
-            .map(MachineId)
-            .filter(|m| !fabric.is_up(*m))
-            .collect();
-        if missing.is_empty() {
-            break;
-        }
-        if started.elapsed() > config.start_timeout {
-            return Err(NodeError::PeersMissing {
-                missing,
-                waited: config.start_timeout,
-            });
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let all: Vec<MachineId> = (0..config.machines).map(MachineId).collect();
+    crate::node::wait_for_machines(&all, |m| fabric.is_up(m), config.start_timeout)?;
     let restart = if me.0 == 0 {
         lead(config, fabric, store)?
     } else {
