@@ -5,8 +5,9 @@
 //! - [`codec`]: how configurations and machines' views are stored;
 //! - [`nvram`]: memory-mapped NVRAM, the only module with raw-memory code;
 //! - [`object`]: object headers, locking and consistent reads;
-//! - [`fabric`], [`mem_fabric`] and [`shm_fabric`]: one-sided reads and writes, datagrams,
-//!   fault injection; in one process, or one process per machine over shared files;
+//! - [`fabric`], [`mem_fabric`], [`shm_fabric`] and [`tcp_fabric`]: one-sided reads and
+//!   writes, datagrams, fault injection; in one process, one process per machine over shared
+//!   files ([`process_fabric`] has what those processes share), or across hosts over TCP;
 //! - [`ring`]: ring buffers for transaction logs and message queues;
 //! - [`wire`]: the records of the commit protocol;
 //! - [`rng`]: the seeded generator every random choice flows from.
@@ -30,9 +31,11 @@ pub mod ids;
 pub mod mem_fabric;
 pub mod nvram;
 pub mod object;
+pub mod process_fabric;
 pub mod ring;
 pub mod rng;
 pub mod shm_fabric;
+pub mod tcp_fabric;
 pub mod wire;
 
 pub use ids::{Addr, ConfigId, MachineId, RegionId, ThreadId, TxnId, Version};

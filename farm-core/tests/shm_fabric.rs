@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, CONTROL_TAG};
 use farm_core::nvram::Nvram;
-use farm_core::shm_fabric::{machine_dir, ShmError, ShmFabric, LIVENESS_CHECK};
+use farm_core::process_fabric::{ProcessFabric, StartError};
+use farm_core::shm_fabric::{machine_dir, ShmFabric, LIVENESS_CHECK};
 use farm_core::{MachineId, RegionId, ThreadId};
 
 const CLUSTER: u64 = 0x5eed_c1a5;
@@ -93,14 +94,14 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
     assert!(
         matches!(
             ShmFabric::start(dir.path(), CLUSTER, M0, base_port()),
-            Err(ShmError::AlreadyRunning(M0))
+            Err(StartError::AlreadyRunning(M0))
         ),
         "a second process for a running machine must be refused"
     );
     assert!(f0.is_up(M1));
     // The directory is this cluster's: another cluster's machine is refused, naming both ids.
     match ShmFabric::start(dir.path(), CLUSTER + 1, MachineId(3), base_port()) {
-        Err(e @ ShmError::OtherCluster { .. }) => {
+        Err(e @ StartError::OtherCluster { .. }) => {
             let msg = e.to_string();
             assert!(msg.contains(&format!("{CLUSTER:#x}")), "{msg}");
         }

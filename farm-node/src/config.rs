@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use farm::node::NodeConfig;
+use farm::node::{NodeConfig, Transport};
 use farm::MachineId;
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +52,23 @@ pub struct Overrides {
     /// Seconds to wait at start for the other machines [default: 30].
     #[arg(long)]
     pub start_timeout_seconds: Option<u64>,
+    /// How the machines reach each other: `shm` (processes of one host map each other's NVRAM
+    /// files) or `tcp` (hosts; see `hosts`) [default: shm].
+    #[arg(long)]
+    pub fabric: Option<String>,
+    /// With `fabric = "tcp"`: every machine's address, `ip:port`, machine 0 first; it listens
+    /// there for one-sided operations (TCP) and datagrams (UDP) [default: 127.0.0.1 at
+    /// base_port + m].
+    #[arg(long, value_delimiter = ',')]
+    pub hosts: Option<Vec<String>>,
+    /// With `fabric = "tcp"`: milliseconds a one-sided operation waits for its answer before
+    /// the peer counts as unreachable [default: 4 leases, at least 200].
+    #[arg(long)]
+    pub tcp_timeout_ms: Option<u64>,
+    /// For the launcher: run machine m's process in the network namespace `<netns><m>`
+    /// (`ip netns exec`), as a host of its own.
+    #[arg(long)]
+    pub netns: Option<String>,
 }
 
 impl Overrides {
@@ -70,6 +87,10 @@ impl Overrides {
             zookeeper: self.zookeeper.or(other.zookeeper),
             stats_seconds: self.stats_seconds.or(other.stats_seconds),
             start_timeout_seconds: self.start_timeout_seconds.or(other.start_timeout_seconds),
+            fabric: self.fabric.or(other.fabric),
+            hosts: self.hosts.or(other.hosts),
+            tcp_timeout_ms: self.tcp_timeout_ms.or(other.tcp_timeout_ms),
+            netns: self.netns.or(other.netns),
         }
     }
 }
@@ -99,6 +120,12 @@ pub struct Settings {
     pub zookeeper: String,
     pub stats_seconds: u64,
     pub start_timeout_seconds: u64,
+    /// `shm` or `tcp`.
+    pub fabric: String,
+    /// Every machine's address (`tcp`; empty for `shm`).
+    pub hosts: Vec<std::net::SocketAddr>,
+    pub tcp_timeout_ms: u64,
+    pub netns: Option<String>,
 }
 
 impl ConfigArgs {
@@ -111,6 +138,27 @@ impl ConfigArgs {
         let o = self.overrides.clone().or(file);
         let cluster = o.cluster.unwrap_or_else(|| "farm".into());
         let machines = o.machines.unwrap_or(3);
+        let base_port = o.base_port.unwrap_or(7400);
+        let lease_ms = o.lease_ms.unwrap_or(50);
+        let fabric = o.fabric.unwrap_or_else(|| "shm".into());
+        let hosts = match (fabric.as_str(), o.hosts) {
+            ("tcp", Some(hosts)) => hosts
+                .iter()
+                .map(|h| {
+                    h.trim().parse().map_err(|e| {
+                        anyhow::anyhow!("hosts: {h:?} is not an address `ip:port` ({e})")
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?,
+            ("tcp", None) => (0..machines)
+                .map(|m| std::net::SocketAddr::from(([127, 0, 0, 1], base_port.saturating_add(m))))
+                .collect(),
+            ("shm", None) => Vec::new(),
+            ("shm", Some(_)) => {
+                bail!("hosts are for fabric = \"tcp\"; the shm fabric runs on one host")
+            }
+            (other, _) => bail!("fabric = {other:?}: `shm` (one host) or `tcp` (hosts)"),
+        };
         let s = Settings {
             dir: o
                 .dir
@@ -118,14 +166,18 @@ impl ConfigArgs {
             cluster,
             machines,
             workers: o.workers.unwrap_or(2),
-            base_port: o.base_port.unwrap_or(7400),
-            lease_ms: o.lease_ms.unwrap_or(50),
+            base_port,
+            lease_ms,
             regions_per_machine: o.regions_per_machine.unwrap_or(1),
             replicas: o.replicas.unwrap_or(3.min(machines)),
             region_mb: o.region_mb.unwrap_or(64),
             zookeeper: o.zookeeper.unwrap_or_else(|| "127.0.0.1:2181".into()),
             stats_seconds: o.stats_seconds.unwrap_or(5),
             start_timeout_seconds: o.start_timeout_seconds.unwrap_or(30),
+            fabric,
+            hosts,
+            tcp_timeout_ms: o.tcp_timeout_ms.unwrap_or_else(|| (4 * lease_ms).max(200)),
+            netns: o.netns,
         };
         s.check()?;
         Ok(s)
@@ -186,6 +238,25 @@ impl Settings {
         if self.stats_seconds == 0 {
             bail!("stats_seconds = 0: at least 1");
         }
+        if self.fabric == "tcp" && self.hosts.len() != self.machines as usize {
+            bail!(
+                "hosts: {} addresses for {} machines: one per machine, machine 0 first",
+                self.hosts.len(),
+                self.machines
+            );
+        }
+        if self.tcp_timeout_ms == 0 {
+            bail!("tcp_timeout_ms = 0: at least 1");
+        }
+        if let Some(ns) = &self.netns {
+            if ns.is_empty()
+                || !ns
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                bail!("netns = {ns:?}: use letters, digits, '-' and '_' (it prefixes namespace names)");
+            }
+        }
         Ok(())
     }
 
@@ -195,7 +266,8 @@ impl Settings {
         format!(
             "cluster = {:?}\ndir = {:?}\nmachines = {}\nworkers = {}\nbase_port = {}\n\
              lease_ms = {}\nregions_per_machine = {}\nreplicas = {}\nregion_mb = {}\n\
-             zookeeper = {:?}\nstats_seconds = {}\nstart_timeout_seconds = {}\n",
+             zookeeper = {:?}\nstats_seconds = {}\nstart_timeout_seconds = {}\nfabric = {:?}\n\
+             tcp_timeout_ms = {}\n{}{}",
             self.cluster,
             self.dir.display().to_string(),
             self.machines,
@@ -207,7 +279,22 @@ impl Settings {
             self.region_mb,
             self.zookeeper,
             self.stats_seconds,
-            self.start_timeout_seconds
+            self.start_timeout_seconds,
+            self.fabric,
+            self.tcp_timeout_ms,
+            if self.fabric == "tcp" {
+                let hosts: Vec<String> = self
+                    .hosts
+                    .iter()
+                    .map(|h| format!("{:?}", h.to_string()))
+                    .collect();
+                format!("hosts = [{}]\n", hosts.join(", "))
+            } else {
+                String::new()
+            },
+            self.netns
+                .as_ref()
+                .map_or(String::new(), |ns| format!("netns = {ns:?}\n")),
         )
     }
 
@@ -240,6 +327,14 @@ impl Settings {
             zookeeper: Some((self.zookeeper.clone(), self.root())),
             restart,
             join,
+            transport: if self.fabric == "tcp" {
+                Transport::Tcp {
+                    addrs: self.hosts.clone(),
+                    timeout: Duration::from_millis(self.tcp_timeout_ms),
+                }
+            } else {
+                Transport::Shm
+            },
         }
     }
 }
@@ -283,7 +378,7 @@ mod tests {
 
     #[test]
     fn bad_settings_fail_naming_what_is_wrong() {
-        let cases: [(&str, Overrides, &str); 5] = [
+        let cases: [(&str, Overrides, &str); 10] = [
             (
                 "lease = 20\n",
                 Overrides::default(),
@@ -304,6 +399,27 @@ mod tests {
                 "cluster name \"a/b\"",
             ),
             ("workers = 0\n", Overrides::default(), "workers = 0"),
+            (
+                "fabric = \"rdma\"\n",
+                Overrides::default(),
+                "fabric = \"rdma\"",
+            ),
+            (
+                "fabric = \"tcp\"\nhosts = [\"10.0.0.1:7400\", \"10.0.0.2\"]\n",
+                Overrides::default(),
+                "\"10.0.0.2\" is not an address",
+            ),
+            (
+                "fabric = \"tcp\"\nhosts = [\"10.0.0.1:7400\"]\n",
+                Overrides::default(),
+                "1 addresses for 3 machines",
+            ),
+            (
+                "hosts = [\"10.0.0.1:7400\"]\n",
+                Overrides::default(),
+                "hosts are for fabric = \"tcp\"",
+            ),
+            ("netns = \"a b\"\n", Overrides::default(), "netns = \"a b\""),
         ];
         for (file, overrides, expected) in cases {
             let (a, _d) = args(Some(file), overrides);
@@ -332,6 +448,44 @@ mod tests {
             overrides: Overrides::default(),
         };
         assert_eq!(again.resolve().unwrap(), s);
+    }
+
+    #[test]
+    fn tcp_settings_name_every_host_and_read_back_the_same() {
+        let (a, d) = args(
+            Some("fabric = \"tcp\"\nnetns = \"farm-h\"\nlease_ms = 100\n"),
+            Overrides {
+                hosts: Some(vec![
+                    "10.0.0.1:7400".into(),
+                    "10.0.0.2:7400".into(),
+                    "10.0.0.3:7400".into(),
+                ]),
+                ..Overrides::default()
+            },
+        );
+        let s = a.resolve().unwrap();
+        assert_eq!(s.tcp_timeout_ms, 400, "4 leases");
+        match s.node_config(2, false, false).transport {
+            Transport::Tcp { addrs, timeout } => {
+                assert_eq!(addrs[2], "10.0.0.3:7400".parse().unwrap());
+                assert_eq!(timeout, Duration::from_millis(400));
+            }
+            Transport::Shm => panic!("fabric = tcp ran on shm"),
+        }
+        let saved = d.path().join("saved.toml");
+        std::fs::write(&saved, s.to_toml()).unwrap();
+        let again = ConfigArgs {
+            config: Some(saved),
+            overrides: Overrides::default(),
+        };
+        assert_eq!(again.resolve().unwrap(), s);
+        // Without hosts, the machines listen on loopback at the base port on.
+        let (a, _d) = args(
+            Some("fabric = \"tcp\"\nbase_port = 9000\n"),
+            Overrides::default(),
+        );
+        let s = a.resolve().unwrap();
+        assert_eq!(s.hosts[1], "127.0.0.1:9001".parse().unwrap());
     }
 
     #[test]

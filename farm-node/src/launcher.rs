@@ -235,10 +235,18 @@ fn settings_flags(s: &Settings) -> Vec<String> {
     push("zookeeper", s.zookeeper.clone());
     push("stats-seconds", s.stats_seconds.to_string());
     push("start-timeout-seconds", s.start_timeout_seconds.to_string());
+    push("fabric", s.fabric.clone());
+    if s.fabric == "tcp" {
+        let hosts: Vec<String> = s.hosts.iter().map(ToString::to_string).collect();
+        push("hosts", hosts.join(","));
+        push("tcp-timeout-ms", s.tcp_timeout_ms.to_string());
+    }
     f
 }
 
-/// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [workload]`.
+/// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [workload]`,
+/// with `netns` in the namespace `<netns><m>` (`ip netns exec` runs it in place: its pid is
+/// the machine's).
 fn spawn(s: &Settings, m: u16, flags: &[&str], workload: &[String]) -> anyhow::Result<Child> {
     std::fs::create_dir_all(&s.dir).with_context(|| format!("creating {}", s.dir.display()))?;
     let log_path = log_file(s, m);
@@ -248,7 +256,15 @@ fn spawn(s: &Settings, m: u16, flags: &[&str], workload: &[String]) -> anyhow::R
         .open(&log_path)
         .with_context(|| format!("opening {}", log_path.display()))?;
     let exe = std::env::current_exe().context("finding the farm-node binary")?;
-    let child = Command::new(exe)
+    let mut command = match &s.netns {
+        Some(prefix) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &format!("{prefix}{m}")]).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
+    let child = command
         .arg("run")
         .args(["--machine", &m.to_string()])
         .args(flags)

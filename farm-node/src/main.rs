@@ -2,7 +2,8 @@
 //!
 //! `farm-node run --machine M` runs machine M of the cluster its settings describe (a TOML file
 //! with `--config`, flags, defaults; see `config`): its NVRAM under the cluster's directory,
-//! the `shm` fabric to the other processes, the configuration in ZooKeeper. It logs with
+//! the `shm` fabric to the other processes of this host or, with `--fabric tcp --hosts
+//! ip:port,...`, the `tcp` fabric to other hosts, the configuration in ZooKeeper. It logs with
 //! `tracing` (`RUST_LOG`-style levels through `--log`), prints a statistics line every
 //! `stats_seconds`, and when the cluster evicts it (paused past its lease, FaRM §5.2) it
 //! starts again as a new incarnation that rejoins. `--restart` restarts it with the rest of a
@@ -21,6 +22,8 @@
 //! farm-node local start --restart
 //! farm-node local tatp --subscribers 20000 --seconds 5 --check
 //! farm-node local tpcc --warehouses 3 --seconds 5 --check
+//! farm-node local tatp --fabric tcp --hosts 10.77.0.1:7400,10.77.0.2:7400,10.77.0.3:7400 \
+//!     --netns farm-h --zookeeper 10.77.0.254:2181
 //! ```
 
 mod config;

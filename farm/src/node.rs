@@ -24,8 +24,10 @@ use std::time::{Duration, Instant};
 
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
+use farm_core::process_fabric::{ProcessFabric, StartError};
 use farm_core::ring::RingLayout;
-use farm_core::shm_fabric::{ShmError, ShmFabric};
+use farm_core::shm_fabric::ShmFabric;
+use farm_core::tcp_fabric::TcpFabric;
 use farm_core::{MachineId, ThreadId};
 use farm_txn::{MachineState, Params, Replication, Tx, TxError, Worker};
 
@@ -73,6 +75,25 @@ pub struct NodeConfig {
     /// any earlier life of it, then asks the CM to add it (§5.2) and receives replicas of
     /// regions short of them (§5.4). See [`Node::wait_joined`].
     pub join: bool,
+    /// How the machines reach each other.
+    pub transport: Transport,
+}
+
+/// The fabric of a node (DESIGN.md, Fabric).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// One host: peers map each other's NVRAM files under the shared `dir`; datagrams over
+    /// UDP on loopback at `base_port + m`.
+    Shm,
+    /// Several hosts: machine `m` listens at `addrs[m]` (TCP for one-sided operations, UDP
+    /// for datagrams); `dir` holds this machine's NVRAM only. An operation unanswered for
+    /// `timeout` fails, and the peer is unreachable until it is admitted again.
+    Tcp {
+        /// Each machine's address.
+        addrs: Vec<std::net::SocketAddr>,
+        /// How long an operation may wait for its answer.
+        timeout: Duration,
+    },
 }
 
 /// Why a node could not start.
@@ -83,7 +104,7 @@ pub enum NodeError {
     Invalid(String),
     /// The fabric could not start (another process runs this machine, or I/O).
     #[error(transparent)]
-    Fabric(#[from] ShmError),
+    Fabric(#[from] StartError),
     /// Machines of the first configuration that did not start in time.
     #[error("machines {missing:?} of the first configuration did not start within {waited:?}")]
     PeersMissing {
@@ -111,7 +132,7 @@ pub enum NodeError {
 #[derive(Debug)]
 pub struct Node {
     machine: Arc<MachineState>,
-    fabric: Arc<ShmFabric>,
+    fabric: Arc<dyn ProcessFabric>,
     leases: LeaseThreads,
     stop: Arc<AtomicBool>,
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
@@ -125,7 +146,7 @@ pub struct Node {
 #[derive(Debug)]
 struct Workers {
     workers: Vec<Mutex<Worker>>,
-    fabric: Arc<ShmFabric>,
+    fabric: Arc<dyn ProcessFabric>,
     epoch: Instant,
     stop: AtomicBool,
     next: AtomicUsize,
@@ -174,6 +195,22 @@ impl Node {
                 config.replicas, config.machines
             )));
         }
+        if config.restart && matches!(config.transport, Transport::Tcp { .. }) {
+            return Err(NodeError::Invalid(
+                "a whole-cluster restart reads every machine's NVRAM from the shared directory, \
+                 which only the shm fabric has"
+                    .into(),
+            ));
+        }
+        if let Transport::Tcp { addrs, .. } = &config.transport {
+            if addrs.len() < config.machines as usize {
+                return Err(NodeError::Invalid(format!(
+                    "{} machines but {} addresses: the tcp fabric needs one per machine",
+                    config.machines,
+                    addrs.len()
+                )));
+            }
+        }
         if config.restart && config.zookeeper.is_none() {
             return Err(NodeError::Invalid(
                 "a restart needs the ZooKeeper store the cluster ran with".into(),
@@ -185,12 +222,21 @@ impl Node {
                     .into(),
             ));
         }
-        let fabric = Arc::new(ShmFabric::start(
-            &config.dir,
-            config.cluster,
-            me,
-            config.base_port,
-        )?);
+        let fabric: Arc<dyn ProcessFabric> = match &config.transport {
+            Transport::Shm => Arc::new(ShmFabric::start(
+                &config.dir,
+                config.cluster,
+                me,
+                config.base_port,
+            )?),
+            Transport::Tcp { addrs, timeout } => Arc::new(TcpFabric::start(
+                &config.dir,
+                config.cluster,
+                me,
+                addrs.clone(),
+                *timeout,
+            )?),
+        };
         let nvram_err = |source| NodeError::Nvram {
             machine: me,
             dir: config.dir.display().to_string(),
@@ -246,7 +292,7 @@ impl Node {
         params.validate().map_err(NodeError::Invalid)?;
         let (machine, restart) = match &store {
             Some(store) if config.restart => {
-                let restart = crate::node_restart::decide(config, &fabric, &**store)?;
+                let restart = crate::node_restart::decide(config, &*fabric, &**store)?;
                 let machine = MachineState::restore(
                     me,
                     params,
@@ -303,7 +349,7 @@ impl Node {
         let ring_starts = match &restart {
             Some(r) => {
                 let starts = crate::node_restart::resume_rings(
-                    &fabric,
+                    &*fabric,
                     &mut workers,
                     r,
                     config.start_timeout,

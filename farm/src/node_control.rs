@@ -24,8 +24,7 @@ use farm_cm::control::ControlMsg;
 use farm_cm::reconfig::{attempt_base, backup_cms, Effect, Reconfig, ReconfigParams};
 use farm_cm::CoordinationStore;
 use farm_core::config::Configuration;
-use farm_core::fabric::Fabric;
-use farm_core::shm_fabric::ShmFabric;
+use farm_core::process_fabric::ProcessFabric;
 use farm_core::{ConfigId, MachineId};
 use farm_txn::MachineState;
 
@@ -53,7 +52,7 @@ enum Change {
 
 pub(crate) struct Control {
     pub(crate) machine: Arc<MachineState>,
-    pub(crate) fabric: Arc<ShmFabric>,
+    pub(crate) fabric: Arc<dyn ProcessFabric>,
     pub(crate) store: Arc<dyn CoordinationStore>,
     pub(crate) suspicions: Arc<Mutex<Vec<Suspicion>>>,
     pub(crate) lease: Duration,
@@ -314,7 +313,7 @@ impl Control {
                     .filter(|(id, _)| *id == config)
                     .and_then(|(_, s)| s.get(&from))
                 {
-                    crate::node_restart::send_starts(&self.fabric, from, config, true, starts);
+                    crate::node_restart::send_starts(&*self.fabric, from, config, true, starts);
                 }
             }
             ControlMsg::Join(_) => {

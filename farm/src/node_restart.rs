@@ -23,8 +23,7 @@ use farm_cm::control::ControlMsg;
 use farm_cm::{CasOutcome, CoordinationStore};
 use farm_core::codec::StoredView;
 use farm_core::config::Configuration;
-use farm_core::fabric::Fabric;
-use farm_core::shm_fabric::ShmFabric;
+use farm_core::process_fabric::ProcessFabric;
 use farm_core::{ConfigId, MachineId};
 use farm_txn::Worker;
 
@@ -49,7 +48,7 @@ pub(crate) type RingStarts = BTreeMap<MachineId, Vec<[u64; 4]>>;
 /// restart configuration. Fails if this machine is not a member of it.
 pub(crate) fn decide(
     config: &NodeConfig,
-    fabric: &ShmFabric,
+    fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
 ) -> Result<Restart, NodeError> {
     let me = config.machine;
@@ -77,7 +76,7 @@ fn store_err(what: &str) -> impl Fn(farm_cm::StoreError) -> NodeError + '_ {
 /// Machine 0's part of step 2.
 fn lead(
     config: &NodeConfig,
-    fabric: &ShmFabric,
+    fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
 ) -> Result<Restart, NodeError> {
     let (version, bytes) = store
@@ -141,7 +140,7 @@ fn lead(
 /// Every other machine's part of step 2: machine 0's decision, checked against the store.
 fn follow(
     config: &NodeConfig,
-    fabric: &ShmFabric,
+    fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
 ) -> Result<Restart, NodeError> {
     let started = Instant::now();
@@ -190,7 +189,7 @@ fn follow(
 /// Step 4: continues every outbound ring of `workers` where its receiver found it, and returns
 /// where this machine found each peer's (for the peers' later requests).
 pub(crate) fn resume_rings(
-    fabric: &ShmFabric,
+    fabric: &dyn ProcessFabric,
     workers: &mut [Worker],
     restart: &Restart,
     timeout: Duration,
@@ -284,7 +283,7 @@ pub(crate) fn resume_rings(
 
 /// Sends where this machine found `to`'s rings to it.
 pub(crate) fn send_starts(
-    fabric: &ShmFabric,
+    fabric: &dyn ProcessFabric,
     to: MachineId,
     config: ConfigId,
     reply: bool,

@@ -27,11 +27,22 @@ fn node_child() {
 /// region's three replicas are equal, the rejoined machine's included.
 #[test]
 fn an_evicted_machine_rejoins_and_receives_its_replicas_again() {
-    let Some(zookeeper) = common::zookeeper("node-rejoin") else {
+    evicted_machine_rejoins(false, 0, "node-rejoin");
+}
+
+/// The same over the `tcp` fabric: the members' links to the stopped machine broke when it
+/// stopped answering, and connect again only to its new incarnation, once they admit it.
+#[test]
+fn an_evicted_machine_rejoins_and_receives_its_replicas_again_over_tcp() {
+    evicted_machine_rejoins(true, 1, "node-rejoin-tcp");
+}
+
+fn evicted_machine_rejoins(tcp: bool, test: u16, znode: &str) {
+    let Some(zookeeper) = common::zookeeper(znode) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let machines = Machines::start("rejoin", 0, dir.path(), Some(zookeeper));
+    let machines = Machines::start_on(tcp, "rejoin", test, dir.path(), Some(zookeeper));
     machines.share_accounts(dir.path());
     std::thread::sleep(Duration::from_millis(300));
     machines.signal(2, libc::SIGSTOP);
@@ -86,6 +97,6 @@ fn an_evicted_machine_rejoins_and_receives_its_replicas_again() {
         "a region without a replica on the rejoined machine: {:?}",
         placements[&0]
     );
-    let objects = Machines::check_replicas(dir.path(), &placements[&0]);
+    let objects = machines.check_replicas(dir.path(), &placements[&0]);
     assert!(objects > 0, "no object compared");
 }

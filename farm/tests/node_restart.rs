@@ -121,7 +121,7 @@ fn restart_and_check(dir: &std::path::Path, zookeeper: &(String, String)) -> BTr
         ends.placements[&0], ends.placements[&1],
         "machines disagree on the map"
     );
-    let objects = Machines::check_replicas(dir, &ends.placements[&0]);
+    let objects = machines.check_replicas(dir, &ends.placements[&0]);
     assert!(objects > 0, "no object compared");
     counters
 }

@@ -1,16 +1,17 @@
 //! Machines as separate processes for the multi-process tests (farm::node over the `shm`
-//! fabric): a test binary runs itself again as each machine (`child_main`, behind an ignored
+//! fabric, or the `tcp` fabric on loopback with a directory per machine as on separate hosts):
+//! a test binary runs itself again as each machine (`child_main`, behind an ignored
 //! `node_child` test), and `Machines` starts them, reads what they print and signals them.
 #![allow(dead_code)] // Each test binary uses part of it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-use farm::node::{Node, NodeConfig};
+use farm::node::{Node, NodeConfig, Transport};
 use farm::{Addr, MachineId, RegionId};
 use farm_core::nvram::Nvram;
 
@@ -26,12 +27,40 @@ const BANK_LEASE: Duration = Duration::from_millis(500);
 
 /// Datagram ports of a test's machines (each test its own range: tests run in parallel).
 pub fn base_port(test: u16) -> u16 {
-    20_000 + (std::process::id() % 2_500) as u16 * 16 + test * 4
+    assert!(test < 8, "a test's ports past its binary's range");
+    20_000 + (std::process::id() % 1_400) as u16 * 32 + test * 4
+}
+
+/// Set (to anything) in a child's environment: its machine runs over the `tcp` fabric.
+pub const TCP_ENV: &str = "FARM_NODE_TCP";
+
+/// How long a `tcp` operation waits for its answer in these tests.
+pub const TCP_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Where machine `m` keeps its NVRAM: the test's directory (`shm`), or a directory of its own
+/// under it (`tcp`: nothing shared, as on separate hosts).
+pub fn nvram_dir(dir: &Path, m: u16, tcp: bool) -> PathBuf {
+    if tcp {
+        dir.join(format!("host{m}"))
+    } else {
+        dir.to_path_buf()
+    }
 }
 
 pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfig {
+    let tcp = std::env::var_os(TCP_ENV).is_some();
     NodeConfig {
-        dir: dir.to_path_buf(),
+        dir: nvram_dir(dir, machine, tcp),
+        transport: if tcp {
+            Transport::Tcp {
+                addrs: (0..MACHINES)
+                    .map(|m| std::net::SocketAddr::from(([127, 0, 0, 1], port + m)))
+                    .collect(),
+                timeout: TCP_TIMEOUT,
+            }
+        } else {
+            Transport::Shm
+        },
         cluster: CLUSTER,
         machine: MachineId(machine),
         machines: MACHINES,
@@ -562,10 +591,32 @@ impl Ends {
 pub struct Machines {
     children: Vec<Child>,
     pub lines: Receiver<(u16, String)>,
+    /// Whether they run over the `tcp` fabric.
+    pub tcp: bool,
+    /// One test's machines at a time in a test binary: two clusters' processes sharing the
+    /// two cores would starve each other's leases.
+    _serial: std::sync::MutexGuard<'static, ()>,
 }
 
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 impl Machines {
+    /// [`Machines::start_on`] the `shm` fabric.
     pub fn start(mode: &str, test: u16, dir: &Path, zookeeper: Option<(String, String)>) -> Self {
+        Self::start_on(false, mode, test, dir, zookeeper)
+    }
+
+    /// Starts the machines of a test in `mode` (see [`child_main`]), over the `tcp` fabric on
+    /// loopback if `tcp`, else over the `shm` fabric.
+    pub fn start_on(
+        tcp: bool,
+        mode: &str,
+        test: u16,
+        dir: &Path,
+        zookeeper: Option<(String, String)>,
+    ) -> Self {
+        // A test that failed holding it poisoned it; the next runs all the same.
+        let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let (tx, lines) = channel();
         let children = (0..MACHINES)
             .map(|m| {
@@ -580,6 +631,9 @@ impl Machines {
                 if let Some((connect, root)) = &zookeeper {
                     command.env(ZK_ENV, format!("{connect}|{root}"));
                 }
+                if tcp {
+                    command.env(TCP_ENV, "1");
+                }
                 let mut child = command.spawn().unwrap();
                 let out = BufReader::new(child.stdout.take().unwrap());
                 let tx = tx.clone();
@@ -591,7 +645,12 @@ impl Machines {
                 child
             })
             .collect();
-        Self { children, lines }
+        Self {
+            children,
+            lines,
+            tcp,
+            _serial: serial,
+        }
     }
 
     /// Waits up to `within` for a line `what` from machine `from`, failing on any other
@@ -653,9 +712,11 @@ impl Machines {
 
     /// Compares the replicas of every region of `placements` (`placement` lines) byte for byte
     /// through their NVRAM files, as `farm_sim::check_region` does in one process.
-    pub fn check_replicas(dir: &Path, placements: &[String]) -> usize {
+    pub fn check_replicas(&self, dir: &Path, placements: &[String]) -> usize {
         let open = |m: &str, r: &str| {
-            let path = dir.join(format!("m{m}")).join(format!("region-{r}"));
+            let path = nvram_dir(dir, m.parse().unwrap(), self.tcp)
+                .join(format!("m{m}"))
+                .join(format!("region-{r}"));
             Nvram::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         };
         let mut objects = 0;

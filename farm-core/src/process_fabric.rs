@@ -1,0 +1,336 @@
+//! What the fabrics of machine processes share (DESIGN.md, Fabric): the `shm` fabric (one host)
+//! and the `tcp` fabric (several hosts) both run one machine per process, which
+//! - claims its NVRAM directory `<dir>/m<id>/` ([`claim_machine`]): the directory is stamped
+//!   with the cluster's id, and the process holds an exclusive lock on `alive` for as long as it
+//!   lives, so no second process runs the machine;
+//! - has a doorbell ([`Doorbell`]), a futex word that counts writes peers made into its rings,
+//!   on which its idle pollers sleep;
+//! - sends and receives datagrams over UDP ([`Datagrams`]), each stamped with the cluster's id
+//!   and its sender; lease datagrams are read by the lease thread, control datagrams
+//!   ([`CONTROL_TAG`]) by the CM's control thread.
+//!
+//! [`ProcessFabric`] is what a machine process (`farm::node`) needs of either fabric.
+
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io;
+use std::net::{SocketAddr, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::fabric::{Fabric, CONTROL_TAG};
+use crate::ids::MachineId;
+use crate::nvram::Nvram;
+
+/// What a machine process needs of its fabric beyond [`Fabric`].
+pub trait ProcessFabric: Fabric {
+    /// The machine this process runs.
+    fn me(&self) -> MachineId;
+
+    /// Takes one control datagram ([`CONTROL_TAG`]) for this machine into `buf`, returning its
+    /// sender; lease datagrams read on the way are kept for [`Fabric::recv_datagram`].
+    fn recv_control(&self, buf: &mut Vec<u8>) -> Option<MachineId>;
+
+    /// Whether machine `m` runs and takes this machine's writes to its logs: its process
+    /// answers, its rings are registered and it admitted this machine. A machine whose commits
+    /// need `m` waits for this before its first transaction.
+    fn ready(&self, m: MachineId) -> bool;
+
+    /// How many writes into this machine's rings peers have made: read it, look for work, then
+    /// [`ProcessFabric::wait_for_writes`] with it.
+    fn writes_seen(&self) -> u64;
+
+    /// Sleeps until a peer writes into this machine's rings after `seen` (from
+    /// [`ProcessFabric::writes_seen`]) or `timeout` passes: an idle poller wakes for a peer's
+    /// LOCK or message at once, and costs no CPU meanwhile.
+    fn wait_for_writes(&self, seen: u64, timeout: Duration);
+}
+
+/// Why a machine process's fabric could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The NVRAM directory holds another cluster's machines.
+    #[error(
+        "the NVRAM directory {dir} belongs to cluster {found:#x}, not {expected:#x}: use \
+         another directory, or the cluster id it was created with"
+    )]
+    OtherCluster {
+        /// The directory.
+        dir: String,
+        /// The cluster id stamped in it.
+        found: u64,
+        /// The cluster id asked for.
+        expected: u64,
+    },
+    /// Another live process runs this machine.
+    #[error("machine {0} already runs in another process (its `alive` lock is held)")]
+    AlreadyRunning(MachineId),
+    /// A bad setting, named.
+    #[error("{0}")]
+    Invalid(String),
+    /// The directory or a socket failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> StartError {
+    let what = what.into();
+    move |source| StartError::Io { what, source }
+}
+
+/// A machine's NVRAM directory under the cluster's directory.
+pub fn machine_dir(dir: &Path, machine: MachineId) -> PathBuf {
+    dir.join(format!("m{}", machine.0))
+}
+
+/// A machine directory this process claimed: dropping it (or dying) releases the machine.
+#[derive(Debug)]
+pub(crate) struct Claim {
+    _alive: File,
+    /// The machine's doorbell.
+    pub(crate) doorbell: Doorbell,
+}
+
+/// Claims machine `me`'s directory under `dir` for this process: checks that `dir` is
+/// `cluster`'s (stamping it when new), takes `me`'s `alive` lock (failing if another live
+/// process holds it) and maps its doorbell.
+pub(crate) fn claim_machine(dir: &Path, cluster: u64, me: MachineId) -> Result<Claim, StartError> {
+    std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+    stamp_cluster(dir, me, cluster)?;
+    let mdir = machine_dir(dir, me);
+    std::fs::create_dir_all(&mdir).map_err(io_err(format!("creating {}", mdir.display())))?;
+    let path = mdir.join("alive");
+    let alive = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_err(format!("opening {}", path.display())))?;
+    match alive.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => return Err(StartError::AlreadyRunning(me)),
+        Err(TryLockError::Error(e)) => {
+            return Err(io_err(format!("locking {}", path.display()))(e))
+        }
+    }
+    let path = mdir.join("doorbell");
+    let doorbell = Nvram::file(&path, DOORBELL_BYTES)
+        .map_err(io_err(format!("creating {}", path.display())))?;
+    Ok(Claim {
+        _alive: alive,
+        doorbell: Doorbell(Arc::new(doorbell)),
+    })
+}
+
+/// Stamps `dir` with the cluster id, or checks the stamp already there: a directory holds the
+/// NVRAM of one cluster only. The stamp appears whole (written aside, then linked into place),
+/// so racing first processes of one cluster all read the same id.
+fn stamp_cluster(dir: &Path, me: MachineId, cluster: u64) -> Result<(), StartError> {
+    let stamp = dir.join("cluster");
+    if !stamp.exists() {
+        let aside = dir.join(format!("cluster.m{}", me.0));
+        std::fs::write(&aside, format!("{cluster:#x}\n"))
+            .map_err(io_err(format!("writing {}", aside.display())))?;
+        // Fails if another process linked its stamp first: then that one is checked below.
+        let _ = std::fs::hard_link(&aside, &stamp);
+        let _ = std::fs::remove_file(&aside);
+    }
+    let text =
+        std::fs::read_to_string(&stamp).map_err(io_err(format!("reading {}", stamp.display())))?;
+    let found = u64::from_str_radix(text.trim().trim_start_matches("0x"), 16).map_err(|e| {
+        io_err(format!("reading {}", stamp.display()))(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("not a cluster id: {e}"),
+        ))
+    })?;
+    if found != cluster {
+        return Err(StartError::OtherCluster {
+            dir: dir.display().to_string(),
+            found,
+            expected: cluster,
+        });
+    }
+    Ok(())
+}
+
+/// The doorbell file: a count of writes peers made into the machine's rings (a futex word) and
+/// how many of its pollers wait on it.
+const DOORBELL_BYTES: usize = 16;
+const DOORBELL_COUNT: usize = 0;
+const DOORBELL_WAITERS: usize = 8;
+
+/// A machine's doorbell (`<dir>/m<id>/doorbell`): whoever writes into the machine's rings
+/// rings it (a peer's process that maps it, or the machine's own NIC thread).
+#[derive(Clone, Debug)]
+pub(crate) struct Doorbell(pub(crate) Arc<Nvram>);
+
+impl Doorbell {
+    /// Maps the doorbell of a peer's directory, if it has one.
+    pub(crate) fn open(path: &Path) -> Option<Self> {
+        Nvram::open(path).ok().map(|n| Self(Arc::new(n)))
+    }
+
+    pub(crate) fn seen(&self) -> u64 {
+        self.0.load_u64(DOORBELL_COUNT, Ordering::Acquire)
+    }
+
+    pub(crate) fn wait(&self, seen: u64, timeout: Duration) {
+        let bell = &self.0;
+        bell.fetch_add_u64(DOORBELL_WAITERS, 1);
+        if bell.load_u64(DOORBELL_COUNT, Ordering::Acquire) == seen {
+            bell.futex_wait(DOORBELL_COUNT, seen as u32, timeout);
+        }
+        bell.fetch_sub_u64(DOORBELL_WAITERS, 1);
+    }
+
+    /// Announces a write, waking the waiting pollers.
+    pub(crate) fn ring(&self) {
+        let bell = &self.0;
+        bell.fetch_add_u64(DOORBELL_COUNT, 1);
+        if bell.load_u64(DOORBELL_WAITERS, Ordering::Acquire) > 0 {
+            bell.futex_wake(DOORBELL_COUNT);
+        }
+    }
+}
+
+const DATAGRAM_MAGIC: u32 = 0xfa53_d6a7;
+const DATAGRAM_HEADER_BYTES: usize = 4 + 8 + 2;
+/// Largest datagram payload (a NEW-CONFIG carries the region map).
+pub const DATAGRAM_BYTES_MAX: usize = 60 << 10;
+
+/// Where each machine's datagram socket is.
+#[derive(Clone, Debug)]
+pub(crate) enum Peers {
+    /// Machine `m` at `127.0.0.1:base + m` (the `shm` fabric).
+    Loopback(u16),
+    /// Machine `m` at the `m`th address (the `tcp` fabric).
+    Listed(Vec<SocketAddr>),
+}
+
+impl Peers {
+    pub(crate) fn addr(&self, m: MachineId) -> Option<SocketAddr> {
+        match self {
+            Peers::Loopback(base) => base
+                .checked_add(m.0)
+                .map(|p| SocketAddr::from(([127, 0, 0, 1], p))),
+            Peers::Listed(addrs) => addrs.get(m.0 as usize).copied(),
+        }
+    }
+}
+
+/// A machine's datagrams over UDP. Datagrams of another cluster and malformed ones are dropped
+/// unread.
+#[derive(Debug)]
+pub(crate) struct Datagrams {
+    cluster: u64,
+    peers: Peers,
+    socket: UdpSocket,
+    /// A socket to send from (datagrams carry their sender inside).
+    sender: UdpSocket,
+    /// Datagrams read by the other kind's reader: (sender, payload).
+    lease_in: Mutex<VecDeque<(MachineId, Vec<u8>)>>,
+    control_in: Mutex<VecDeque<(MachineId, Vec<u8>)>>,
+}
+
+impl Datagrams {
+    /// Binds machine `me`'s datagram socket at its address among `peers`.
+    pub(crate) fn bind(cluster: u64, me: MachineId, peers: Peers) -> Result<Self, StartError> {
+        let addr = peers.addr(me).ok_or_else(|| {
+            StartError::Invalid(format!("machine {me} has no datagram address: {peers:?}"))
+        })?;
+        let socket = UdpSocket::bind(addr).map_err(io_err(format!("binding UDP {addr}")))?;
+        socket
+            .set_nonblocking(true)
+            .map_err(io_err("making the datagram socket non-blocking"))?;
+        let sender = socket
+            .try_clone()
+            .map_err(io_err("cloning the datagram socket"))?;
+        Ok(Self {
+            cluster,
+            peers,
+            socket,
+            sender,
+            lease_in: Mutex::new(VecDeque::new()),
+            control_in: Mutex::new(VecDeque::new()),
+        })
+    }
+
+    /// Sends `data` from `src` to `dst`; unreliable by contract, so a full buffer, a dead peer
+    /// or a datagram too large loses it.
+    pub(crate) fn send(&self, src: MachineId, dst: MachineId, data: &[u8]) {
+        let Some(to) = self.peers.addr(dst) else {
+            return;
+        };
+        if data.len() > DATAGRAM_BYTES_MAX {
+            return;
+        }
+        let mut msg = Vec::with_capacity(DATAGRAM_HEADER_BYTES + data.len());
+        msg.extend_from_slice(&DATAGRAM_MAGIC.to_le_bytes());
+        msg.extend_from_slice(&self.cluster.to_le_bytes());
+        msg.extend_from_slice(&src.0.to_le_bytes());
+        msg.extend_from_slice(data);
+        let _ = self.sender.send_to(&msg, to);
+    }
+
+    /// One datagram of the kind asked (control or lease), queued or from the socket.
+    pub(crate) fn recv(&self, control: bool, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let (mine, theirs) = if control {
+            (&self.control_in, &self.lease_in)
+        } else {
+            (&self.lease_in, &self.control_in)
+        };
+        if let Some((src, data)) = mine.lock().expect("datagrams poisoned").pop_front() {
+            buf.clear();
+            buf.extend_from_slice(&data);
+            return Some(src);
+        }
+        RECV_BUF.with_borrow_mut(|raw| self.recv_socket(control, theirs, raw, buf))
+    }
+
+    fn recv_socket(
+        &self,
+        control: bool,
+        theirs: &Mutex<VecDeque<(MachineId, Vec<u8>)>>,
+        raw: &mut Vec<u8>,
+        buf: &mut Vec<u8>,
+    ) -> Option<MachineId> {
+        raw.resize(DATAGRAM_HEADER_BYTES + DATAGRAM_BYTES_MAX, 0);
+        loop {
+            let n = match self.socket.recv_from(raw) {
+                Ok((n, _)) => n,
+                Err(_) => return None, // WouldBlock: nothing due.
+            };
+            if n < DATAGRAM_HEADER_BYTES
+                || raw[..4] != DATAGRAM_MAGIC.to_le_bytes()
+                || raw[4..12] != self.cluster.to_le_bytes()
+            {
+                continue; // Not this cluster's, or malformed: dropped unread.
+            }
+            let src = MachineId(u16::from_le_bytes([raw[12], raw[13]]));
+            let payload = &raw[DATAGRAM_HEADER_BYTES..n];
+            if payload.first().is_some_and(|b| *b == CONTROL_TAG) != control {
+                theirs
+                    .lock()
+                    .expect("datagrams poisoned")
+                    .push_back((src, payload.to_vec()));
+                continue;
+            }
+            buf.clear();
+            buf.extend_from_slice(payload);
+            return Some(src);
+        }
+    }
+}
+
+thread_local! {
+    /// Each reader thread's receive buffer, allocated once.
+    static RECV_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}

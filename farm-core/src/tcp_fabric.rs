@@ -1,0 +1,1185 @@
+//! The `tcp` fabric: one process per machine, on different hosts (DESIGN.md, Fabric).
+//!
+//! Each process runs a NIC: a listener thread and, per connected peer, a serving thread that
+//! performs the peer's one-sided reads and writes on this machine's registered memory, so that
+//! worker threads stay uninvolved, as with an RDMA NIC. A write into the rings rings the
+//! machine's doorbell, which its idle pollers sleep on.
+//!
+//! The requesting side keeps one connection (a queue pair) per peer. Requests are pipelined:
+//! `write` sends and returns a ticket at once, and the peer's NIC answers requests in the order
+//! they arrived, so a ticket is done once the answer to it or to a later request arrived; a
+//! read waits for its answer only. A reply thread per connection takes the answers. Writes from
+//! this process to one peer land in order, each in increasing address order.
+//!
+//! Failures: a connection that closes, or leaves a request unanswered for the fabric's
+//! timeout, breaks: its unanswered writes fail, reads wait no longer, and further operations to
+//! the peer fail with [`FabricError::Unreachable`] at once. While the peer is a member of this
+//! machine's configuration (admitted, [`Fabric::admit`]), a broken link stays broken, as a
+//! queue pair in the error state does: reconnecting could land a later write to a log whose
+//! earlier one was lost. Once this machine removed the peer, the link connects again on its
+//! next use (reads: the CM probes a joiner), and a peer admitted again is a new incarnation
+//! whose rings start afresh. A peer never connected to is connected to on first use.
+//!
+//! What the NIC refuses, with a logged reason, changing nothing (each counted in
+//! [`TcpFabric::rejections`]): a connection from another cluster or for another machine, bad
+//! framing (its connection is closed, as the stream cannot be trusted after it), an access
+//! outside a registered area or to an unregistered one, and a write from a machine this machine
+//! has not admitted (precise membership, §5.2). Reads from the cluster's machines are served
+//! whether or not they are members: the CM probes, and new backups copy, before they are.
+//!
+//! Datagrams go over UDP to each machine's listed address ([`crate::process_fabric`]).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, BufWriter, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::fabric::{
+    check_bounds, Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+};
+use crate::ids::{MachineId, RegionId};
+use crate::nvram::Nvram;
+use crate::process_fabric::{
+    claim_machine, io_err, Claim, Datagrams, Peers, ProcessFabric, StartError,
+};
+
+/// Machines the NIC's admitted set can name.
+pub const ADMIT_MACHINES_MAX: usize = 512;
+/// Largest one-sided read or write; a request for more is bad framing.
+pub const OP_BYTES_MAX: usize = 64 << 20;
+
+const MAGIC: u32 = 0xfa53_7c90;
+const VERSION: u16 = 1;
+const HELLO_BYTES: usize = 24;
+const ACK_BYTES: usize = 8;
+const REQUEST_BYTES: usize = 32;
+const REPLY_BYTES: usize = 16;
+
+const OP_READ: u8 = 1;
+const OP_WRITE: u8 = 2;
+const OP_PROBE: u8 = 3;
+
+const OK: u8 = 0;
+const NOT_REGISTERED: u8 = 1;
+const OUT_OF_BOUNDS: u8 = 2;
+const NOT_ADMITTED: u8 = 3;
+
+/// Probe reply flags: the target admits the prober; its rings are registered.
+const PROBE_ADMITS: u8 = 1;
+const PROBE_RINGS: u8 = 2;
+
+/// Why a connection was refused, as its acknowledgement says.
+const ACK_OK: u32 = 0;
+const ACK_BAD_FRAMING: u32 = 1;
+const ACK_OTHER_CLUSTER: u32 = 2;
+const ACK_OTHER_MACHINE: u32 = 3;
+
+/// How long a new connection may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The `tcp` fabric of one process. See the module docs.
+#[derive(Debug)]
+pub struct TcpFabric {
+    me: MachineId,
+    addr: SocketAddr,
+    /// This machine's directory, held while the process lives.
+    claim: Claim,
+    served: Arc<Served>,
+    /// One link per machine of the address list.
+    links: Vec<Arc<Link>>,
+    datagrams: Datagrams,
+    listener: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl TcpFabric {
+    /// The fabric of the process that runs machine `me` of cluster `cluster`, whose machines
+    /// listen at `addrs` (machine `m` at `addrs[m]`, TCP for one-sided operations and UDP for
+    /// datagrams): claims `me`'s NVRAM directory under `dir` (as the `shm` fabric does),
+    /// binds its address and starts its NIC. An operation unanswered for `timeout` breaks its
+    /// connection.
+    pub fn start(
+        dir: &Path,
+        cluster: u64,
+        me: MachineId,
+        addrs: Vec<SocketAddr>,
+        timeout: Duration,
+    ) -> Result<Self, StartError> {
+        let Some(&addr) = addrs.get(me.0 as usize) else {
+            return Err(StartError::Invalid(format!(
+                "machine {me} has no address: {} listed",
+                addrs.len()
+            )));
+        };
+        if addrs.len() > ADMIT_MACHINES_MAX {
+            return Err(StartError::Invalid(format!(
+                "{} machines listed, at most {ADMIT_MACHINES_MAX}",
+                addrs.len()
+            )));
+        }
+        if timeout.is_zero() {
+            return Err(StartError::Invalid("the operation timeout is zero".into()));
+        }
+        let claim = claim_machine(dir, cluster, me)?;
+        let datagrams = Datagrams::bind(cluster, me, Peers::Listed(addrs.clone()))?;
+        let listener = TcpListener::bind(addr).map_err(io_err(format!("listening at {addr}")))?;
+        let admitted = Arc::new(Admitted(
+            (0..ADMIT_MACHINES_MAX / 64)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+        ));
+        let served = Arc::new(Served {
+            me,
+            cluster,
+            machines: addrs.len(),
+            areas: RwLock::new(HashMap::new()),
+            admitted: admitted.clone(),
+            doorbell: claim.doorbell.clone(),
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(0),
+            rejections: AtomicU64::new(0),
+        });
+        let accept = {
+            let served = served.clone();
+            std::thread::Builder::new()
+                .name(format!("farm-nic-{}", me.0))
+                .spawn(move || accept(listener, served))
+                .map_err(io_err("starting the NIC thread"))?
+        };
+        let links = addrs
+            .iter()
+            .enumerate()
+            .map(|(m, &addr)| {
+                Arc::new(Link {
+                    me,
+                    dst: MachineId(m as u16),
+                    addr,
+                    cluster,
+                    timeout,
+                    admitted: admitted.clone(),
+                    inner: Mutex::new(LinkInner {
+                        state: LinkState::Idle,
+                        generation: 0,
+                        next_id: 1,
+                        scratch: Vec::new(),
+                    }),
+                    in_flight: Mutex::new(VecDeque::new()),
+                    acked: AtomicU64::new(0),
+                    failed_any: AtomicBool::new(false),
+                    failed: Mutex::new(Vec::new()),
+                    waiters: Mutex::new(HashMap::new()),
+                })
+            })
+            .collect();
+        Ok(Self {
+            me,
+            addr,
+            claim,
+            served,
+            links,
+            datagrams,
+            listener: Mutex::new(Some(accept)),
+        })
+    }
+
+    /// Requests and connections this machine's NIC refused (another cluster, bad framing, an
+    /// access outside registered memory, a write from a machine not admitted).
+    pub fn rejections(&self) -> u64 {
+        self.served.rejections.load(Ordering::Relaxed)
+    }
+
+    fn link(&self, m: MachineId) -> Result<&Arc<Link>, FabricError> {
+        self.links
+            .get(m.0 as usize)
+            .ok_or(FabricError::Unreachable(m))
+    }
+}
+
+impl Drop for TcpFabric {
+    fn drop(&mut self) {
+        self.served.stop.store(true, Ordering::SeqCst);
+        // Wakes the listener, which sees `stop`.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        if let Some(h) = self.listener.lock().expect("listener poisoned").take() {
+            let _ = h.join();
+        }
+        for conn in self.served.conns.lock().expect("conns poisoned").values() {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+        for link in &self.links {
+            link.close();
+        }
+    }
+}
+
+/// The NIC's side: what peers may read and write.
+#[derive(Debug)]
+struct Served {
+    me: MachineId,
+    cluster: u64,
+    machines: usize,
+    areas: RwLock<HashMap<MemKey, Arc<Nvram>>>,
+    /// Machines whose writes land, the members of this machine's configuration.
+    admitted: Arc<Admitted>,
+    doorbell: crate::process_fabric::Doorbell,
+    stop: AtomicBool,
+    /// Accepted connections, to close at stop.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_conn: AtomicU64,
+    rejections: AtomicU64,
+}
+
+/// The admitted set, one bit per machine.
+#[derive(Debug)]
+struct Admitted(Vec<AtomicU64>);
+
+impl Admitted {
+    fn contains(&self, m: MachineId) -> bool {
+        let i = m.0 as usize;
+        i < ADMIT_MACHINES_MAX && self.0[i / 64].load(Ordering::Acquire) & (1 << (i % 64)) != 0
+    }
+}
+
+impl Served {
+    fn admits(&self, m: MachineId) -> bool {
+        self.admitted.contains(m)
+    }
+
+    fn area(&self, key: MemKey) -> Option<Arc<Nvram>> {
+        self.areas
+            .read()
+            .expect("areas poisoned")
+            .get(&key)
+            .cloned()
+    }
+
+    fn reject(&self) {
+        self.rejections.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn accept(listener: TcpListener, served: Arc<Served>) {
+    for conn in listener.incoming() {
+        if served.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(conn) = conn else { continue };
+        let id = served.next_conn.fetch_add(1, Ordering::Relaxed);
+        if let Ok(clone) = conn.try_clone() {
+            served
+                .conns
+                .lock()
+                .expect("conns poisoned")
+                .insert(id, clone);
+        }
+        let served2 = served.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("farm-nic-{}-serve", served.me.0))
+            .spawn(move || {
+                let peer = conn.peer_addr().ok();
+                if let Err(reason) = serve(conn, &served2) {
+                    tracing::debug!(machine = served2.me.0, ?peer, %reason, "connection ended");
+                }
+                served2.conns.lock().expect("conns poisoned").remove(&id);
+            });
+        if spawned.is_err() {
+            served.conns.lock().expect("conns poisoned").remove(&id);
+        }
+    }
+}
+
+/// Why a connection ended.
+#[derive(Debug, thiserror::Error)]
+enum ConnEnd {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
+/// Serves one peer's connection: its hello, then its requests in order.
+fn serve(stream: TcpStream, served: &Served) -> Result<(), ConnEnd> {
+    let peer = stream.peer_addr()?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
+    let mut input = Frames::new(stream.try_clone()?);
+    let mut out = BufWriter::with_capacity(256 << 10, stream);
+    if !input.fill(HELLO_BYTES)? {
+        return Err(ConnEnd::Refused("no hello in time".into()));
+    }
+    let hello = input.take(HELLO_BYTES);
+    let (src, verdict) = check_hello(hello, served);
+    if verdict != ACK_OK {
+        served.reject();
+        let reason = match verdict {
+            ACK_OTHER_CLUSTER => "another cluster's",
+            ACK_OTHER_MACHINE => "for another machine",
+            _ => "bad framing in its hello",
+        };
+        tracing::warn!(machine = served.me.0, %peer, "refused a connection: {reason}");
+        out.write_all(&MAGIC.to_le_bytes())?;
+        out.write_all(&verdict.to_le_bytes())?;
+        out.flush()?;
+        return Err(ConnEnd::Refused(reason.into()));
+    }
+    out.write_all(&MAGIC.to_le_bytes())?;
+    out.write_all(&ACK_OK.to_le_bytes())?;
+    out.flush()?;
+    input.stream.set_read_timeout(None)?;
+    let mut warned_admission = false;
+    let mut scratch = Vec::new();
+    loop {
+        // Answers go out together while more requests wait: pipelined requests, batched
+        // answers.
+        if input.buffered() < REQUEST_BYTES {
+            out.flush()?;
+        }
+        input.fill(REQUEST_BYTES)?;
+        let req = match Request::decode(input.take(REQUEST_BYTES)) {
+            Ok(req) => req,
+            Err(reason) => {
+                served.reject();
+                tracing::warn!(machine = served.me.0, src = src.0, %peer,
+                    "closed a connection for bad framing: {reason}");
+                return Err(ConnEnd::Refused(reason));
+            }
+        };
+        let mut flags = 0;
+        // What follows the reply's head: a read's data, or the size of the area an access
+        // fell outside of.
+        let mut size = None;
+        let status = match req.op {
+            OP_PROBE => {
+                if served.admits(src) {
+                    flags |= PROBE_ADMITS;
+                }
+                if served.area(MemKey::Rings).is_some() {
+                    flags |= PROBE_RINGS;
+                }
+                OK
+            }
+            OP_READ => match access(served, &req) {
+                Ok(mem) => {
+                    scratch.resize(req.len, 0);
+                    mem.read(req.offset as usize, &mut scratch);
+                    OK
+                }
+                Err((status, area)) => {
+                    refused_access(served, src, &req, status, area);
+                    size = Some(area);
+                    status
+                }
+            },
+            _ => {
+                input.fill(req.len)?;
+                let data = input.take(req.len);
+                if !served.admits(src) {
+                    served.reject();
+                    if !warned_admission {
+                        tracing::warn!(
+                            machine = served.me.0,
+                            src = src.0,
+                            "refused a write from a machine not admitted (not a member of the \
+                             configuration this machine runs)"
+                        );
+                        warned_admission = true;
+                    }
+                    NOT_ADMITTED
+                } else {
+                    match access(served, &req) {
+                        Ok(mem) => {
+                            mem.write(req.offset as usize, data);
+                            if req.key == MemKey::Rings {
+                                served.doorbell.ring();
+                            }
+                            OK
+                        }
+                        Err((status, area)) => {
+                            refused_access(served, src, &req, status, area);
+                            size = Some(area);
+                            status
+                        }
+                    }
+                }
+            }
+        };
+        let size = size.map(|s| (s as u64).to_le_bytes());
+        let body: &[u8] = match &size {
+            Some(s) => s,
+            None if req.op == OP_READ && status == OK => &scratch,
+            None => &[],
+        };
+        let mut head = [0u8; REPLY_BYTES];
+        head[..8].copy_from_slice(&req.id.to_le_bytes());
+        head[8] = status;
+        head[9] = flags;
+        head[12..16].copy_from_slice(&(body.len() as u32).to_le_bytes());
+        out.write_all(&head)?;
+        out.write_all(body)?;
+    }
+}
+
+/// The connecting machine and the acknowledgement a hello gets.
+fn check_hello(hello: &[u8], served: &Served) -> (MachineId, u32) {
+    let u16_at = |i: usize| u16::from_le_bytes([hello[i], hello[i + 1]]);
+    let src = MachineId(u16_at(6));
+    let verdict =
+        if hello[..4] != MAGIC.to_le_bytes() || u16_at(4) != VERSION || hello[10..16] != [0; 6] {
+            ACK_BAD_FRAMING
+        } else if hello[16..24] != served.cluster.to_le_bytes() {
+            ACK_OTHER_CLUSTER
+        } else if u16_at(8) != served.me.0 || src.0 as usize >= served.machines {
+            ACK_OTHER_MACHINE
+        } else {
+            ACK_OK
+        };
+    (src, verdict)
+}
+
+/// The area a request reads or writes, if the access is inside it; else the refusal and the
+/// area's size.
+fn access(served: &Served, req: &Request) -> Result<Arc<Nvram>, (u8, usize)> {
+    let mem = served.area(req.key).ok_or((NOT_REGISTERED, 0))?;
+    check_bounds(served.me, req.key, &mem, req.offset, req.len)
+        .map_err(|_| (OUT_OF_BOUNDS, mem.len()))?;
+    Ok(mem)
+}
+
+fn refused_access(served: &Served, src: MachineId, req: &Request, status: u8, size: usize) {
+    served.reject();
+    let what = if status == NOT_REGISTERED {
+        "an unregistered area"
+    } else {
+        "outside the registered area"
+    };
+    tracing::warn!(machine = served.me.0, src = src.0, key = ?req.key, offset = req.offset,
+        len = req.len, size, "refused an access to {what}");
+}
+
+/// A one-sided operation on the wire.
+#[derive(Debug)]
+struct Request {
+    op: u8,
+    key: MemKey,
+    id: u64,
+    offset: u64,
+    len: usize,
+}
+
+impl Request {
+    fn encode(&self, out: &mut Vec<u8>) {
+        let (area, region) = match self.key {
+            MemKey::Region(r) => (0u8, r.0),
+            MemKey::Rings => (1, 0),
+            MemKey::Feedback => (2, 0),
+        };
+        out.push(self.op);
+        out.push(area);
+        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(&region.to_le_bytes());
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&(self.len as u32).to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
+    }
+
+    fn decode(b: &[u8]) -> Result<Self, String> {
+        let op = b[0];
+        if !matches!(op, OP_READ | OP_WRITE | OP_PROBE) {
+            return Err(format!("unknown operation {op}"));
+        }
+        let region = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
+        let key = match b[1] {
+            0 => MemKey::Region(RegionId(region)),
+            1 => MemKey::Rings,
+            2 => MemKey::Feedback,
+            a => return Err(format!("unknown area {a}")),
+        };
+        if b[2..4] != [0, 0] || b[28..32] != [0; 4] || (b[1] != 0 && region != 0) {
+            return Err("nonzero padding".into());
+        }
+        let len = u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")) as usize;
+        if len > OP_BYTES_MAX {
+            return Err(format!(
+                "an operation of {len} bytes (at most {OP_BYTES_MAX})"
+            ));
+        }
+        Ok(Self {
+            op,
+            key,
+            id: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+            offset: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+            len,
+        })
+    }
+}
+
+/// Buffered input of whole frames from a stream that may have a read timeout.
+struct Frames {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Frames {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            buf: vec![0; 256 << 10],
+            start: 0,
+            end: 0,
+        }
+    }
+
+    fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Reads until `n` bytes are buffered: `Ok(false)` if the stream's read timeout passed
+    /// first (nothing is consumed), an error if it closed.
+    fn fill(&mut self, n: usize) -> io::Result<bool> {
+        if self.buffered() >= n {
+            return Ok(true);
+        }
+        if self.buf.len() - self.start < n {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+            if self.buf.len() < n {
+                self.buf.resize(n, 0);
+            }
+        }
+        while self.buffered() < n {
+            match self.stream.read(&mut self.buf[self.end..]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(k) => self.end += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(false)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// The next `n` buffered bytes (after [`Frames::fill`] said they are there).
+    fn take(&mut self, n: usize) -> &[u8] {
+        let at = self.start;
+        self.start += n;
+        &self.buf[at..at + n]
+    }
+}
+
+/// This machine's queue pair to one peer.
+#[derive(Debug)]
+struct Link {
+    me: MachineId,
+    dst: MachineId,
+    addr: SocketAddr,
+    cluster: u64,
+    timeout: Duration,
+    /// This machine's admitted set: whether the peer is a member.
+    admitted: Arc<Admitted>,
+    inner: Mutex<LinkInner>,
+    /// Requests sent and not answered, with when they were sent, oldest first.
+    in_flight: Mutex<VecDeque<(u64, Instant)>>,
+    /// The last request answered (answers come in order).
+    acked: AtomicU64,
+    /// Whether `failed` holds anything (read without its lock on every status check).
+    failed_any: AtomicBool,
+    /// Requests that failed: inclusive ranges of ids.
+    failed: Mutex<Vec<(u64, u64)>>,
+    /// Reads and probes waiting for their answers.
+    waiters: Mutex<HashMap<u64, Arc<Waiter>>>,
+}
+
+#[derive(Debug)]
+struct LinkInner {
+    state: LinkState,
+    /// Counts connections, so that a reply thread breaks only its own.
+    generation: u64,
+    /// The id of the next request (ids never repeat on a link, across connections).
+    next_id: u64,
+    scratch: Vec<u8>,
+}
+
+#[derive(Debug)]
+enum LinkState {
+    /// Never connected, or the peer was admitted again since the link broke.
+    Idle,
+    Up(TcpStream),
+    /// Closed or timed out: operations fail while the peer is a member.
+    Broken,
+}
+
+/// An answer a read or probe waits for.
+#[derive(Debug, Default)]
+struct Waiter {
+    reply: Mutex<Option<Reply>>,
+    ready: Condvar,
+}
+
+#[derive(Debug)]
+enum Reply {
+    Answer {
+        status: u8,
+        flags: u8,
+        data: Vec<u8>,
+    },
+    Lost,
+}
+
+impl Waiter {
+    fn deliver(&self, reply: Reply) {
+        *self.reply.lock().expect("waiter poisoned") = Some(reply);
+        self.ready.notify_one();
+    }
+
+    /// The answer, or `Lost` after `timeout`.
+    fn wait(&self, timeout: Duration) -> Reply {
+        let deadline = Instant::now() + timeout;
+        let mut reply = self.reply.lock().expect("waiter poisoned");
+        loop {
+            if let Some(r) = reply.take() {
+                return r;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Reply::Lost;
+            }
+            reply = self
+                .ready
+                .wait_timeout(reply, left)
+                .expect("waiter poisoned")
+                .0;
+        }
+    }
+}
+
+impl Link {
+    /// Sends one request (with `payload` for a write), connecting first if the link is idle;
+    /// `waiter` gets the answer. Returns the request's id.
+    fn send(
+        self: &Arc<Self>,
+        op: u8,
+        key: MemKey,
+        offset: u64,
+        len: usize,
+        payload: &[u8],
+        waiter: Option<Arc<Waiter>>,
+    ) -> Result<u64, FabricError> {
+        let unreachable = FabricError::Unreachable(self.dst);
+        let mut inner = self.inner.lock().expect("link poisoned");
+        if self.may_connect(&inner) {
+            self.connect(&mut inner).map_err(|e| {
+                tracing::debug!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
+                    error = %e, "could not connect");
+                unreachable
+            })?;
+        }
+        let l = &mut *inner;
+        let LinkState::Up(stream) = &mut l.state else {
+            return Err(unreachable);
+        };
+        let id = l.next_id;
+        l.next_id += 1;
+        l.scratch.clear();
+        Request {
+            op,
+            key,
+            id,
+            offset,
+            len,
+        }
+        .encode(&mut l.scratch);
+        l.scratch.extend_from_slice(payload);
+        if let Some(w) = waiter {
+            self.waiters.lock().expect("waiters poisoned").insert(id, w);
+        }
+        self.in_flight
+            .lock()
+            .expect("in flight poisoned")
+            .push_back((id, Instant::now()));
+        if let Err(e) = stream.write_all(&l.scratch) {
+            let generation = l.generation;
+            self.break_locked(inner, generation, &format!("sending: {e}"));
+            return Err(unreachable);
+        }
+        Ok(id)
+    }
+
+    /// Opens a connection: hello, acknowledgement, and a reply thread.
+    fn connect(self: &Arc<Self>, inner: &mut LinkInner) -> io::Result<()> {
+        let stream = TcpStream::connect_timeout(&self.addr, self.timeout)?;
+        stream.set_nodelay(true)?;
+        stream.set_write_timeout(Some(self.timeout))?;
+        stream.set_read_timeout(Some(self.timeout))?;
+        let mut hello = [0u8; HELLO_BYTES];
+        hello[..4].copy_from_slice(&MAGIC.to_le_bytes());
+        hello[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        hello[6..8].copy_from_slice(&self.me.0.to_le_bytes());
+        hello[8..10].copy_from_slice(&self.dst.0.to_le_bytes());
+        hello[16..24].copy_from_slice(&self.cluster.to_le_bytes());
+        (&stream).write_all(&hello)?;
+        let mut ack = [0u8; ACK_BYTES];
+        (&stream).read_exact(&mut ack)?;
+        let verdict = u32::from_le_bytes(ack[4..8].try_into().expect("4 bytes"));
+        if ack[..4] != MAGIC.to_le_bytes() || verdict != ACK_OK {
+            let reason = match verdict {
+                ACK_OTHER_CLUSTER => "it belongs to another cluster",
+                ACK_OTHER_MACHINE => "it is not that machine",
+                _ => "it does not speak this protocol",
+            };
+            tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
+                "the peer refused the connection: {reason}");
+            return Err(io::Error::new(io::ErrorKind::ConnectionRefused, reason));
+        }
+        // The reply thread's ticks, at which it checks the oldest request's age.
+        stream.set_read_timeout(Some((self.timeout / 4).max(Duration::from_millis(1))))?;
+        inner.generation += 1;
+        let generation = inner.generation;
+        let replies = stream.try_clone()?;
+        let link = self.clone();
+        std::thread::Builder::new()
+            .name(format!("farm-nic-{}-to-{}", self.me.0, self.dst.0))
+            .spawn(move || link.take_replies(replies, generation))?;
+        inner.state = LinkState::Up(stream);
+        Ok(())
+    }
+
+    /// The reply thread of connection `generation`. A reply is a head (the request's id, its
+    /// status, flags, and how many bytes follow) and the bytes: a read's data, or the size of
+    /// the area an access fell outside of.
+    fn take_replies(self: Arc<Self>, stream: TcpStream, generation: u64) {
+        let mut input = Frames::new(stream);
+        let reason = loop {
+            let mut need = REPLY_BYTES;
+            let known = input.buffered() >= REPLY_BYTES;
+            if known {
+                let at = input.start + 12;
+                let len = u32::from_le_bytes(input.buf[at..at + 4].try_into().expect("4 bytes"));
+                if len as usize > OP_BYTES_MAX {
+                    break format!("bad framing: an answer of {len} bytes");
+                }
+                need += len as usize;
+            }
+            match input.fill(need) {
+                Ok(true) if known => {
+                    let head: [u8; REPLY_BYTES] =
+                        input.take(REPLY_BYTES).try_into().expect("a head");
+                    let id = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+                    let data = input.take(need - REPLY_BYTES).to_vec();
+                    if let Err(reason) = self.answered(id, head[8], head[9], data) {
+                        break reason;
+                    }
+                }
+                // The head is here: now its bytes.
+                Ok(true) => {}
+                Ok(false) => {
+                    if let Some(reason) = self.overdue() {
+                        break reason;
+                    }
+                    if self.inner.lock().expect("link poisoned").generation != generation {
+                        return;
+                    }
+                }
+                Err(e) => break format!("receiving: {e}"),
+            }
+        };
+        let inner = self.inner.lock().expect("link poisoned");
+        self.break_locked(inner, generation, &reason);
+    }
+
+    /// Why the connection must break, if its oldest request waited longer than the timeout.
+    fn overdue(&self) -> Option<String> {
+        let oldest = self
+            .in_flight
+            .lock()
+            .expect("in flight poisoned")
+            .front()
+            .copied();
+        oldest
+            .filter(|(_, sent)| sent.elapsed() > self.timeout)
+            .map(|_| format!("no answer within {:?}", self.timeout))
+    }
+
+    /// Takes the answer to request `id`.
+    fn answered(&self, id: u64, status: u8, flags: u8, data: Vec<u8>) -> Result<(), String> {
+        match self
+            .in_flight
+            .lock()
+            .expect("in flight poisoned")
+            .pop_front()
+        {
+            Some((expected, _)) if expected == id => {}
+            other => return Err(format!("an answer to {id} while expecting {other:?}")),
+        }
+        let waiter = self.waiters.lock().expect("waiters poisoned").remove(&id);
+        match waiter {
+            Some(w) => w.deliver(Reply::Answer {
+                status,
+                flags,
+                data,
+            }),
+            None if status != OK => {
+                self.fail(id, id);
+                tracing::warn!(
+                    machine = self.me.0,
+                    dst = self.dst.0,
+                    status,
+                    "a write was refused by the peer"
+                );
+            }
+            None => {}
+        }
+        self.acked.store(id, Ordering::Release);
+        Ok(())
+    }
+
+    fn fail(&self, from: u64, to: u64) {
+        self.failed
+            .lock()
+            .expect("failed poisoned")
+            .push((from, to));
+        self.failed_any.store(true, Ordering::Release);
+    }
+
+    /// Breaks connection `generation` (if it is still the link's): its unanswered requests
+    /// fail.
+    fn break_locked(
+        &self,
+        mut inner: std::sync::MutexGuard<'_, LinkInner>,
+        generation: u64,
+        reason: &str,
+    ) {
+        if inner.generation != generation || !matches!(inner.state, LinkState::Up(_)) {
+            return;
+        }
+        if let LinkState::Up(stream) = &inner.state {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        inner.state = LinkState::Broken;
+        let last = inner.next_id - 1;
+        drop(inner);
+        let acked = self.acked.load(Ordering::Acquire);
+        if last > acked {
+            self.fail(acked + 1, last);
+        }
+        self.in_flight.lock().expect("in flight poisoned").clear();
+        for (_, w) in self.waiters.lock().expect("waiters poisoned").drain() {
+            w.deliver(Reply::Lost);
+        }
+        let member = self.admitted.contains(self.dst);
+        tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason, member,
+            "connection broken (while the peer is a member, it stays down)");
+    }
+
+    /// Closes the link for good (the fabric stops).
+    fn close(&self) {
+        let inner = self.inner.lock().expect("link poisoned");
+        if let LinkState::Up(stream) = &inner.state {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Whether the link is to connect before its next operation: it never connected, or it
+    /// broke and the peer is no longer a member.
+    fn may_connect(&self, inner: &LinkInner) -> bool {
+        match inner.state {
+            LinkState::Idle => true,
+            LinkState::Up(_) => false,
+            LinkState::Broken => !self.admitted.contains(self.dst),
+        }
+    }
+
+    /// Lets a broken link connect again (the peer was admitted again).
+    fn reset(&self) {
+        let mut inner = self.inner.lock().expect("link poisoned");
+        if matches!(inner.state, LinkState::Broken) {
+            inner.state = LinkState::Idle;
+        }
+    }
+
+    fn status(&self, id: u64) -> WriteStatus {
+        if self.failed_any.load(Ordering::Acquire)
+            && self
+                .failed
+                .lock()
+                .expect("failed poisoned")
+                .iter()
+                .any(|&(a, b)| (a..=b).contains(&id))
+        {
+            return WriteStatus::Failed;
+        }
+        if id <= self.acked.load(Ordering::Acquire) {
+            WriteStatus::Done
+        } else {
+            WriteStatus::Pending
+        }
+    }
+
+    /// Sends a read or probe and waits for its answer.
+    fn call(self: &Arc<Self>, op: u8, key: MemKey, offset: u64, len: usize) -> Reply {
+        let waiter = Arc::new(Waiter::default());
+        if self
+            .send(op, key, offset, len, &[], Some(waiter.clone()))
+            .is_err()
+        {
+            return Reply::Lost;
+        }
+        // The reply thread breaks the connection after the timeout; the margin covers its tick.
+        waiter.wait(self.timeout * 2)
+    }
+
+    fn is_up(self: &Arc<Self>) -> bool {
+        let mut inner = self.inner.lock().expect("link poisoned");
+        if self.may_connect(&inner) {
+            self.connect(&mut inner).is_ok()
+        } else {
+            matches!(inner.state, LinkState::Up(_))
+        }
+    }
+}
+
+/// A one-sided read handle to a peer's area.
+#[derive(Debug)]
+struct TcpRemote {
+    link: Arc<Link>,
+    key: MemKey,
+}
+
+impl RemoteMemory for TcpRemote {
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
+        let dst = self.link.dst;
+        let out_of_bounds = |size: usize| FabricError::OutOfBounds {
+            machine: dst,
+            key: self.key,
+            offset,
+            len: buf.len(),
+            size,
+        };
+        if buf.len() > OP_BYTES_MAX {
+            return Err(out_of_bounds(0));
+        }
+        match self.link.call(OP_READ, self.key, offset, buf.len()) {
+            Reply::Answer {
+                status: OK, data, ..
+            } if data.len() == buf.len() => {
+                buf.copy_from_slice(&data);
+                Ok(())
+            }
+            Reply::Answer {
+                status: NOT_REGISTERED,
+                ..
+            } => Err(FabricError::NotRegistered {
+                machine: dst,
+                key: self.key,
+            }),
+            Reply::Answer {
+                status: OUT_OF_BOUNDS,
+                data,
+                ..
+            } => Err(out_of_bounds(
+                data.try_into()
+                    .map_or(0, |s| u64::from_le_bytes(s) as usize),
+            )),
+            _ => Err(FabricError::Unreachable(dst)),
+        }
+    }
+
+    fn machine(&self) -> MachineId {
+        self.link.dst
+    }
+}
+
+/// A read handle to this machine's own area.
+#[derive(Debug)]
+struct LocalRemote {
+    me: MachineId,
+    key: MemKey,
+    mem: Arc<Nvram>,
+}
+
+impl RemoteMemory for LocalRemote {
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
+        check_bounds(self.me, self.key, &self.mem, offset, buf.len())?;
+        self.mem.read(offset as usize, buf);
+        Ok(())
+    }
+
+    fn machine(&self) -> MachineId {
+        self.me
+    }
+
+    fn prefetch(&self, offset: u64, len: usize) {
+        self.mem.prefetch(offset as usize, len);
+    }
+}
+
+impl Fabric for TcpFabric {
+    fn register(&self, machine: MachineId, key: MemKey, mem: Arc<Nvram>) {
+        assert_eq!(
+            machine, self.me,
+            "the tcp fabric registers only its own machine's memory"
+        );
+        self.served
+            .areas
+            .write()
+            .expect("areas poisoned")
+            .insert(key, mem);
+    }
+
+    fn remote(
+        &self,
+        src: MachineId,
+        dst: MachineId,
+        key: MemKey,
+    ) -> Result<Arc<dyn RemoteMemory>, FabricError> {
+        let _ = src;
+        if dst == self.me {
+            let mem = self
+                .served
+                .area(key)
+                .ok_or(FabricError::NotRegistered { machine: dst, key })?;
+            return Ok(Arc::new(LocalRemote {
+                me: self.me,
+                key,
+                mem,
+            }));
+        }
+        let remote = TcpRemote {
+            link: self.link(dst)?.clone(),
+            key,
+        };
+        // An empty read: the peer answers, and has the area.
+        remote.read(0, &mut [])?;
+        Ok(Arc::new(remote))
+    }
+
+    fn write(
+        &self,
+        src: Endpoint,
+        dst: MachineId,
+        key: MemKey,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<WriteTicket, FabricError> {
+        if dst == self.me {
+            let mem = self
+                .served
+                .area(key)
+                .ok_or(FabricError::NotRegistered { machine: dst, key })?;
+            check_bounds(dst, key, &mem, offset, data.len())?;
+            mem.write(offset as usize, data);
+            return Ok(WriteTicket(1));
+        }
+        let _ = src;
+        if data.len() > OP_BYTES_MAX {
+            return Err(FabricError::OutOfBounds {
+                machine: dst,
+                key,
+                offset,
+                len: data.len(),
+                size: 0,
+            });
+        }
+        let id = self
+            .link(dst)?
+            .send(OP_WRITE, key, offset, data.len(), data, None)?;
+        Ok(WriteTicket(id))
+    }
+
+    fn write_status(&self, src: Endpoint, dst: MachineId, ticket: WriteTicket) -> WriteStatus {
+        let _ = src;
+        if dst == self.me {
+            return WriteStatus::Done;
+        }
+        match self.link(dst) {
+            Ok(link) => link.status(ticket.0),
+            Err(_) => WriteStatus::Failed,
+        }
+    }
+
+    fn send_datagram(&self, src: MachineId, dst: MachineId, data: &[u8], now: u64) {
+        let _ = now;
+        self.datagrams.send(src, dst, data);
+    }
+
+    fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let _ = now;
+        if dst != self.me {
+            return None;
+        }
+        self.datagrams.recv(false, buf)
+    }
+
+    fn admit(&self, machine: MachineId, members: &[MachineId]) {
+        assert_eq!(machine, self.me, "a machine admits writers to itself only");
+        let mut words = [0u64; ADMIT_MACHINES_MAX / 64];
+        for m in members {
+            let i = m.0 as usize;
+            assert!(i < ADMIT_MACHINES_MAX, "machine {m} past the admitted set");
+            words[i / 64] |= 1 << (i % 64);
+            // A machine admitted again after it was removed is a new incarnation: the link to
+            // it may connect again.
+            if !self.served.admits(*m) {
+                if let Ok(link) = self.link(*m) {
+                    link.reset();
+                }
+            }
+        }
+        for (w, v) in words.iter().enumerate() {
+            self.served.admitted.0[w].store(*v, Ordering::Release);
+        }
+    }
+
+    fn is_up(&self, machine: MachineId) -> bool {
+        machine == self.me || self.link(machine).is_ok_and(|l| l.is_up())
+    }
+}
+
+impl ProcessFabric for TcpFabric {
+    fn me(&self) -> MachineId {
+        self.me
+    }
+
+    fn recv_control(&self, buf: &mut Vec<u8>) -> Option<MachineId> {
+        self.datagrams.recv(true, buf)
+    }
+
+    /// Machine `m` answers a probe saying it admits this machine and has its rings registered.
+    fn ready(&self, m: MachineId) -> bool {
+        if m == self.me {
+            return self.served.admits(m) && self.served.area(MemKey::Rings).is_some();
+        }
+        let Ok(link) = self.link(m) else {
+            return false;
+        };
+        match link.call(OP_PROBE, MemKey::Rings, 0, 0) {
+            Reply::Answer {
+                status: OK, flags, ..
+            } => flags & (PROBE_ADMITS | PROBE_RINGS) == PROBE_ADMITS | PROBE_RINGS,
+            _ => false,
+        }
+    }
+
+    fn writes_seen(&self) -> u64 {
+        self.claim.doorbell.seen()
+    }
+
+    /// This machine's NIC thread rings the doorbell after each write into the rings.
+    fn wait_for_writes(&self, seen: u64, timeout: Duration) {
+        self.claim.doorbell.wait(seen, timeout)
+    }
+}

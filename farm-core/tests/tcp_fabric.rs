@@ -1,0 +1,358 @@
+//! The `tcp` fabric over real sockets on loopback: machines in one test process, each with an
+//! NVRAM directory of its own (as on separate hosts), and raw connections that speak the wire
+//! protocol wrongly on purpose.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, WriteTicket};
+use farm_core::nvram::Nvram;
+use farm_core::process_fabric::{ProcessFabric, StartError};
+use farm_core::tcp_fabric::TcpFabric;
+use farm_core::{MachineId, RegionId, ThreadId};
+
+const CLUSTER: u64 = 0x7c9_c1a5;
+const REGION_BYTES: usize = 64 << 10;
+const RINGS_BYTES: usize = 4 << 10;
+const TIMEOUT: Duration = Duration::from_millis(300);
+const M0: MachineId = MachineId(0);
+const M1: MachineId = MachineId(1);
+const M2: MachineId = MachineId(2);
+const REGION: MemKey = MemKey::Region(RegionId(0));
+
+/// Three free loopback addresses (TCP and UDP are bound on the same port by each machine).
+fn addrs() -> Vec<SocketAddr> {
+    let mut out = Vec::new();
+    while out.len() < 3 {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        if std::net::UdpSocket::bind(a).is_ok() && !out.contains(&a) {
+            out.push(a);
+        }
+    }
+    out
+}
+
+fn ep(m: MachineId) -> Endpoint {
+    Endpoint {
+        machine: m,
+        thread: ThreadId(0),
+    }
+}
+
+/// Machine `m` on its own directory under `root`, with a region and rings registered.
+fn machine(root: &Path, m: MachineId, addrs: &[SocketAddr]) -> (TcpFabric, Arc<Nvram>) {
+    let dir = root.join(format!("host{}", m.0));
+    let f = TcpFabric::start(&dir, CLUSTER, m, addrs.to_vec(), TIMEOUT).unwrap();
+    let region = Arc::new(Nvram::anonymous(REGION_BYTES).unwrap());
+    f.register(m, REGION, region.clone());
+    f.register(
+        m,
+        MemKey::Rings,
+        Arc::new(Nvram::anonymous(RINGS_BYTES).unwrap()),
+    );
+    (f, region)
+}
+
+fn word(mem: &Nvram, offset: usize) -> u64 {
+    mem.load_u64(offset, std::sync::atomic::Ordering::Acquire)
+}
+
+/// Polls `ticket` until it is no longer pending.
+fn settle(f: &TcpFabric, src: MachineId, dst: MachineId, ticket: WriteTicket) -> WriteStatus {
+    let deadline = Instant::now() + TIMEOUT * 10;
+    loop {
+        match f.write_status(ep(src), dst, ticket) {
+            WriteStatus::Pending => {
+                assert!(
+                    Instant::now() < deadline,
+                    "write {ticket:?} pending forever"
+                );
+                std::thread::yield_now();
+            }
+            s => return s,
+        }
+    }
+}
+
+#[test]
+fn one_sided_operations_are_served_by_the_nic_and_pipelined() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f0, _) = machine(root.path(), M0, &addrs);
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    mem1.store_u64(0, 0xabcd, std::sync::atomic::Ordering::Release);
+    assert!(!f0.ready(M1), "machine 1 admitted nobody yet");
+    f1.admit(M1, &[M0, M1]);
+    f0.admit(M0, &[M0, M1]);
+    assert!(f0.ready(M1) && f1.ready(M0) && f0.ready(M0));
+    assert!(f0.is_up(M1));
+
+    let remote = f0.remote(M0, M1, REGION).unwrap();
+    let mut buf = [0u8; 8];
+    remote.read(0, &mut buf).unwrap();
+    assert_eq!(u64::from_le_bytes(buf), 0xabcd);
+
+    // Pipelined: a thousand writes go out before any is waited for; each ticket completes,
+    // and they landed in order (the last value of each word wins).
+    let tickets: Vec<WriteTicket> = (0..1000u64)
+        .map(|i| {
+            let offset = 8 * (1 + i % 100);
+            f0.write(ep(M0), M1, REGION, offset, &i.to_le_bytes())
+                .unwrap()
+        })
+        .collect();
+    for t in &tickets {
+        assert_eq!(settle(&f0, M0, M1, *t), WriteStatus::Done);
+    }
+    for k in 0..100u64 {
+        assert_eq!(word(&mem1, 8 * (1 + k as usize)), 900 + k);
+    }
+    let mut big = vec![0u8; 800];
+    remote.read(8, &mut big).unwrap();
+    assert_eq!(u64::from_le_bytes(big[..8].try_into().unwrap()), 900);
+
+    // Refusals name the problem and change nothing.
+    match remote.read(REGION_BYTES as u64 - 4, &mut buf) {
+        Err(FabricError::OutOfBounds { size, .. }) => assert_eq!(size, REGION_BYTES),
+        other => panic!("read past the region: {other:?}"),
+    }
+    assert!(matches!(
+        f0.remote(M0, M1, MemKey::Feedback),
+        Err(FabricError::NotRegistered { .. })
+    ));
+    let before = f1.rejections();
+    let t = f0
+        .write(ep(M0), M1, REGION, REGION_BYTES as u64, &[1; 8])
+        .unwrap();
+    assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Failed);
+    assert!(f1.rejections() > before);
+
+    // A write into the rings rings the doorbell the target's pollers sleep on.
+    let seen = f1.writes_seen();
+    let t = f0.write(ep(M0), M1, MemKey::Rings, 0, &[7; 8]).unwrap();
+    assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
+    assert!(f1.writes_seen() > seen);
+
+    // Datagrams, control and lease apart.
+    f0.send_datagram(M0, M1, b"lease", 0);
+    f0.send_datagram(M0, M1, &[farm_core::fabric::CONTROL_TAG, 9], 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut got = Vec::new();
+    while f1.recv_datagram(M1, 0, &mut got).is_none() {
+        assert!(Instant::now() < deadline, "no datagram");
+    }
+    assert_eq!(&got[..], b"lease");
+    while f1.recv_control(&mut got).is_none() {
+        assert!(Instant::now() < deadline, "no control datagram");
+    }
+    assert_eq!(&got[..], &[farm_core::fabric::CONTROL_TAG, 9]);
+}
+
+#[test]
+fn writes_from_machines_not_admitted_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    let (f2, _) = machine(root.path(), M2, &addrs);
+    f1.admit(M1, &[M0, M1]);
+    assert!(!f2.ready(M1));
+    let t = f2.write(ep(M2), M1, REGION, 8, &[5; 8]).unwrap();
+    assert_eq!(settle(&f2, M2, M1, t), WriteStatus::Failed);
+    assert_eq!(
+        word(&mem1, 8),
+        0,
+        "a write from a machine not admitted landed"
+    );
+    assert_eq!(f1.rejections(), 1);
+    // Reads are served (the CM probes, and new backups copy, before they are members).
+    let mut buf = [0u8; 8];
+    f2.remote(M2, M1, REGION)
+        .unwrap()
+        .read(8, &mut buf)
+        .unwrap();
+    // Admitted, its writes land.
+    f1.admit(M1, &[M0, M1, M2]);
+    let t = f2.write(ep(M2), M1, REGION, 8, &[5; 8]).unwrap();
+    assert_eq!(settle(&f2, M2, M1, t), WriteStatus::Done);
+    assert_eq!(word(&mem1, 8), u64::from_le_bytes([5; 8]));
+}
+
+/// A raw connection: sends `hello` and returns the acknowledgement's status, or `None` if the
+/// NIC closed the connection without one.
+fn raw_hello(addr: SocketAddr, cluster: u64, src: u16, dst: u16) -> (TcpStream, u32) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut hello = [0u8; 24];
+    hello[..4].copy_from_slice(&0xfa53_7c90u32.to_le_bytes());
+    hello[4..6].copy_from_slice(&1u16.to_le_bytes());
+    hello[6..8].copy_from_slice(&src.to_le_bytes());
+    hello[8..10].copy_from_slice(&dst.to_le_bytes());
+    hello[16..24].copy_from_slice(&cluster.to_le_bytes());
+    s.write_all(&hello).unwrap();
+    let mut ack = [0u8; 8];
+    s.read_exact(&mut ack).unwrap();
+    (s, u32::from_le_bytes(ack[4..8].try_into().unwrap()))
+}
+
+fn request(op: u8, area: u8, id: u64, offset: u64, len: u32) -> [u8; 32] {
+    let mut r = [0u8; 32];
+    r[0] = op;
+    r[1] = area;
+    r[8..16].copy_from_slice(&id.to_le_bytes());
+    r[16..24].copy_from_slice(&offset.to_le_bytes());
+    r[24..28].copy_from_slice(&len.to_le_bytes());
+    r
+}
+
+/// Whether the NIC closed `s` (reading hits the end of the stream).
+fn closed(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+#[test]
+fn messages_not_from_the_cluster_are_refused_and_change_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    f1.admit(M1, &[M0, M1]);
+
+    // Another cluster's machine, and a connection meant for another machine.
+    let (mut s, status) = raw_hello(addrs[1], CLUSTER + 1, 0, 1);
+    assert_eq!(status, 2, "another cluster's hello was accepted");
+    assert!(closed(&mut s));
+    let (mut s, status) = raw_hello(addrs[1], CLUSTER, 0, 2);
+    assert_eq!(status, 3, "a hello for machine 2 was accepted by machine 1");
+    assert!(closed(&mut s));
+    // Garbage instead of a hello.
+    let mut s = TcpStream::connect(addrs[1]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&[0x42; 24]).unwrap();
+    let mut ack = [0u8; 8];
+    s.read_exact(&mut ack).unwrap();
+    assert_eq!(u32::from_le_bytes(ack[4..8].try_into().unwrap()), 1);
+    assert_eq!(f1.rejections(), 3);
+
+    // From machine 0 of the cluster: a write outside the region is answered with the
+    // region's size and lands nowhere; the connection goes on.
+    let (mut s, status) = raw_hello(addrs[1], CLUSTER, 0, 1);
+    assert_eq!(status, 0);
+    let mut w = request(2, 0, 1, REGION_BYTES as u64 - 8, 16).to_vec();
+    w.extend_from_slice(&[0xee; 16]);
+    s.write_all(&w).unwrap();
+    let mut reply = [0u8; 16 + 8];
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(reply[8], 2, "out of bounds");
+    assert_eq!(
+        u64::from_le_bytes(reply[16..24].try_into().unwrap()),
+        REGION_BYTES as u64
+    );
+    assert_eq!(word(&mem1, REGION_BYTES - 8), 0);
+    // A good write on the same connection lands.
+    let mut w = request(2, 0, 2, 16, 8).to_vec();
+    w.extend_from_slice(&0x77u64.to_le_bytes());
+    s.write_all(&w).unwrap();
+    let mut reply = [0u8; 16];
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!((reply[8], word(&mem1, 16)), (0, 0x77));
+    // Bad framing: an unknown operation, then a write too large to be one, each closes the
+    // connection before anything after it is read.
+    s.write_all(&request(9, 0, 3, 0, 0)).unwrap();
+    assert!(closed(&mut s));
+    let (mut s, _) = raw_hello(addrs[1], CLUSTER, 0, 1);
+    let mut w = request(2, 0, 4, 24, u32::MAX).to_vec();
+    w.extend_from_slice(&[0xee; 64]);
+    s.write_all(&w).unwrap();
+    assert!(closed(&mut s));
+    assert_eq!(word(&mem1, 24), 0);
+    assert_eq!(f1.rejections(), 6);
+}
+
+#[test]
+fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_readmitted() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f0, _) = machine(root.path(), M0, &addrs);
+    let (f1, _) = machine(root.path(), M1, &addrs);
+    f1.admit(M1, &[M0, M1]);
+    f0.admit(M0, &[M0, M1]);
+    let remote = f0.remote(M0, M1, REGION).unwrap();
+    let t = f0.write(ep(M0), M1, REGION, 8, &[1; 8]).unwrap();
+    assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
+
+    // The process dies (its fabric stops): the connection closes, operations fail.
+    drop(f1);
+    let mut buf = [0u8; 8];
+    assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1)));
+    assert!(!f0.is_up(M1));
+    // A new incarnation listens at the same address; the link stays down while machine 1 is
+    // a member of machine 0's configuration (a later write must not land after an earlier one
+    // was lost), connects again once machine 0 removed it (the CM probes a joiner) and takes
+    // writes once machine 0 admits it again (as after a rejoin).
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    f1.admit(M1, &[M0, M1]);
+    assert_eq!(
+        f0.write(ep(M0), M1, REGION, 8, &[2; 8]).map(|_| ()),
+        Err(FabricError::Unreachable(M1))
+    );
+    assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1)));
+    f0.admit(M0, &[M0]);
+    remote.read(0, &mut buf).unwrap();
+    f0.admit(M0, &[M0, M1]);
+    let t = f0.write(ep(M0), M1, REGION, 8, &[2; 8]).unwrap();
+    assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
+    assert_eq!(word(&mem1, 8), u64::from_le_bytes([2; 8]));
+    assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
+
+    // A machine 2 that accepts and acknowledges but never answers: the operation times out.
+    let silent = TcpListener::bind(addrs[2]).unwrap();
+    let hold = std::thread::spawn(move || {
+        let (mut s, _) = silent.accept().unwrap();
+        let mut hello = [0u8; 24];
+        s.read_exact(&mut hello).unwrap();
+        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
+        ack.extend_from_slice(&0u32.to_le_bytes());
+        s.write_all(&ack).unwrap();
+        // Reads what comes, answers nothing, until the peer gives up.
+        let mut sink = [0u8; 1024];
+        while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+    });
+    let t = f0.write(ep(M0), M2, REGION, 0, &[3; 8]).unwrap();
+    let started = Instant::now();
+    assert_eq!(settle(&f0, M0, M2, t), WriteStatus::Failed);
+    assert!(started.elapsed() >= TIMEOUT, "failed before the timeout");
+    assert!(!f0.is_up(M2));
+    hold.join().unwrap();
+}
+
+#[test]
+fn a_machine_is_claimed_by_one_process_and_one_cluster() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (_f0, _) = machine(root.path(), M0, &addrs);
+    let dir = root.path().join("host0");
+    assert!(matches!(
+        TcpFabric::start(&dir, CLUSTER, M0, addrs.clone(), TIMEOUT),
+        Err(StartError::AlreadyRunning(M0))
+    ));
+    match TcpFabric::start(&dir, CLUSTER + 1, M1, addrs.clone(), TIMEOUT) {
+        Err(e @ StartError::OtherCluster { .. }) => {
+            assert!(e.to_string().contains(&format!("{CLUSTER:#x}")), "{e}");
+        }
+        other => panic!("another cluster's machine started: {other:?}"),
+    }
+    match TcpFabric::start(
+        &root.path().join("h9"),
+        CLUSTER,
+        MachineId(9),
+        addrs,
+        TIMEOUT,
+    ) {
+        Err(e @ StartError::Invalid(_)) => assert!(e.to_string().contains("m9"), "{e}"),
+        other => panic!("a machine without an address started: {other:?}"),
+    }
+}
