@@ -4,8 +4,10 @@
 #
 #   scripts/with-zookeeper.sh cargo test --workspace --release
 #
-# ZK_PORT picks the port (default: a free one from 21810 up). The server's data and log live in
-# a temporary directory that is removed at exit; its log is printed if it fails to start.
+# ZK_PORT picks the port (default: a free one from 21810 up) and ZK_ADDRESS the address it
+# listens at (default 127.0.0.1; the netns test runs one on its namespaces' bridge). The
+# server's data and log live in a temporary directory that is removed at exit, also when the
+# script is terminated; its log is printed if it fails to start.
 set -euo pipefail
 
 jars=(zookeeper zookeeper-jute slf4j-api slf4j-simple metrics-core commons-cli commons-io
@@ -24,7 +26,8 @@ if [ "$missing" = 1 ]; then
 fi
 classpath=$(printf '/usr/share/java/%s.jar:' "${jars[@]}")
 
-port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+addr=${ZK_ADDRESS:-127.0.0.1}
+port_free() { ! (exec 3<>"/dev/tcp/$addr/$1") 2>/dev/null; }
 port=${ZK_PORT:-}
 if [ -z "$port" ]; then
   for p in $(seq 21810 21900); do
@@ -40,7 +43,7 @@ initLimit=10
 syncLimit=5
 dataDir=$dir/data
 clientPort=$port
-clientPortAddress=127.0.0.1
+clientPortAddress=$addr
 admin.enableServer=false
 4lw.commands.whitelist=ruok,srvr
 CFG
@@ -54,8 +57,9 @@ cleanup() {
   rm -rf "$dir"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT
 
-ruok() { (exec 3<>"/dev/tcp/127.0.0.1/$port" && printf ruok >&3 && timeout 2 cat <&3) 2>/dev/null; }
+ruok() { (exec 3<>"/dev/tcp/$addr/$port" && printf ruok >&3 && timeout 2 cat <&3) 2>/dev/null; }
 for _ in $(seq 1 120); do
   if [ "$(ruok || true)" = imok ]; then break; fi
   if ! kill -0 "$zk_pid" 2>/dev/null; then
@@ -70,7 +74,7 @@ if [ "$(ruok || true)" != imok ]; then
   cat "$dir/server.log" >&2
   exit 1
 fi
-export ZK_CONNECT="127.0.0.1:$port"
+export ZK_CONNECT="$addr:$port"
 # For tests that start servers of their own (the 3-server ensemble test).
 export ZK_CLASSPATH="$classpath"
 echo "== ZooKeeper $ZK_CONNECT (pid $zk_pid)" >&2

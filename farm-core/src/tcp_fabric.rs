@@ -163,11 +163,9 @@ impl TcpFabric {
                     admitted: admitted.clone(),
                     inner: Mutex::new(LinkInner {
                         state: LinkState::Idle,
-                        generation: 0,
                         next_id: 1,
                         scratch: Vec::new(),
                     }),
-                    in_flight: Mutex::new(VecDeque::new()),
                     acked: AtomicU64::new(0),
                     failed_any: AtomicBool::new(false),
                     failed: Mutex::new(Vec::new()),
@@ -208,7 +206,8 @@ impl Drop for TcpFabric {
             let _ = h.join();
         }
         for conn in self.served.conns.lock().expect("conns poisoned").values() {
-            let _ = conn.shutdown(Shutdown::Both);
+            conn.closed.store(true, Ordering::SeqCst);
+            let _ = conn.stream.shutdown(Shutdown::Both);
         }
         for link in &self.links {
             link.close();
@@ -227,8 +226,8 @@ struct Served {
     admitted: Arc<Admitted>,
     doorbell: crate::process_fabric::Doorbell,
     stop: AtomicBool,
-    /// Accepted connections, to close at stop.
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    /// Accepted connections, to close at stop or when their machine is removed.
+    conns: Mutex<HashMap<u64, Inbound>>,
     next_conn: AtomicU64,
     rejections: AtomicU64,
 }
@@ -244,9 +243,29 @@ impl Admitted {
     }
 }
 
+/// A connection a peer opened.
+#[derive(Debug)]
+struct Inbound {
+    stream: TcpStream,
+    /// The peer, once it said hello.
+    src: Option<MachineId>,
+    /// Set when the connection is closed on purpose: its serving thread applies nothing more.
+    closed: Arc<AtomicBool>,
+}
+
 impl Served {
     fn admits(&self, m: MachineId) -> bool {
         self.admitted.contains(m)
+    }
+
+    /// Closes every connection machine `m` opened.
+    fn close_from(&self, m: MachineId) {
+        for conn in self.conns.lock().expect("conns poisoned").values() {
+            if conn.src == Some(m) {
+                conn.closed.store(true, Ordering::SeqCst);
+                let _ = conn.stream.shutdown(Shutdown::Both);
+            }
+        }
     }
 
     fn area(&self, key: MemKey) -> Option<Arc<Nvram>> {
@@ -268,20 +287,25 @@ fn accept(listener: TcpListener, served: Arc<Served>) {
             return;
         }
         let Ok(conn) = conn else { continue };
+        let Ok(clone) = conn.try_clone() else {
+            continue;
+        };
         let id = served.next_conn.fetch_add(1, Ordering::Relaxed);
-        if let Ok(clone) = conn.try_clone() {
-            served
-                .conns
-                .lock()
-                .expect("conns poisoned")
-                .insert(id, clone);
-        }
+        let closed = Arc::new(AtomicBool::new(false));
+        served.conns.lock().expect("conns poisoned").insert(
+            id,
+            Inbound {
+                stream: clone,
+                src: None,
+                closed: closed.clone(),
+            },
+        );
         let served2 = served.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("farm-nic-{}-serve", served.me.0))
             .spawn(move || {
                 let peer = conn.peer_addr().ok();
-                if let Err(reason) = serve(conn, &served2) {
+                if let Err(reason) = serve(conn, &served2, id, &closed) {
                     tracing::debug!(machine = served2.me.0, ?peer, %reason, "connection ended");
                 }
                 served2.conns.lock().expect("conns poisoned").remove(&id);
@@ -302,7 +326,12 @@ enum ConnEnd {
 }
 
 /// Serves one peer's connection: its hello, then its requests in order.
-fn serve(stream: TcpStream, served: &Served) -> Result<(), ConnEnd> {
+fn serve(
+    stream: TcpStream,
+    served: &Served,
+    conn_id: u64,
+    closed: &AtomicBool,
+) -> Result<(), ConnEnd> {
     let peer = stream.peer_addr()?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
@@ -326,6 +355,14 @@ fn serve(stream: TcpStream, served: &Served) -> Result<(), ConnEnd> {
         out.flush()?;
         return Err(ConnEnd::Refused(reason.into()));
     }
+    if let Some(c) = served
+        .conns
+        .lock()
+        .expect("conns poisoned")
+        .get_mut(&conn_id)
+    {
+        c.src = Some(src);
+    }
     out.write_all(&MAGIC.to_le_bytes())?;
     out.write_all(&ACK_OK.to_le_bytes())?;
     out.flush()?;
@@ -339,6 +376,9 @@ fn serve(stream: TcpStream, served: &Served) -> Result<(), ConnEnd> {
             out.flush()?;
         }
         input.fill(REQUEST_BYTES)?;
+        if closed.load(Ordering::SeqCst) {
+            return Err(ConnEnd::Refused("closed: the peer was removed".into()));
+        }
         let req = match Request::decode(input.take(REQUEST_BYTES)) {
             Ok(req) => req,
             Err(reason) => {
@@ -391,6 +431,11 @@ fn serve(stream: TcpStream, served: &Served) -> Result<(), ConnEnd> {
                     NOT_ADMITTED
                 } else {
                     match access(served, &req) {
+                        // Removed since the check above (and perhaps admitted again): this
+                        // connection is an earlier incarnation's.
+                        Ok(_) if closed.load(Ordering::SeqCst) => {
+                            return Err(ConnEnd::Refused("closed: the peer was removed".into()))
+                        }
                         Ok(mem) => {
                             mem.write(req.offset as usize, data);
                             if req.key == MemKey::Rings {
@@ -592,9 +637,7 @@ struct Link {
     /// This machine's admitted set: whether the peer is a member.
     admitted: Arc<Admitted>,
     inner: Mutex<LinkInner>,
-    /// Requests sent and not answered, with when they were sent, oldest first.
-    in_flight: Mutex<VecDeque<(u64, Instant)>>,
-    /// The last request answered (answers come in order).
+    /// The last request answered, on any connection (ids grow across connections).
     acked: AtomicU64,
     /// Whether `failed` holds anything (read without its lock on every status check).
     failed_any: AtomicBool,
@@ -607,8 +650,6 @@ struct Link {
 #[derive(Debug)]
 struct LinkInner {
     state: LinkState,
-    /// Counts connections, so that a reply thread breaks only its own.
-    generation: u64,
     /// The id of the next request (ids never repeat on a link, across connections).
     next_id: u64,
     scratch: Vec<u8>,
@@ -616,11 +657,20 @@ struct LinkInner {
 
 #[derive(Debug)]
 enum LinkState {
-    /// Never connected, or the peer was admitted again since the link broke.
+    /// Never connected, or restarted because the peer's membership changed.
     Idle,
-    Up(TcpStream),
+    Up(Conn),
     /// Closed or timed out: operations fail while the peer is a member.
     Broken,
+}
+
+/// One connection of a link.
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    /// Its requests not answered yet, with when they were sent, oldest first (the answers come
+    /// in this order); shared with its reply thread.
+    in_flight: Arc<Mutex<VecDeque<(u64, Instant)>>>,
 }
 
 /// An answer a read or probe waits for.
@@ -668,7 +718,7 @@ impl Waiter {
 }
 
 impl Link {
-    /// Sends one request (with `payload` for a write), connecting first if the link is idle;
+    /// Sends one request (with `payload` for a write), connecting first if the link may;
     /// `waiter` gets the answer. Returns the request's id.
     fn send(
         self: &Arc<Self>,
@@ -689,7 +739,7 @@ impl Link {
             })?;
         }
         let l = &mut *inner;
-        let LinkState::Up(stream) = &mut l.state else {
+        let LinkState::Up(conn) = &mut l.state else {
             return Err(unreachable);
         };
         let id = l.next_id;
@@ -707,13 +757,12 @@ impl Link {
         if let Some(w) = waiter {
             self.waiters.lock().expect("waiters poisoned").insert(id, w);
         }
-        self.in_flight
+        conn.in_flight
             .lock()
             .expect("in flight poisoned")
             .push_back((id, Instant::now()));
-        if let Err(e) = stream.write_all(&l.scratch) {
-            let generation = l.generation;
-            self.break_locked(inner, generation, &format!("sending: {e}"));
+        if let Err(e) = (&conn.stream).write_all(&l.scratch) {
+            self.close_locked(&mut inner, LinkState::Broken, &format!("sending: {e}"));
             return Err(unreachable);
         }
         Ok(id)
@@ -747,21 +796,24 @@ impl Link {
         }
         // The reply thread's ticks, at which it checks the oldest request's age.
         stream.set_read_timeout(Some((self.timeout / 4).max(Duration::from_millis(1))))?;
-        inner.generation += 1;
-        let generation = inner.generation;
+        let in_flight = Arc::new(Mutex::new(VecDeque::new()));
         let replies = stream.try_clone()?;
-        let link = self.clone();
+        let (link, queue) = (self.clone(), in_flight.clone());
         std::thread::Builder::new()
             .name(format!("farm-nic-{}-to-{}", self.me.0, self.dst.0))
-            .spawn(move || link.take_replies(replies, generation))?;
-        inner.state = LinkState::Up(stream);
+            .spawn(move || link.take_replies(replies, queue))?;
+        inner.state = LinkState::Up(Conn { stream, in_flight });
         Ok(())
     }
 
-    /// The reply thread of connection `generation`. A reply is a head (the request's id, its
-    /// status, flags, and how many bytes follow) and the bytes: a read's data, or the size of
-    /// the area an access fell outside of.
-    fn take_replies(self: Arc<Self>, stream: TcpStream, generation: u64) {
+    /// The reply thread of the connection whose requests `in_flight` holds. A reply is a head
+    /// (the request's id, its status, flags, and how many bytes follow) and the bytes: a read's
+    /// data, or the size of the area an access fell outside of.
+    fn take_replies(
+        self: Arc<Self>,
+        stream: TcpStream,
+        in_flight: Arc<Mutex<VecDeque<(u64, Instant)>>>,
+    ) {
         let mut input = Frames::new(stream);
         let reason = loop {
             let mut need = REPLY_BYTES;
@@ -780,48 +832,42 @@ impl Link {
                         input.take(REPLY_BYTES).try_into().expect("a head");
                     let id = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
                     let data = input.take(need - REPLY_BYTES).to_vec();
-                    if let Err(reason) = self.answered(id, head[8], head[9], data) {
+                    if let Err(reason) = self.answered(&in_flight, id, head[8], head[9], data) {
                         break reason;
                     }
                 }
                 // The head is here: now its bytes.
                 Ok(true) => {}
                 Ok(false) => {
-                    if let Some(reason) = self.overdue() {
-                        break reason;
-                    }
-                    if self.inner.lock().expect("link poisoned").generation != generation {
-                        return;
+                    let oldest = in_flight
+                        .lock()
+                        .expect("in flight poisoned")
+                        .front()
+                        .copied();
+                    if oldest.is_some_and(|(_, sent)| sent.elapsed() > self.timeout) {
+                        break format!("no answer within {:?}", self.timeout);
                     }
                 }
                 Err(e) => break format!("receiving: {e}"),
             }
         };
-        let inner = self.inner.lock().expect("link poisoned");
-        self.break_locked(inner, generation, &reason);
+        let mut inner = self.inner.lock().expect("link poisoned");
+        // Only if this thread's connection is still the link's.
+        if matches!(&inner.state, LinkState::Up(c) if Arc::ptr_eq(&c.in_flight, &in_flight)) {
+            self.close_locked(&mut inner, LinkState::Broken, &reason);
+        }
     }
 
-    /// Why the connection must break, if its oldest request waited longer than the timeout.
-    fn overdue(&self) -> Option<String> {
-        let oldest = self
-            .in_flight
-            .lock()
-            .expect("in flight poisoned")
-            .front()
-            .copied();
-        oldest
-            .filter(|(_, sent)| sent.elapsed() > self.timeout)
-            .map(|_| format!("no answer within {:?}", self.timeout))
-    }
-
-    /// Takes the answer to request `id`.
-    fn answered(&self, id: u64, status: u8, flags: u8, data: Vec<u8>) -> Result<(), String> {
-        match self
-            .in_flight
-            .lock()
-            .expect("in flight poisoned")
-            .pop_front()
-        {
+    /// Takes the answer to request `id`, the oldest of `in_flight`.
+    fn answered(
+        &self,
+        in_flight: &Mutex<VecDeque<(u64, Instant)>>,
+        id: u64,
+        status: u8,
+        flags: u8,
+        data: Vec<u8>,
+    ) -> Result<(), String> {
+        match in_flight.lock().expect("in flight poisoned").pop_front() {
             Some((expected, _)) if expected == id => {}
             other => return Err(format!("an answer to {id} while expecting {other:?}")),
         }
@@ -843,7 +889,7 @@ impl Link {
             }
             None => {}
         }
-        self.acked.store(id, Ordering::Release);
+        self.acked.fetch_max(id, Ordering::AcqRel);
         Ok(())
     }
 
@@ -855,42 +901,38 @@ impl Link {
         self.failed_any.store(true, Ordering::Release);
     }
 
-    /// Breaks connection `generation` (if it is still the link's): its unanswered requests
-    /// fail.
-    fn break_locked(
-        &self,
-        mut inner: std::sync::MutexGuard<'_, LinkInner>,
-        generation: u64,
-        reason: &str,
-    ) {
-        if inner.generation != generation || !matches!(inner.state, LinkState::Up(_)) {
+    /// Closes the link's connection, if it has one, and puts it in `state`: the connection's
+    /// unanswered requests fail.
+    fn close_locked(&self, inner: &mut LinkInner, state: LinkState, reason: &str) {
+        let old = std::mem::replace(&mut inner.state, state);
+        let LinkState::Up(conn) = old else {
             return;
+        };
+        let _ = conn.stream.shutdown(Shutdown::Both);
+        let unanswered: Vec<u64> = conn
+            .in_flight
+            .lock()
+            .expect("in flight poisoned")
+            .drain(..)
+            .map(|(id, _)| id)
+            .collect();
+        // A connection's requests have consecutive ids.
+        if let (Some(first), Some(last)) = (unanswered.first(), unanswered.last()) {
+            self.fail(*first, *last);
+            let mut waiters = self.waiters.lock().expect("waiters poisoned");
+            for id in &unanswered {
+                if let Some(w) = waiters.remove(id) {
+                    w.deliver(Reply::Lost);
+                }
+            }
         }
-        if let LinkState::Up(stream) = &inner.state {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-        inner.state = LinkState::Broken;
-        let last = inner.next_id - 1;
-        drop(inner);
-        let acked = self.acked.load(Ordering::Acquire);
-        if last > acked {
-            self.fail(acked + 1, last);
-        }
-        self.in_flight.lock().expect("in flight poisoned").clear();
-        for (_, w) in self.waiters.lock().expect("waiters poisoned").drain() {
-            w.deliver(Reply::Lost);
-        }
-        let member = self.admitted.contains(self.dst);
-        tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason, member,
-            "connection broken (while the peer is a member, it stays down)");
-    }
-
-    /// Closes the link for good (the fabric stops).
-    fn close(&self) {
-        let inner = self.inner.lock().expect("link poisoned");
-        if let LinkState::Up(stream) = &inner.state {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
+        let stays_down = if matches!(inner.state, LinkState::Broken) {
+            "; it stays down while the peer is a member"
+        } else {
+            ""
+        };
+        tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
+            "connection closed{stays_down}");
     }
 
     /// Whether the link is to connect before its next operation: it never connected, or it
@@ -903,12 +945,12 @@ impl Link {
         }
     }
 
-    /// Lets a broken link connect again (the peer was admitted again).
-    fn reset(&self) {
+    /// Starts the link afresh: the peer's membership changed, so a connection to an earlier
+    /// incarnation of it must not carry another request.
+    fn restart(&self) {
         let mut inner = self.inner.lock().expect("link poisoned");
-        if matches!(inner.state, LinkState::Broken) {
-            inner.state = LinkState::Idle;
-        }
+        self.close_locked(&mut inner, LinkState::Idle, "the peer's membership changed");
+        inner.state = LinkState::Idle;
     }
 
     fn status(&self, id: u64) -> WriteStatus {
@@ -938,7 +980,7 @@ impl Link {
         {
             return Reply::Lost;
         }
-        // The reply thread breaks the connection after the timeout; the margin covers its tick.
+        // The reply thread closes the connection after the timeout; the margin covers its tick.
         waiter.wait(self.timeout * 2)
     }
 
@@ -948,6 +990,14 @@ impl Link {
             self.connect(&mut inner).is_ok()
         } else {
             matches!(inner.state, LinkState::Up(_))
+        }
+    }
+
+    /// Closes the link for good (the fabric stops).
+    fn close(&self) {
+        let inner = self.inner.lock().expect("link poisoned");
+        if let LinkState::Up(conn) = &inner.state {
+            let _ = conn.stream.shutdown(Shutdown::Both);
         }
     }
 }
@@ -1131,16 +1181,26 @@ impl Fabric for TcpFabric {
             let i = m.0 as usize;
             assert!(i < ADMIT_MACHINES_MAX, "machine {m} past the admitted set");
             words[i / 64] |= 1 << (i % 64);
-            // A machine admitted again after it was removed is a new incarnation: the link to
-            // it may connect again.
-            if !self.served.admits(*m) {
-                if let Ok(link) = self.link(*m) {
-                    link.reset();
-                }
-            }
         }
+        let was: Vec<bool> = (0..self.links.len())
+            .map(|m| self.served.admits(MachineId(m as u16)))
+            .collect();
         for (w, v) in words.iter().enumerate() {
             self.served.admitted.0[w].store(*v, Ordering::Release);
+        }
+        // A machine removed, or added, is another incarnation from now on: neither this
+        // machine's connection to it nor its connections here may carry another request
+        // (as RDMA queue pairs of removed machines are torn down). Writes from a removed
+        // machine are refused already; its connections are closed, so that nothing it queued
+        // lands once a later incarnation is admitted.
+        for (m, link) in self.links.iter().enumerate() {
+            let m = MachineId(m as u16);
+            if m != self.me && was[m.0 as usize] != members.contains(&m) {
+                link.restart();
+                if was[m.0 as usize] {
+                    self.served.close_from(m);
+                }
+            }
         }
     }
 

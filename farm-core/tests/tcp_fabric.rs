@@ -179,6 +179,18 @@ fn writes_from_machines_not_admitted_are_refused() {
     let t = f2.write(ep(M2), M1, REGION, 8, &[5; 8]).unwrap();
     assert_eq!(settle(&f2, M2, M1, t), WriteStatus::Done);
     assert_eq!(word(&mem1, 8), u64::from_le_bytes([5; 8]));
+
+    // A connection machine 2 opened while admitted is closed when machine 1 removes it: what
+    // it still sends lands nowhere, even once a later incarnation of machine 2 is admitted.
+    let (mut stale, status) = raw_hello(addrs[1], CLUSTER, 2, 1);
+    assert_eq!(status, 0);
+    f1.admit(M1, &[M0, M1]);
+    f1.admit(M1, &[M0, M1, M2]);
+    let mut w = request(2, 0, 1, 16, 8).to_vec();
+    w.extend_from_slice(&[6; 8]);
+    let _ = stale.write_all(&w);
+    assert!(closed(&mut stale));
+    assert_eq!(word(&mem1, 16), 0, "a removed incarnation's write landed");
 }
 
 /// A raw connection: sends `hello` and returns the acknowledgement's status, or `None` if the

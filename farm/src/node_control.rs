@@ -42,6 +42,9 @@ const JOIN_REPEAT: Duration = Duration::from_millis(20);
 /// The longest wait before another attempt to add a machine whose join failed.
 const JOIN_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
+/// Longest wait between two looks at the store by a machine whose CM fell silent.
+const CM_SILENT_CHECK_MAX: Duration = Duration::from_secs(1);
+
 /// What a reconfiguration changes.
 enum Change {
     /// Remove suspected machines.
@@ -99,6 +102,11 @@ impl Control {
         // Suspects of a failed attempt, retried two leases later (from the stored
         // configuration, which the failed attempt may have advanced).
         let mut retry: Option<(BTreeSet<MachineId>, Instant)> = None;
+        // A CM this machine suspected in configuration `.0`: whether the others removed this
+        // machine meanwhile is in the store, asked again at `.1`, then after `.2`, twice as
+        // long each time. A machine cut off from its CM and the majority learns so only there:
+        // nobody sends NEW-CONFIG to a removed machine, and it cannot reconfigure itself.
+        let mut cm_silent: Option<(ConfigId, Instant, Duration)> = None;
         while !self.stop.load(Ordering::Relaxed) {
             while let Some(from) = self.fabric.recv_control(&mut buf) {
                 if let Some(msg) = ControlMsg::decode(&buf) {
@@ -145,9 +153,26 @@ impl Control {
                     retry = None;
                 }
             }
-            if suspects.contains(&config.cm) && self.removed(&config) {
-                // Out of the cluster: nothing more to drive or answer.
-                continue;
+            if suspects.contains(&config.cm) {
+                if self.removed(&config) {
+                    // Out of the cluster: nothing more to drive or answer.
+                    cm_silent = None;
+                    continue;
+                }
+                let every = 2 * self.lease;
+                cm_silent = Some((config.id, Instant::now() + every, every));
+            }
+            match cm_silent {
+                Some((id, _, _)) if id != config.id => cm_silent = None,
+                Some((id, at, every)) if Instant::now() >= at => {
+                    if self.removed(&config) {
+                        cm_silent = None;
+                        continue;
+                    }
+                    let every = (every * 2).min(CM_SILENT_CHECK_MAX);
+                    cm_silent = Some((id, Instant::now() + every, every));
+                }
+                _ => {}
             }
             if config.cm == me && !suspects.is_empty() {
                 if !self.reconfigure(&config, Change::Remove(suspects.clone()), &mut cm) {

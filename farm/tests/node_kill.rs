@@ -8,7 +8,7 @@ use std::time::Duration;
 mod common;
 mod nodes;
 
-use nodes::Machines;
+use nodes::{Machines, Net};
 
 /// A machine process of the tests below (see `nodes::child_main`).
 #[test]
@@ -23,22 +23,22 @@ fn node_child() {
 /// holds on both survivors. Needs ZooKeeper (`ZK_CONNECT`; under `CI=true` it must be there).
 #[test]
 fn a_killed_machine_process_is_removed_and_transfers_go_on() {
-    killed_machine_is_removed(false, 2, "node-kill");
+    killed_machine_is_removed(Net::Shm, 2, "node-kill");
 }
 
 /// The same over the `tcp` fabric, each machine with a directory of its own: the killed
 /// process's connections close, and its peers' operations to it fail at once.
 #[test]
 fn a_killed_machine_process_is_removed_and_transfers_go_on_over_tcp() {
-    killed_machine_is_removed(true, 4, "node-kill-tcp");
+    killed_machine_is_removed(Net::Loopback, 4, "node-kill-tcp");
 }
 
-fn killed_machine_is_removed(tcp: bool, test: u16, znode: &str) {
+fn killed_machine_is_removed(net: Net, test: u16, znode: &str) {
     let Some(zookeeper) = common::zookeeper(znode) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let machines = Machines::start_on(tcp, "kill", test, dir.path(), Some(zookeeper));
+    let machines = Machines::start_on(&net, "kill", test, dir.path(), Some(zookeeper));
     machines.share_accounts(dir.path());
     std::thread::sleep(Duration::from_millis(300));
     machines.signal(2, libc::SIGKILL);
@@ -79,22 +79,22 @@ fn killed_machine_is_removed(tcp: bool, test: u16, znode: &str) {
 /// are refused by the members, so the total holds on both survivors.
 #[test]
 fn a_stopped_machine_is_removed_and_corrupts_nothing_when_continued() {
-    stopped_machine_is_removed(false, 3, "node-stop");
+    stopped_machine_is_removed(Net::Shm, 3, "node-stop");
 }
 
 /// The same over the `tcp` fabric: the stopped process answers nothing, so its peers'
 /// operations to it time out, and their links to it stay down.
 #[test]
 fn a_stopped_machine_is_removed_and_corrupts_nothing_when_continued_over_tcp() {
-    stopped_machine_is_removed(true, 5, "node-stop-tcp");
+    stopped_machine_is_removed(Net::Loopback, 5, "node-stop-tcp");
 }
 
-fn stopped_machine_is_removed(tcp: bool, test: u16, znode: &str) {
+fn stopped_machine_is_removed(net: Net, test: u16, znode: &str) {
     let Some(zookeeper) = common::zookeeper(znode) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let machines = Machines::start_on(tcp, "kill", test, dir.path(), Some(zookeeper));
+    let machines = Machines::start_on(&net, "kill", test, dir.path(), Some(zookeeper));
     machines.share_accounts(dir.path());
     std::thread::sleep(Duration::from_millis(300));
     machines.signal(2, libc::SIGSTOP);

@@ -1,7 +1,8 @@
 //! Machines as separate processes for the multi-process tests (farm::node over the `shm`
-//! fabric, or the `tcp` fabric on loopback with a directory per machine as on separate hosts):
-//! a test binary runs itself again as each machine (`child_main`, behind an ignored
-//! `node_child` test), and `Machines` starts them, reads what they print and signals them.
+//! fabric, or the `tcp` fabric with a directory per machine as on separate hosts, on loopback
+//! or in network namespaces; see [`Net`]): a test binary runs itself again as each machine
+//! (`child_main`, behind an ignored `node_child` test), and `Machines` starts them, reads what
+//! they print and signals them.
 #![allow(dead_code)] // Each test binary uses part of it.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -34,6 +35,10 @@ pub fn base_port(test: u16) -> u16 {
 /// Set (to anything) in a child's environment: its machine runs over the `tcp` fabric.
 pub const TCP_ENV: &str = "FARM_NODE_TCP";
 
+/// In a child's environment: the machines' IP addresses, comma-separated, machine 0 first
+/// (the `tcp` fabric across network namespaces); without it, all are 127.0.0.1.
+pub const HOSTS_ENV: &str = "FARM_NODE_HOSTS";
+
 /// How long a `tcp` operation waits for its answer in these tests.
 pub const TCP_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -52,9 +57,13 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
     NodeConfig {
         dir: nvram_dir(dir, machine, tcp),
         transport: if tcp {
+            let ips: Vec<std::net::IpAddr> = match std::env::var(HOSTS_ENV) {
+                Ok(list) => list.split(',').map(|ip| ip.parse().unwrap()).collect(),
+                Err(_) => vec![[127, 0, 0, 1].into(); MACHINES as usize],
+            };
             Transport::Tcp {
                 addrs: (0..MACHINES)
-                    .map(|m| std::net::SocketAddr::from(([127, 0, 0, 1], port + m)))
+                    .map(|m| std::net::SocketAddr::new(ips[m as usize], port + m))
                     .collect(),
                 timeout: TCP_TIMEOUT,
             }
@@ -216,6 +225,9 @@ fn quiesce_and_report(node: &Node, all: &[Addr], done: u64) {
     }
 }
 
+/// A machine of the rejoin tests prints `progress <transfers>` after every so many.
+pub const PROGRESS_EVERY: u64 = 25;
+
 /// Transfers a machine makes after it rejoined, before it stops.
 pub const AFTER_REJOIN: u64 = 50;
 
@@ -229,10 +241,19 @@ fn rejoin_until_stopped(mut node: Node, config: &NodeConfig, dir: &Path) {
     let n = all.len() as u64;
     let stop = dir.join("stop");
     let mut done = 0u64;
+    let mut total = 0u64;
     let mut rejoined = false;
     while !stop.exists() || (rejoined && done < AFTER_REJOIN) {
         if node.is_evicted() {
-            println!("evicted after {done} transfers");
+            let committed: Vec<String> = node
+                .committed_configurations()
+                .iter()
+                .map(|c| c.0.to_string())
+                .collect();
+            println!(
+                "evicted after {done} transfers, having committed configurations [{}]",
+                committed.join(",")
+            );
             drop(node);
             let join = NodeConfig {
                 join: true,
@@ -246,7 +267,13 @@ fn rejoin_until_stopped(mut node: Node, config: &NodeConfig, dir: &Path) {
         }
         let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
         match transfer(&node, from, to, amount) {
-            Ok(()) => done += 1,
+            Ok(()) => {
+                done += 1;
+                total += 1;
+                if total.is_multiple_of(PROGRESS_EVERY) {
+                    println!("progress {total}");
+                }
+            }
             Err(farm::TxError::Evicted(_)) => {}
             Err(e) => println!("error {e}"),
         }
@@ -550,6 +577,10 @@ pub struct Ends {
     pub placements: BTreeMap<u16, Vec<String>>,
     /// Machines that said they were evicted.
     pub evicted: BTreeSet<u16>,
+    /// The configurations each evicted incarnation had committed as a CM, as it said.
+    pub committed_when_evicted: BTreeMap<u16, String>,
+    /// The configuration a machine rejoined in.
+    pub rejoined: Option<u64>,
 }
 
 impl Ends {
@@ -563,8 +594,13 @@ impl Ends {
             self.transfers.insert(m, n.parse().unwrap());
         } else if let Some(p) = line.strip_prefix("placement ") {
             self.placements.entry(m).or_default().push(p.to_string());
+        } else if let Some(c) = line.strip_prefix("rejoined ") {
+            self.rejoined = Some(c.parse().unwrap());
         } else if line.starts_with("evicted") {
             self.evicted.insert(m);
+            if let Some((_, c)) = line.split_once("having committed configurations ") {
+                self.committed_when_evicted.insert(m, c.to_string());
+            }
         } else if line.starts_with("error") {
             eprintln!("machine {m}: {line}");
         }
@@ -588,9 +624,22 @@ impl Ends {
     }
 }
 
+/// Where a test's machines run.
+#[derive(Clone, Debug)]
+pub enum Net {
+    /// Processes of this host over the `shm` fabric.
+    Shm,
+    /// Over the `tcp` fabric on loopback.
+    Loopback,
+    /// Over the `tcp` fabric, machine `m` in network namespace `hosts[m].0` at `hosts[m].1`.
+    Namespaces(Vec<(String, std::net::IpAddr)>),
+}
+
 pub struct Machines {
     children: Vec<Child>,
     pub lines: Receiver<(u16, String)>,
+    /// Lines read ahead (by [`Machines::progress`]) for [`Machines::ends`].
+    read_ahead: std::cell::RefCell<std::collections::VecDeque<(u16, String)>>,
     /// Whether they run over the `tcp` fabric.
     pub tcp: bool,
     /// One test's machines at a time in a test binary: two clusters' processes sharing the
@@ -603,13 +652,12 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 impl Machines {
     /// [`Machines::start_on`] the `shm` fabric.
     pub fn start(mode: &str, test: u16, dir: &Path, zookeeper: Option<(String, String)>) -> Self {
-        Self::start_on(false, mode, test, dir, zookeeper)
+        Self::start_on(&Net::Shm, mode, test, dir, zookeeper)
     }
 
-    /// Starts the machines of a test in `mode` (see [`child_main`]), over the `tcp` fabric on
-    /// loopback if `tcp`, else over the `shm` fabric.
+    /// Starts the machines of a test in `mode` (see [`child_main`]) on `net`.
     pub fn start_on(
-        tcp: bool,
+        net: &Net,
         mode: &str,
         test: u16,
         dir: &Path,
@@ -618,9 +666,20 @@ impl Machines {
         // A test that failed holding it poisoned it; the next runs all the same.
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let (tx, lines) = channel();
+        let tcp = !matches!(net, Net::Shm);
         let children = (0..MACHINES)
             .map(|m| {
-                let mut command = Command::new(std::env::current_exe().unwrap());
+                let exe = std::env::current_exe().unwrap();
+                let mut command = match net {
+                    Net::Namespaces(hosts) => {
+                        let mut c = Command::new("ip");
+                        c.args(["netns", "exec", &hosts[m as usize].0]).arg(exe);
+                        let ips: Vec<String> = hosts.iter().map(|h| h.1.to_string()).collect();
+                        c.env(HOSTS_ENV, ips.join(","));
+                        c
+                    }
+                    _ => Command::new(exe),
+                };
                 command
                     .args(["--ignored", "--exact", "node_child", "--nocapture"])
                     .env(
@@ -648,9 +707,44 @@ impl Machines {
         Self {
             children,
             lines,
+            read_ahead: Default::default(),
             tcp,
             _serial: serial,
         }
+    }
+
+    /// The next line a machine printed (read ahead, or within `timeout`).
+    fn next_line(&self, timeout: Duration) -> Result<(u16, String), RecvTimeoutError> {
+        match self.read_ahead.borrow_mut().pop_front() {
+            Some(line) => Ok(line),
+            None => self.lines.recv_timeout(timeout),
+        }
+    }
+
+    /// Waits until each machine of `machines` printed `progress <n>` with `n` at least
+    /// `at_least` (at most 60 s), keeping the other lines for later reads; returns the last
+    /// count each printed.
+    pub fn progress(&self, machines: &[u16], at_least: u64) -> BTreeMap<u16, u64> {
+        let mut counts = BTreeMap::new();
+        let mut kept = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !machines
+            .iter()
+            .all(|m| counts.get(m).is_some_and(|n| *n >= at_least))
+        {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((m, line)) => match line.strip_prefix("progress ") {
+                    Some(n) => {
+                        counts.insert(m, n.parse().unwrap());
+                    }
+                    None => kept.push((m, line)),
+                },
+                Err(e) => panic!("machines {machines:?} reached {counts:?}, not {at_least}: {e}"),
+            }
+        }
+        self.read_ahead.borrow_mut().extend(kept);
+        counts
     }
 
     /// Waits up to `within` for a line `what` from machine `from`, failing on any other
@@ -659,7 +753,7 @@ impl Machines {
         let deadline = Instant::now() + within;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
+            match self.next_line(left) {
                 Ok((m, line)) if m == from && line == what => return true,
                 Ok((m, line)) => assert!(
                     !line.starts_with("suspect"),
@@ -678,7 +772,7 @@ impl Machines {
         let deadline = Instant::now() + Duration::from_secs(60);
         while !done(&ends) {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
+            match self.next_line(left) {
                 Ok((m, line)) => {
                     each(m, &line);
                     ends.take(m, &line);
@@ -695,7 +789,7 @@ impl Machines {
         let deadline = Instant::now() + Duration::from_secs(60);
         while accounts.len() < MACHINES as usize {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
+            match self.next_line(left) {
                 Ok((m, line)) => {
                     if let Some(list) = line.strip_prefix("accounts ") {
                         accounts.insert(m, list.to_string());
@@ -738,6 +832,67 @@ impl Machines {
             .unwrap_or_else(|e| panic!("replicas differ: {e}"));
         }
         objects
+    }
+
+    /// What the machines of a rejoin test print at their end: once machine 2 says it rejoined,
+    /// the file `<dir>/stop` tells them all to stop.
+    pub fn ends_after_rejoin(&self, dir: &Path) -> Ends {
+        self.ends(
+            |e| e.sums.len() == MACHINES as usize,
+            |m, line| {
+                if line.starts_with("rejoined ") {
+                    assert_eq!(m, 2, "machine {m} rejoined");
+                    std::fs::write(dir.join("stop"), b"").unwrap();
+                }
+            },
+        )
+    }
+
+    /// The checks after machine 2 was evicted and rejoined: all three end in one
+    /// configuration from its join on, the total holds everywhere, the rejoined machine
+    /// transferred again and holds a replica of every region, and the replicas are equal byte
+    /// for byte.
+    pub fn check_rejoined(&self, dir: &Path, ends: &Ends) {
+        let rejoined = ends.rejoined.expect("machine 2 did not rejoin");
+        assert!(ends.evicted.contains(&2), "machine 2 was not evicted");
+        let total = MACHINES as u64 * ACCOUNTS * BALANCE;
+        assert_eq!(
+            ends.sums,
+            BTreeMap::from([(0, total), (1, total), (2, total)]),
+            "the total did not hold"
+        );
+        for m in 0..MACHINES {
+            let c = &ends.configs[&m];
+            assert!(
+                c.ends_with("members 0,1,2"),
+                "machine {m} is in {c}, not a configuration of all three"
+            );
+            let id: u64 = c.split(' ').next().unwrap().parse().unwrap();
+            assert!(
+                id >= rejoined,
+                "machine {m} ended in {id}, before the join {rejoined}"
+            );
+        }
+        assert!(ends.transfers[&2] >= AFTER_REJOIN);
+        let placements = &ends.placements;
+        assert_eq!(
+            placements[&0], placements[&1],
+            "machines disagree on the map"
+        );
+        assert_eq!(
+            placements[&0], placements[&2],
+            "machines disagree on the map"
+        );
+        assert!(
+            placements[&0].iter().all(|p| {
+                let f: Vec<&str> = p.split(' ').collect();
+                f[1] == "2" || f[2].split(',').any(|b| b == "2")
+            }),
+            "a region without a replica on the rejoined machine: {:?}",
+            placements[&0]
+        );
+        let objects = self.check_replicas(dir, &placements[&0]);
+        assert!(objects > 0, "no object compared");
     }
 
     pub fn signal(&self, m: u16, signal: libc::c_int) {
