@@ -417,9 +417,11 @@ fn run_workload(
     title: &str,
     counted: &str,
 ) -> anyhow::Result<()> {
+    // In milliseconds: two runs in one second would otherwise be one cluster (one id on the
+    // wire, one znode), and the second's machines could talk to the first's while they stop.
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
+        .as_millis();
     let s = Settings {
         cluster: format!("{}-{workload}-{stamp}", base.cluster),
         dir: base.dir.join("runs").join(format!("{workload}-{stamp}")),
