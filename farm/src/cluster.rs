@@ -421,6 +421,8 @@ impl ClusterBuilder {
             lease_length.clone(),
             fabric.clone() as Arc<dyn farm_core::fabric::Fabric>,
             epoch,
+            // One process: every lease thread starts together.
+            Duration::ZERO,
             lease_stop.clone(),
             suspicions.clone(),
         );

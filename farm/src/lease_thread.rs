@@ -81,12 +81,15 @@ impl LeaseThreads {
     /// Starts one lease thread per machine, with leases of `lease` (ticks are µs). Each follows
     /// its machine's configuration: a new configuration (NEW-CONFIG) carries the leases over
     /// if its CM is the same and starts fresh ones with a new CM, and a machine outside the
-    /// configuration holds none.
+    /// configuration holds none. The first leases allow `start_grace` more for the first
+    /// request and answer: machines that are separate processes start their lease threads
+    /// only roughly together (see `farm::node`); suspecting later is always safe.
     pub(crate) fn start(
         machines: &[Arc<MachineState>],
         length: Arc<LeaseLength>,
         fabric: Arc<dyn Fabric>,
         epoch: Instant,
+        start_grace: Duration,
         stop: Arc<AtomicBool>,
         suspicions: Arc<Mutex<Vec<Suspicion>>>,
     ) -> Self {
@@ -98,7 +101,17 @@ impl LeaseThreads {
                 let length = length.clone();
                 std::thread::Builder::new()
                     .name(format!("farm-lease-m{}", machine.id.0))
-                    .spawn(move || run(&machine, &length, &*fabric, epoch, &stop, &suspicions))
+                    .spawn(move || {
+                        run(
+                            &machine,
+                            &length,
+                            &*fabric,
+                            epoch,
+                            start_grace,
+                            &stop,
+                            &suspicions,
+                        )
+                    })
                     .expect("spawn lease thread")
             })
             .collect();
@@ -183,6 +196,7 @@ fn run(
     length: &LeaseLength,
     fabric: &dyn Fabric,
     epoch: Instant,
+    start_grace: Duration,
     stop: &AtomicBool,
     suspicions: &Mutex<Vec<Suspicion>>,
 ) {
@@ -202,6 +216,12 @@ fn run(
         timing,
         epoch.elapsed().as_micros() as u64,
     );
+    let grace = start_grace.as_micros() as u64;
+    match &mut role {
+        Some(Role::Cm(c)) => c.stalled(grace),
+        Some(Role::Member(m)) => m.stalled(grace),
+        None => {}
+    }
     while !stop.load(Ordering::Relaxed) {
         // A killed machine's lease manager dies with it.
         if fabric.is_up(me) {

@@ -370,6 +370,10 @@ impl Node {
             Arc::new(LeaseLength::new(config.lease)),
             fabric.clone() as Arc<dyn Fabric>,
             Instant::now(),
+            // Past the start barrier, processes start their lease threads within a poll of
+            // each other, unless one stalls (two cores, three processes faulting in their
+            // regions: tens of milliseconds, seen over tcp) or its last probe is slow.
+            START_GRACE_LEASES * config.lease,
             stop.clone(),
             suspicions.clone(),
         );
@@ -618,6 +622,9 @@ pub(crate) fn wait_for_machines(
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// Leases a machine's first lease request and answer may take beyond the first lease.
+const START_GRACE_LEASES: u32 = 10;
 
 /// The longest an idle poller sleeps when no peer writes to it.
 const IDLE_WAIT: Duration = Duration::from_micros(500);
