@@ -140,21 +140,24 @@ pub enum Message {
         ok: bool,
     },
     /// Allocation at a remote primary, for a locality hint in a region the coordinator's machine
-    /// is not primary for (free lists live only at the primary, §5.5).
+    /// is not primary for (free lists live only at the primary, §5.5): `count` slots of one
+    /// size, requests `request .. request + count`, answered by one ALLOC-REPLY.
     Alloc {
-        /// Request id, unique per sender thread.
+        /// Id of the first slot's request; ids are unique per sender thread.
         request: u64,
         /// Region to allocate in.
         region: RegionId,
         /// Payload bytes.
         len: u32,
+        /// Slots asked for (at least 1, at most [`ALLOC_BATCH_MAX`]).
+        count: u32,
     },
-    /// The answer to an ALLOC.
+    /// The answer to an ALLOC: what each of its slots got, in request order.
     AllocReply {
-        /// The request answered.
+        /// The ALLOC's first request.
         request: u64,
-        /// The slot, or why there is none.
-        outcome: AllocOutcome,
+        /// Each slot, or why there is none.
+        outcomes: Vec<AllocOutcome>,
     },
     /// Gives back a slot handed out by ALLOC whose transaction did not commit.
     Release {
@@ -282,6 +285,8 @@ const MSG_LOCK_REPLY: u8 = 16;
 const MSG_VALIDATE: u8 = 17;
 const MSG_VALIDATE_REPLY: u8 = 18;
 const MSG_ALLOC: u8 = 19;
+/// Most slots one ALLOC asks for (its answer stays a few kilobytes).
+pub const ALLOC_BATCH_MAX: u32 = 256;
 const MSG_ALLOC_REPLY: u8 = 20;
 const MSG_RELEASE: u8 = 21;
 const MSG_RECOVERY: u8 = 22;
@@ -448,29 +453,34 @@ impl Message {
                 request,
                 region,
                 len,
+                count,
             } => {
                 out.push(MSG_ALLOC);
                 out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&region.0.to_le_bytes());
                 out.extend_from_slice(&len.to_le_bytes());
+                out.extend_from_slice(&count.to_le_bytes());
             }
-            Message::AllocReply { request, outcome } => {
+            Message::AllocReply { request, outcomes } => {
                 out.push(MSG_ALLOC_REPLY);
                 out.extend_from_slice(&request.to_le_bytes());
-                match outcome {
-                    AllocOutcome::Slot {
-                        offset,
-                        slot_bytes,
-                        header,
-                    } => {
-                        out.push(0);
-                        out.extend_from_slice(&offset.to_le_bytes());
-                        out.extend_from_slice(&slot_bytes.to_le_bytes());
-                        out.extend_from_slice(&header.0.to_le_bytes());
+                out.extend_from_slice(&(outcomes.len() as u32).to_le_bytes());
+                for outcome in outcomes {
+                    match outcome {
+                        AllocOutcome::Slot {
+                            offset,
+                            slot_bytes,
+                            header,
+                        } => {
+                            out.push(0);
+                            out.extend_from_slice(&offset.to_le_bytes());
+                            out.extend_from_slice(&slot_bytes.to_le_bytes());
+                            out.extend_from_slice(&header.0.to_le_bytes());
+                        }
+                        AllocOutcome::RegionFull => out.push(1),
+                        AllocOutcome::TooLarge => out.push(2),
+                        AllocOutcome::NotPrimary => out.push(3),
                     }
-                    AllocOutcome::RegionFull => out.push(1),
-                    AllocOutcome::TooLarge => out.push(2),
-                    AllocOutcome::NotPrimary => out.push(3),
                 }
             }
             Message::Release {
@@ -566,30 +576,51 @@ impl Message {
                 }
                 Message::Validate { txn, reads }
             }
-            MSG_ALLOC => Message::Alloc {
-                request: r.u64()?,
-                region: RegionId(r.u32()?),
-                len: r.u32()?,
-            },
+            MSG_ALLOC => {
+                let (request, region, len, count) =
+                    (r.u64()?, RegionId(r.u32()?), r.u32()?, r.u32()?);
+                if count == 0 || count > ALLOC_BATCH_MAX {
+                    return Err(WireError::Invalid {
+                        field: "alloc count",
+                        value: count as u64,
+                    });
+                }
+                Message::Alloc {
+                    request,
+                    region,
+                    len,
+                    count,
+                }
+            }
             MSG_ALLOC_REPLY => {
                 let request = r.u64()?;
-                let outcome = match r.u8()? {
-                    0 => AllocOutcome::Slot {
-                        offset: r.u32()?,
-                        slot_bytes: r.u32()?,
-                        header: Header(r.u64()?),
-                    },
-                    1 => AllocOutcome::RegionFull,
-                    2 => AllocOutcome::TooLarge,
-                    3 => AllocOutcome::NotPrimary,
-                    v => {
-                        return Err(WireError::Invalid {
-                            field: "alloc outcome",
-                            value: v as u64,
-                        })
-                    }
-                };
-                Message::AllocReply { request, outcome }
+                let n = r.count(1, "alloc outcomes")?;
+                if n > ALLOC_BATCH_MAX as usize {
+                    return Err(WireError::Invalid {
+                        field: "alloc outcomes",
+                        value: n as u64,
+                    });
+                }
+                let mut outcomes = Vec::with_capacity(n);
+                for _ in 0..n {
+                    outcomes.push(match r.u8()? {
+                        0 => AllocOutcome::Slot {
+                            offset: r.u32()?,
+                            slot_bytes: r.u32()?,
+                            header: Header(r.u64()?),
+                        },
+                        1 => AllocOutcome::RegionFull,
+                        2 => AllocOutcome::TooLarge,
+                        3 => AllocOutcome::NotPrimary,
+                        v => {
+                            return Err(WireError::Invalid {
+                                field: "alloc outcome",
+                                value: v as u64,
+                            })
+                        }
+                    });
+                }
+                Message::AllocReply { request, outcomes }
             }
             MSG_RELEASE => Message::Release {
                 addr: r.addr()?,
@@ -889,26 +920,23 @@ mod tests {
                 request: 5,
                 region: RegionId(2),
                 len: 100,
+                count: 3,
             },
             Message::AllocReply {
                 request: 5,
-                outcome: AllocOutcome::Slot {
-                    offset: 1 << 20,
-                    slot_bytes: 128,
-                    header: Header::new(Version(3), false),
-                },
+                outcomes: vec![
+                    AllocOutcome::Slot {
+                        offset: 1 << 20,
+                        slot_bytes: 128,
+                        header: Header::new(Version(3), false),
+                    },
+                    AllocOutcome::RegionFull,
+                    AllocOutcome::NotPrimary,
+                ],
             },
             Message::AllocReply {
                 request: 6,
-                outcome: AllocOutcome::RegionFull,
-            },
-            Message::AllocReply {
-                request: 7,
-                outcome: AllocOutcome::TooLarge,
-            },
-            Message::AllocReply {
-                request: 8,
-                outcome: AllocOutcome::NotPrimary,
+                outcomes: vec![AllocOutcome::TooLarge],
             },
             Message::Release {
                 addr: Addr::new(RegionId(2), 1 << 20),
@@ -1075,6 +1103,31 @@ mod tests {
                 kind: 77
             })
         ));
+    }
+
+    #[test]
+    fn an_alloc_asks_for_one_to_alloc_batch_max_slots() {
+        let alloc = |count| {
+            let mut bytes = Vec::new();
+            Message::Alloc {
+                request: 1,
+                region: RegionId(0),
+                len: 8,
+                count,
+            }
+            .encode(&mut bytes);
+            Message::decode(&bytes)
+        };
+        assert!(alloc(1).is_ok() && alloc(ALLOC_BATCH_MAX).is_ok());
+        for count in [0, ALLOC_BATCH_MAX + 1] {
+            assert_eq!(
+                alloc(count),
+                Err(WireError::Invalid {
+                    field: "alloc count",
+                    value: count as u64
+                })
+            );
+        }
     }
 
     #[test]

@@ -23,7 +23,7 @@ use farm_core::object::{self, Header, ReadOutcome, HEADER_BYTES};
 use farm_core::ring::{framed_len, RingKind, RingWriter};
 use farm_core::wire::{
     log_header_bytes, write_set_bytes, AllocOutcome, LogBody, LogRecord, Message, WriteEntry,
-    WriteSet, RECORD_BYTES_MAX, TRUNCATED_IDS_MAX,
+    WriteSet, ALLOC_BATCH_MAX, RECORD_BYTES_MAX, TRUNCATED_IDS_MAX,
 };
 use farm_core::{Addr, ConfigId, MachineId, RegionId, TxnId};
 
@@ -403,18 +403,23 @@ impl<'w> Tx<'w> {
         class_for(len)?;
         let primary = self.worker.view.map.get(region).expect("checked").primary;
         let first = self.worker.coord.next_request + 1;
+        self.worker.coord.next_request += n as u64;
         let mut ticket = None;
-        for _ in 0..n {
-            self.worker.coord.next_request += 1;
+        // One ALLOC per batch of slots, each answered by one ALLOC-REPLY.
+        let mut at = 0;
+        while at < n {
+            let count = (n - at).min(ALLOC_BATCH_MAX as usize);
             let msg = Message::Alloc {
-                request: self.worker.coord.next_request,
+                request: first + at as u64,
                 region,
                 len: len as u32,
+                count: count as u32,
             };
             ticket = self.worker.send_tracked(primary, &msg).flatten();
             if ticket.is_none() && primary != self.worker.machine.id {
                 self.worker.send_message(primary, &msg);
             }
+            at += count;
         }
         let requests = first..first + n as u64;
         let mut got: Vec<Option<Option<(Addr, u32, Header)>>> = vec![None; n];
@@ -433,27 +438,29 @@ impl<'w> Tx<'w> {
                     i += 1;
                     continue;
                 }
-                let (_, Message::AllocReply { request, outcome }) = self.worker.replies.remove(i)
+                let (_, Message::AllocReply { request, outcomes }) = self.worker.replies.remove(i)
                 else {
                     unreachable!("matched above")
                 };
-                self.worker.stats.allocs_remote += 1;
-                let slot = match outcome {
-                    AllocOutcome::Slot {
-                        offset,
-                        slot_bytes,
-                        header,
-                    } => Some((Addr::new(region, offset), slot_bytes, header)),
-                    AllocOutcome::RegionFull | AllocOutcome::NotPrimary => None,
-                    AllocOutcome::TooLarge => {
-                        return Err(farm_alloc::AllocError::TooLarge(len).into())
+                for (k, outcome) in outcomes.into_iter().enumerate() {
+                    self.worker.stats.allocs_remote += 1;
+                    let slot = match outcome {
+                        AllocOutcome::Slot {
+                            offset,
+                            slot_bytes,
+                            header,
+                        } => Some((Addr::new(region, offset), slot_bytes, header)),
+                        AllocOutcome::RegionFull | AllocOutcome::NotPrimary => None,
+                        AllocOutcome::TooLarge => {
+                            return Err(farm_alloc::AllocError::TooLarge(len).into())
+                        }
+                    };
+                    let at = (request - first) as usize + k;
+                    if at < n && got[at].is_none() {
+                        waiting -= 1;
+                        got[at] = Some(slot);
                     }
-                };
-                let at = (request - first) as usize;
-                if got[at].is_none() {
-                    waiting -= 1;
                 }
-                got[at] = Some(slot);
             }
             if waiting == 0 {
                 return Ok(got.into_iter().map(|g| g.expect("answered")).collect());

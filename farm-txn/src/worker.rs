@@ -650,7 +650,8 @@ impl Worker {
                     request,
                     region,
                     len,
-                }) => self.on_alloc(sender, request, region, len),
+                    count,
+                }) => self.on_alloc(sender, request, region, len, count),
                 Ok(Message::Release {
                     addr,
                     slot_bytes,
@@ -693,56 +694,80 @@ impl Worker {
         busy
     }
 
-    /// ALLOC at the primary (§5.5: free lists live only here). A slot from a fresh block is
-    /// answered only once the block header has reached every backup: the coordinator's
-    /// COMMIT-BACKUP travels on another link, so link order does not cover it.
-    fn on_alloc(&mut self, sender: MachineId, request: u64, region: RegionId, len: u32) {
-        let Some(pool) = self.view.pool(region) else {
+    /// ALLOC of `count` slots at the primary (§5.5: free lists live only here), answered by
+    /// one ALLOC-REPLY. A slot from a fresh block is answered only once the block header has
+    /// reached every backup: the coordinator's COMMIT-BACKUP travels on another link, so link
+    /// order does not cover it.
+    fn on_alloc(
+        &mut self,
+        sender: MachineId,
+        request: u64,
+        region: RegionId,
+        len: u32,
+        count: u32,
+    ) {
+        if self.view.pool(region).is_none() {
             let reply = Message::AllocReply {
                 request,
-                outcome: AllocOutcome::NotPrimary,
+                outcomes: vec![AllocOutcome::NotPrimary; count as usize],
             };
             return self.send_message(sender, &reply);
-        };
-        let result = self
-            .slabs
-            .get_mut(&region)
-            .expect("primary has slabs")
-            .alloc(pool, len as usize);
-        let a = match result {
-            Ok(a) => a,
-            Err(e) => {
-                let outcome = match e {
-                    AllocError::TooLarge(_) => AllocOutcome::TooLarge,
-                    AllocError::RegionFull(_) => AllocOutcome::RegionFull,
-                };
-                return self.send_message(sender, &Message::AllocReply { request, outcome });
+        }
+        let mem = self
+            .view
+            .region(region)
+            .expect("primary holds its region")
+            .clone();
+        let mut outcomes = Vec::with_capacity(count as usize);
+        let mut tickets = Vec::new();
+        while outcomes.len() < count as usize {
+            let pool = self
+                .view
+                .pool(region)
+                .expect("the primary, as checked above");
+            let result = self
+                .slabs
+                .get_mut(&region)
+                .expect("primary has slabs")
+                .alloc(pool, len as usize);
+            let a = match result {
+                Ok(a) => a,
+                Err(e) => {
+                    // Every slot left would fail alike.
+                    let outcome = match e {
+                        AllocError::TooLarge(_) => AllocOutcome::TooLarge,
+                        AllocError::RegionFull(_) => AllocOutcome::RegionFull,
+                    };
+                    outcomes.resize(count as usize, outcome);
+                    break;
+                }
+            };
+            match self.publish_block(region, &a) {
+                Ok(published) => {
+                    self.stats.allocs += 1;
+                    tickets.extend(published);
+                    let header = object::read_header(&*mem, a.offset as u64).expect("local read");
+                    outcomes.push(AllocOutcome::Slot {
+                        offset: a.offset,
+                        slot_bytes: a.slot_bytes,
+                        header,
+                    });
+                }
+                // A backup is unreachable: recovery's business; the slot goes back.
+                Err(_) => {
+                    self.slabs
+                        .get_mut(&region)
+                        .expect("primary")
+                        .free(a.offset, a.slot_bytes);
+                    outcomes.resize(count as usize, AllocOutcome::RegionFull);
+                }
             }
-        };
-        self.stats.allocs += 1;
-        let mem = self.view.region(region).expect("primary holds its region");
-        let header = object::read_header(&**mem, a.offset as u64).expect("local read");
-        let outcome = AllocOutcome::Slot {
-            offset: a.offset,
-            slot_bytes: a.slot_bytes,
-            header,
-        };
-        let reply = Message::AllocReply { request, outcome };
-        match self.publish_block(region, &a) {
-            Ok(tickets) if tickets.is_empty() => self.send_message(sender, &reply),
-            Ok(tickets) => self.alloc_replies.push((sender, reply, tickets)),
-            // A backup is unreachable: recovery's business; the slot goes back.
-            Err(_) => {
-                self.slabs
-                    .get_mut(&region)
-                    .expect("primary")
-                    .free(a.offset, a.slot_bytes);
-                let reply = Message::AllocReply {
-                    request,
-                    outcome: AllocOutcome::RegionFull,
-                };
-                self.send_message(sender, &reply);
-            }
+        }
+        let reply = Message::AllocReply { request, outcomes };
+        if tickets.is_empty() {
+            self.send_message(sender, &reply);
+        } else {
+            self.alloc_replies.push((sender, reply, tickets));
         }
     }
 
