@@ -18,7 +18,7 @@ use crate::nvram::Nvram;
 
 /// First byte of a control datagram (the CM's NEW-CONFIG and the rest, `farm_cm::control`),
 /// which no lease datagram starts with: fabrics that hand control datagrams to their own
-/// reader (`ShmFabric::recv_control`) tell the two apart by it.
+/// reader (`ProcessFabric::recv_control`) tell the two apart by it.
 pub const CONTROL_TAG: u8 = 0xc7;
 
 /// A registered memory area of a machine (an RDMA memory region).

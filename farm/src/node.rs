@@ -1,12 +1,13 @@
 //! One machine per process: a [`Node`] runs machine `m` of a cluster whose machines are separate
-//! processes on one host, over the `shm` fabric (DESIGN.md, Fabric): it takes the machine's
-//! liveness lock, maps its NVRAM under `<dir>/m<id>/` (where its peers map it too) and runs its
-//! lease thread with the CM of its configuration (§5.1), over UDP datagrams on loopback.
+//! processes, on one host over the `shm` fabric or on several over the `tcp` fabric
+//! ([`Transport`]; DESIGN.md, Fabric): it takes the machine's liveness lock, maps its NVRAM
+//! under `<dir>/m<id>/` (where, on one host, its peers map it too) and runs its lease thread
+//! with the CM of its configuration (§5.1), over UDP datagrams.
 //!
 //! Its worker threads run transactions coordinated here ([`Node::txn`]) and serve the commit
-//! protocol for every peer: reads of remote objects are one-sided reads of the peer's mapped
-//! region files, and LOCK, COMMIT-BACKUP and COMMIT-PRIMARY records are one-sided writes into
-//! the peers' mapped logs (§4), as in the in-process cluster.
+//! protocol for every peer: reads of remote objects are one-sided reads of the peer's region
+//! (its mapped file, or its NIC thread over tcp), and LOCK, COMMIT-BACKUP and COMMIT-PRIMARY
+//! records are one-sided writes into the peers' logs (§4), as in the in-process cluster.
 //!
 //! The cluster's first configuration has the regions of [`RegionMap::striped`] (every machine
 //! computes the same map). With ZooKeeper ([`NodeConfig::zookeeper`]) the configuration lives
