@@ -1,6 +1,7 @@
 //! The CM's control messages between processes (§5.2, §5.4): NEW-CONFIG, its ack,
 //! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE, a machine's request to join, and
-//! those of a whole-cluster restart (the restart decision and where each ring resumes). In one process the CM's driver
+//! those of a whole-cluster restart (what each machine left, the restart decision, and where
+//! each ring resumes). In one process the CM's driver
 //! calls into the members instead; with one process per machine these travel as datagrams
 //! beside the leases, so they may be lost or repeated: each is idempotent (installing or
 //! committing a configuration twice does nothing the second time) and the sender repeats it
@@ -56,6 +57,16 @@ pub enum ControlMsg {
     /// configuration the machine read from the coordination store. Repeated until NEW-CONFIG
     /// adds it.
     Join(ConfigId),
+    /// Every other machine to machine 0 of a whole-cluster restart: what it left in NVRAM,
+    /// the newest view it installed and the regions it was still copying (with whether
+    /// aggressively), from which machine 0 decides the restart. Repeated until
+    /// [`ControlMsg::Restart`] arrives.
+    Persisted {
+        /// The newest view the machine installed.
+        view: StoredView,
+        /// Regions whose replica it was still copying.
+        copying: BTreeMap<RegionId, bool>,
+    },
 }
 
 impl ControlMsg {
@@ -83,6 +94,7 @@ impl ControlMsg {
             ControlMsg::Restart { restart, .. } => (6, *restart),
             ControlMsg::RingStarts { config, reply, .. } => (8 + *reply as u8, *config),
             ControlMsg::Join(c) => (10, *c),
+            ControlMsg::Persisted { view, .. } => (11, view.config.id),
         };
         let mut out = vec![CONTROL_TAG, kind];
         out.extend_from_slice(&id.0.to_le_bytes());
@@ -94,6 +106,14 @@ impl ControlMsg {
                 for word in starts.iter().flatten() {
                     out.extend_from_slice(&word.to_le_bytes());
                 }
+            }
+            ControlMsg::Persisted { view, copying } => {
+                out.extend_from_slice(&(copying.len() as u32).to_le_bytes());
+                for (r, aggressive) in copying {
+                    out.extend_from_slice(&r.0.to_le_bytes());
+                    out.push(*aggressive as u8);
+                }
+                out.extend_from_slice(&encode_view(&view.config, &view.map, &view.changes));
             }
             _ => {}
         }
@@ -140,6 +160,25 @@ impl ControlMsg {
                     .collect(),
             },
             (10, true) => ControlMsg::Join(id),
+            (11, false) => {
+                let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+                let entries = rest.get(4..4 + n.checked_mul(5)?)?;
+                let mut copying = BTreeMap::new();
+                for e in entries.chunks(5) {
+                    let aggressive = match e[4] {
+                        0 => false,
+                        1 => true,
+                        _ => return None,
+                    };
+                    let r = RegionId(u32::from_le_bytes(e[..4].try_into().ok()?));
+                    copying.insert(r, aggressive);
+                }
+                let view = decode_view(&rest[4 + n * 5..]).ok()?;
+                if view.config.id != id || copying.len() != n {
+                    return None;
+                }
+                ControlMsg::Persisted { view, copying }
+            }
             _ => return None,
         };
         Some(msg)
@@ -187,6 +226,14 @@ mod tests {
                 starts: vec![[0; 4]],
             },
             ControlMsg::Join(ConfigId(4)),
+            ControlMsg::Persisted {
+                view: StoredView {
+                    config: config.clone(),
+                    map: map.clone(),
+                    changes: changes.clone(),
+                },
+                copying: BTreeMap::from([(RegionId(1), true), (RegionId(4), false)]),
+            },
         ];
         for m in &all {
             assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));

@@ -926,13 +926,13 @@ impl Link {
                 }
             }
         }
-        let stays_down = if matches!(inner.state, LinkState::Broken) {
-            "; it stays down while the peer is a member"
+        if matches!(inner.state, LinkState::Broken) {
+            tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
+                "connection broken; it stays down while the peer is a member");
         } else {
-            ""
-        };
-        tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
-            "connection closed{stays_down}");
+            tracing::debug!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
+                "connection closed");
+        }
     }
 
     /// Whether the link is to connect before its next operation: it never connected, or it

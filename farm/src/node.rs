@@ -196,13 +196,6 @@ impl Node {
                 config.replicas, config.machines
             )));
         }
-        if config.restart && matches!(config.transport, Transport::Tcp { .. }) {
-            return Err(NodeError::Invalid(
-                "a whole-cluster restart reads every machine's NVRAM from the shared directory, \
-                 which only the shm fabric has"
-                    .into(),
-            ));
-        }
         if let Transport::Tcp { addrs, .. } = &config.transport {
             if addrs.len() < config.machines as usize {
                 return Err(NodeError::Invalid(format!(

@@ -353,7 +353,9 @@ impl Control {
                 }
             }
             // Repeats of a restart this machine is past.
-            ControlMsg::RingStarts { reply: true, .. } | ControlMsg::Restart { .. } => {}
+            ControlMsg::RingStarts { reply: true, .. }
+            | ControlMsg::Restart { .. }
+            | ControlMsg::Persisted { .. } => {}
         }
     }
 

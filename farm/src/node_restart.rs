@@ -4,11 +4,13 @@
 //!
 //! 1. Every machine's process starts with `restart`. Each holds its machine's `alive` lock, so
 //!    once all run, no process of the previous life does.
-//! 2. Machine 0 decides: the restart configuration is the newest view any machine left in
-//!    NVRAM ([`farm_txn::machine::restart_view`], which refuses a region without a complete
-//!    replica), under the next configuration id, compare-and-set in ZooKeeper at the version
-//!    it read (a cluster that still reconfigures makes that fail). It announces it with
-//!    [`ControlMsg::Restart`]; the others check it against the store.
+//! 2. Machine 0 decides: every other machine sends it what it left in NVRAM
+//!    ([`ControlMsg::Persisted`]; on other hosts machine 0 could not read it), and the restart
+//!    configuration is the newest view any machine left ([`farm_txn::machine::restart_view`],
+//!    which refuses a region without a complete replica), under the next configuration id,
+//!    compare-and-set in ZooKeeper at the version it read (a cluster that still reconfigures
+//!    makes that fail). It announces it with [`ControlMsg::Restart`]; the others check it
+//!    against the store.
 //! 3. Each member reopens its NVRAM with that view (`MachineState::restore`): its readers
 //!    resume every inbound ring at its head word, keeping the complete records after it.
 //! 4. Senders continue each ring where its receiver found the tail, which only the receiver
@@ -25,12 +27,17 @@ use farm_core::codec::StoredView;
 use farm_core::config::Configuration;
 use farm_core::process_fabric::ProcessFabric;
 use farm_core::{ConfigId, MachineId};
+use farm_txn::machine::Persisted;
 use farm_txn::Worker;
 
 use crate::node::{NodeConfig, NodeError};
 
 /// How often machine 0 repeats its decision and members their ring starts, until answered.
 const REPEAT: Duration = Duration::from_millis(2);
+
+/// How often a machine repeats what it left in NVRAM, until machine 0 decides (a view is
+/// larger than a decision: repeated less often).
+const PERSISTED_REPEAT: Duration = Duration::from_millis(20);
 
 /// What a restart resumes from.
 #[derive(Clone, Debug)]
@@ -87,18 +94,7 @@ fn lead(
         })?;
     let stored = farm_cm::codec::decode(&bytes)
         .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?;
-    let mut persisted = Vec::new();
-    for m in (0..config.machines).map(MachineId) {
-        persisted.push(
-            farm_txn::machine::read_persisted(&config.dir, m).map_err(|source| {
-                NodeError::Nvram {
-                    machine: m,
-                    dir: config.dir.display().to_string(),
-                    source,
-                }
-            })?,
-        );
-    }
+    let persisted = gather(config, fabric)?;
     let from =
         farm_txn::machine::restart_view(stored.id, &persisted).map_err(NodeError::Invalid)?;
     if let Some(m) = from.config.members.iter().find(|m| m.0 >= config.machines) {
@@ -137,15 +133,75 @@ fn lead(
     })
 }
 
-/// Every other machine's part of step 2: machine 0's decision, checked against the store.
+/// What this machine left in its NVRAM directory.
+fn own_persisted(config: &NodeConfig) -> Result<Option<Persisted>, NodeError> {
+    farm_txn::machine::read_persisted(&config.dir, config.machine).map_err(|source| {
+        NodeError::Nvram {
+            machine: config.machine,
+            dir: config.dir.display().to_string(),
+            source,
+        }
+    })
+}
+
+/// What every machine left, by machine id: machine 0's from its directory, the others' as
+/// they send it ([`ControlMsg::Persisted`]).
+fn gather(
+    config: &NodeConfig,
+    fabric: &dyn ProcessFabric,
+) -> Result<Vec<Option<Persisted>>, NodeError> {
+    let mut persisted: Vec<Option<Persisted>> = (0..config.machines).map(|_| None).collect();
+    persisted[config.machine.0 as usize] = own_persisted(config)?;
+    let mut missing: BTreeSet<MachineId> = (0..config.machines)
+        .map(MachineId)
+        .filter(|m| *m != config.machine)
+        .collect();
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    while !missing.is_empty() {
+        if started.elapsed() > config.start_timeout {
+            return Err(NodeError::PeersMissing {
+                missing: missing.into_iter().collect(),
+                waited: config.start_timeout,
+            });
+        }
+        while let Some(from) = fabric.recv_control(&mut buf) {
+            if let Some(ControlMsg::Persisted { view, copying }) = ControlMsg::decode(&buf) {
+                if missing.remove(&from) {
+                    persisted[from.0 as usize] = Some(Persisted { view, copying });
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(persisted)
+}
+
+/// Every other machine's part of step 2: sends machine 0 what it left until machine 0's
+/// decision arrives, and checks that against the store.
 fn follow(
     config: &NodeConfig,
     fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
 ) -> Result<Restart, NodeError> {
+    let mine = own_persisted(config)?.map(|p| {
+        ControlMsg::Persisted {
+            view: p.view,
+            copying: p.copying,
+        }
+        .encode()
+    });
     let started = Instant::now();
+    let mut last_sent: Option<Instant> = None;
     let mut buf = Vec::new();
     let (id, from) = loop {
+        if let Some(m) = mine
+            .as_ref()
+            .filter(|_| last_sent.is_none_or(|at| at.elapsed() >= PERSISTED_REPEAT))
+        {
+            last_sent = Some(Instant::now());
+            fabric.send_datagram(config.machine, MachineId(0), m, 0);
+        }
         if let Some(sender) = fabric.recv_control(&mut buf) {
             // Peers' ring starts may come first: dropped, they repeat them.
             if let (MachineId(0), Some(ControlMsg::Restart { restart, from })) =

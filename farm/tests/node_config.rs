@@ -30,11 +30,9 @@ fn a_node_refuses_state_it_cannot_start_from() {
     );
 }
 
-/// Over the `tcp` fabric a node needs an address for every machine, and refuses a
-/// whole-cluster restart (which reads every machine's NVRAM from the shared directory of the
-/// `shm` fabric).
+/// Over the `tcp` fabric a node needs an address for every machine.
 #[test]
-fn a_tcp_node_refuses_missing_addresses_and_restarts() {
+fn a_tcp_node_refuses_missing_addresses() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = nodes::node_config("bank", 0, nodes::base_port(3), dir.path());
     config.transport = farm::node::Transport::Tcp {
@@ -43,8 +41,4 @@ fn a_tcp_node_refuses_missing_addresses_and_restarts() {
     };
     let err = farm::node::Node::start(&config).unwrap_err().to_string();
     assert!(err.contains("3 machines but 1 addresses"), "{err}");
-    config.restart = true;
-    config.zookeeper = Some(("127.0.0.1:1".into(), "/farm/none".into()));
-    let err = farm::node::Node::start(&config).unwrap_err().to_string();
-    assert!(err.contains("only the shm fabric has"), "{err}");
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 mod common;
 mod nodes;
 
-use nodes::{Machines, ACCOUNTS, AFTER_RESTART, BALANCE, MACHINES};
+use nodes::{Machines, Net, ACCOUNTS, AFTER_RESTART, BALANCE, MACHINES};
 
 /// A machine process of the test below (see `nodes::child_main`).
 #[test]
@@ -28,13 +28,24 @@ fn node_child() {
 /// restarted cluster is killed and restarted once more.
 #[test]
 fn a_cluster_killed_at_once_restarts_from_nvram_with_nothing_lost() {
-    let Some(zookeeper) = common::zookeeper("node-restart") else {
+    killed_at_once_restarts(Net::Shm, 0, "node-restart");
+}
+
+/// The same over the `tcp` fabric, each machine with a directory of its own: the other
+/// machines send machine 0 what they left (`ControlMsg::Persisted`).
+#[test]
+fn a_cluster_killed_at_once_restarts_from_nvram_with_nothing_lost_over_tcp() {
+    killed_at_once_restarts(Net::Loopback, 1, "node-restart-tcp");
+}
+
+fn killed_at_once_restarts(net: Net, test: u16, znode: &str) {
+    let Some(zookeeper) = common::zookeeper(znode) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
     let mut acked: BTreeMap<u16, u64> = BTreeMap::new();
     {
-        let machines = Machines::start("run", 0, dir.path(), Some(zookeeper.clone()));
+        let machines = Machines::start_on(&net, "run", test, dir.path(), Some(zookeeper.clone()));
         machines.share_accounts(dir.path());
         // Let transfers run, reading the acknowledgements meanwhile.
         let until = Instant::now() + Duration::from_millis(500);
@@ -61,7 +72,7 @@ fn a_cluster_killed_at_once_restarts_from_nvram_with_nothing_lost() {
         MACHINES as usize,
         "a machine acknowledged no transfer before the kill: {acked:?}"
     );
-    let counters = restart_and_check(dir.path(), &zookeeper);
+    let counters = restart_and_check(&net, test, dir.path(), &zookeeper);
     for (m, n) in &acked {
         let c = counters[m];
         assert!(
@@ -72,7 +83,7 @@ fn a_cluster_killed_at_once_restarts_from_nvram_with_nothing_lost() {
     }
     // And again, from the first restart's configuration: every counter is where the
     // transfers after the first restart left it.
-    let again = restart_and_check(dir.path(), &zookeeper);
+    let again = restart_and_check(&net, test, dir.path(), &zookeeper);
     for (m, c) in &counters {
         assert_eq!(again[m], c + AFTER_RESTART, "machine {m}'s counter");
     }
@@ -80,8 +91,13 @@ fn a_cluster_killed_at_once_restarts_from_nvram_with_nothing_lost() {
 
 /// Kills whatever runs on `dir`, restarts the three machines from it and checks the restart
 /// (see above); returns the counters they read right after it.
-fn restart_and_check(dir: &std::path::Path, zookeeper: &(String, String)) -> BTreeMap<u16, u64> {
-    let machines = Machines::start("restarted", 0, dir, Some(zookeeper.clone()));
+fn restart_and_check(
+    net: &Net,
+    test: u16,
+    dir: &std::path::Path,
+    zookeeper: &(String, String),
+) -> BTreeMap<u16, u64> {
+    let machines = Machines::start_on(net, "restarted", test, dir, Some(zookeeper.clone()));
     let mut counters = BTreeMap::new();
     let mut first_sums = BTreeMap::new();
     // Each machine prints its sum twice: right after the restart and at its end.
