@@ -356,8 +356,14 @@ fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Resul
 }
 
 fn status(s: &Settings) -> anyhow::Result<()> {
+    let fabric = if s.fabric == "tcp" {
+        let hosts: Vec<String> = s.hosts.iter().map(ToString::to_string).collect();
+        format!("tcp fabric (machines at {})", hosts.join(", "))
+    } else {
+        "shm fabric".to_string()
+    };
     println!(
-        "cluster {} ({} machines), NVRAM in {}, ZooKeeper {} at {}",
+        "cluster {} ({} machines), {fabric}, NVRAM in {}, ZooKeeper {} at {}",
         s.cluster,
         s.machines,
         s.dir.display(),

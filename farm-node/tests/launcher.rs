@@ -31,9 +31,10 @@ fn unique(test: &str) -> String {
     format!("{test}-{}-{nanos}", std::process::id())
 }
 
-/// UDP ports of a test's machines: tests run in parallel.
+/// Ports of a test's machines (UDP, and TCP over the tcp fabric): tests run in parallel.
 fn base_port(test: u16) -> String {
-    (30_000 + (std::process::id() % 2_000) as u16 * 16 + test * 4).to_string()
+    assert!(test < 8, "a test's ports past its binary's range");
+    (30_000 + (std::process::id() % 1_000) as u16 * 32 + test * 4).to_string()
 }
 
 struct Local<'a> {
@@ -112,12 +113,24 @@ impl Drop for StopOnDrop<'_> {
 /// and what the cluster does under them (FaRM §5.2 removal and joining, §5 durability).
 #[test]
 fn a_local_cluster_is_started_failed_rejoined_stopped_and_restarted() {
+    started_failed_rejoined_stopped_and_restarted(0, &[]);
+}
+
+/// The same with `--fabric tcp`: the machines listen on loopback at the base port on, each
+/// serving its peers' one-sided operations from its NIC threads.
+#[test]
+fn a_local_tcp_cluster_is_started_failed_rejoined_stopped_and_restarted() {
+    started_failed_rejoined_stopped_and_restarted(3, &["--fabric", "tcp"]);
+}
+
+fn started_failed_rejoined_stopped_and_restarted(test: u16, flags: &[&str]) {
     let Some(zk) = zookeeper() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let mut local = Local::new(dir.path(), "launcher", zk, 0, 4);
+    let mut local = Local::new(dir.path(), "launcher", zk, test, 4);
     local
         .args
         .extend(["--stats-seconds".to_string(), "1".to_string()]);
+    local.args.extend(flags.iter().map(|f| f.to_string()));
     let _stop = StopOnDrop(&local);
     let started = local.ok(&["start"]);
     assert!(
@@ -140,6 +153,12 @@ fn a_local_cluster_is_started_failed_rejoined_stopped_and_restarted() {
         removed.contains("machine 2: not running, not a member"),
         "{removed}"
     );
+    let fabric = if flags.contains(&"tcp") {
+        "tcp fabric (machines at 127.0.0.1:"
+    } else {
+        "shm fabric"
+    };
+    assert!(removed.contains(fabric), "{removed}");
     assert!(local.ok(&["restart", "2"]).contains("machine 2 rejoined"));
     let rejoined = local.wait_status("configuration 3: members [0, 1, 2], CM 0");
     assert!(rejoined.contains("machine 2: running (pid"), "{rejoined}");
