@@ -1,11 +1,11 @@
 //! What the fabrics of machine processes share (DESIGN.md, Fabric): the `shm` fabric (one host)
 //! and the `tcp` fabric (several hosts) both run one machine per process, which
-//! - claims its NVRAM directory `<dir>/m<id>/` ([`claim_machine`]): the directory is stamped
+//! - claims its NVRAM directory `<dir>/m<id>/` (`claim_machine`): the directory is stamped
 //!   with the cluster's id, and the process holds an exclusive lock on `alive` for as long as it
 //!   lives, so no second process runs the machine;
-//! - has a doorbell ([`Doorbell`]), a futex word that counts writes peers made into its rings,
+//! - has a doorbell (`Doorbell`), a futex word that counts writes peers made into its rings,
 //!   on which its idle pollers sleep;
-//! - sends and receives datagrams over UDP ([`Datagrams`]), each stamped with the cluster's id
+//! - sends and receives datagrams over UDP (`Datagrams`), each stamped with the cluster's id
 //!   and its sender; lease datagrams are read by the lease thread, control datagrams
 //!   ([`CONTROL_TAG`]) by the CM's control thread.
 //!

@@ -893,11 +893,14 @@ impl Link {
         Ok(())
     }
 
+    /// Records requests `from..=to` as failed. Consecutive failures (a removed machine's
+    /// refused writes, one after another) extend one range.
     fn fail(&self, from: u64, to: u64) {
-        self.failed
-            .lock()
-            .expect("failed poisoned")
-            .push((from, to));
+        let mut failed = self.failed.lock().expect("failed poisoned");
+        match failed.last_mut() {
+            Some((_, end)) if *end + 1 == from => *end = to,
+            _ => failed.push((from, to)),
+        }
         self.failed_any.store(true, Ordering::Release);
     }
 

@@ -7,7 +7,7 @@
 //!
 //! At NEW-CONFIG-COMMIT a thread drains every log, the logs of machines that left included, and
 //! records the configuration as LastDrained (step 2). Records of recovering transactions (step 3,
-//! [`View::is_recovering`]) then move out of the normal-case maps into [`RecTx`]; later records
+//! [`View::is_recovering`]) then move out of the normal-case maps into `RecTx`; later records
 //! of them are rejected. Backups send NEED-RECOVERY per region to the primary; the primary
 //! fetches write sets it lacks, locks the objects of recovering transactions in regions whose
 //! primary changed, and reports its thread done (step 4; the region is active once every thread

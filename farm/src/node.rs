@@ -39,8 +39,8 @@ use crate::{Txn, TXN_ATTEMPTS_MAX};
 /// How to run one machine of a multi-process cluster.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
-    /// The cluster's NVRAM directory (each machine's files under `m<id>/`), shared by every
-    /// process of the cluster.
+    /// The NVRAM directory (each machine's files under `m<id>/`): over `shm` the cluster's,
+    /// shared by every process; over `tcp` this machine's own (it may be shared too).
     pub dir: PathBuf,
     /// The cluster's id: datagrams of other clusters are dropped.
     pub cluster: u64,
@@ -50,7 +50,8 @@ pub struct NodeConfig {
     pub machines: u16,
     /// Worker threads per machine (one ring per peer thread).
     pub workers: u16,
-    /// Datagram port of machine 0; machine `m` listens at `base_port + m` on loopback.
+    /// Over `shm`: the datagram port of machine 0; machine `m` listens at `base_port + m` on
+    /// loopback. (Over `tcp` the addresses are [`Transport::Tcp`]'s.)
     pub base_port: u16,
     /// Lease length.
     pub lease: Duration,
@@ -88,7 +89,8 @@ pub enum Transport {
     Shm,
     /// Several hosts: machine `m` listens at `addrs[m]` (TCP for one-sided operations, UDP
     /// for datagrams); `dir` holds this machine's NVRAM only. An operation unanswered for
-    /// `timeout` fails, and the peer is unreachable until it is admitted again.
+    /// `timeout` fails, and a peer whose connection broke stays unreachable while it is a
+    /// member (see `farm_core::tcp_fabric`).
     Tcp {
         /// Each machine's address.
         addrs: Vec<std::net::SocketAddr>,
