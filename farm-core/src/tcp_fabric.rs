@@ -85,7 +85,6 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub struct TcpFabric {
     me: MachineId,
-    addr: SocketAddr,
     /// This machine's directory, held while the process lives.
     claim: Claim,
     served: Arc<Served>,
@@ -126,6 +125,9 @@ impl TcpFabric {
         let claim = claim_machine(dir, cluster, me)?;
         let datagrams = Datagrams::bind(cluster, me, Peers::Listed(addrs.clone()))?;
         let listener = TcpListener::bind(addr).map_err(io_err(format!("listening at {addr}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("making the listener non-blocking"))?;
         let admitted = Arc::new(Admitted(
             (0..ADMIT_MACHINES_MAX / 64)
                 .map(|_| AtomicU64::new(0))
@@ -175,7 +177,6 @@ impl TcpFabric {
             .collect();
         Ok(Self {
             me,
-            addr,
             claim,
             served,
             links,
@@ -200,8 +201,8 @@ impl TcpFabric {
 impl Drop for TcpFabric {
     fn drop(&mut self) {
         self.served.stop.store(true, Ordering::SeqCst);
-        // Wakes the listener, which sees `stop`.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        // The listener sees `stop` within a poll and closes the socket, so that a next
+        // incarnation in this process can listen at the same address.
         if let Some(h) = self.listener.lock().expect("listener poisoned").take() {
             let _ = h.join();
         }
@@ -281,12 +282,25 @@ impl Served {
     }
 }
 
+/// How often the listener looks for new connections and for the fabric stopping (connections
+/// are made once per peer, so a few milliseconds at accept cost nothing).
+const ACCEPT_POLL: Duration = Duration::from_millis(2);
+
+/// The listener thread: accepts connections, each served by a thread of its own, until the
+/// fabric stops.
 fn accept(listener: TcpListener, served: Arc<Served>) {
-    for conn in listener.incoming() {
-        if served.stop.load(Ordering::SeqCst) {
-            return;
+    while !served.stop.load(Ordering::SeqCst) {
+        let conn = match listener.accept() {
+            Ok((conn, _)) => conn,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+            Err(_) => continue,
+        };
+        if conn.set_nonblocking(false).is_err() {
+            continue;
         }
-        let Ok(conn) = conn else { continue };
         let Ok(clone) = conn.try_clone() else {
             continue;
         };
