@@ -1255,6 +1255,20 @@ impl ProcessFabric for TcpFabric {
         self.claim.doorbell.seen()
     }
 
+    fn broken_members(&self) -> Vec<MachineId> {
+        self.links
+            .iter()
+            .filter(|l| {
+                self.served.admits(l.dst)
+                    && matches!(
+                        l.inner.lock().expect("link poisoned").state,
+                        LinkState::Broken
+                    )
+            })
+            .map(|l| l.dst)
+            .collect()
+    }
+
     /// This machine's NIC thread rings the doorbell after each write into the rings.
     fn wait_for_writes(&self, seen: u64, timeout: Duration) {
         self.claim.doorbell.wait(seen, timeout)

@@ -107,6 +107,8 @@ impl Control {
         // long each time. A machine cut off from its CM and the majority learns so only there:
         // nobody sends NEW-CONFIG to a removed machine, and it cannot reconfigure itself.
         let mut cm_silent: Option<(ConfigId, Instant, Duration)> = None;
+        // Members the fabric can no longer write to, each suspected once per configuration.
+        let mut broken_seen: BTreeSet<(ConfigId, MachineId)> = BTreeSet::new();
         while !self.stop.load(Ordering::Relaxed) {
             while let Some(from) = self.fabric.recv_control(&mut buf) {
                 if let Some(msg) = ControlMsg::decode(&buf) {
@@ -147,6 +149,17 @@ impl Control {
                 .filter(|s| s.observer == me && config.contains(s.suspect))
                 .map(|s| s.suspect)
                 .collect();
+            broken_seen.retain(|(id, _)| *id == config.id);
+            for m in self.fabric.broken_members() {
+                if m != me && config.contains(m) && broken_seen.insert((config.id, m)) {
+                    tracing::warn!(
+                        observer = me.0,
+                        suspect = m.0,
+                        "the link to a member broke: suspect"
+                    );
+                    suspects.insert(m);
+                }
+            }
             if let Some((earlier, at)) = &retry {
                 if at.elapsed() >= 2 * self.lease {
                     suspects.extend(earlier.iter().filter(|m| config.contains(**m)));

@@ -50,3 +50,26 @@ fn evicted_machine_rejoins(net: Net, test: u16, znode: &str) {
     let ends = machines.ends_after_rejoin(dir.path());
     machines.check_rejoined(dir.path(), &ends);
 }
+
+/// Over the `tcp` fabric, the connections to machine 2 are reset (`ss -K`) while every process
+/// runs and keeps its leases (UDP). The links stay down, since a log write must not land after
+/// an earlier one was lost, so the CM suspects machine 2 for its broken link, removes it, and
+/// machine 2 rejoins as a new incarnation over new connections.
+#[test]
+fn a_machine_whose_connections_reset_is_removed_and_rejoins_over_tcp() {
+    let Some(zookeeper) = common::zookeeper("node-reset-tcp") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let machines = Machines::start_on(&Net::Loopback, "rejoin", 2, dir.path(), Some(zookeeper));
+    machines.share_accounts(dir.path());
+    machines.progress(&[0, 1, 2], nodes::PROGRESS_EVERY * 2);
+    let port = (nodes::base_port(2) + 2).to_string();
+    let reset = std::process::Command::new("ss")
+        .args(["-K", "-t", "dst", "127.0.0.1", "dport", "=", &port])
+        .output()
+        .expect("ss (iproute2, which .ci/run installs)");
+    assert!(reset.status.success(), "ss -K: {reset:?}");
+    let ends = machines.ends_after_rejoin(dir.path());
+    machines.check_rejoined(dir.path(), &ends);
+}
