@@ -21,7 +21,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
-use farm::{Addr, Client, MachineId, TxError, Txn};
+use farm::{Addr, Client, Conflict, MachineId, TxError, Txn};
 
 /// Most bytes of a node.
 const NODE_BYTES_MAX: usize = 4096;
@@ -249,10 +249,19 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
             tx.write_bytes(at, &self.encode(&leaf))?;
             return Ok(None);
         }
-        // The leaf splits: the path up to it is needed, read in the transaction.
+        // The leaf splits: the path up to it is needed, read in the transaction. Execution is
+        // not isolated (§4: validation at commit is): the descent may find another version of
+        // the leaf (a concurrent split, or the cached path was stale), so the position is
+        // found again in what it read.
         let (path, mut leaf) = self.path_for(tx, key)?;
-        leaf.keys.insert(i, *key);
-        leaf.values.insert(i, *value);
+        match leaf.keys.binary_search(key) {
+            // The key appeared since the first read: the transaction cannot commit.
+            Ok(_) => return Err(TxError::Conflict(Conflict::Validate)),
+            Err(i) => {
+                leaf.keys.insert(i, *key);
+                leaf.values.insert(i, *value);
+            }
+        }
         self.store(tx, &path, path.len() - 1, leaf)?;
         Ok(None)
     }
@@ -411,11 +420,11 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
         }
         let parent_at = path[level - 1];
         let mut parent = self.read_node(tx, parent_at)?;
-        let i = parent
-            .children
-            .iter()
-            .position(|c| *c == at)
-            .expect("the path's parent holds the node");
+        // Read again in the transaction, the parent may be a version that no longer holds the
+        // node (a concurrent split moved it): then the descent's reads cannot validate.
+        let Some(i) = parent.children.iter().position(|c| *c == at) else {
+            return Err(TxError::Conflict(Conflict::Validate));
+        };
         parent.keys.insert(i, separator);
         parent.children.insert(i + 1, right_at);
         self.store(tx, path, level - 1, parent)
