@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use farm_core::codec::{decode_view, encode_view, StoredView};
 use farm_core::config::{Configuration, RegionChanges, RegionMap};
-use farm_core::{ConfigId, RegionId};
+use farm_core::{ConfigId, MachineId, RegionId};
 
 pub use farm_core::fabric::CONTROL_TAG;
 
@@ -67,6 +67,14 @@ pub enum ControlMsg {
         /// Regions whose replica it was still copying.
         copying: BTreeMap<RegionId, bool>,
     },
+    /// A member to its CM: this member can no longer write to `machine`, a member of
+    /// configuration `config` (its connection broke); the CM suspects it. Repeated while so.
+    Unreachable {
+        /// The configuration both are members of.
+        config: ConfigId,
+        /// The machine this member cannot reach.
+        machine: MachineId,
+    },
 }
 
 impl ControlMsg {
@@ -95,6 +103,7 @@ impl ControlMsg {
             ControlMsg::RingStarts { config, reply, .. } => (8 + *reply as u8, *config),
             ControlMsg::Join(c) => (10, *c),
             ControlMsg::Persisted { view, .. } => (11, view.config.id),
+            ControlMsg::Unreachable { config, .. } => (12, *config),
         };
         let mut out = vec![CONTROL_TAG, kind];
         out.extend_from_slice(&id.0.to_le_bytes());
@@ -114,6 +123,9 @@ impl ControlMsg {
                     out.push(*aggressive as u8);
                 }
                 out.extend_from_slice(&encode_view(&view.config, &view.map, &view.changes));
+            }
+            ControlMsg::Unreachable { machine, .. } => {
+                out.extend_from_slice(&machine.0.to_le_bytes())
             }
             _ => {}
         }
@@ -179,6 +191,10 @@ impl ControlMsg {
                 }
                 ControlMsg::Persisted { view, copying }
             }
+            (12, false) if rest.len() == 2 => ControlMsg::Unreachable {
+                config: id,
+                machine: MachineId(u16::from_le_bytes([rest[0], rest[1]])),
+            },
             _ => return None,
         };
         Some(msg)
@@ -233,6 +249,10 @@ mod tests {
                     changes: changes.clone(),
                 },
                 copying: BTreeMap::from([(RegionId(1), true), (RegionId(4), false)]),
+            },
+            ControlMsg::Unreachable {
+                config: ConfigId(5),
+                machine: MachineId(2),
             },
         ];
         for m in &all {

@@ -76,6 +76,8 @@ struct CmState {
     regions_active: BTreeSet<MachineId>,
     /// Machines outside the configuration that asked to join it.
     joins: BTreeSet<MachineId>,
+    /// Members another member reported it cannot write to (this machine being the CM).
+    unreachable: BTreeSet<MachineId>,
 }
 
 impl Control {
@@ -109,6 +111,8 @@ impl Control {
         let mut cm_silent: Option<(ConfigId, Instant, Duration)> = None;
         // Members the fabric can no longer write to, each suspected once per configuration.
         let mut broken_seen: BTreeSet<(ConfigId, MachineId)> = BTreeSet::new();
+        // When this member last told its CM of each member it cannot write to.
+        let mut reported: BTreeMap<MachineId, Instant> = BTreeMap::new();
         while !self.stop.load(Ordering::Relaxed) {
             while let Some(from) = self.fabric.recv_control(&mut buf) {
                 if let Some(msg) = ControlMsg::decode(&buf) {
@@ -151,7 +155,10 @@ impl Control {
                 .collect();
             broken_seen.retain(|(id, _)| *id == config.id);
             for m in self.fabric.broken_members() {
-                if m != me && config.contains(m) && broken_seen.insert((config.id, m)) {
+                if m == me || !config.contains(m) {
+                    continue;
+                }
+                if broken_seen.insert((config.id, m)) {
                     tracing::warn!(
                         observer = me.0,
                         suspect = m.0,
@@ -159,6 +166,28 @@ impl Control {
                     );
                     suspects.insert(m);
                 }
+                // Removals are the CM's: a member tells it, again while the link stays down
+                // (datagrams get lost).
+                let due = reported
+                    .get(&m)
+                    .is_none_or(|at| at.elapsed() >= 2 * self.lease);
+                if config.cm != me && m != config.cm && due {
+                    reported.insert(m, Instant::now());
+                    self.send(
+                        config.cm,
+                        &ControlMsg::Unreachable {
+                            config: config.id,
+                            machine: m,
+                        },
+                    );
+                }
+            }
+            if config.cm == me {
+                suspects.extend(
+                    std::mem::take(&mut cm.unreachable)
+                        .into_iter()
+                        .filter(|m| config.contains(*m)),
+                );
             }
             if let Some((earlier, at)) = &retry {
                 if at.elapsed() >= 2 * self.lease {
@@ -352,6 +381,18 @@ impl Control {
                     .and_then(|(_, s)| s.get(&from))
                 {
                     crate::node_restart::send_starts(&*self.fabric, from, config, true, starts);
+                }
+            }
+            ControlMsg::Unreachable { config, machine } => {
+                let current = self.machine.view().config.clone();
+                if cm.config == current.id
+                    && config == current.id
+                    && current.cm == me
+                    && machine != me
+                    && current.contains(machine)
+                    && current.contains(from)
+                {
+                    cm.unreachable.insert(machine);
                 }
             }
             ControlMsg::Join(_) => {

@@ -57,6 +57,19 @@ fn evicted_machine_rejoins(net: Net, test: u16, znode: &str) {
 /// machine 2 rejoins as a new incarnation over new connections.
 #[test]
 fn a_machine_whose_connections_reset_is_removed_and_rejoins_over_tcp() {
+    connections_reset(2, false);
+}
+
+/// The same with only machine 1's connection to machine 2 reset: machine 1 is not the CM, so
+/// it tells the CM (`ControlMsg::Unreachable`), which removes machine 2.
+#[test]
+fn a_machine_that_another_member_cannot_reach_is_removed_and_rejoins_over_tcp() {
+    connections_reset(3, true);
+}
+
+/// Resets the connections to machine 2 (from machine 1 only, with `one`) in the middle of
+/// transfers, then checks that machine 2 was removed and rejoined.
+fn connections_reset(test: u16, one: bool) {
     let Some(zookeeper) = common::zookeeper("node-reset-tcp") else {
         return;
     };
@@ -70,12 +83,38 @@ fn a_machine_whose_connections_reset_is_removed_and_rejoins_over_tcp() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let machines = Machines::start_on(&Net::Loopback, "rejoin", 2, dir.path(), Some(zookeeper));
+    let machines = Machines::start_on(&Net::Loopback, "rejoin", test, dir.path(), Some(zookeeper));
     machines.share_accounts(dir.path());
     machines.progress(&[0, 1, 2], nodes::PROGRESS_EVERY * 2);
-    let port = (nodes::base_port(2) + 2).to_string();
+    let port = (nodes::base_port(test) + 2).to_string();
+    let mut filter = vec!["dst", "127.0.0.1", "dport", "=", &port];
+    // Machine 1's connection to machine 2: its local port, from the socket machine 1 owns.
+    let sport;
+    if one {
+        let list = std::process::Command::new("ss")
+            .args(["-tnpH", "dst", "127.0.0.1", "dport", "=", &port])
+            .output()
+            .expect("ss (iproute2, which .ci/run installs)");
+        let pid = format!("pid={},", machines.pid(1));
+        let line = String::from_utf8_lossy(&list.stdout)
+            .lines()
+            .find(|l| l.contains(&pid))
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("machine 1 has no connection to machine 2: {list:?}"));
+        // `ESTAB 0 0 127.0.0.1:<sport> 127.0.0.1:<port> users:...`
+        sport = line
+            .split_whitespace()
+            .nth(3)
+            .unwrap()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .to_string();
+        filter.extend(["sport", "=", &sport]);
+    }
     let reset = std::process::Command::new("ss")
-        .args(["-K", "-t", "dst", "127.0.0.1", "dport", "=", &port])
+        .args(["-K", "-t"])
+        .args(&filter)
         .output()
         .expect("ss (iproute2, which .ci/run installs)");
     assert!(reset.status.success(), "ss -K: {reset:?}");

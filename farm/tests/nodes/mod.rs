@@ -895,6 +895,11 @@ impl Machines {
         assert!(objects > 0, "no object compared");
     }
 
+    /// Machine `m`'s process id.
+    pub fn pid(&self, m: u16) -> u32 {
+        self.children[m as usize].id()
+    }
+
     pub fn signal(&self, m: u16, signal: libc::c_int) {
         let pid = self.children[m as usize].id() as libc::pid_t;
         // SAFETY: kill(2) with the pid of a child this test spawned and has not reaped.
