@@ -277,6 +277,14 @@ impl Served {
             .cloned()
     }
 
+    /// This machine's area `key`, for its own operations.
+    fn registered(&self, key: MemKey) -> Result<Arc<Nvram>, FabricError> {
+        self.area(key).ok_or(FabricError::NotRegistered {
+            machine: self.me,
+            key,
+        })
+    }
+
     fn reject(&self) {
         self.rejections.fetch_add(1, Ordering::Relaxed);
     }
@@ -1115,10 +1123,7 @@ impl Fabric for TcpFabric {
     ) -> Result<Arc<dyn RemoteMemory>, FabricError> {
         let _ = src;
         if dst == self.me {
-            let mem = self
-                .served
-                .area(key)
-                .ok_or(FabricError::NotRegistered { machine: dst, key })?;
+            let mem = self.served.registered(key)?;
             return Ok(Arc::new(LocalRemote {
                 me: self.me,
                 key,
@@ -1143,10 +1148,7 @@ impl Fabric for TcpFabric {
         data: &[u8],
     ) -> Result<WriteTicket, FabricError> {
         if dst == self.me {
-            let mem = self
-                .served
-                .area(key)
-                .ok_or(FabricError::NotRegistered { machine: dst, key })?;
+            let mem = self.served.registered(key)?;
             check_bounds(dst, key, &mem, offset, data.len())?;
             mem.write(offset as usize, data);
             return Ok(WriteTicket(1));

@@ -288,7 +288,7 @@ impl Node {
         params.validate().map_err(NodeError::Invalid)?;
         let (machine, restart) = match &store {
             Some(store) if config.restart => {
-                let restart = crate::node_restart::decide(config, &*fabric, &**store)?;
+                let restart = crate::node_restart::decide(config, &*fabric, &**store, persisted)?;
                 let machine = MachineState::restore(
                     me,
                     params,

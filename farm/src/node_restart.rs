@@ -52,19 +52,21 @@ pub(crate) struct Restart {
 pub(crate) type RingStarts = BTreeMap<MachineId, Vec<[u64; 4]>>;
 
 /// Steps 1 and 2: waits for every machine's process, then decides (machine 0) or learns the
-/// restart configuration. Fails if this machine is not a member of it.
+/// restart configuration, `mine` being what this machine left in NVRAM (the node read it
+/// at start). Fails if this machine is not a member of it.
 pub(crate) fn decide(
     config: &NodeConfig,
     fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
+    mine: Option<Persisted>,
 ) -> Result<Restart, NodeError> {
     let me = config.machine;
     let all: Vec<MachineId> = (0..config.machines).map(MachineId).collect();
     crate::node::wait_for_machines(&all, |m| fabric.is_up(m), config.start_timeout)?;
     let restart = if me.0 == 0 {
-        lead(config, fabric, store)?
+        lead(config, fabric, store, mine)?
     } else {
-        follow(config, fabric, store)?
+        follow(config, fabric, store, mine)?
     };
     if !restart.config.contains(me) {
         return Err(NodeError::Invalid(format!(
@@ -85,6 +87,7 @@ fn lead(
     config: &NodeConfig,
     fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
+    mine: Option<Persisted>,
 ) -> Result<Restart, NodeError> {
     let (version, bytes) = store
         .read()
@@ -94,7 +97,7 @@ fn lead(
         })?;
     let stored = farm_cm::codec::decode(&bytes)
         .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?;
-    let persisted = gather(config, fabric)?;
+    let persisted = gather(config, fabric, mine)?;
     let from =
         farm_txn::machine::restart_view(stored.id, &persisted).map_err(NodeError::Invalid)?;
     if let Some(m) = from.config.members.iter().find(|m| m.0 >= config.machines) {
@@ -133,25 +136,15 @@ fn lead(
     })
 }
 
-/// What this machine left in its NVRAM directory.
-fn own_persisted(config: &NodeConfig) -> Result<Option<Persisted>, NodeError> {
-    farm_txn::machine::read_persisted(&config.dir, config.machine).map_err(|source| {
-        NodeError::Nvram {
-            machine: config.machine,
-            dir: config.dir.display().to_string(),
-            source,
-        }
-    })
-}
-
-/// What every machine left, by machine id: machine 0's from its directory, the others' as
-/// they send it ([`ControlMsg::Persisted`]).
+/// What every machine left, by machine id: this one's (`mine`), the others' as they send it
+/// ([`ControlMsg::Persisted`]).
 fn gather(
     config: &NodeConfig,
     fabric: &dyn ProcessFabric,
+    mine: Option<Persisted>,
 ) -> Result<Vec<Option<Persisted>>, NodeError> {
     let mut persisted: Vec<Option<Persisted>> = (0..config.machines).map(|_| None).collect();
-    persisted[config.machine.0 as usize] = own_persisted(config)?;
+    persisted[config.machine.0 as usize] = mine;
     let mut missing: BTreeSet<MachineId> = (0..config.machines)
         .map(MachineId)
         .filter(|m| *m != config.machine)
@@ -183,8 +176,9 @@ fn follow(
     config: &NodeConfig,
     fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
+    mine: Option<Persisted>,
 ) -> Result<Restart, NodeError> {
-    let mine = own_persisted(config)?.map(|p| {
+    let mine = mine.map(|p| {
         ControlMsg::Persisted {
             view: p.view,
             copying: p.copying,
