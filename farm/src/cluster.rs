@@ -1,16 +1,13 @@
 //! The in-process cluster: machines as groups of workers in one process over the `mem` fabric,
 //! driven by OS threads (DESIGN.md, Machines, threads, event loop).
 //!
-//! OS thread `t` hosts worker `t` of every machine ([`Host`]) and polls them in turn, so three
-//! machines share two cores without a context switch on the commit path. A thread that runs a
-//! transaction takes a host for its duration, runs the closure on the coordinator worker and,
-//! while it waits for replies and acks, keeps polling every worker of the host: handlers never
-//! block, and waiting polls (a coordinator waiting for its own host's participant would deadlock
-//! otherwise). Background pollers serve hosts that no transaction holds.
+//! OS thread `t` hosts worker `t` of every machine and polls them in turn, so three machines
+//! share two cores without a context switch on the commit path (`crate::hosts`: the same
+//! retry loop, reads and pollers as a node's, over other workers).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -19,10 +16,10 @@ use farm_core::fabric::Fabric;
 use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::{Addr, MachineId, RegionId, ThreadId};
-use farm_txn::{MachineState, Params, Replication, Stats, Tx, TxError, Worker};
+use farm_txn::{MachineState, Params, Replication, Stats, TxError, Worker};
 
-use crate::backoff::Backoff;
 use crate::cm::{CmDriver, CmShared, ReconfigEvent, Request};
+use crate::hosts::{Host, HostGuard, Hosts, IdleWait};
 use crate::lease_thread::{LeaseLength, LeaseThreads, Suspicion};
 use crate::txn::Txn;
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
@@ -397,7 +394,7 @@ impl ClusterBuilder {
             };
             (machines, version)
         };
-        let hosts: Vec<Mutex<Host>> = (0..self.workers)
+        let hosts: Vec<Host> = (0..self.workers)
             .map(|t| {
                 let mut workers: Vec<Worker> = machines
                     .iter()
@@ -406,13 +403,16 @@ impl ClusterBuilder {
                 if self.restart {
                     Worker::resume_rings(&mut workers.iter_mut().collect::<Vec<_>>());
                 }
-                Mutex::new(Host {
-                    workers,
-                    committed_per_ms: Vec::new(),
-                })
+                Host::new(workers)
             })
             .collect();
         let epoch = Instant::now();
+        let hosts = Arc::new(Hosts::new(
+            hosts,
+            fabric.clone() as Arc<dyn Fabric>,
+            IdleWait::Backoff,
+            epoch,
+        ));
         let suspicions = Arc::new(Mutex::new(Vec::new()));
         let lease_stop = Arc::new(AtomicBool::new(false));
         let lease_length = Arc::new(LeaseLength::new(self.lease));
@@ -451,11 +451,7 @@ impl ClusterBuilder {
         let inner = Arc::new(Inner {
             fabric,
             machines,
-            hosts,
-            epoch,
-            stop: AtomicBool::new(false),
-            next_host: AtomicUsize::new(0),
-            sessions: std::sync::atomic::AtomicU64::new(0),
+            hosts: hosts.clone(),
             suspicions,
             reconfig_events,
             requests,
@@ -466,21 +462,7 @@ impl ClusterBuilder {
             Vec::new()
         };
         let pollers = if self.background_pollers {
-            (0..self.workers as usize)
-                .map(|t| {
-                    let inner = inner.clone();
-                    let core = cores.get(t % cores.len().max(1)).copied();
-                    std::thread::Builder::new()
-                        .name(format!("farm-poller-{t}"))
-                        .spawn(move || {
-                            if let Some(c) = core {
-                                core_affinity::set_for_current(c);
-                            }
-                            inner.background_poll(t)
-                        })
-                        .expect("spawn poller")
-                })
-                .collect()
+            hosts.start_pollers(&cores)
         } else {
             Vec::new()
         };
@@ -621,124 +603,14 @@ impl ClusterBuilder {
     }
 }
 
-/// Worker `t` of every machine, polled by one OS thread at a time.
-#[derive(Debug)]
-pub struct Host {
-    workers: Vec<Worker>,
-    /// Transactions committed on this host per millisecond since the cluster started.
-    committed_per_ms: Vec<u32>,
-}
-
-/// Milliseconds of throughput timeline kept (one hour); later commits are not recorded.
-const TIMELINE_MS_MAX: usize = 3_600_000;
-
-impl Host {
-    fn record_commit(&mut self, now_us: u64) {
-        let ms = (now_us / 1000) as usize;
-        if ms >= TIMELINE_MS_MAX {
-            return;
-        }
-        if self.committed_per_ms.len() <= ms {
-            self.committed_per_ms.resize(ms + 1, 0);
-        }
-        self.committed_per_ms[ms] += 1;
-    }
-
-    /// Polls every worker once; whether any had work.
-    fn poll_all(&mut self, now: u64) -> bool {
-        let mut busy = false;
-        for w in &mut self.workers {
-            busy |= w.poll(now);
-        }
-        busy
-    }
-
-    /// Polls until the host is idle, at most [`HOST_POLLS_PER_RETRY`] rounds, for a thread that
-    /// holds it while waiting: what it waits for (a conflicting commit, recovery of a blocked
-    /// region) may need this very host's workers, which no poller serves while it is held.
-    /// Returns whether there was work.
-    fn poll_until_idle(&mut self, now: impl Fn() -> u64) -> bool {
-        let mut worked = false;
-        for _ in 0..HOST_POLLS_PER_RETRY {
-            if !self.poll_all(now()) {
-                break;
-            }
-            worked = true;
-        }
-        worked
-    }
-}
-
 #[derive(Debug)]
 struct Inner {
     fabric: Arc<MemFabric>,
     machines: Vec<Arc<MachineState>>,
-    hosts: Vec<Mutex<Host>>,
-    epoch: Instant,
-    stop: AtomicBool,
-    next_host: AtomicUsize,
-    /// Hosts kept by sessions, as a bit set: other threads do not wait for them.
-    sessions: std::sync::atomic::AtomicU64,
+    hosts: Arc<Hosts>,
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
     reconfig_events: Arc<Mutex<Vec<ReconfigEvent>>>,
     requests: Arc<Mutex<Vec<Request>>>,
-}
-
-impl Inner {
-    fn now(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
-    }
-
-    /// Serves host `t` while no transaction holds it. All traffic of host `t` comes from
-    /// coordinators on host `t` (peer threads), so what is left when none runs is lazy work
-    /// (truncation, feedback, late replies): poll while there is work, otherwise sleep rather
-    /// than spin or yield, leaving the cores to transaction threads.
-    fn background_poll(&self, t: usize) {
-        let mut backoff = Backoff::new();
-        while !self.stop.load(Ordering::Relaxed) {
-            // The guard is a temporary: the host is released before any sleep.
-            let busy = self.hosts[t]
-                .try_lock()
-                .map(|mut host| host.poll_all(self.now()));
-            match busy {
-                Ok(true) => backoff.reset(),
-                Ok(false) => backoff.sleep(),
-                // A transaction holds the host and polls it while it waits: stay out of its way.
-                Err(_) => backoff.park(),
-            }
-        }
-    }
-}
-
-thread_local! {
-    static HOST_HINT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
-    /// Hosts this thread holds, as a bit set.
-    static HOSTS_HELD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// A host held by the current thread; released (and forgotten by the thread) on drop.
-struct HostGuard<'a> {
-    guard: MutexGuard<'a, Host>,
-    index: usize,
-}
-
-impl Drop for HostGuard<'_> {
-    fn drop(&mut self) {
-        HOSTS_HELD.with(|h| h.set(h.get() & !(1 << self.index)));
-    }
-}
-
-impl std::ops::Deref for HostGuard<'_> {
-    type Target = Host;
-    fn deref(&self) -> &Host {
-        &self.guard
-    }
-}
-
-impl std::ops::DerefMut for HostGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Host {
-        &mut self.guard
-    }
 }
 
 /// A thread's hold on one host across transactions ([`Cluster::session`]).
@@ -748,21 +620,10 @@ pub struct Session<'c> {
     host: std::cell::RefCell<HostGuard<'c>>,
 }
 
-impl std::fmt::Debug for HostGuard<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostGuard")
-            .field("index", &self.index)
-            .finish()
-    }
-}
-
 impl Drop for Session<'_> {
     fn drop(&mut self) {
-        let index = self.host.borrow().index;
-        self.cluster
-            .inner
-            .sessions
-            .fetch_and(!(1u64 << index), Ordering::AcqRel);
+        let index = self.host.borrow().index();
+        self.cluster.inner.hosts.keep(index, false);
     }
 }
 
@@ -873,8 +734,10 @@ impl Client for Session<'_> {
         addr: Addr,
         buf: &mut [u8],
     ) -> Result<(), TxError> {
-        assert!(buf.len() >= 8, "the buffer has no room for the header");
-        self.cluster.read_on(&mut self.held(), machine, addr, buf)
+        self.cluster
+            .inner
+            .hosts
+            .read(&mut self.held(), machine, addr, buf)
     }
 
     fn machines(&self) -> u16 {
@@ -895,12 +758,6 @@ pub struct Cluster {
 
 /// Lock-free reads of objects up to this size use a stack buffer.
 const LOCK_FREE_STACK_BYTES: usize = 256;
-
-/// Most polls of its host a `txn()` retry makes while the host's workers have work.
-const HOST_POLLS_PER_RETRY: usize = 64;
-
-/// Most attempts of one `txn()` call before it gives up with the last conflict.
-pub const TXN_ATTEMPTS_MAX: u32 = 10_000;
 
 impl Cluster {
     /// A builder with the defaults (3 machines, 2 workers each, 3-way replication).
@@ -928,58 +785,15 @@ impl Cluster {
         &self.inner.machines
     }
 
-    /// Takes a host for this thread: its usual one if free, else any free one. Never one this
-    /// thread already holds (a `txn()` inside a `txn()` closure takes a second host), and never
-    /// waits for one a session keeps; panics if this thread holds them all, or sessions keep
-    /// every host this thread does not hold, either of which would otherwise deadlock.
+    /// Takes a host for this thread (see `Hosts::take`).
     fn host(&self) -> HostGuard<'_> {
-        let n = self.inner.hosts.len();
-        assert!(n <= 64, "at most 64 workers per machine");
-        let hint = HOST_HINT.with(|h| {
-            h.get().unwrap_or_else(|| {
-                let t = self.inner.next_host.fetch_add(1, Ordering::Relaxed) % n;
-                h.set(Some(t));
-                t
-            })
-        }) % n;
-        let held = HOSTS_HELD.with(|h| h.get());
-        assert!(
-            (0..n).any(|t| held & (1 << t) == 0),
-            "txn() nested {n} deep on one thread: every host of the cluster is held by this thread"
-        );
-        let take = |t: usize, guard| {
-            HOSTS_HELD.with(|h| h.set(h.get() | (1 << t)));
-            HostGuard { guard, index: t }
-        };
-        loop {
-            let kept = self.inner.sessions.load(Ordering::Acquire);
-            let free: Vec<usize> = (0..n)
-                .map(|i| (hint + i) % n)
-                .filter(|t| (held | kept) & (1 << t) == 0)
-                .collect();
-            assert!(
-                !free.is_empty(),
-                "sessions keep every one of the {n} hosts this thread does not hold: use fewer \
-                 sessions than workers per machine"
-            );
-            for &t in &free {
-                if let Ok(guard) = self.inner.hosts[t].try_lock() {
-                    return take(t, guard);
-                }
-            }
-            // All busy: wait for the first host neither this thread nor a session holds (the
-            // mutex queues us, which is fairer than spinning against a thread that re-locks in
-            // a loop), unless a session took it meanwhile.
-            let guard = self.inner.hosts[free[0]].lock().expect("host poisoned");
-            if self.inner.sessions.load(Ordering::Acquire) & (1 << free[0]) == 0 {
-                return take(free[0], guard);
-            }
-        }
+        self.inner.hosts.take()
     }
 
     /// Runs `f` as a strictly serializable transaction coordinated on `machine`, retrying with
-    /// backoff on conflicts (up to [`TXN_ATTEMPTS_MAX`] attempts). Returns the closure's value
-    /// once the transaction committed, or why it could not. The closure may run several times;
+    /// backoff on conflicts (up to [`crate::TXN_ATTEMPTS_MAX`] attempts) and while the cluster
+    /// reconfigures and recovers (up to 30 s). Returns the closure's value once the transaction
+    /// committed, or why it could not. The closure may run several times;
     /// returning an error from it aborts the transaction (use [`Txn::abort`] for a reason).
     pub fn txn<R>(
         &self,
@@ -998,9 +812,7 @@ impl Cluster {
     /// outside them panics rather than wait forever.
     pub fn session(&self) -> Session<'_> {
         let host = self.host();
-        self.inner
-            .sessions
-            .fetch_or(1u64 << host.index, Ordering::AcqRel);
+        self.inner.hosts.keep(host.index(), true);
         Session {
             cluster: self,
             host: std::cell::RefCell::new(host),
@@ -1011,22 +823,10 @@ impl Cluster {
         &self,
         host: &mut HostGuard<'_>,
         machine: MachineId,
-        mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
         assert!(machine.0 < self.machines(), "no machine {machine}");
-        let mut backoff = Backoff::new();
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let result = run_once(&self.inner, host, machine, &mut f);
-            match result {
-                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
-                    host.poll_until_idle(|| self.inner.now());
-                    backoff.conflict(attempt);
-                }
-                other => return other,
-            }
-        }
+        self.inner.hosts.txn(host, machine, None, f)
     }
 
     /// A lock-free read of one object (§3): a single consistent read at the primary, retried
@@ -1059,48 +859,7 @@ impl Cluster {
     }
 
     fn read_into(&self, machine: MachineId, addr: Addr, buf: &mut [u8]) -> Result<(), TxError> {
-        self.read_on(&mut self.host(), machine, addr, buf)
-    }
-
-    fn read_on(
-        &self,
-        host: &mut HostGuard<'_>,
-        machine: MachineId,
-        addr: Addr,
-        buf: &mut [u8],
-    ) -> Result<(), TxError> {
-        let mut backoff = Backoff::new();
-        let mut attempt = 0;
-        loop {
-            // As for transactions: a read issued from a machine that is gone fails at once (its
-            // view is stale; its reads would wait for recovery that never reaches it).
-            if self.inner.machines[machine.0 as usize].is_evicted() {
-                return Err(TxError::Evicted(machine));
-            }
-            if !self.inner.fabric.is_alive(machine) {
-                return Err(TxError::CoordinatorFailed(machine));
-            }
-            let w = &mut host.workers[machine.0 as usize];
-            match w.read_object_into(addr, buf) {
-                Ok(h) if h.allocated() => return Ok(()),
-                Ok(_) => {
-                    return Err(TxError::BadAddress {
-                        addr,
-                        why: "object is not allocated",
-                    })
-                }
-                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
-                    attempt += 1;
-                    // Back off only once the host had nothing left to do.
-                    if host.poll_until_idle(|| self.inner.now()) {
-                        backoff.reset();
-                    } else {
-                        backoff.idle();
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        self.inner.hosts.read(&mut self.host(), machine, addr, buf)
     }
 
     /// Waits until every commit has been acknowledged and truncated everywhere, so that backups
@@ -1108,73 +867,16 @@ impl Cluster {
     /// issuing transactions.
     pub fn quiesce(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let mut quiet = true;
-            for h in &self.inner.hosts {
-                let mut host = h.lock().expect("host poisoned");
-                let now = self.inner.now();
-                host.poll_all(now);
-                for w in &mut host.workers {
-                    w.flush_truncations();
-                    w.report_all_freed();
-                }
-                host.poll_all(now);
-                // Killed machines and machines outside the configuration hold what they held.
-                let fabric = &self.inner.fabric;
-                quiet &= host
-                    .workers
-                    .iter()
-                    .filter(|w| w.is_member() && fabric.is_alive(w.machine().id))
-                    .all(|w| {
-                        w.coordinator_quiet() && w.retained_records() == 0 && w.recovery_idle()
-                    });
-            }
-            if quiet {
-                for h in &self.inner.hosts {
-                    let mut host = h.lock().expect("host poisoned");
-                    for w in &mut host.workers {
-                        w.report_all_freed();
-                    }
-                    let fabric = &self.inner.fabric;
-                    for w in host
-                        .workers
-                        .iter_mut()
-                        .filter(|w| w.is_member() && fabric.is_alive(w.machine().id))
-                    {
-                        let in_use = w.outbound_in_use();
-                        assert_eq!(
-                            in_use,
-                            0,
-                            "worker {}/{} holds {in_use} log bytes at quiescence",
-                            w.machine().id,
-                            w.thread().0
-                        );
-                    }
-                }
-                return;
-            }
+        while !self.inner.hosts.quiesce_round() {
             if Instant::now() >= deadline {
-                let mut report = Vec::new();
-                for h in &self.inner.hosts {
-                    let host = h.lock().expect("host poisoned");
-                    for w in &host.workers {
-                        report.push(format!(
-                            "{}/{}: quiet {} retained {} recovery: {}",
-                            w.machine().id,
-                            w.thread().0,
-                            w.coordinator_quiet(),
-                            w.retained_records(),
-                            w.recovery_summary()
-                        ));
-                    }
-                }
                 panic!(
                     "cluster did not quiesce within 30 s:\n{}",
-                    report.join("\n")
+                    self.inner.hosts.report()
                 );
             }
             std::thread::yield_now();
         }
+        self.inner.hosts.assert_logs_free();
     }
 
     /// Kills `machine` the way a crash does: its NIC stops (one-sided operations to and from it
@@ -1217,7 +919,7 @@ impl Cluster {
 
     /// Microseconds since the cluster started (the clock of [`Suspicion::at_us`]).
     pub fn now_us(&self) -> u64 {
-        self.inner.now()
+        self.inner.hosts.now()
     }
 
     /// Adds `machine` (a spare, see [`ClusterBuilder::spare_machines`]) to the configuration:
@@ -1277,24 +979,16 @@ impl Cluster {
         mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
         assert!(machine.0 < self.machines(), "no machine {machine}");
-        let mut host = self.host();
-        run_once(&self.inner, &mut host, machine, &mut f)
+        self.inner
+            .hosts
+            .attempt(&mut self.host(), machine, None, &mut f)
     }
 
     /// The throughput timeline (DESIGN.md, Observability): transactions committed in every
     /// millisecond since the cluster started, with the reconfiguration events, ready to draw
     /// the paper's recovery timelines or to write as JSON ([`Timeline::to_json`]).
     pub fn timeline(&self) -> Timeline {
-        let mut per_ms: Vec<u64> = Vec::new();
-        for h in &self.inner.hosts {
-            let host = h.lock().expect("host poisoned");
-            if per_ms.len() < host.committed_per_ms.len() {
-                per_ms.resize(host.committed_per_ms.len(), 0);
-            }
-            for (total, n) in per_ms.iter_mut().zip(&host.committed_per_ms) {
-                *total += *n as u64;
-            }
-        }
+        let per_ms = self.inner.hosts.committed_per_ms();
         let recovery = self
             .inner
             .machines
@@ -1330,109 +1024,16 @@ impl Cluster {
 
     /// Counters summed over every worker.
     pub fn stats(&self) -> Stats {
-        let mut total = Stats::default();
-        for h in &self.inner.hosts {
-            for w in &h.lock().expect("host poisoned").workers {
-                total.add(w.stats());
-            }
-        }
-        total
+        self.inner.hosts.stats()
     }
 }
-
-fn run_once<R>(
-    inner: &Inner,
-    host: &mut Host,
-    machine: MachineId,
-    f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
-) -> Result<R, TxError> {
-    if inner.machines[machine.0 as usize].is_evicted() {
-        return Err(TxError::Evicted(machine));
-    }
-    if !inner.fabric.is_alive(machine) {
-        return Err(TxError::CoordinatorFailed(machine));
-    }
-    let (value, state) = {
-        // The coordinator worker executes; the poller serves the host's other workers while the
-        // execution waits (an allocation at a remote primary hosted by this very thread).
-        let (before, rest) = host.workers.split_at_mut(machine.0 as usize);
-        let (worker, after) = rest.split_first_mut().expect("machine is in range");
-        let mut poll_others = || {
-            let now = inner.now();
-            for w in before.iter_mut().chain(after.iter_mut()) {
-                w.poll(now);
-            }
-            now
-        };
-        let mut txn = Txn::new(Tx::with_poller(worker, &mut poll_others));
-        let value = f(&mut txn);
-        (value, txn.into_state())
-    };
-    let value = match value {
-        Ok(v) => v,
-        Err(e) => {
-            host.workers[machine.0 as usize].abort_execution(state, &e);
-            return Err(e);
-        }
-    };
-    host.workers[machine.0 as usize].start_commit(state);
-    let mut backoff = Backoff::new();
-    let started = inner.now();
-    let mut reported = false;
-    loop {
-        if !inner.fabric.is_alive(machine) {
-            // The coordinator's machine died under the application (which in a deployment
-            // would have died with it): the outcome is recovery's to decide.
-            host.workers[machine.0 as usize].abandon_commit();
-            return Err(TxError::CoordinatorFailed(machine));
-        }
-        if inner.machines[machine.0 as usize].is_evicted() {
-            host.workers[machine.0 as usize].abandon_commit();
-            return Err(TxError::Evicted(machine));
-        }
-        let now = inner.now();
-        if let Some(r) = host.workers[machine.0 as usize].poll_commit(now) {
-            if r.is_ok() {
-                host.record_commit(now);
-            }
-            return r.map(|()| value);
-        }
-        if host.poll_all(now) {
-            backoff.reset();
-        } else {
-            backoff.idle();
-        }
-        if !reported && now.saturating_sub(started) > STUCK_COMMIT_US {
-            // A commit normally ends within milliseconds, recovery included: say what this
-            // host's workers hold, once, so that a stuck one can be diagnosed.
-            reported = true;
-            let w = &host.workers[machine.0 as usize];
-            tracing::warn!(
-                txn = ?w.committing_txn(),
-                waited_ms = (now - started) / 1000,
-                "commit still waiting"
-            );
-            for w in &host.workers {
-                tracing::warn!(
-                    machine = w.machine().id.0,
-                    thread = w.thread().0,
-                    recovery = %w.recovery_summary(),
-                    "worker state"
-                );
-            }
-        }
-    }
-}
-
-/// A commit waiting this long (µs) gets its host's state logged once.
-const STUCK_COMMIT_US: u64 = 10_000_000;
 
 impl Drop for Cluster {
     fn drop(&mut self) {
         self.lease_stop.store(true, Ordering::Relaxed);
         self.leases.join();
         self.cm.join();
-        self.inner.stop.store(true, Ordering::Relaxed);
+        self.inner.hosts.stop();
         for p in self.pollers.drain(..) {
             let _ = p.join();
         }

@@ -22,6 +22,7 @@
 mod backoff;
 mod cluster;
 mod cm;
+mod hosts;
 mod lease_thread;
 pub mod node;
 mod node_control;
@@ -29,13 +30,12 @@ mod node_restart;
 mod txn;
 pub mod zk;
 
-pub use cluster::{
-    AdminError, BuildError, Client, Cluster, ClusterBuilder, Session, Timeline, TXN_ATTEMPTS_MAX,
-};
+pub use cluster::{AdminError, BuildError, Client, Cluster, ClusterBuilder, Session, Timeline};
 pub use cm::ReconfigEvent;
 pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 pub use farm_core::config::Configuration;
 pub use farm_core::{Addr, ConfigId, MachineId, RegionId};
 pub use farm_txn::{Conflict, RecoveryEvent, Replication, Stats, TxError};
+pub use hosts::TXN_ATTEMPTS_MAX;
 pub use lease_thread::Suspicion;
 pub use txn::Txn;

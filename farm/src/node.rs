@@ -18,7 +18,7 @@
 //! the running cluster. Not yet: region allocation beyond the first map.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -30,11 +30,11 @@ use farm_core::ring::RingLayout;
 use farm_core::shm_fabric::ShmFabric;
 use farm_core::tcp_fabric::TcpFabric;
 use farm_core::{MachineId, ThreadId};
-use farm_txn::{MachineState, Params, Replication, Tx, TxError, Worker};
+use farm_txn::{MachineState, Params, Replication, TxError, Worker};
 
-use crate::backoff::Backoff;
+use crate::hosts::{Host, Hosts, IdleWait};
 use crate::lease_thread::{LeaseLength, LeaseThreads, Suspicion};
-use crate::{Txn, TXN_ATTEMPTS_MAX};
+use crate::Txn;
 
 /// How to run one machine of a multi-process cluster.
 #[derive(Clone, Debug)]
@@ -139,41 +139,11 @@ pub struct Node {
     leases: LeaseThreads,
     stop: Arc<AtomicBool>,
     suspicions: Arc<Mutex<Vec<Suspicion>>>,
-    shared: Arc<Workers>,
+    /// Host `t` is this machine's worker `t`.
+    hosts: Arc<Hosts>,
     pollers: Vec<JoinHandle<()>>,
     control: Option<JoinHandle<()>>,
     committed: Arc<Mutex<Vec<farm_core::ConfigId>>>,
-}
-
-/// The machine's workers, each polled by its poller thread unless a transaction holds it.
-#[derive(Debug)]
-struct Workers {
-    workers: Vec<Mutex<Worker>>,
-    fabric: Arc<dyn ProcessFabric>,
-    epoch: Instant,
-    stop: AtomicBool,
-    next: AtomicUsize,
-}
-
-impl Workers {
-    fn now(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
-    }
-
-    fn poll(&self, t: usize) {
-        while !self.stop.load(Ordering::Relaxed) {
-            let seen = self.fabric.writes_seen();
-            // The guard is a temporary: the worker is released before any sleep.
-            let busy = self.workers[t].try_lock().map(|mut w| w.poll(self.now()));
-            // Nothing to do, or a transaction holds the worker (and polls it while it waits;
-            // once it lets go, what peers wrote meanwhile is this poller's again): sleep until
-            // a peer writes into this machine's rings (a LOCK, a message), or for lazy work
-            // (truncation, recovery timers) a while later.
-            if !matches!(busy, Ok(true)) {
-                self.fabric.wait_for_writes(seen, IDLE_WAIT);
-            }
-        }
-    }
 }
 
 impl Node {
@@ -373,22 +343,13 @@ impl Node {
             stop.clone(),
             suspicions.clone(),
         );
-        let shared = Arc::new(Workers {
-            workers: workers.into_iter().map(Mutex::new).collect(),
-            fabric: fabric.clone(),
-            epoch: Instant::now(),
-            stop: AtomicBool::new(false),
-            next: AtomicUsize::new(0),
-        });
-        let pollers = (0..config.workers as usize)
-            .map(|t| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("farm-poller-{t}"))
-                    .spawn(move || shared.poll(t))
-                    .expect("spawn poller")
-            })
-            .collect();
+        let hosts = Arc::new(Hosts::new(
+            workers.into_iter().map(|w| Host::new(vec![w])).collect(),
+            fabric.clone() as Arc<dyn Fabric>,
+            IdleWait::Doorbell(fabric.clone()),
+            Instant::now(),
+        ));
+        let pollers = hosts.start_pollers(&[]);
         let committed = Arc::new(Mutex::new(Vec::new()));
         let control = store.map(|store| {
             let c = crate::node_control::Control {
@@ -414,7 +375,7 @@ impl Node {
             leases,
             stop,
             suspicions,
-            shared,
+            hosts,
             pollers,
             control,
             committed,
@@ -481,31 +442,9 @@ impl Node {
     fn txn_placed<R>(
         &self,
         place: Option<farm_core::Addr>,
-        mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+        f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
-        let w = &self.shared;
-        let t = w.next.fetch_add(1, Ordering::Relaxed) % w.workers.len();
-        let mut worker = w.workers[t].lock().expect("worker poisoned");
-        let mut backoff = Backoff::new();
-        let mut attempt = 0;
-        let started = Instant::now();
-        loop {
-            attempt += 1;
-            match run_once(&mut worker, w, place, &mut f) {
-                // A machine failed or its regions recover: the cluster reconfigures and
-                // recovers within a few leases (across processes, a compare-and-set in
-                // ZooKeeper among them), so wait for it by time, without spinning.
-                Err(e) if waits_for_recovery(&e) && started.elapsed() < RECOVERY_WAIT_MAX => {
-                    worker.poll(w.now());
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
-                    worker.poll(w.now());
-                    backoff.conflict(attempt);
-                }
-                other => return other,
-            }
-        }
+        self.hosts.txn(&mut self.hosts.take(), self.id(), place, f)
     }
 
     /// The machine this node runs.
@@ -529,60 +468,19 @@ impl Node {
     /// installed every write, §4 step 5), recovery idle, and data and allocator recovery done
     /// (§5.4-5.5). Every machine of the cluster must be quiescing for all to get there.
     pub fn quiesce_step(&self) -> bool {
-        let now = self.shared.now();
-        let mut quiet = true;
-        for w in &self.shared.workers {
-            let mut w = w.lock().expect("worker poisoned");
-            w.poll(now);
-            w.flush_truncations();
-            w.report_all_freed();
-            w.poll(now);
-            quiet &= w.coordinator_quiet() && w.retained_records() == 0 && w.recovery_idle();
-        }
-        quiet && self.machine.background_recovery_done()
+        self.hosts.quiesce_round() && self.machine.background_recovery_done()
     }
 
     /// Reads the committed object at `addr` into `buf` (its 8-byte header first, then the
     /// value) with a one-sided read, outside any transaction (`Cluster::read_bytes_into`).
     pub fn read_bytes_into(&self, addr: farm_core::Addr, buf: &mut [u8]) -> Result<(), TxError> {
-        assert!(buf.len() >= 8, "the buffer has no room for the header");
-        let w = &self.shared;
-        let t = w.next.fetch_add(1, Ordering::Relaxed) % w.workers.len();
-        let mut worker = w.workers[t].lock().expect("worker poisoned");
-        let mut backoff = Backoff::new();
-        let mut attempt = 0;
-        loop {
-            if worker.machine().is_evicted() {
-                return Err(TxError::Evicted(self.id()));
-            }
-            match worker.read_object_into(addr, buf) {
-                Ok(h) if h.allocated() => return Ok(()),
-                Ok(_) => {
-                    return Err(TxError::BadAddress {
-                        addr,
-                        why: "object is not allocated",
-                    })
-                }
-                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
-                    attempt += 1;
-                    if worker.poll(w.now()) {
-                        backoff.reset();
-                    } else {
-                        backoff.idle();
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        self.hosts
+            .read(&mut self.hosts.take(), self.id(), addr, buf)
     }
 
     /// The workers' counters, summed (commits, aborts by cause, waits, allocations).
     pub fn stats(&self) -> farm_txn::Stats {
-        let mut total = farm_txn::Stats::default();
-        for w in &self.shared.workers {
-            total.add(w.lock().expect("worker poisoned").stats());
-        }
-        total
+        self.hosts.stats()
     }
 
     /// Whether `machine`'s process is alive, as the fabric sees it.
@@ -622,69 +520,9 @@ pub(crate) fn wait_for_machines(
 /// Leases a machine's first lease request and answer may take beyond the first lease.
 const START_GRACE_LEASES: u32 = 10;
 
-/// The longest an idle poller sleeps when no peer writes to it.
-const IDLE_WAIT: Duration = Duration::from_micros(500);
-
-/// How long [`Node::txn`] waits for reconfiguration and recovery before giving up.
-const RECOVERY_WAIT_MAX: Duration = Duration::from_secs(30);
-
-/// Errors that end once a new configuration is in place and its regions recovered.
-fn waits_for_recovery(e: &TxError) -> bool {
-    matches!(
-        e,
-        TxError::Unavailable(_) | TxError::RegionBlocked(_) | TxError::ConfigurationChanged
-    )
-}
-
-/// One execution and commit of `f` on `worker`.
-fn run_once<R>(
-    worker: &mut Worker,
-    w: &Workers,
-    place: Option<farm_core::Addr>,
-    f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
-) -> Result<R, TxError> {
-    if worker.machine().is_evicted() {
-        return Err(TxError::Evicted(worker.machine().id));
-    }
-    let (value, state) = {
-        // An allocation at a remote primary waits for its reply polling this worker, which
-        // serves this machine's side of every peer thread: no other worker needs a poll.
-        let mut now = || w.now();
-        let mut txn = Txn::placed(Tx::with_poller(worker, &mut now), place);
-        let value = f(&mut txn);
-        (value, txn.into_state())
-    };
-    let value = match value {
-        Ok(v) => v,
-        Err(e) => {
-            worker.abort_execution(state, &e);
-            return Err(e);
-        }
-    };
-    worker.start_commit(state);
-    let mut backoff = Backoff::new();
-    loop {
-        if worker.machine().is_evicted() {
-            // Removed from the configuration (§5.2): the outcome is recovery's to decide
-            // among the members; this machine's writes are refused there.
-            worker.abandon_commit();
-            return Err(TxError::Evicted(worker.machine().id));
-        }
-        let now = w.now();
-        if let Some(r) = worker.poll_commit(now) {
-            return r.map(|()| value);
-        }
-        if worker.poll(now) {
-            backoff.reset();
-        } else {
-            backoff.idle();
-        }
-    }
-}
-
 impl Drop for Node {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Relaxed);
+        self.hosts.stop();
         for p in self.pollers.drain(..) {
             let _ = p.join();
         }

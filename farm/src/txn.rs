@@ -14,10 +14,6 @@ pub struct Txn<'w> {
 }
 
 impl<'w> Txn<'w> {
-    pub(crate) fn new(inner: Tx<'w>) -> Self {
-        Self { inner, place: None }
-    }
-
     /// A transaction whose allocations without a locality hint go near `place`.
     pub(crate) fn placed(inner: Tx<'w>, place: Option<Addr>) -> Self {
         Self { inner, place }

@@ -1,0 +1,628 @@
+//! Hosts: the workers that one OS thread polls, and what every deployment does with them
+//! (DESIGN.md, Machines, threads, event loop). One implementation serves the in-process
+//! [`crate::Cluster`] and a [`crate::node::Node`]; they differ only in which workers a host holds:
+//!
+//! - in one process, host `t` is worker `t` of every machine, so one OS thread polls three
+//!   machines in turn without a context switch on the commit path, and a coordinator's LOCK is
+//!   processed by its peer in the same thread's next poll;
+//! - in a node, host `t` is worker `t` of the node's one machine.
+//!
+//! A thread running a transaction (or a lock-free read) takes a host for its duration, runs
+//! the closure on the coordinator's worker and, while it waits for replies and acks, keeps
+//! polling every worker of the host: handlers never block, and waiting polls (a coordinator
+//! waiting for its own host's participant would deadlock otherwise). A background poller per
+//! host serves it while nobody holds it. Everything here is the runtime's: the protocol state
+//! machines it drives (`farm_txn::Worker`) read no clock and block on nothing.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use farm_core::fabric::Fabric;
+use farm_core::process_fabric::ProcessFabric;
+use farm_core::{Addr, MachineId};
+use farm_txn::{Stats, Tx, TxError, Worker};
+
+use crate::backoff::Backoff;
+use crate::txn::Txn;
+
+/// Most attempts of one `txn()` call at a conflict before it gives up with the last one.
+pub const TXN_ATTEMPTS_MAX: u32 = 10_000;
+
+/// How long a `txn()` call waits for reconfiguration and recovery (a blocked region, a
+/// configuration that changed under the commit, a region without a primary) before it gives
+/// up with the last error. Across processes that includes a compare-and-set in ZooKeeper.
+pub(crate) const RECOVERY_WAIT_MAX: Duration = Duration::from_secs(30);
+
+/// Most polls of its host a retry makes while the host's workers have work.
+const HOST_POLLS_PER_RETRY: usize = 64;
+
+/// Milliseconds of throughput timeline kept (one hour); later commits are not recorded.
+const TIMELINE_MS_MAX: usize = 3_600_000;
+
+/// A commit waiting this long (µs) gets its host's state logged once.
+const STUCK_COMMIT_US: u64 = 10_000_000;
+
+/// The longest an idle poller of a process fabric sleeps when no peer writes to it.
+const DOORBELL_WAIT: Duration = Duration::from_micros(500);
+
+/// Hosts per process at most (a thread's held hosts and the sessions are 64-bit sets).
+pub(crate) const HOSTS_MAX: usize = 64;
+
+/// Errors that end once a new configuration is in place and its regions recovered: a
+/// transaction that meets one waits by time ([`RECOVERY_WAIT_MAX`]), not by attempts.
+fn waits_for_recovery(e: &TxError) -> bool {
+    matches!(
+        e,
+        TxError::Unavailable(_) | TxError::RegionBlocked(_) | TxError::ConfigurationChanged
+    )
+}
+
+/// Workers polled by one OS thread at a time.
+#[derive(Debug)]
+pub struct Host {
+    workers: Vec<Worker>,
+    /// Transactions committed on this host per millisecond since the process's epoch.
+    committed_per_ms: Vec<u32>,
+}
+
+impl Host {
+    /// A host of `workers`, at most one per machine.
+    pub(crate) fn new(workers: Vec<Worker>) -> Self {
+        for (i, w) in workers.iter().enumerate() {
+            assert!(
+                workers[..i]
+                    .iter()
+                    .all(|o| o.machine().id != w.machine().id),
+                "two workers of machine {} on one host",
+                w.machine().id
+            );
+        }
+        Self {
+            workers,
+            committed_per_ms: Vec::new(),
+        }
+    }
+
+    /// The position of `machine`'s worker on this host.
+    fn index_of(&self, machine: MachineId) -> usize {
+        // In one process worker m is machine m's; a node's host has one worker.
+        match self.workers.get(machine.0 as usize) {
+            Some(w) if w.machine().id == machine => machine.0 as usize,
+            _ => self
+                .workers
+                .iter()
+                .position(|w| w.machine().id == machine)
+                .unwrap_or_else(|| panic!("no worker of machine {machine} on this host")),
+        }
+    }
+
+    fn record_commit(&mut self, now_us: u64) {
+        let ms = (now_us / 1000) as usize;
+        if ms >= TIMELINE_MS_MAX {
+            return;
+        }
+        if self.committed_per_ms.len() <= ms {
+            self.committed_per_ms.resize(ms + 1, 0);
+        }
+        self.committed_per_ms[ms] += 1;
+    }
+
+    /// Polls every worker once; whether any had work.
+    fn poll_all(&mut self, now: u64) -> bool {
+        let mut busy = false;
+        for w in &mut self.workers {
+            busy |= w.poll(now);
+        }
+        busy
+    }
+
+    /// Polls until the host is idle, at most [`HOST_POLLS_PER_RETRY`] rounds, for a thread that
+    /// holds it while waiting: what it waits for (a conflicting commit, recovery of a blocked
+    /// region) may need this very host's workers, which no poller serves while it is held.
+    /// Returns whether there was work.
+    fn poll_until_idle(&mut self, now: impl Fn() -> u64) -> bool {
+        let mut worked = false;
+        for _ in 0..HOST_POLLS_PER_RETRY {
+            if !self.poll_all(now()) {
+                break;
+            }
+            worked = true;
+        }
+        worked
+    }
+}
+
+thread_local! {
+    static HOST_HINT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    /// Hosts this thread holds, as a bit set.
+    static HOSTS_HELD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// A host held by the current thread; released (and forgotten by the thread) on drop.
+pub(crate) struct HostGuard<'a> {
+    guard: MutexGuard<'a, Host>,
+    index: usize,
+}
+
+impl HostGuard<'_> {
+    /// Which host this is.
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl Drop for HostGuard<'_> {
+    fn drop(&mut self) {
+        HOSTS_HELD.with(|h| h.set(h.get() & !(1 << self.index)));
+    }
+}
+
+impl std::ops::Deref for HostGuard<'_> {
+    type Target = Host;
+    fn deref(&self) -> &Host {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for HostGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Host {
+        &mut self.guard
+    }
+}
+
+impl std::fmt::Debug for HostGuard<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostGuard")
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+/// How an idle background poller waits.
+pub(crate) enum IdleWait {
+    /// Sleep briefly (the `mem` fabric: every write comes from a thread of this process that
+    /// polls the target's worker itself while it waits).
+    Backoff,
+    /// Until a peer process writes into this machine's rings, or a while for lazy work.
+    Doorbell(Arc<dyn ProcessFabric>),
+}
+
+impl std::fmt::Debug for IdleWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IdleWait::Backoff => "Backoff",
+            IdleWait::Doorbell(_) => "Doorbell",
+        })
+    }
+}
+
+/// The hosts of a process, its pollers' wait, and the rules that run transactions and reads
+/// on them.
+#[derive(Debug)]
+pub(crate) struct Hosts {
+    hosts: Vec<Mutex<Host>>,
+    fabric: Arc<dyn Fabric>,
+    idle: IdleWait,
+    epoch: Instant,
+    stop: AtomicBool,
+    next_host: AtomicUsize,
+    /// Hosts kept by sessions, as a bit set: other threads do not wait for them.
+    sessions: AtomicU64,
+}
+
+impl Hosts {
+    /// Hosts over `fabric`, with time counted from `epoch`.
+    pub(crate) fn new(
+        hosts: Vec<Host>,
+        fabric: Arc<dyn Fabric>,
+        idle: IdleWait,
+        epoch: Instant,
+    ) -> Self {
+        assert!(
+            !hosts.is_empty() && hosts.len() <= HOSTS_MAX,
+            "{} hosts: between 1 and {HOSTS_MAX}",
+            hosts.len()
+        );
+        Self {
+            hosts: hosts.into_iter().map(Mutex::new).collect(),
+            fabric,
+            idle,
+            epoch,
+            stop: AtomicBool::new(false),
+            next_host: AtomicUsize::new(0),
+            sessions: AtomicU64::new(0),
+        }
+    }
+
+    /// Microseconds since the epoch: the `now` of every worker poll.
+    pub(crate) fn now(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    /// How many hosts.
+    pub(crate) fn len(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// Starts a background poller per host, pinned round-robin to `cores` if any.
+    pub(crate) fn start_pollers(
+        self: &Arc<Self>,
+        cores: &[core_affinity::CoreId],
+    ) -> Vec<JoinHandle<()>> {
+        (0..self.hosts.len())
+            .map(|t| {
+                let hosts = self.clone();
+                let core = cores.get(t % cores.len().max(1)).copied();
+                std::thread::Builder::new()
+                    .name(format!("farm-poller-{t}"))
+                    .spawn(move || {
+                        if let Some(c) = core {
+                            core_affinity::set_for_current(c);
+                        }
+                        hosts.background_poll(t)
+                    })
+                    .expect("spawn poller")
+            })
+            .collect()
+    }
+
+    /// Stops the background pollers (they end within one wait).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Serves host `t` while no transaction holds it. What is left when none runs is lazy
+    /// work (truncation, feedback, late replies) and, across processes, peers' records:
+    /// poll while there is work, otherwise wait without spinning, leaving the cores to
+    /// transaction threads.
+    fn background_poll(&self, t: usize) {
+        let mut backoff = Backoff::new();
+        while !self.stop.load(Ordering::Relaxed) {
+            let seen = match &self.idle {
+                IdleWait::Doorbell(d) => d.writes_seen(),
+                IdleWait::Backoff => 0,
+            };
+            // The guard is a temporary: the host is released before any wait.
+            let busy = self.hosts[t]
+                .try_lock()
+                .map(|mut host| host.poll_all(self.now()));
+            match (&self.idle, busy) {
+                (_, Ok(true)) => backoff.reset(),
+                // Nothing to do, or a transaction holds the host (and polls it while it
+                // waits; once it lets go, what peers wrote meanwhile is this poller's again):
+                // sleep until a peer writes into this machine's rings (a LOCK, a message), or
+                // for lazy work (truncation, recovery timers) a while later.
+                (IdleWait::Doorbell(d), _) => d.wait_for_writes(seen, DOORBELL_WAIT),
+                (IdleWait::Backoff, Ok(false)) => backoff.sleep(),
+                // A transaction holds the host and polls it while it waits: stay out of its way.
+                (IdleWait::Backoff, Err(_)) => backoff.park(),
+            }
+        }
+    }
+
+    /// Takes a host for this thread: its usual one if free, else any free one. Never one this
+    /// thread already holds (a `txn()` inside a `txn()` closure takes a second host), and never
+    /// waits for one a session keeps; panics if this thread holds them all, or sessions keep
+    /// every host this thread does not hold, either of which would otherwise deadlock.
+    pub(crate) fn take(&self) -> HostGuard<'_> {
+        let n = self.hosts.len();
+        let hint = HOST_HINT.with(|h| {
+            h.get().unwrap_or_else(|| {
+                let t = self.next_host.fetch_add(1, Ordering::Relaxed) % n;
+                h.set(Some(t));
+                t
+            })
+        }) % n;
+        let held = HOSTS_HELD.with(|h| h.get());
+        assert!(
+            (0..n).any(|t| held & (1 << t) == 0),
+            "txn() nested {n} deep on one thread: every host is held by this thread"
+        );
+        let take = |t: usize, guard| {
+            HOSTS_HELD.with(|h| h.set(h.get() | (1 << t)));
+            HostGuard { guard, index: t }
+        };
+        loop {
+            let kept = self.sessions.load(Ordering::Acquire);
+            let free: Vec<usize> = (0..n)
+                .map(|i| (hint + i) % n)
+                .filter(|t| (held | kept) & (1 << t) == 0)
+                .collect();
+            assert!(
+                !free.is_empty(),
+                "sessions keep every one of the {n} hosts this thread does not hold: use fewer \
+                 sessions than workers per machine"
+            );
+            for &t in &free {
+                if let Ok(guard) = self.hosts[t].try_lock() {
+                    return take(t, guard);
+                }
+            }
+            // All busy: wait for the first host neither this thread nor a session holds (the
+            // mutex queues us, which is fairer than spinning against a thread that re-locks in
+            // a loop), unless a session took it meanwhile.
+            let guard = self.hosts[free[0]].lock().expect("host poisoned");
+            if self.sessions.load(Ordering::Acquire) & (1 << free[0]) == 0 {
+                return take(free[0], guard);
+            }
+        }
+    }
+
+    /// Marks host `index` kept by a session (or no longer, `kept == false`).
+    pub(crate) fn keep(&self, index: usize, kept: bool) {
+        if kept {
+            self.sessions.fetch_or(1u64 << index, Ordering::AcqRel);
+        } else {
+            self.sessions.fetch_and(!(1u64 << index), Ordering::AcqRel);
+        }
+    }
+
+    /// Runs `f` as a transaction coordinated by `machine`'s worker on `host`, retrying it:
+    /// conflicts with backoff, up to [`TXN_ATTEMPTS_MAX`] attempts; errors that a new
+    /// configuration and recovery end, for up to [`RECOVERY_WAIT_MAX`]. Allocations that name
+    /// no locality hint go near `place` if given. Between attempts the host is polled until
+    /// idle: the conflicting commit or the recovery waited for may need its workers.
+    pub(crate) fn txn<R>(
+        &self,
+        host: &mut Host,
+        machine: MachineId,
+        place: Option<Addr>,
+        mut f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        let mut backoff = Backoff::new();
+        let mut attempt = 0;
+        let started = Instant::now();
+        loop {
+            attempt += 1;
+            match self.attempt(host, machine, place, &mut f) {
+                Err(e) if waits_for_recovery(&e) && started.elapsed() < RECOVERY_WAIT_MAX => {
+                    if host.poll_until_idle(|| self.now()) {
+                        backoff.reset();
+                    } else {
+                        backoff.idle();
+                    }
+                }
+                Err(e)
+                    if !waits_for_recovery(&e)
+                        && e.is_retryable()
+                        && attempt < TXN_ATTEMPTS_MAX =>
+                {
+                    host.poll_until_idle(|| self.now());
+                    backoff.conflict(attempt);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One execution and commit of `f` coordinated by `machine`'s worker on `host` (§4), without
+    /// retries: conflicts and blocked regions come back as errors.
+    pub(crate) fn attempt<R>(
+        &self,
+        host: &mut Host,
+        machine: MachineId,
+        place: Option<Addr>,
+        f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
+    ) -> Result<R, TxError> {
+        let i = host.index_of(machine);
+        self.may_coordinate(&host.workers[i])?;
+        let (value, state) = {
+            // The coordinator worker executes; the host's other workers are polled while the
+            // execution waits (an allocation at a remote primary hosted by this very thread).
+            let (before, rest) = host.workers.split_at_mut(i);
+            let (worker, after) = rest.split_first_mut().expect("index in range");
+            let mut poll_others = || {
+                let now = self.now();
+                for w in before.iter_mut().chain(after.iter_mut()) {
+                    w.poll(now);
+                }
+                now
+            };
+            let mut txn = Txn::placed(Tx::with_poller(worker, &mut poll_others), place);
+            let value = f(&mut txn);
+            (value, txn.into_state())
+        };
+        let value = match value {
+            Ok(v) => v,
+            Err(e) => {
+                host.workers[i].abort_execution(state, &e);
+                return Err(e);
+            }
+        };
+        host.workers[i].start_commit(state);
+        let mut backoff = Backoff::new();
+        let started = self.now();
+        let mut reported = false;
+        loop {
+            if let Err(e) = self.may_coordinate(&host.workers[i]) {
+                // The coordinator's machine died under the application (in-process; in a
+                // deployment the application dies with it) or was removed from the
+                // configuration (§5.2): the outcome is recovery's to decide among the members,
+                // which refuse this machine's writes.
+                host.workers[i].abandon_commit();
+                return Err(e);
+            }
+            let now = self.now();
+            if let Some(r) = host.workers[i].poll_commit(now) {
+                if r.is_ok() {
+                    host.record_commit(now);
+                }
+                return r.map(|()| value);
+            }
+            if host.poll_all(now) {
+                backoff.reset();
+            } else {
+                backoff.idle();
+            }
+            if !reported && now.saturating_sub(started) > STUCK_COMMIT_US {
+                // A commit normally ends within milliseconds, recovery included: say what this
+                // host's workers hold, once, so that a stuck one can be diagnosed.
+                reported = true;
+                tracing::warn!(
+                    txn = ?host.workers[i].committing_txn(),
+                    waited_ms = (now - started) / 1000,
+                    "commit still waiting"
+                );
+                for w in &host.workers {
+                    tracing::warn!(
+                        machine = w.machine().id.0,
+                        thread = w.thread().0,
+                        recovery = %w.recovery_summary(),
+                        "worker state"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Whether `worker`'s machine may coordinate or serve a read: not removed from the
+    /// configuration, and up (the in-process fabric kills machines whose threads go on).
+    fn may_coordinate(&self, worker: &Worker) -> Result<(), TxError> {
+        let machine = worker.machine().id;
+        if worker.machine().is_evicted() {
+            return Err(TxError::Evicted(machine));
+        }
+        if !self.fabric.is_up(machine) {
+            return Err(TxError::CoordinatorFailed(machine));
+        }
+        Ok(())
+    }
+
+    /// A lock-free read (§3) by `machine`'s worker on `host` of the first `buf.len() - 8`
+    /// bytes of the object at `addr` into `buf[8..]`, its header into `buf[..8]`: one consistent
+    /// read at the primary, retried while the object is locked, torn or its region blocked.
+    pub(crate) fn read(
+        &self,
+        host: &mut Host,
+        machine: MachineId,
+        addr: Addr,
+        buf: &mut [u8],
+    ) -> Result<(), TxError> {
+        assert!(buf.len() >= 8, "the buffer has no room for the header");
+        let i = host.index_of(machine);
+        let mut backoff = Backoff::new();
+        let mut attempt = 0;
+        loop {
+            // As for transactions: a read issued from a machine that is gone fails at once (its
+            // view is stale; its reads would wait for recovery that never reaches it).
+            self.may_coordinate(&host.workers[i])?;
+            match host.workers[i].read_object_into(addr, buf) {
+                Ok(h) if h.allocated() => return Ok(()),
+                Ok(_) => {
+                    return Err(TxError::BadAddress {
+                        addr,
+                        why: "object is not allocated",
+                    })
+                }
+                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
+                    attempt += 1;
+                    // Back off only once the host had nothing left to do.
+                    if host.poll_until_idle(|| self.now()) {
+                        backoff.reset();
+                    } else {
+                        backoff.idle();
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Workers that quiescing waits for: members of their configuration whose machine is up
+    /// (killed machines, and machines outside the configuration, hold what they held).
+    fn counted(&self, w: &Worker) -> bool {
+        w.is_member() && self.fabric.is_up(w.machine().id)
+    }
+
+    /// One round of quiescing, for checks once no transaction runs: polls every host, flushes
+    /// truncations and freed-log reports, and polls again. Returns whether every counted worker
+    /// is quiet: nothing it coordinates in flight, no untruncated record held (backups have
+    /// installed every write, §4 step 5), recovery idle. Every machine of the cluster must be
+    /// quiescing for all to get there.
+    pub(crate) fn quiesce_round(&self) -> bool {
+        let mut quiet = true;
+        for h in &self.hosts {
+            let mut host = h.lock().expect("host poisoned");
+            let now = self.now();
+            host.poll_all(now);
+            for w in &mut host.workers {
+                w.flush_truncations();
+                w.report_all_freed();
+            }
+            host.poll_all(now);
+            quiet &=
+                host.workers.iter().filter(|w| self.counted(w)).all(|w| {
+                    w.coordinator_quiet() && w.retained_records() == 0 && w.recovery_idle()
+                });
+        }
+        quiet
+    }
+
+    /// At quiescence: every counted worker's outbound logs are free (no reservation or record
+    /// leaked). Panics, naming the worker, if not.
+    pub(crate) fn assert_logs_free(&self) {
+        for h in &self.hosts {
+            let mut host = h.lock().expect("host poisoned");
+            for w in &mut host.workers {
+                w.report_all_freed();
+            }
+            for w in host.workers.iter_mut().filter(|w| self.counted(w)) {
+                let in_use = w.outbound_in_use();
+                assert_eq!(
+                    in_use,
+                    0,
+                    "worker {}/{} holds {in_use} log bytes at quiescence",
+                    w.machine().id,
+                    w.thread().0
+                );
+            }
+        }
+    }
+
+    /// One line per worker: what it holds (for a quiescence that did not come).
+    pub(crate) fn report(&self) -> String {
+        let mut report = Vec::new();
+        for h in &self.hosts {
+            let host = h.lock().expect("host poisoned");
+            for w in &host.workers {
+                report.push(format!(
+                    "{}/{}: quiet {} retained {} recovery: {}",
+                    w.machine().id,
+                    w.thread().0,
+                    w.coordinator_quiet(),
+                    w.retained_records(),
+                    w.recovery_summary()
+                ));
+            }
+        }
+        report.join("\n")
+    }
+
+    /// Counters summed over every worker.
+    pub(crate) fn stats(&self) -> Stats {
+        let mut total = Stats::default();
+        for h in &self.hosts {
+            for w in &h.lock().expect("host poisoned").workers {
+                total.add(w.stats());
+            }
+        }
+        total
+    }
+
+    /// Transactions committed per millisecond since the epoch, summed over the hosts.
+    pub(crate) fn committed_per_ms(&self) -> Vec<u64> {
+        let mut per_ms: Vec<u64> = Vec::new();
+        for h in &self.hosts {
+            let host = h.lock().expect("host poisoned");
+            if per_ms.len() < host.committed_per_ms.len() {
+                per_ms.resize(host.committed_per_ms.len(), 0);
+            }
+            for (total, n) in per_ms.iter_mut().zip(&host.committed_per_ms) {
+                *total += *n as u64;
+            }
+        }
+        per_ms
+    }
+}
