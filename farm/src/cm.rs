@@ -21,7 +21,6 @@ use farm_cm::placement::{choose_replicas, next_region_id, AllocEffect, RegionAll
 use farm_cm::reconfig::{backup_cms, Effect, Reconfig, ReconfigParams};
 use farm_cm::remap::RegionChanges;
 use farm_cm::{CasOutcome, CoordinationStore, StoreVersion};
-use farm_core::fabric::{Fabric, MemKey};
 use farm_core::mem_fabric::MemFabric;
 use farm_core::{ConfigId, MachineId, RegionId};
 use farm_txn::MachineState;
@@ -335,7 +334,7 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
         }
         for e in effects {
             match e {
-                Effect::Probe(m) => r.on_probe(m, probe(&*s.fabric, me, m), now()),
+                Effect::Probe(m) => r.on_probe(m, crate::control::probe(&*s.fabric, me, m), now()),
                 Effect::CompareAndSet { expected, data } => {
                     if !probed {
                         probed = true;
@@ -411,15 +410,6 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
             Err(e.to_string())
         }
     }
-}
-
-/// A reconfiguration probe (§5.2 step 2): a one-sided read of `m`'s memory from `me`, which
-/// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers.
-pub(crate) fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> bool {
-    fabric
-        .remote(me, m, MemKey::Feedback)
-        .and_then(|h| h.read(0, &mut [0u8; 8]))
-        .is_ok()
 }
 
 /// An administrative request for the CM.

@@ -22,6 +22,7 @@
 mod backoff;
 mod cluster;
 mod cm;
+mod control;
 mod hosts;
 mod lease_thread;
 pub mod node;

@@ -18,7 +18,16 @@ use farm_core::nvram::Nvram;
 
 pub const CHILD_ENV: &str = "FARM_NODE_CHILD";
 pub const CLUSTER: u64 = 0xc1a5_7e11;
+/// Machines of a test's cluster, unless it starts another number ([`Machines::start_n`]).
 pub const MACHINES: u16 = 3;
+
+/// In a child's environment: how many machines the cluster has (default [`MACHINES`]).
+pub const MACHINES_ENV: &str = "FARM_NODE_MACHINES";
+
+/// How many machines the cluster of this child process has.
+fn machines_of_child() -> u16 {
+    std::env::var(MACHINES_ENV).map_or(MACHINES, |n| n.parse().unwrap())
+}
 /// Lease length of the lease test; the kill test's is [`KILL_LEASE`], and the transfer test,
 /// which is not about leases, uses long ones so that a loaded machine suspects nobody.
 pub const LEASE: Duration = Duration::from_millis(20);
@@ -56,15 +65,16 @@ pub fn nvram_dir(dir: &Path, m: u16, tcp: bool) -> PathBuf {
 
 pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfig {
     let tcp = std::env::var_os(TCP_ENV).is_some();
+    let machines = machines_of_child();
     NodeConfig {
         dir: nvram_dir(dir, machine, tcp),
         transport: if tcp {
             let ips: Vec<std::net::IpAddr> = match std::env::var(HOSTS_ENV) {
                 Ok(list) => list.split(',').map(|ip| ip.parse().unwrap()).collect(),
-                Err(_) => vec![[127, 0, 0, 1].into(); MACHINES as usize],
+                Err(_) => vec![[127, 0, 0, 1].into(); machines as usize],
             };
             Transport::Tcp {
-                addrs: (0..MACHINES)
+                addrs: (0..machines)
                     .map(|m| std::net::SocketAddr::new(ips[m as usize], port + m))
                     .collect(),
                 timeout: TCP_TIMEOUT,
@@ -74,12 +84,12 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         },
         cluster: CLUSTER,
         machine: MachineId(machine),
-        machines: MACHINES,
+        machines,
         workers: 2,
         base_port: port,
         lease: match mode {
             "bank" => BANK_LEASE,
-            "kill" | "append" | "run" | "restarted" | "rejoin" => KILL_LEASE,
+            "kill" | "append" | "run" | "restarted" | "rejoin" | "failover" => KILL_LEASE,
             _ => LEASE,
         },
         start_timeout: Duration::from_secs(30),
@@ -138,7 +148,7 @@ pub fn child_main() {
     }
     match mode.as_str() {
         "bank" => bank(&node, dir),
-        "kill" => bank_until_stopped(&node, dir),
+        "kill" | "failover" => bank_until_stopped(&node, dir),
         "append" => append_until_stopped(&node, dir),
         "run" => run_until_killed(&node, dir),
         "restarted" => restarted(&node, dir),
@@ -644,6 +654,8 @@ pub struct Machines {
     read_ahead: std::cell::RefCell<std::collections::VecDeque<(u16, String)>>,
     /// Whether they run over the `tcp` fabric.
     pub tcp: bool,
+    /// How many machines.
+    pub count: u16,
     /// One test's machines at a time in a test binary: two clusters' processes sharing the
     /// two cores would starve each other's leases.
     _serial: std::sync::MutexGuard<'static, ()>,
@@ -657,9 +669,21 @@ impl Machines {
         Self::start_on(&Net::Shm, mode, test, dir, zookeeper)
     }
 
-    /// Starts the machines of a test in `mode` (see [`child_main`]) on `net`.
+    /// Starts the [`MACHINES`] machines of a test in `mode` (see [`child_main`]) on `net`.
     pub fn start_on(
         net: &Net,
+        mode: &str,
+        test: u16,
+        dir: &Path,
+        zookeeper: Option<(String, String)>,
+    ) -> Self {
+        Self::start_n(net, MACHINES, mode, test, dir, zookeeper)
+    }
+
+    /// Starts `count` machines of a test in `mode` (see [`child_main`]) on `net`.
+    pub fn start_n(
+        net: &Net,
+        count: u16,
         mode: &str,
         test: u16,
         dir: &Path,
@@ -669,7 +693,7 @@ impl Machines {
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let (tx, lines) = channel();
         let tcp = !matches!(net, Net::Shm);
-        let children = (0..MACHINES)
+        let children = (0..count)
             .map(|m| {
                 let exe = std::env::current_exe().unwrap();
                 let mut command = match net {
@@ -688,6 +712,7 @@ impl Machines {
                         CHILD_ENV,
                         format!("{mode}:{m}:{}:{}", base_port(test), dir.display()),
                     )
+                    .env(MACHINES_ENV, count.to_string())
                     .stdout(Stdio::piped());
                 if let Some((connect, root)) = &zookeeper {
                     command.env(ZK_ENV, format!("{connect}|{root}"));
@@ -711,6 +736,7 @@ impl Machines {
             lines,
             read_ahead: Default::default(),
             tcp,
+            count,
             _serial: serial,
         }
     }
@@ -789,7 +815,7 @@ impl Machines {
     pub fn share_accounts(&self, dir: &Path) {
         let mut accounts = std::collections::BTreeMap::new();
         let deadline = Instant::now() + Duration::from_secs(60);
-        while accounts.len() < MACHINES as usize {
+        while accounts.len() < self.count as usize {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.next_line(left) {
                 Ok((m, line)) => {

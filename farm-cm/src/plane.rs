@@ -1,0 +1,886 @@
+//! The control plane of one machine (FaRM §5.2-5.4) as a deterministic state machine: the
+//! member side (install NEW-CONFIG and acknowledge it, commit NEW-CONFIG-COMMIT, report
+//! REGIONS-ACTIVE until ALL-REGIONS-ACTIVE, learn from the coordination store that it was
+//! removed, ask to join) and the driver side (the CM's bookkeeping, and reconfiguration
+//! attempts with [`Reconfig`]: suspicions in, effects out). Every deployment runs one per
+//! machine, the simulator included; they talk with [`ControlMsg`] datagrams, which may be lost
+//! or repeated, so every message is idempotent and repeated until answered.
+//!
+//! It reads no clock and does no I/O: time comes as `now` (ticks), what the machine has
+//! installed comes as [`Local`] with every call, and what must be done leaves as [`Effect`]s
+//! ([`ControlPlane::take_effects`]), whose results come back through `on_probe`,
+//! `on_store_read` and `on_cas`. Messages a machine sends itself (the driver's NEW-CONFIG to
+//! its own machine, the member's ack to itself as CM) never leave the plane.
+//!
+//! # Who reconfigures (§5.2 step 1)
+//!
+//! - The CM removes the members it suspects (their leases expired at the CM, or it cannot write
+//!   to them, or a member reported it cannot); a failed attempt is retried two leases later.
+//! - A member that suspects the CM (the CM's lease expired, or its link to the CM broke) waits
+//!   its turn in the consistent-hashing order of backup CMs ([`backup_cms`]): the first backup
+//!   at once, the `i`-th after `i` takeover periods ([`TAKEOVER_LEASES`] leases each), every
+//!   member being in the line. It then tries itself, if the configuration is still the one
+//!   whose CM it suspects. So losing the CM and its first backup together still reconfigures
+//!   while a majority lives, and a machine on the CM's side of a partition (which suspects
+//!   nobody) is passed by.
+//! - A member whose CM fell silent reads the store, again with a growing interval, for as long
+//!   as its configuration stays: a newer configuration without it means it was removed
+//!   (nobody sends NEW-CONFIG to a removed machine), and [`Effect::Evicted`] says so.
+//! - The CM adds one joiner at a time, once its configuration is settled (every region active:
+//!   recovery of the joiner's earlier life is over), backing off from joiners whose join failed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use farm_core::codec::StoredView;
+use farm_core::config::{Configuration, RegionChanges, RegionMap};
+use farm_core::{ConfigId, MachineId, RegionId};
+
+use crate::control::ControlMsg;
+use crate::reconfig::{
+    attempt_base, backup_cms, Effect as ReconfigEffect, NewConfig, Reconfig, ReconfigError,
+    ReconfigParams,
+};
+use crate::store::{CasOutcome, StoreError, StoreVersion};
+
+/// Leases between the turns of consecutive machines in the line of backup CMs, and between a
+/// failed attempt and the next one.
+pub const TAKEOVER_LEASES: u64 = 2;
+
+/// How many times longer a machine outside the configuration waits between requests to join
+/// than unanswered messages are repeated.
+const JOIN_REPEATS: u64 = 10;
+
+/// The longest interval between two reads of the store by a member whose CM fell silent, in
+/// leases (at least; see [`ControlPlane::tick`]).
+const SILENT_CHECK_LEASES_MAX: u64 = 10;
+
+/// The first wait before another attempt to add a machine whose join failed, in leases; it
+/// doubles with every failure up to [`JOIN_BACKOFF_LEASES_MAX`].
+const JOIN_BACKOFF_LEASES: u64 = 5;
+
+/// The longest wait before another attempt to add a machine whose join failed, in leases.
+const JOIN_BACKOFF_LEASES_MAX: u64 = 300;
+
+/// Joiners the CM remembers at most (further requests are dropped until one joined).
+pub const JOINERS_MAX: usize = 64;
+
+/// Timing and sizing of a control plane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlaneParams {
+    /// Replicas per region (`f + 1`).
+    pub replicas: usize,
+    /// Most region replicas one machine may hold.
+    pub regions_max: usize,
+    /// Machine ids are below this (a join from another id is dropped).
+    pub machines_max: u16,
+    /// The lease length in force.
+    pub lease_ticks: u64,
+    /// The longest lease length ever in force: a machine removed for a failed probe may hold a
+    /// lease granted under it, and the commit waits that out (§5.2 step 7).
+    pub lease_longest_ticks: u64,
+    /// How long probes and NEW-CONFIG-ACKs are waited for (a member's ack needs its control
+    /// loop and the installation of the view).
+    pub ack_timeout_ticks: u64,
+    /// How often unanswered messages are repeated.
+    pub repeat_ticks: u64,
+}
+
+impl PlaneParams {
+    fn reconfig(&self) -> ReconfigParams {
+        ReconfigParams {
+            replicas: self.replicas,
+            regions_max: self.regions_max,
+            probe_timeout_ticks: self.ack_timeout_ticks,
+            lease_ticks: self.lease_longest_ticks,
+        }
+    }
+
+    fn takeover_ticks(&self) -> u64 {
+        TAKEOVER_LEASES * self.lease_ticks
+    }
+}
+
+/// What the machine has installed, given with every call (the runtime reads it from its
+/// machine state; the plane keeps no copy that could go stale).
+#[derive(Clone, Copy, Debug)]
+pub struct Local<'a> {
+    /// The configuration of the installed view.
+    pub config: &'a Configuration,
+    /// Its region map.
+    pub map: &'a RegionMap,
+    /// LastPrimaryChange and LastReplicaChange per region.
+    pub changes: &'a BTreeMap<RegionId, RegionChanges>,
+    /// The newest configuration committed here (NEW-CONFIG-COMMIT).
+    pub committed: ConfigId,
+    /// The newest configuration whose ALL-REGIONS-ACTIVE arrived here.
+    pub all_active: ConfigId,
+    /// Every region this machine is primary of is active in the committed configuration.
+    pub regions_active: bool,
+    /// Every worker picked up the installed view (a member acknowledges NEW-CONFIG only then:
+    /// a machine joining in it writes here after the commit, into rings started afresh).
+    pub workers_refreshed: bool,
+    /// The machine learnt it was removed (it acts no more).
+    pub evicted: bool,
+}
+
+/// A step of a reconfiguration, for timelines and logs.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Event {
+    /// This machine took up a suspicion.
+    Suspect(MachineId),
+    /// This machine starts an attempt that removes `suspects`.
+    Attempt {
+        /// The configuration changed.
+        config: ConfigId,
+        /// The machines removed.
+        suspects: Vec<MachineId>,
+    },
+    /// Every probe answered or failed.
+    Probed,
+    /// The store accepted the configuration.
+    Stored(ConfigId),
+    /// NEW-CONFIG-COMMIT went out for the configuration, driven here.
+    Committed(Configuration),
+    /// Every member reported its regions active (this machine being the CM).
+    AllActive(ConfigId),
+    /// An attempt ended without a configuration.
+    Failed(String),
+}
+
+/// Something the runtime must do for the plane.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Effect {
+    /// Send a control datagram.
+    Send(MachineId, ControlMsg),
+    /// A one-sided read of the machine (§5.2 step 2); report with [`ControlPlane::on_probe`].
+    Probe(MachineId),
+    /// Read the coordination store; report with [`ControlPlane::on_store_read`].
+    ReadStore,
+    /// Compare-and-set the configuration; report with [`ControlPlane::on_cas`].
+    CompareAndSet {
+        /// Version of the configuration replaced.
+        expected: StoreVersion,
+        /// The encoded new configuration.
+        data: Vec<u8>,
+    },
+    /// NEW-CONFIG at this machine: install the view (persist it first), map new replicas.
+    Install(StoredView),
+    /// NEW-CONFIG-COMMIT at this machine: transaction recovery starts (§5.3).
+    Commit(ConfigId),
+    /// ALL-REGIONS-ACTIVE at this machine: data and allocator recovery start (§5.4-5.5).
+    AllRegionsActive(ConfigId),
+    /// This machine was removed: the store holds this newer configuration without it.
+    Evicted(ConfigId),
+    /// A reconfiguration step, to record.
+    Event(Event),
+}
+
+/// What an attempt changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Change {
+    /// Remove suspects.
+    Remove(BTreeSet<MachineId>),
+    /// Add a machine that asked to join.
+    Join(MachineId),
+}
+
+/// A reconfiguration this machine drives.
+#[derive(Debug)]
+struct Attempt {
+    reconfig: Reconfig,
+    change: Change,
+    /// NEW-CONFIG messages not acknowledged yet, repeated.
+    pending: BTreeMap<MachineId, ControlMsg>,
+    last_repeat: u64,
+    stored: bool,
+}
+
+/// What the CM heard from members about its configuration.
+#[derive(Debug, Default)]
+struct CmState {
+    config: ConfigId,
+    regions_active: BTreeSet<MachineId>,
+    /// Machines outside the configuration that asked to join.
+    joins: BTreeSet<MachineId>,
+    /// Members that this machine, or a member that told it, cannot write to.
+    unreachable: BTreeSet<MachineId>,
+}
+
+/// A CM this machine suspects.
+#[derive(Clone, Copy, Debug)]
+struct CmSuspicion {
+    config: ConfigId,
+    cm: MachineId,
+    since: u64,
+    /// No attempt before this tick (after a failed one).
+    not_before: u64,
+    /// A stored configuration newer than the view, seen once: an attempt under way elsewhere
+    /// is given one takeover period to reach this machine before it is driven over.
+    deferred_for: Option<ConfigId>,
+    /// When to read the store again to learn whether this machine was removed, and the
+    /// interval after that.
+    next_check: u64,
+    check_every: u64,
+}
+
+/// Why the store is being read (several reasons may share one read).
+#[derive(Debug, Default, Clone, Copy)]
+struct Reading {
+    outstanding: bool,
+    attempt: bool,
+    join: bool,
+}
+
+/// The control plane of one machine. See the module docs.
+#[derive(Debug)]
+pub struct ControlPlane {
+    me: MachineId,
+    params: PlaneParams,
+    effects: Vec<Effect>,
+    // Member side.
+    /// NEW-CONFIG to acknowledge once installed and picked up: configuration and sender.
+    ack_due: Option<(ConfigId, MachineId)>,
+    last_report: u64,
+    last_join: Option<u64>,
+    evicted: bool,
+    // Driver side.
+    cm: CmState,
+    /// Members this machine (as CM) suspects, with when the next attempt may start.
+    suspects: BTreeSet<MachineId>,
+    retry_at: u64,
+    cm_suspicion: Option<CmSuspicion>,
+    attempt: Option<Attempt>,
+    reading: Reading,
+    /// Joiners whose join failed: not before `.0`, then wait `.1` after the next failure.
+    join_backoff: BTreeMap<MachineId, (u64, u64)>,
+    /// When this member last told its CM of each member it cannot write to.
+    reported: BTreeMap<MachineId, u64>,
+}
+
+impl ControlPlane {
+    /// The plane of machine `me`.
+    pub fn new(me: MachineId, params: PlaneParams) -> Self {
+        assert!(params.lease_ticks > 0 && params.repeat_ticks > 0);
+        assert!(params.lease_longest_ticks >= params.lease_ticks);
+        Self {
+            me,
+            params,
+            effects: Vec::new(),
+            ack_due: None,
+            last_report: 0,
+            last_join: None,
+            evicted: false,
+            cm: CmState::default(),
+            suspects: BTreeSet::new(),
+            retry_at: 0,
+            cm_suspicion: None,
+            attempt: None,
+            reading: Reading::default(),
+            join_backoff: BTreeMap::new(),
+            reported: BTreeMap::new(),
+        }
+    }
+
+    /// The machine this plane belongs to.
+    pub fn me(&self) -> MachineId {
+        self.me
+    }
+
+    /// Changes the lease length in force (expiries already computed elsewhere stay).
+    pub fn set_lease(&mut self, lease_ticks: u64, lease_longest_ticks: u64) {
+        assert!(lease_ticks > 0 && lease_longest_ticks >= lease_ticks);
+        self.params.lease_ticks = lease_ticks;
+        self.params.lease_longest_ticks = lease_longest_ticks;
+    }
+
+    /// Effects to carry out, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// Whether a reconfiguration driven here is under way, or one is due (a suspicion not yet
+    /// acted on).
+    pub fn busy(&self) -> bool {
+        self.attempt.is_some()
+            || self.reading.outstanding
+            || !self.suspects.is_empty()
+            || self.cm_suspicion.is_some()
+    }
+
+    /// Whether a reconfiguration driven here is under way.
+    pub fn reconfiguring(&self) -> bool {
+        self.attempt.is_some()
+    }
+
+    fn send(&mut self, to: MachineId, msg: ControlMsg, now: u64, local: &Local<'_>) {
+        if to == self.me {
+            self.on_message(self.me, msg, now, local);
+        } else {
+            self.effects.push(Effect::Send(to, msg));
+        }
+    }
+
+    fn event(&mut self, e: Event) {
+        self.effects.push(Effect::Event(e));
+    }
+
+    /// Resets what the CM heard when the configuration changed.
+    fn follow(&mut self, local: &Local<'_>) {
+        if self.cm.config != local.config.id {
+            self.cm = CmState {
+                config: local.config.id,
+                ..CmState::default()
+            };
+            self.suspects.retain(|m| local.config.contains(*m));
+            self.reported.clear();
+        }
+        if self
+            .cm_suspicion
+            .is_some_and(|s| s.config != local.config.id || s.cm != local.config.cm)
+        {
+            self.cm_suspicion = None; // A new configuration resolved it.
+        }
+    }
+
+    /// A control message from `from`.
+    pub fn on_message(&mut self, from: MachineId, msg: ControlMsg, now: u64, local: &Local<'_>) {
+        self.follow(local);
+        if self.evicted || local.evicted {
+            return;
+        }
+        let me = self.me;
+        match msg {
+            ControlMsg::NewConfig(v) => {
+                let id = v.config.id;
+                if !v.config.contains(me) || v.config.cm != from {
+                    return;
+                }
+                if local.config.id < id {
+                    assert!(v.config.members.len() <= self.params.machines_max as usize);
+                    self.effects.push(Effect::Install(v));
+                }
+                if local.config.id <= id {
+                    // Acknowledged once installed and picked up by every worker (`tick`).
+                    self.ack_due = Some((id, from));
+                }
+            }
+            ControlMsg::NewConfigAck(id) => {
+                if let Some(a) = self.attempt.as_mut() {
+                    if from == me || a.pending.remove(&from).is_some() {
+                        a.reconfig.on_ack(from, id, now);
+                        self.pump(now, local);
+                    }
+                }
+            }
+            ControlMsg::NewConfigCommit(id) => {
+                if local.config.id == id && local.config.cm == from && local.committed < id {
+                    self.effects.push(Effect::Commit(id));
+                }
+            }
+            ControlMsg::RegionsActive(id) => {
+                if local.config.id == id && local.config.cm == me && local.config.contains(from) {
+                    self.cm.regions_active.insert(from);
+                    if from != me && self.all_reported(local.config) {
+                        self.send(from, ControlMsg::AllRegionsActive(id), now, local);
+                    }
+                }
+            }
+            ControlMsg::AllRegionsActive(id) => {
+                if local.config.id == id && local.config.cm == from && local.all_active < id {
+                    self.effects.push(Effect::AllRegionsActive(id));
+                }
+            }
+            ControlMsg::Unreachable { config, machine } => {
+                let c = local.config;
+                if config == c.id
+                    && c.cm == me
+                    && machine != me
+                    && c.contains(machine)
+                    && c.contains(from)
+                {
+                    self.cm.unreachable.insert(machine);
+                }
+            }
+            ControlMsg::Join(_) => {
+                let c = local.config;
+                if c.cm == me
+                    && !c.contains(from)
+                    && from.0 < self.params.machines_max
+                    && self.cm.joins.len() < JOINERS_MAX
+                {
+                    self.cm.joins.insert(from);
+                }
+            }
+            // The restart exchange is the runtime's (before the plane runs).
+            ControlMsg::Restart { .. }
+            | ControlMsg::RingStarts { .. }
+            | ControlMsg::Persisted { .. } => {}
+        }
+    }
+
+    fn all_reported(&self, config: &Configuration) -> bool {
+        config
+            .members
+            .iter()
+            .all(|m| self.cm.regions_active.contains(m))
+    }
+
+    /// This machine's lease of `suspect` expired (at the CM: a member's; at a member: the
+    /// CM's), §5.1.
+    pub fn on_suspect(&mut self, suspect: MachineId, now: u64, local: &Local<'_>) {
+        self.follow(local);
+        let c = local.config;
+        if self.evicted || local.evicted || suspect == self.me || !c.contains(self.me) {
+            return;
+        }
+        if !c.contains(suspect) {
+            return; // About an older configuration.
+        }
+        self.event(Event::Suspect(suspect));
+        debug_assert!(c.members.windows(2).all(|w| w[0] < w[1]), "members sorted");
+        if c.cm == self.me {
+            self.suspects.insert(suspect);
+        } else if suspect == c.cm && self.cm_suspicion.is_none() {
+            self.cm_suspicion = Some(CmSuspicion {
+                config: c.id,
+                cm: c.cm,
+                since: now,
+                not_before: now,
+                deferred_for: None,
+                next_check: now,
+                check_every: self.params.takeover_ticks(),
+            });
+        }
+    }
+
+    /// This machine cannot write to `m`, a member, although `m`'s process may live (a broken
+    /// connection that stays down while `m` is a member, to keep log writes in order). Called
+    /// every tick while so: the CM removes `m`; another member suspects `m` if it is the CM
+    /// and otherwise tells the CM, every [`TAKEOVER_LEASES`] leases (datagrams get lost).
+    pub fn on_unreachable(&mut self, m: MachineId, now: u64, local: &Local<'_>) {
+        self.follow(local);
+        let c = local.config;
+        if self.evicted || local.evicted || m == self.me || !c.contains(m) {
+            return;
+        }
+        if c.cm == self.me {
+            self.cm.unreachable.insert(m);
+        } else if m == c.cm {
+            if self.cm_suspicion.is_none() {
+                self.on_suspect(m, now, local);
+            }
+        } else {
+            let every = self.params.takeover_ticks();
+            let due = self
+                .reported
+                .get(&m)
+                .is_none_or(|at| now >= at.saturating_add(every));
+            if due {
+                self.reported.insert(m, now);
+                self.effects.push(Effect::Send(
+                    c.cm,
+                    ControlMsg::Unreachable {
+                        config: c.id,
+                        machine: m,
+                    },
+                ));
+            }
+        }
+    }
+
+    /// The result of [`Effect::Probe`].
+    pub fn on_probe(&mut self, m: MachineId, ok: bool, now: u64, local: &Local<'_>) {
+        if let Some(a) = self.attempt.as_mut() {
+            a.reconfig.on_probe(m, ok, now);
+            self.pump(now, local);
+        }
+    }
+
+    /// The result of [`Effect::CompareAndSet`].
+    pub fn on_cas(&mut self, result: Result<CasOutcome, StoreError>, now: u64, local: &Local<'_>) {
+        if let Some(a) = self.attempt.as_mut() {
+            a.reconfig.on_store(result);
+            self.pump(now, local);
+        }
+    }
+
+    /// The result of [`Effect::ReadStore`]: the stored configuration with its version (`None`
+    /// when the read failed or the store is empty; the reasons for reading stand).
+    pub fn on_store_read(
+        &mut self,
+        stored: Option<(StoreVersion, Configuration)>,
+        now: u64,
+        local: &Local<'_>,
+    ) {
+        self.follow(local);
+        let reading = std::mem::take(&mut self.reading);
+        let Some((version, stored)) = stored else {
+            return;
+        };
+        let me = self.me;
+        if self.evicted || local.evicted {
+            return;
+        }
+        if local.config.contains(me) && stored.id > local.config.id && !stored.contains(me) {
+            // A newer configuration without this machine: it was removed (precise
+            // membership, §5.2) and must not act as a member again.
+            self.evicted = true;
+            self.attempt = None;
+            self.effects.push(Effect::Evicted(stored.id));
+            return;
+        }
+        if reading.join && !local.config.contains(me) && !stored.contains(me) {
+            self.effects
+                .push(Effect::Send(stored.cm, ControlMsg::Join(stored.id)));
+        }
+        if reading.attempt && self.attempt.is_none() {
+            self.start_attempt(version, stored, now, local);
+        }
+    }
+
+    /// Starts the attempt that is due, from the stored configuration.
+    fn start_attempt(
+        &mut self,
+        version: StoreVersion,
+        stored: Configuration,
+        now: u64,
+        local: &Local<'_>,
+    ) {
+        assert!(
+            self.attempt.is_none(),
+            "{} starts a second attempt",
+            self.me
+        );
+        assert!(!self.evicted, "{} attempts after its eviction", self.me);
+        let c = local.config;
+        let me = self.me;
+        let base = attempt_base(c, &stored);
+        let change = if c.cm == me {
+            let suspects: BTreeSet<MachineId> = self
+                .suspects
+                .iter()
+                .chain(&self.cm.unreachable)
+                .copied()
+                .filter(|m| *m != me && base.contains(*m))
+                .collect();
+            if !suspects.is_empty() || local.committed < c.id {
+                // Removals, or a configuration installed here (this machine its CM) that no
+                // attempt is committing any more: driven again, from the stored one.
+                Change::Remove(suspects)
+            } else if let Some(j) = self.next_joiner(now) {
+                if stored.id != c.id {
+                    // A join starts from the configuration the CM is in; the joiner asks again.
+                    return;
+                }
+                Change::Join(j)
+            } else {
+                return;
+            }
+        } else {
+            let Some(s) = self.cm_suspicion.as_mut() else {
+                return;
+            };
+            if stored.id > c.id && s.deferred_for != Some(stored.id) {
+                // Someone stored a newer configuration that has not reached this machine:
+                // give it a takeover period, then drive over it if it is still stuck.
+                s.deferred_for = Some(stored.id);
+                s.not_before = now + self.params.takeover_ticks();
+                return;
+            }
+            Change::Remove(BTreeSet::from([s.cm]))
+        };
+        if !base.contains(me) {
+            return; // Handled above as an eviction when the store says so.
+        }
+        let r = match &change {
+            Change::Remove(suspects) => {
+                self.event(Event::Attempt {
+                    config: base.id,
+                    suspects: suspects.iter().copied().collect(),
+                });
+                Reconfig::start(
+                    me,
+                    base,
+                    version,
+                    local.map.clone(),
+                    local.changes.clone(),
+                    suspects.clone(),
+                    self.params.reconfig(),
+                    now,
+                    now,
+                )
+            }
+            Change::Join(j) => Reconfig::start_join(
+                me,
+                base,
+                version,
+                local.map.clone(),
+                local.changes.clone(),
+                BTreeMap::from([(*j, j.0 as u32)]),
+                self.params.reconfig(),
+                now,
+            ),
+        };
+        self.attempt = Some(Attempt {
+            reconfig: r,
+            change,
+            pending: BTreeMap::new(),
+            last_repeat: now,
+            stored: false,
+        });
+        self.pump(now, local);
+    }
+
+    fn next_joiner(&mut self, now: u64) -> Option<MachineId> {
+        let backoff = &self.join_backoff;
+        let j = self
+            .cm
+            .joins
+            .iter()
+            .copied()
+            .find(|j| backoff.get(j).is_none_or(|(until, _)| now >= *until))?;
+        self.cm.joins.remove(&j);
+        Some(j)
+    }
+
+    /// Carries the attempt's effects out as the plane's, until it needs an answer.
+    fn pump(&mut self, now: u64, local: &Local<'_>) {
+        loop {
+            let Some(a) = self.attempt.as_mut() else {
+                return;
+            };
+            let effects = a.reconfig.take_effects();
+            if effects.is_empty() {
+                break;
+            }
+            for e in effects {
+                match e {
+                    ReconfigEffect::Probe(m) => self.effects.push(Effect::Probe(m)),
+                    ReconfigEffect::CompareAndSet { expected, data } => {
+                        self.event(Event::Probed);
+                        self.effects.push(Effect::CompareAndSet { expected, data });
+                    }
+                    ReconfigEffect::SendNewConfig(m, new) => {
+                        // §5.2 step 3: the machine that drives the change becomes the CM.
+                        assert_eq!(
+                            new.config.cm, self.me,
+                            "an attempt whose driver is not the new configuration's CM"
+                        );
+                        assert!(
+                            new.config.members.contains(&m),
+                            "NEW-CONFIG to {m}, not a member"
+                        );
+                        let a = self.attempt.as_mut().expect("attempt");
+                        if !a.stored {
+                            a.stored = true;
+                            self.event(Event::Stored(new.config.id));
+                        }
+                        let msg = ControlMsg::new_config(&new.config, &new.map, &new.changes);
+                        if m != self.me {
+                            let a = self.attempt.as_mut().expect("attempt");
+                            a.pending.insert(m, msg.clone());
+                        }
+                        self.send(m, msg, now, local);
+                    }
+                    // NEW-CONFIG-COMMIT: transaction recovery starts at the member (§5.3); the
+                    // CM repeats it until the member reports its regions active.
+                    ReconfigEffect::SendCommit(m, id) => {
+                        self.send(m, ControlMsg::NewConfigCommit(id), now, local)
+                    }
+                }
+            }
+        }
+        let a = self.attempt.as_ref().expect("attempt");
+        let Some(outcome) = a.reconfig.outcome().cloned() else {
+            return;
+        };
+        let change = a.change.clone();
+        self.attempt = None;
+        self.finish(change, outcome, now, local);
+    }
+
+    fn finish(
+        &mut self,
+        change: Change,
+        outcome: Result<NewConfig, ReconfigError>,
+        now: u64,
+        local: &Local<'_>,
+    ) {
+        match (outcome, change) {
+            (Ok(new), change) => {
+                assert!(
+                    new.config.contains(self.me),
+                    "the driver left its own configuration"
+                );
+                if let Change::Join(j) = change {
+                    self.join_backoff.remove(&j);
+                }
+                self.suspects.retain(|m| new.config.contains(*m));
+                self.cm_suspicion = None;
+                self.event(Event::Committed(new.config));
+            }
+            (Err(e), Change::Join(j)) => {
+                let lease = self.params.lease_ticks;
+                let wait = self
+                    .join_backoff
+                    .get(&j)
+                    .map_or(JOIN_BACKOFF_LEASES * lease, |(_, w)| {
+                        (w * 2).min(JOIN_BACKOFF_LEASES_MAX * lease)
+                    });
+                self.join_backoff.insert(j, (now + wait, wait));
+                self.event(Event::Failed(format!("adding {j}: {e}")));
+            }
+            (Err(e), Change::Remove(suspects)) => {
+                // The suspicions stand: another attempt a takeover period later, from the
+                // stored configuration (which this one may have advanced). Members that did
+                // not acknowledge a configuration installed here are suspects of the next
+                // one: the attempt's suspects are not members of it, and without them
+                // nobody would commit it (§5.2 step 6 needs every member's ack).
+                let at = now + self.params.takeover_ticks();
+                if let ReconfigError::NotAcknowledged { config, missing } = &e {
+                    if local.config.id == *config {
+                        self.suspects
+                            .extend(missing.iter().filter(|m| **m != self.me));
+                    }
+                }
+                if let Some(s) = self.cm_suspicion.as_mut() {
+                    s.not_before = at;
+                } else {
+                    self.suspects.extend(suspects);
+                }
+                self.retry_at = at;
+                self.event(Event::Failed(e.to_string()));
+            }
+        }
+    }
+
+    /// Advances time: acknowledges what was installed, repeats what is unanswered, and starts
+    /// or advances reconfiguration.
+    pub fn tick(&mut self, now: u64, local: &Local<'_>) {
+        self.follow(local);
+        if self.evicted || local.evicted {
+            return;
+        }
+        let me = self.me;
+        let c = local.config;
+        if let Some((id, cm)) = self.ack_due {
+            if local.config.id > id {
+                self.ack_due = None;
+            } else if local.config.id == id && local.workers_refreshed {
+                self.ack_due = None;
+                self.send(cm, ControlMsg::NewConfigAck(id), now, local);
+            }
+        }
+        if !c.contains(me) {
+            // A new incarnation outside the configuration: ask the stored one's CM to add it.
+            let every = JOIN_REPEATS * self.params.repeat_ticks;
+            if self
+                .last_join
+                .is_none_or(|at| now >= at.saturating_add(every))
+            {
+                self.last_join = Some(now);
+                self.read_store(|r| r.join = true);
+            }
+            return;
+        }
+        if now >= self.last_report.saturating_add(self.params.repeat_ticks) {
+            self.last_report = now;
+            self.repeat(local);
+        }
+        if let Some(a) = self.attempt.as_mut() {
+            if now >= a.last_repeat.saturating_add(self.params.repeat_ticks) {
+                a.last_repeat = now;
+                let again: Vec<(MachineId, ControlMsg)> =
+                    a.pending.iter().map(|(m, msg)| (*m, msg.clone())).collect();
+                self.effects
+                    .extend(again.into_iter().map(|(m, msg)| Effect::Send(m, msg)));
+            }
+            let a = self.attempt.as_mut().expect("attempt");
+            a.reconfig.tick(now);
+            self.pump(now, local);
+            return;
+        }
+        if self.reading.outstanding {
+            return;
+        }
+        if c.cm == me {
+            let uncommitted = local.committed < c.id;
+            let due = (!self.suspects.is_empty() || !self.cm.unreachable.is_empty() || uncommitted)
+                && now >= self.retry_at;
+            let settled = local.all_active >= c.id && self.suspects.is_empty();
+            let joiner = settled
+                && self.cm.joins.iter().any(|j| {
+                    self.join_backoff
+                        .get(j)
+                        .is_none_or(|(until, _)| now >= *until)
+                });
+            if due || joiner {
+                self.read_store(|r| r.attempt = true);
+            }
+            return;
+        }
+        let Some(s) = self.cm_suspicion else {
+            return;
+        };
+        if now >= s.next_check {
+            // Was this machine removed meanwhile? Only the store can tell.
+            let every = (s.check_every * 2)
+                .min(SILENT_CHECK_LEASES_MAX * self.params.lease_ticks)
+                .max(s.check_every);
+            let s = self.cm_suspicion.as_mut().expect("suspicion");
+            s.next_check = now + s.check_every;
+            s.check_every = every;
+            self.read_store(|_| {});
+        }
+        let Some(s) = self.cm_suspicion else {
+            return;
+        };
+        let order = backup_cms(c, c.members.len());
+        let rank = order.iter().position(|m| *m == me).unwrap_or(order.len()) as u64;
+        let turn = s.since + rank * self.params.takeover_ticks();
+        if now >= turn && now >= s.not_before {
+            self.read_store(|r| r.attempt = true);
+        }
+    }
+
+    fn read_store(&mut self, why: impl FnOnce(&mut Reading)) {
+        why(&mut self.reading);
+        if !self.reading.outstanding {
+            self.reading.outstanding = true;
+            self.effects.push(Effect::ReadStore);
+        }
+    }
+
+    /// A member's REGIONS-ACTIVE until ALL-REGIONS-ACTIVE; the CM's NEW-CONFIG-COMMIT to
+    /// members that have not reported, and its ALL-REGIONS-ACTIVE once all have (§5.4).
+    fn repeat(&mut self, local: &Local<'_>) {
+        let me = self.me;
+        let c = local.config;
+        let committed = local.committed >= c.id;
+        let all_active = local.all_active >= c.id;
+        if c.cm == me {
+            if committed && local.regions_active {
+                self.cm.regions_active.insert(me);
+            }
+            if committed {
+                let silent: Vec<MachineId> = c
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|m| *m != me && !self.cm.regions_active.contains(m))
+                    .collect();
+                for m in silent {
+                    self.effects
+                        .push(Effect::Send(m, ControlMsg::NewConfigCommit(c.id)));
+                }
+            }
+            if !all_active && self.all_reported(c) {
+                self.effects.push(Effect::AllRegionsActive(c.id));
+                self.event(Event::AllActive(c.id));
+            }
+        } else if committed && !all_active && local.regions_active {
+            self.effects
+                .push(Effect::Send(c.cm, ControlMsg::RegionsActive(c.id)));
+        }
+    }
+}

@@ -1,0 +1,433 @@
+//! The control plane (`farm_cm::plane`) of every machine of a cluster, driven by a small
+//! deterministic harness: datagrams delivered one tick after they are sent (or lost, where a
+//! test says), probes answered by live machines, an embedded coordination store, and what the
+//! plane asks a machine to install, commit or mark applied at once. Leases are not modelled:
+//! the tests say who suspects whom, and when. Reference: FaRM §5.2 (reconfiguration) and §5.4
+//! (REGIONS-ACTIVE).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use farm_cm::control::ControlMsg;
+use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams, TAKEOVER_LEASES};
+use farm_cm::reconfig::backup_cms;
+use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
+use farm_core::config::{Configuration, RegionChanges, RegionMap};
+use farm_core::{ConfigId, MachineId, RegionId};
+
+const LEASE: u64 = 100;
+
+fn params(machines: u16) -> PlaneParams {
+    PlaneParams {
+        replicas: 3,
+        regions_max: 64,
+        machines_max: machines,
+        lease_ticks: LEASE,
+        lease_longest_ticks: LEASE,
+        ack_timeout_ticks: LEASE,
+        repeat_ticks: 2,
+    }
+}
+
+struct Machine {
+    plane: ControlPlane,
+    config: Configuration,
+    map: RegionMap,
+    changes: BTreeMap<RegionId, RegionChanges>,
+    committed: ConfigId,
+    all_active: ConfigId,
+    evicted: bool,
+    alive: bool,
+}
+
+impl Machine {
+    fn local(&self) -> Local<'_> {
+        Local {
+            config: &self.config,
+            map: &self.map,
+            changes: &self.changes,
+            committed: self.committed,
+            all_active: self.all_active,
+            // Recovery is instant here: regions are active once the configuration commits.
+            regions_active: self.committed >= self.config.id,
+            workers_refreshed: true,
+            evicted: self.evicted,
+        }
+    }
+}
+
+struct Cluster {
+    machines: Vec<Machine>,
+    store: EmbeddedStore,
+    now: u64,
+    /// (deliver at, from, to, message).
+    in_flight: Vec<(u64, MachineId, MachineId, ControlMsg)>,
+    /// Machines that cannot exchange datagrams or probes with the others (a partition).
+    cut: BTreeSet<MachineId>,
+    /// Every event, with its machine and tick.
+    events: Vec<(u64, MachineId, Event)>,
+    /// Drop one datagram in `lose_one_in`, seeded (0: none).
+    lose_one_in: u64,
+    rng: u64,
+}
+
+impl Cluster {
+    fn new(n: u16) -> Self {
+        Self::with_map(n, RegionMap::striped(n, 1, 2))
+    }
+
+    fn with_map(n: u16, map: RegionMap) -> Self {
+        let config = Configuration::initial(n);
+        let store = EmbeddedStore::new();
+        let CasOutcome::Written(_) = store
+            .compare_and_set(None, &farm_cm::codec::encode(&config))
+            .unwrap()
+        else {
+            unreachable!()
+        };
+        let machines = (0..n)
+            .map(|m| Machine {
+                plane: ControlPlane::new(MachineId(m), params(n)),
+                config: config.clone(),
+                map: map.clone(),
+                changes: BTreeMap::new(),
+                committed: config.id,
+                all_active: config.id,
+                evicted: false,
+                alive: true,
+            })
+            .collect();
+        Self {
+            machines,
+            store,
+            now: 0,
+            in_flight: Vec::new(),
+            cut: BTreeSet::new(),
+            events: Vec::new(),
+            lose_one_in: 0,
+            rng: 0x9e37_79b9_7f4a_7c15,
+        }
+    }
+
+    fn connected(&self, a: MachineId, b: MachineId) -> bool {
+        self.machines[a.0 as usize].alive
+            && self.machines[b.0 as usize].alive
+            && self.cut.contains(&a) == self.cut.contains(&b)
+    }
+
+    /// Carries out machine `m`'s effects until there are none.
+    fn run_effects(&mut self, m: MachineId) {
+        loop {
+            let i = m.0 as usize;
+            let effects = self.machines[i].plane.take_effects();
+            if effects.is_empty() {
+                return;
+            }
+            for e in effects {
+                let now = self.now;
+                match e {
+                    Effect::Send(to, msg) => {
+                        // xorshift64: every choice flows from the seed.
+                        self.rng ^= self.rng << 13;
+                        self.rng ^= self.rng >> 7;
+                        self.rng ^= self.rng << 17;
+                        let lost = self.lose_one_in > 0 && self.rng.is_multiple_of(self.lose_one_in);
+                        if !lost {
+                            self.in_flight.push((now + 1, m, to, msg));
+                        }
+                    }
+                    Effect::Probe(p) => {
+                        let ok = self.connected(m, p);
+                        self.with_plane(m, |plane, local| plane.on_probe(p, ok, now, local));
+                    }
+                    Effect::ReadStore => {
+                        let stored =
+                            self.store.read().unwrap().map(|(v, bytes)| {
+                                (v, farm_cm::codec::decode(&bytes).expect("valid"))
+                            });
+                        self.with_plane(m, |plane, local| plane.on_store_read(stored, now, local));
+                    }
+                    Effect::CompareAndSet { expected, data } => {
+                        let r = self.store.compare_and_set(Some(expected), &data);
+                        self.with_plane(m, |plane, local| plane.on_cas(r, now, local));
+                    }
+                    Effect::Install(v) => {
+                        let mach = &mut self.machines[i];
+                        assert!(v.config.id > mach.config.id, "install of an older view");
+                        mach.config = v.config;
+                        mach.map = v.map;
+                        mach.changes = v.changes;
+                    }
+                    Effect::Commit(id) => {
+                        let mach = &mut self.machines[i];
+                        assert_eq!(mach.config.id, id, "commit of a view not installed");
+                        mach.committed = id;
+                    }
+                    Effect::AllRegionsActive(id) => self.machines[i].all_active = id,
+                    Effect::Evicted(_) => self.machines[i].evicted = true,
+                    Effect::Event(e) => self.events.push((now, m, e)),
+                }
+            }
+        }
+    }
+
+    fn with_plane(&mut self, m: MachineId, f: impl FnOnce(&mut ControlPlane, &Local<'_>)) {
+        let mach = &mut self.machines[m.0 as usize];
+        let mut plane = std::mem::replace(&mut mach.plane, ControlPlane::new(m, params(1)));
+        f(&mut plane, &mach.local());
+        mach.plane = plane;
+    }
+
+    fn suspect(&mut self, observer: MachineId, suspect: MachineId) {
+        let now = self.now;
+        self.with_plane(observer, |p, l| p.on_suspect(suspect, now, l));
+        self.run_effects(observer);
+    }
+
+    fn step(&mut self) {
+        self.now += 1;
+        let now = self.now;
+        let due: Vec<_> = self
+            .in_flight
+            .iter()
+            .filter(|d| d.0 <= now)
+            .cloned()
+            .collect();
+        self.in_flight.retain(|d| d.0 > now);
+        for (_, from, to, msg) in due {
+            if self.connected(from, to) {
+                self.with_plane(to, |p, l| p.on_message(from, msg, now, l));
+                self.run_effects(to);
+            }
+        }
+        for m in 0..self.machines.len() {
+            if self.machines[m].alive {
+                let id = MachineId(m as u16);
+                self.with_plane(id, |p, l| p.tick(now, l));
+                self.run_effects(id);
+            }
+        }
+    }
+
+    fn run_until(&mut self, ticks: u64, done: impl Fn(&Self) -> bool) -> bool {
+        for _ in 0..ticks {
+            if done(self) {
+                return true;
+            }
+            self.step();
+        }
+        done(self)
+    }
+
+    fn kill(&mut self, m: MachineId) {
+        self.machines[m.0 as usize].alive = false;
+    }
+
+    /// Whether every live machine outside `cut` committed a configuration with exactly
+    /// `members` and every region active in it.
+    fn settled_without(&self, members: &[MachineId]) -> bool {
+        self.machines
+            .iter()
+            .filter(|m| m.alive && !self.cut.contains(&m.plane.me()))
+            .all(|m| {
+                m.config.members == members
+                    && m.committed == m.config.id
+                    && m.all_active == m.config.id
+            })
+    }
+
+    fn attempts(&self) -> Vec<(u64, MachineId)> {
+        self.events
+            .iter()
+            .filter(|(_, _, e)| matches!(e, Event::Attempt { .. }))
+            .map(|(t, m, _)| (*t, *m))
+            .collect()
+    }
+}
+
+fn ids(v: &[u16]) -> Vec<MachineId> {
+    v.iter().map(|m| MachineId(*m)).collect()
+}
+
+/// §5.2 steps 1-7: the CM suspects a member and removes it; every survivor installs, commits
+/// and reports its regions active, and the CM announces ALL-REGIONS-ACTIVE (§5.4).
+#[test]
+fn the_cm_removes_a_member_it_suspects() {
+    let mut c = Cluster::new(4);
+    c.kill(MachineId(3));
+    c.suspect(MachineId(0), MachineId(3));
+    assert!(c.run_until(10 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2]))));
+    let m = &c.machines[1];
+    assert_eq!(m.config.id, ConfigId(2));
+    assert_eq!(m.config.cm, MachineId(0));
+    assert_eq!(c.attempts(), vec![(1, MachineId(0))], "at its next tick");
+}
+
+/// §5.2 step 1: the CM and its first backup CM fail together. The second backup in the
+/// consistent-hashing order takes over one takeover period after it suspected the CM (the
+/// first backup, whose turn came first, is dead), becomes CM, and the new configuration
+/// commits while a majority lives. Nobody else attempts.
+#[test]
+fn losing_the_cm_and_its_first_backup_together_still_reconfigures() {
+    let mut c = Cluster::new(5);
+    let config = Configuration::initial(5);
+    let order = backup_cms(&config, 4);
+    c.kill(MachineId(0));
+    c.kill(order[0]);
+    for m in &order[1..] {
+        c.suspect(*m, MachineId(0));
+    }
+    let mut survivors: Vec<MachineId> = order[1..].to_vec();
+    survivors.sort();
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&survivors)));
+    let attempts = c.attempts();
+    assert_eq!(attempts[0].1, order[1], "{attempts:?}");
+    assert!(
+        attempts[0].0 >= TAKEOVER_LEASES * LEASE,
+        "the second backup tried before its turn: {attempts:?}"
+    );
+    assert!(attempts.iter().all(|(_, m)| *m == order[1]), "{attempts:?}");
+    let m = &c.machines[order[2].0 as usize];
+    assert_eq!(m.config.cm, order[1]);
+    assert_eq!(m.config.id, ConfigId(2));
+    let stored = farm_cm::codec::decode(&c.store.read().unwrap().unwrap().1).unwrap();
+    assert_eq!(stored, m.config);
+}
+
+/// "Finally any member tries itself": with the CM and its first two backups gone, the next in
+/// line (a plain member of seven) reconfigures, since four of seven still answer. (No regions:
+/// three dead machines of seven could hold every replica of one, which would be an error.)
+#[test]
+fn with_the_backups_gone_the_next_member_in_line_reconfigures() {
+    let mut c = Cluster::with_map(7, RegionMap::default());
+    let config = Configuration::initial(7);
+    let order = backup_cms(&config, 6);
+    for m in [MachineId(0), order[0], order[1]] {
+        c.kill(m);
+    }
+    for m in &order[2..] {
+        c.suspect(*m, MachineId(0));
+    }
+    let mut survivors: Vec<MachineId> = order[2..].to_vec();
+    survivors.sort();
+    let ok = c.run_until(40 * LEASE, |c| c.settled_without(&survivors));
+    assert!(ok, "{:#?}", c.events);
+    // The CM, and then each dead backup, was removed by whichever attempt came first; the
+    // first attempt was the third in line's, at its turn.
+    let attempts = c.attempts();
+    assert_eq!(attempts[0].1, order[2], "{attempts:?}");
+    assert!(attempts[0].0 >= 2 * TAKEOVER_LEASES * LEASE, "{attempts:?}");
+}
+
+/// A member on the CM's side of nothing (cut off alone) suspects the CM, cannot reconfigure
+/// (no majority answers its probes), and learns from the store that the majority removed it:
+/// nobody sends NEW-CONFIG to a removed machine (§5.2).
+#[test]
+fn a_member_cut_off_learns_from_the_store_that_it_was_removed() {
+    let mut c = Cluster::new(5);
+    let victim = MachineId(3);
+    c.cut.insert(victim);
+    c.suspect(MachineId(0), victim);
+    c.suspect(victim, MachineId(0));
+    assert!(c.run_until(40 * LEASE, |c| c.machines[3].evicted
+        && c.settled_without(&ids(&[0, 1, 2, 4]))));
+    let failed = c
+        .events
+        .iter()
+        .filter(|(_, m, e)| *m == victim && matches!(e, Event::Failed(_)))
+        .count();
+    assert!(
+        failed <= 1,
+        "the cut-off machine kept trying: {failed} failed attempts"
+    );
+    assert_eq!(c.machines[3].config.id, ConfigId(1), "it installed nothing");
+}
+
+/// A machine outside the configuration asks the stored configuration's CM to add it, and the
+/// CM adds it once its configuration is settled (§5.2, a join).
+#[test]
+fn a_machine_outside_the_configuration_joins() {
+    let mut c = Cluster::new(4);
+    // Machine 3 was removed in configuration 2 and came back as a new incarnation.
+    let mut config = Configuration::initial(4);
+    config.id = ConfigId(2);
+    config.members.retain(|m| m.0 != 3);
+    config.failure_domains.remove(&MachineId(3));
+    let (v, _) = c.store.read().unwrap().unwrap();
+    c.store
+        .compare_and_set(Some(v), &farm_cm::codec::encode(&config))
+        .unwrap();
+    let map = RegionMap::striped(3, 1, 2);
+    for m in &mut c.machines {
+        m.config = config.clone();
+        m.map = map.clone();
+        m.committed = config.id;
+        m.all_active = config.id;
+    }
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3]))));
+    assert_eq!(c.machines[3].config.id, ConfigId(3));
+}
+
+/// Datagrams get lost: every message is repeated until answered, and a reconfiguration still
+/// commits everywhere; an attempt whose acknowledgements did not come in time is followed by
+/// another from the configuration it installed, never left uncommitted.
+#[test]
+fn lost_datagrams_are_repeated_until_answered() {
+    for (seed, lose_one_in) in [(1, 2), (2, 2), (3, 3), (4, 5)] {
+        let mut c = Cluster::new(5);
+        c.lose_one_in = lose_one_in;
+        c.rng ^= seed;
+        c.kill(MachineId(4));
+        c.suspect(MachineId(0), MachineId(4));
+        let ok = c.run_until(40 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3])));
+        let states: Vec<_> = c
+            .machines
+            .iter()
+            .map(|m| (m.config.id, m.committed, m.all_active))
+            .collect();
+        assert!(
+            ok,
+            "losing one datagram in {lose_one_in}: {states:?} {:?}",
+            c.events
+        );
+    }
+}
+
+/// A member whose link to another member broke tells the CM, which removes that member; the
+/// CM's own broken link to a member is a suspicion of it.
+#[test]
+fn an_unreachable_member_reported_to_the_cm_is_removed() {
+    let mut c = Cluster::new(4);
+    let now = c.now;
+    c.with_plane(MachineId(1), |p, l| p.on_unreachable(MachineId(2), now, l));
+    c.run_effects(MachineId(1));
+    // Machine 2 stays alive and answers probes: it is removed all the same, and learns it
+    // when its CM falls silent (here, at once).
+    assert!(c.run_until(10 * LEASE, |c| c.machines[0].config.id == ConfigId(2)));
+    assert_eq!(c.machines[0].config.members, ids(&[0, 1, 3]));
+    c.suspect(MachineId(2), MachineId(0));
+    assert!(c.run_until(10 * LEASE, |c| c.machines[2].evicted));
+}
+
+/// A member fails after answering its probe (§5.2 step 6 never hears from it): the attempt
+/// ends unacknowledged with its configuration installed at the CM and the other members. The
+/// CM drives again from it, removing the silent member, instead of leaving every survivor in
+/// a configuration that nobody commits (transactions blocked for good).
+#[test]
+fn a_configuration_installed_but_not_acknowledged_is_driven_again() {
+    let mut c = Cluster::new(5);
+    c.kill(MachineId(4));
+    c.suspect(MachineId(0), MachineId(4));
+    let stored = |c: &Cluster| {
+        c.events
+            .iter()
+            .any(|(_, _, e)| matches!(e, Event::Stored(ConfigId(2))))
+    };
+    assert!(c.run_until(LEASE, stored));
+    c.kill(MachineId(3));
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2]))));
+    assert_eq!(c.machines[0].config.id, ConfigId(3));
+    assert!(c
+        .events
+        .iter()
+        .any(|(_, _, e)| matches!(e, Event::Failed(f) if f.contains("not acknowledged"))));
+}

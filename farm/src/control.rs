@@ -1,0 +1,202 @@
+//! A machine's control plane in the runtime: `farm_cm::plane::ControlPlane` (the member and
+//! driver sides of FaRM §5.2-5.4) wired to the machine's state, the fabric and the
+//! coordination store. The plane decides; this carries its effects out (a datagram, a probe,
+//! a store read or compare-and-set, installing or committing a view) and feeds the results
+//! back, so that every deployment runs the same rules.
+
+use std::sync::Arc;
+
+use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
+use farm_cm::CoordinationStore;
+use farm_core::fabric::{Fabric, MemKey};
+use farm_core::MachineId;
+use farm_txn::machine::View;
+use farm_txn::MachineState;
+
+/// Region replicas one machine may hold.
+pub(crate) const REGIONS_PER_MACHINE_MAX: usize = 4096;
+
+/// One machine's control plane and what it acts on.
+pub(crate) struct MachineControl {
+    machine: Arc<MachineState>,
+    plane: ControlPlane,
+    fabric: Arc<dyn Fabric>,
+    store: Arc<dyn CoordinationStore>,
+    /// Steps of reconfigurations seen here, with their time, for the caller to drain.
+    events: Vec<(u64, Event)>,
+}
+
+impl std::fmt::Debug for MachineControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MachineControl")
+            .field("machine", &self.machine.id)
+            .field("plane", &self.plane)
+            .finish_non_exhaustive()
+    }
+}
+
+fn local<'a>(machine: &MachineState, view: &'a View) -> Local<'a> {
+    Local {
+        config: &view.config,
+        map: &view.map,
+        changes: &view.changes,
+        committed: machine.committed_config(),
+        all_active: machine.all_active_config(),
+        regions_active: machine.regions_active(),
+        workers_refreshed: machine.workers_refreshed(),
+        evicted: machine.is_evicted(),
+    }
+}
+
+/// A reconfiguration probe (§5.2 step 2): a one-sided read of `m`'s memory from `me`, which
+/// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers.
+pub(crate) fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> bool {
+    fabric
+        .remote(me, m, MemKey::Feedback)
+        .and_then(|h| h.read(0, &mut [0u8; 8]))
+        .is_ok()
+}
+
+impl MachineControl {
+    pub(crate) fn new(
+        machine: Arc<MachineState>,
+        params: PlaneParams,
+        fabric: Arc<dyn Fabric>,
+        store: Arc<dyn CoordinationStore>,
+    ) -> Self {
+        Self {
+            plane: ControlPlane::new(machine.id, params),
+            machine,
+            fabric,
+            store,
+            events: Vec::new(),
+        }
+    }
+
+    /// Calls `f` with the plane and what the machine has installed now, then carries out the
+    /// effects.
+    fn with_plane(&mut self, now: u64, f: impl FnOnce(&mut ControlPlane, &Local<'_>)) {
+        let view = self.machine.view();
+        f(&mut self.plane, &local(&self.machine, &view));
+        self.execute(now);
+    }
+
+    /// A control datagram from `from`.
+    pub(crate) fn on_message(
+        &mut self,
+        from: MachineId,
+        msg: farm_cm::control::ControlMsg,
+        now: u64,
+    ) {
+        self.with_plane(now, |p, l| p.on_message(from, msg, now, l));
+    }
+
+    /// This machine's lease of `suspect` expired.
+    pub(crate) fn on_suspect(&mut self, suspect: MachineId, now: u64) {
+        self.with_plane(now, |p, l| p.on_suspect(suspect, now, l));
+    }
+
+    /// This machine cannot write to member `m` although `m` may live.
+    pub(crate) fn on_unreachable(&mut self, m: MachineId, now: u64) {
+        self.with_plane(now, |p, l| p.on_unreachable(m, now, l));
+    }
+
+    /// Advances the plane.
+    pub(crate) fn tick(&mut self, now: u64) {
+        self.with_plane(now, |p, l| p.tick(now, l));
+    }
+
+    /// Whether a reconfiguration driven here is under way.
+    pub(crate) fn reconfiguring(&self) -> bool {
+        self.plane.reconfiguring()
+    }
+
+    /// Reconfiguration steps seen since the last call, with their times.
+    pub(crate) fn take_events(&mut self) -> Vec<(u64, Event)> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Carries out the plane's effects, feeding results back, until it has none.
+    fn execute(&mut self, now: u64) {
+        let me = self.machine.id;
+        loop {
+            let effects = self.plane.take_effects();
+            if effects.is_empty() {
+                return;
+            }
+            for e in effects {
+                match e {
+                    Effect::Send(to, msg) => {
+                        self.fabric.send_datagram(me, to, &msg.encode(), now);
+                    }
+                    Effect::Probe(m) => {
+                        let ok = probe(&*self.fabric, me, m);
+                        let view = self.machine.view();
+                        self.plane
+                            .on_probe(m, ok, now, &local(&self.machine, &view));
+                    }
+                    Effect::ReadStore => {
+                        let stored = match self.store.read() {
+                            Ok(Some((v, bytes))) => match farm_cm::codec::decode(&bytes) {
+                                Ok(c) => Some((v, c)),
+                                Err(e) => {
+                                    tracing::error!(error = %e, "the stored configuration does not decode");
+                                    None
+                                }
+                            },
+                            Ok(None) => {
+                                tracing::error!("no configuration in the coordination store");
+                                None
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "reading the coordination store");
+                                None
+                            }
+                        };
+                        let view = self.machine.view();
+                        self.plane
+                            .on_store_read(stored, now, &local(&self.machine, &view));
+                    }
+                    Effect::CompareAndSet { expected, data } => {
+                        let result = self.store.compare_and_set(Some(expected), &data);
+                        let view = self.machine.view();
+                        self.plane.on_cas(result, now, &local(&self.machine, &view));
+                    }
+                    Effect::Install(v) => {
+                        let id = v.config.id;
+                        if let Err(e) = self.machine.install(v.config, v.map, v.changes) {
+                            tracing::error!(error = %e, config = id.0, "installing NEW-CONFIG");
+                        }
+                    }
+                    Effect::Commit(id) => self.machine.commit_config(id),
+                    Effect::AllRegionsActive(id) => self.machine.all_regions_active(id),
+                    Effect::Evicted(id) => {
+                        tracing::warn!(
+                            machine = me.0,
+                            config = id.0,
+                            "removed from the configuration"
+                        );
+                        self.machine.set_evicted(true);
+                    }
+                    Effect::Event(e) => {
+                        log(me, &e);
+                        self.events.push((now, e));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn log(me: MachineId, e: &Event) {
+    match e {
+        Event::Suspect(m) => tracing::warn!(observer = me.0, suspect = m.0, "suspect"),
+        Event::Attempt { config, suspects } => {
+            tracing::warn!(driver = me.0, config = config.0, suspects = ?suspects, "reconfiguring")
+        }
+        Event::Committed(c) => tracing::info!(config = c.id.0, members = ?c.members,
+            cm = c.cm.0, "configuration committed"),
+        Event::Failed(why) => tracing::warn!(driver = me.0, error = %why, "reconfiguration failed"),
+        Event::Probed | Event::Stored(_) | Event::AllActive(_) => {}
+    }
+}
