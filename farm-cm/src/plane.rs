@@ -46,6 +46,11 @@ use crate::store::{CasOutcome, StoreError, StoreVersion};
 /// failed attempt and the next one.
 pub const TAKEOVER_LEASES: u64 = 2;
 
+/// Leases that probes and NEW-CONFIG-ACKs are waited for (at least; a deployment may add a
+/// floor): a member acknowledges once its control loop ran, it persisted the view and every
+/// worker picked it up. A member silent that long is removed by the next attempt.
+pub const ACK_TIMEOUT_LEASES: u64 = 10;
+
 /// How many times longer a machine outside the configuration waits between requests to join
 /// than unanswered messages are repeated.
 const JOIN_REPEATS: u64 = 10;
@@ -248,6 +253,9 @@ pub struct ControlPlane {
     /// Members this machine (as CM) suspects, with when the next attempt may start.
     suspects: BTreeSet<MachineId>,
     retry_at: u64,
+    /// No machine removed by an attempt abandoned here holds a lease after this tick: the next
+    /// attempt's commit waits for it too (§5.2 step 7).
+    leases_end: u64,
     cm_suspicion: Option<CmSuspicion>,
     attempt: Option<Attempt>,
     reading: Reading,
@@ -273,6 +281,7 @@ impl ControlPlane {
             cm: CmState::default(),
             suspects: BTreeSet::new(),
             retry_at: 0,
+            leases_end: 0,
             cm_suspicion: None,
             attempt: None,
             reading: Reading::default(),
@@ -366,7 +375,10 @@ impl ControlPlane {
             }
             ControlMsg::NewConfigAck(id) => {
                 if let Some(a) = self.attempt.as_mut() {
-                    if from == me || a.pending.remove(&from).is_some() {
+                    // A late ack of an earlier attempt's configuration answers nothing here.
+                    let answers = |msg: &ControlMsg| matches!(msg, ControlMsg::NewConfig(v) if v.config.id == id);
+                    if from == me || a.pending.get(&from).is_some_and(answers) {
+                        a.pending.remove(&from);
                         a.reconfig.on_ack(from, id, now);
                         self.pump(now, local);
                     }
@@ -440,6 +452,7 @@ impl ControlPlane {
         debug_assert!(c.members.windows(2).all(|w| w[0] < w[1]), "members sorted");
         if c.cm == self.me {
             self.suspects.insert(suspect);
+            self.abandon_awaiting(suspect, now);
         } else if suspect == c.cm && self.cm_suspicion.is_none() {
             self.cm_suspicion = Some(CmSuspicion {
                 config: c.id,
@@ -451,6 +464,30 @@ impl ControlPlane {
                 check_every: self.params.takeover_ticks(),
             });
         }
+    }
+
+    /// Ends the attempt under way if it waits for `suspect`'s NEW-CONFIG-ACK: a member whose
+    /// lease expired has failed, and waiting out the ack timeout for it (ten leases) would
+    /// leave the new configuration uncommitted, and every transaction blocked, that long. The
+    /// next attempt, at once, drives the stored configuration again without it.
+    fn abandon_awaiting(&mut self, suspect: MachineId, now: u64) {
+        let awaited = self
+            .attempt
+            .as_ref()
+            .and_then(|a| a.reconfig.awaiting_acks())
+            .is_some_and(|w| w.contains(&suspect));
+        if !awaited {
+            return;
+        }
+        let a = self.attempt.take().expect("awaited");
+        self.leases_end = self.leases_end.max(a.reconfig.leases_end());
+        if let Change::Remove(earlier) = a.change {
+            self.suspects.extend(earlier);
+        }
+        self.retry_at = now;
+        self.event(Event::Failed(format!(
+            "{suspect} was suspected before acknowledging"
+        )));
     }
 
     /// This machine cannot write to `m`, a member, although `m`'s process may live (a broken
@@ -606,7 +643,7 @@ impl ControlPlane {
                     local.changes.clone(),
                     suspects.clone(),
                     self.params.reconfig(),
-                    now,
+                    self.leases_end.max(now),
                     now,
                 )
             }

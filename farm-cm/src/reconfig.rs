@@ -400,6 +400,19 @@ impl Reconfig {
         self.phase = Phase::Done(Ok(new));
     }
 
+    /// The tick after which no machine this attempt removes holds a lease (step 7).
+    pub fn leases_end(&self) -> u64 {
+        self.leases_end
+    }
+
+    /// Members whose NEW-CONFIG-ACK the attempt still waits for (none before the store write).
+    pub fn awaiting_acks(&self) -> Option<&BTreeSet<MachineId>> {
+        match &self.phase {
+            Phase::Acking { awaiting, .. } => Some(awaiting),
+            _ => None,
+        }
+    }
+
     /// The machines this attempt removes (suspects and failed probes).
     pub fn suspects(&self) -> &BTreeSet<MachineId> {
         &self.suspects

@@ -130,7 +130,8 @@ impl Cluster {
                         self.rng ^= self.rng << 13;
                         self.rng ^= self.rng >> 7;
                         self.rng ^= self.rng << 17;
-                        let lost = self.lose_one_in > 0 && self.rng.is_multiple_of(self.lose_one_in);
+                        let lost =
+                            self.lose_one_in > 0 && self.rng.is_multiple_of(self.lose_one_in);
                         if !lost {
                             self.in_flight.push((now + 1, m, to, msg));
                         }
@@ -430,4 +431,31 @@ fn a_configuration_installed_but_not_acknowledged_is_driven_again() {
         .events
         .iter()
         .any(|(_, _, e)| matches!(e, Event::Failed(f) if f.contains("not acknowledged"))));
+}
+
+/// A member whose lease expires at the CM while the attempt waits for its NEW-CONFIG-ACK has
+/// failed: the CM does not wait out the ack timeout for it, but drives the stored
+/// configuration again without it at once (every transaction waits for the commit).
+#[test]
+fn a_member_suspected_while_its_ack_is_awaited_is_not_waited_for() {
+    let mut c = Cluster::new(5);
+    c.kill(MachineId(4));
+    c.suspect(MachineId(0), MachineId(4));
+    let stored = |c: &Cluster| {
+        c.events
+            .iter()
+            .any(|(_, _, e)| matches!(e, Event::Stored(ConfigId(2))))
+    };
+    assert!(c.run_until(LEASE, stored));
+    c.kill(MachineId(3));
+    c.suspect(MachineId(0), MachineId(3));
+    // Well within the ack timeout (a lease here).
+    let ok = c.run_until(LEASE / 4, |c| c.settled_without(&ids(&[0, 1, 2])));
+    let states: Vec<_> = c
+        .machines
+        .iter()
+        .map(|m| (m.config.id, m.committed, m.alive))
+        .collect();
+    assert!(ok, "{:?} {states:?} {:?}", c.events, c.machines[0].plane);
+    assert_eq!(c.machines[0].config.id, ConfigId(3));
 }

@@ -17,8 +17,8 @@ use crate::ids::{MachineId, RegionId, ThreadId};
 use crate::nvram::Nvram;
 
 /// First byte of a control datagram (the CM's NEW-CONFIG and the rest, `farm_cm::control`),
-/// which no lease datagram starts with: fabrics that hand control datagrams to their own
-/// reader (`ProcessFabric::recv_control`) tell the two apart by it.
+/// which no lease datagram starts with: fabrics hand control datagrams to their own reader
+/// ([`Fabric::recv_control`]) and tell the two apart by it.
 pub const CONTROL_TAG: u8 = 0xc7;
 
 /// A registered memory area of a machine (an RDMA memory region).
@@ -164,8 +164,15 @@ pub trait Fabric: Send + Sync + fmt::Debug {
     /// Sends an unreliable datagram; it may be lost or delayed, and sending never blocks.
     fn send_datagram(&self, src: MachineId, dst: MachineId, data: &[u8], now: u64);
 
-    /// Takes one datagram for `dst` that is due at `now` into `buf`, returning its sender.
+    /// Takes one lease datagram for `dst` that is due at `now` into `buf`, returning its
+    /// sender; control datagrams ([`CONTROL_TAG`]) are kept for [`Fabric::recv_control`].
     fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId>;
+
+    /// Takes one control datagram ([`CONTROL_TAG`]: the control plane's NEW-CONFIG and the
+    /// rest) for `dst` that is due at `now` into `buf`, returning its sender; lease datagrams
+    /// are kept for [`Fabric::recv_datagram`]. A fabric of one machine per process answers for
+    /// its own machine only.
+    fn recv_control(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId>;
 
     /// Precise membership at the target (§5.2): from now on `machine` takes one-sided writes
     /// only from `members` (itself included); a write from anyone else, or one still in flight

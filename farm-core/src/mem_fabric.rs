@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::fabric::{
-    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket, CONTROL_TAG,
 };
 use crate::ids::{MachineId, ThreadId};
 use crate::nvram::Nvram;
@@ -50,7 +50,9 @@ struct Machine {
     /// `admit`): one atomic load on the write path.
     admitted: Box<[AtomicU64]>,
     areas: RwLock<BTreeMap<MemKey, Arc<Nvram>>>,
+    /// Lease datagrams, and control datagrams ([`CONTROL_TAG`]) apart: each has its reader.
     datagrams: Mutex<VecDeque<Datagram>>,
+    control: Mutex<VecDeque<Datagram>>,
 }
 
 #[derive(Debug)]
@@ -138,6 +140,7 @@ impl MemFabric {
                     .collect(),
                 areas: RwLock::new(BTreeMap::new()),
                 datagrams: Mutex::new(VecDeque::new()),
+                control: Mutex::new(VecDeque::new()),
             })
             .collect();
         let n_links = config.machines_max as usize
@@ -461,7 +464,12 @@ impl Fabric for MemFabric {
                 0
             }
         };
-        let mut q = d.datagrams.lock().expect("poisoned");
+        let queue = if data.first() == Some(&CONTROL_TAG) {
+            &d.control
+        } else {
+            &d.datagrams
+        };
+        let mut q = queue.lock().expect("poisoned");
         if q.len() < self.config.datagrams_queued_max {
             q.push_back(Datagram {
                 src,
@@ -490,16 +498,31 @@ impl Fabric for MemFabric {
 
     fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
         let d = self.machine(dst).ok()?;
-        if !d.alive.load(Ordering::SeqCst) {
-            return None;
-        }
-        let mut q = d.datagrams.lock().expect("poisoned");
-        let at = q.iter().position(|g| g.due <= now)?;
-        let g = q.remove(at).expect("found");
-        buf.clear();
-        buf.extend_from_slice(&g.data);
-        Some(g.src)
+        take_due(&d.alive, &d.datagrams, now, buf)
     }
+
+    fn recv_control(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let d = self.machine(dst).ok()?;
+        take_due(&d.alive, &d.control, now, buf)
+    }
+}
+
+/// Takes the first datagram of `queue` due at `now` into `buf` (none for a dead machine).
+fn take_due(
+    alive: &AtomicBool,
+    queue: &Mutex<VecDeque<Datagram>>,
+    now: u64,
+    buf: &mut Vec<u8>,
+) -> Option<MachineId> {
+    if !alive.load(Ordering::SeqCst) {
+        return None;
+    }
+    let mut q = queue.lock().expect("poisoned");
+    let at = q.iter().position(|g| g.due <= now)?;
+    let g = q.remove(at).expect("found");
+    buf.clear();
+    buf.extend_from_slice(&g.data);
+    Some(g.src)
 }
 
 #[cfg(test)]

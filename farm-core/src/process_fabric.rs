@@ -29,10 +29,6 @@ pub trait ProcessFabric: Fabric {
     /// The machine this process runs.
     fn me(&self) -> MachineId;
 
-    /// Takes one control datagram ([`CONTROL_TAG`]) for this machine into `buf`, returning its
-    /// sender; lease datagrams read on the way are kept for [`Fabric::recv_datagram`].
-    fn recv_control(&self, buf: &mut Vec<u8>) -> Option<MachineId>;
-
     /// Whether machine `m` runs and takes this machine's writes to its logs: its process
     /// answers, its rings are registered and it admitted this machine. A machine whose commits
     /// need `m` waits for this before its first transaction.

@@ -212,10 +212,6 @@ impl ProcessFabric for ShmFabric {
         self.me
     }
 
-    fn recv_control(&self, buf: &mut Vec<u8>) -> Option<MachineId> {
-        self.datagrams.recv(true, buf)
-    }
-
     /// Machine `m`'s process lives, its rings are mapped and it admitted this machine.
     fn ready(&self, m: MachineId) -> bool {
         let state = self.machine(m);
@@ -362,6 +358,14 @@ impl Fabric for ShmFabric {
             return None;
         }
         self.datagrams.recv(false, buf)
+    }
+
+    fn recv_control(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let _ = now;
+        if dst != self.me {
+            return None;
+        }
+        self.datagrams.recv(true, buf)
     }
 
     fn admit(&self, machine: MachineId, members: &[MachineId]) {

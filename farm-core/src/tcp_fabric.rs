@@ -1193,6 +1193,14 @@ impl Fabric for TcpFabric {
         self.datagrams.recv(false, buf)
     }
 
+    fn recv_control(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        let _ = now;
+        if dst != self.me {
+            return None;
+        }
+        self.datagrams.recv(true, buf)
+    }
+
     fn admit(&self, machine: MachineId, members: &[MachineId]) {
         assert_eq!(machine, self.me, "a machine admits writers to itself only");
         let mut words = [0u64; ADMIT_MACHINES_MAX / 64];
@@ -1231,10 +1239,6 @@ impl Fabric for TcpFabric {
 impl ProcessFabric for TcpFabric {
     fn me(&self) -> MachineId {
         self.me
-    }
-
-    fn recv_control(&self, buf: &mut Vec<u8>) -> Option<MachineId> {
-        self.datagrams.recv(true, buf)
     }
 
     /// Machine `m` answers a probe saying it admits this machine and has its rings registered.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, CONTROL_TAG};
 use farm_core::nvram::Nvram;
-use farm_core::process_fabric::{ProcessFabric, StartError};
+use farm_core::process_fabric::StartError;
 use farm_core::shm_fabric::{machine_dir, ShmFabric, LIVENESS_CHECK};
 use farm_core::{MachineId, RegionId, ThreadId};
 
@@ -180,9 +180,9 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
         );
     }
     assert_eq!(&buf[..], b"lease");
-    assert_eq!(f0.recv_control(&mut buf), Some(M0));
+    assert_eq!(f0.recv_control(M0, 0, &mut buf), Some(M0));
     assert_eq!(&buf[..], &[CONTROL_TAG, 1]);
-    assert_eq!(f0.recv_control(&mut buf), None);
+    assert_eq!(f0.recv_control(M0, 0, &mut buf), None);
 
     // SIGKILL: the kernel drops its lock; operations fail once liveness is rechecked.
     child.kill().unwrap();

@@ -146,7 +146,7 @@ fn one_sided_operations_are_served_by_the_nic_and_pipelined() {
         assert!(Instant::now() < deadline, "no datagram");
     }
     assert_eq!(&got[..], b"lease");
-    while f1.recv_control(&mut got).is_none() {
+    while f1.recv_control(M1, 0, &mut got).is_none() {
         assert!(Instant::now() < deadline, "no control datagram");
     }
     assert_eq!(&got[..], &[farm_core::fabric::CONTROL_TAG, 9]);

@@ -267,7 +267,7 @@ impl Sim {
             .collect();
         stall_at.sort_unstable_by(|a, b| b.cmp(a));
         let leases = SimLeases::new(&cfg, LEASE_TICKS, 0);
-        let cm = SimCm::new(&machines, config.replicas as usize);
+        let cm = SimCm::new(&machines, &fabric, config.replicas as usize);
         let mut sim = Sim {
             rng,
             now: 0,
@@ -422,7 +422,8 @@ impl Sim {
             self.now += 1;
             self.fabric.deliver_all();
             self.lease_step();
-            self.cm.step(self.now, &self.fabric, &self.machines);
+            let out = self.cm.step(self.now, &self.fabric);
+            self.stop_evicted(out);
             for x in self.workers.iter_mut() {
                 if self.fabric.is_alive(x.machine().id) {
                     x.poll(self.now);
@@ -521,7 +522,7 @@ impl Sim {
             members.contains(&w.machine().id)
                 && (w.last_drained() < newest.config.id || !w.recovery_idle())
         });
-        if self.cm.busy() || views_differ {
+        if self.cm.busy(&self.fabric) || views_differ {
             self.restarts_mid.0 += 1;
         } else if transaction_recovery {
             self.restarts_mid.1 += 1;
@@ -611,7 +612,7 @@ impl Sim {
         self.grace.clear();
         self.leases = SimLeases::new(&config, LEASE_TICKS, self.now);
         let committed = self.cm.committed;
-        self.cm = SimCm::new(&machines, self.config.replicas as usize);
+        self.cm = SimCm::new(&machines, &fabric, self.config.replicas as usize);
         self.cm.committed = committed;
         self.fabric = fabric;
         self.fabric.set_datagram_policy(self.datagram_policy());
@@ -644,7 +645,7 @@ impl Sim {
         }
         self.resume_due();
         self.lease_step();
-        if self.power_loss_in_reconfiguration && self.cm.reconfiguring() {
+        if self.power_loss_in_reconfiguration && self.cm.reconfiguring(&self.fabric) {
             self.power_loss_in_reconfiguration = false;
             let at = self.step_no + self.rng.below(60);
             if let Some(pending) = self.power_loss_at.iter_mut().find(|a| **a == u64::MAX) {
@@ -667,7 +668,10 @@ impl Sim {
                     self.workers[w].poll(self.now);
                 }
             }
-            3 => self.cm.step(self.now, &self.fabric, &self.machines),
+            3 => {
+                let out = self.cm.step(self.now, &self.fabric);
+                self.stop_evicted(out);
+            }
             1 => {
                 let mut held = self.fabric.held_links();
                 if let Some((src, dst, until)) = self.slow_link {
@@ -762,7 +766,10 @@ impl Sim {
                 fabric.crash(m, rng);
                 evicted.push(m);
             }
-            cm.step(*now, fabric, machines);
+            for m in cm.step(*now, fabric) {
+                fabric.crash(m, rng);
+                evicted.push(m);
+            }
             let held = fabric.held_links();
             if !held.is_empty() {
                 let (src, dst, _) = held[rng.below(held.len() as u64) as usize];
@@ -1031,7 +1038,8 @@ impl Sim {
         for _ in 0..2000 {
             self.fabric.deliver_all();
             self.now += 100;
-            self.cm.step(self.now, &self.fabric, &self.machines);
+            let out = self.cm.step(self.now, &self.fabric);
+            self.stop_evicted(out);
             let fabric = &self.fabric;
             for w in self
                 .workers
@@ -1051,7 +1059,7 @@ impl Sim {
             {
                 w.poll(self.now);
             }
-            let quiet = !self.cm.busy()
+            let quiet = !self.cm.busy(&self.fabric)
                 && self
                     .workers
                     .iter()
@@ -1089,7 +1097,7 @@ impl Sim {
         panic!(
             "seed {}: the cluster did not quiesce (CM busy {}):\n{}",
             self.config.seed,
-            self.cm.busy(),
+            self.cm.busy(&self.fabric),
             report.join("\n")
         );
     }

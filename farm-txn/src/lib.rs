@@ -6,9 +6,11 @@
 //! blocks, reads a clock, spawns a thread or draws a random number: the runtime in `farm` and the
 //! simulator in `farm-sim` drive the same code by calling [`Worker::poll`] and
 //! [`Worker::poll_commit`] with the current tick. Transaction state recovery (§5.3) runs in the
-//! same workers ([`recovery`]).
+//! same workers ([`recovery`]). A machine's control plane (`farm_cm::plane`) acts on its
+//! [`MachineState`] through [`control::MachineControl`], in every deployment and the simulator.
 #![deny(missing_docs)]
 
+pub mod control;
 pub mod coordinator;
 pub mod error;
 pub mod machine;

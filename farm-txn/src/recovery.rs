@@ -506,6 +506,15 @@ impl Worker {
                 tx.records.extend(r.records);
             }
         }
+        // Decisions that arrived before any record of their transaction, which the drain
+        // just found.
+        let early: Vec<TxnId> = (self.recovery.early_decisions.keys())
+            .filter(|t| self.recovery.txs.contains_key(t))
+            .copied()
+            .collect();
+        for t in early {
+            self.adopt_early_decision(t);
+        }
         // Decisions that arrived in an earlier round before the records they apply to.
         let pending: Vec<TxnId> = self
             .recovery
@@ -880,6 +889,15 @@ impl Worker {
             self.install_recovered(t, late);
             return;
         }
+        self.adopt_early_decision(t);
+    }
+
+    /// A decision (and TRUNCATE-RECOVERY) that arrived before this thread had any record of
+    /// `t` applies once it has one, whichever way the records came: REPLICATE-TX-STATE, or its
+    /// own logs at a later drain. Without the second, a thread that got ABORT-RECOVERY before
+    /// a new configuration made it drain `t`'s records waited forever for a decision the
+    /// coordinator had already sent it (simulator seed 661 of the crash campaign).
+    fn adopt_early_decision(&mut self, t: TxnId) {
         let Some(tx) = self.recovery.txs.get_mut(&t) else {
             return;
         };

@@ -334,7 +334,9 @@ fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, S
         }
         for e in effects {
             match e {
-                Effect::Probe(m) => r.on_probe(m, crate::control::probe(&*s.fabric, me, m), now()),
+                Effect::Probe(m) => {
+                    r.on_probe(m, farm_txn::control::probe(&*s.fabric, me, m), now())
+                }
                 Effect::CompareAndSet { expected, data } => {
                     if !probed {
                         probed = true;

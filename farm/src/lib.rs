@@ -22,7 +22,6 @@
 mod backoff;
 mod cluster;
 mod cm;
-mod control;
 mod hosts;
 mod lease_thread;
 pub mod node;

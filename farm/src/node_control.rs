@@ -10,15 +10,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use farm_cm::control::ControlMsg;
-use farm_cm::plane::{Event, PlaneParams};
+use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::Fabric;
 use farm_core::process_fabric::ProcessFabric;
 use farm_core::ConfigId;
 use farm_txn::MachineState;
 
-use crate::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
 use crate::lease_thread::Suspicion;
+use farm_txn::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
 
 /// How often NEW-CONFIG, NEW-CONFIG-COMMIT and REGIONS-ACTIVE are repeated until answered.
 const REPEAT: Duration = Duration::from_millis(2);
@@ -59,7 +59,7 @@ impl Control {
             // Probes are one-sided reads (answered without the target's CPU), but a NEW-CONFIG
             // needs the member's control thread and an fsync of its view: give the acks ten
             // leases, at least 100 ms, before removing the silent.
-            ack_timeout_ticks: (self.lease * 10)
+            ack_timeout_ticks: (self.lease * ACK_TIMEOUT_LEASES as u32)
                 .max(Duration::from_millis(100))
                 .as_micros() as u64,
             repeat_ticks: REPEAT.as_micros() as u64,
@@ -73,7 +73,7 @@ impl Control {
         let mut seen = 0;
         let mut buf = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
-            while let Some(from) = self.fabric.recv_control(&mut buf) {
+            while let Some(from) = self.fabric.recv_control(me, 0, &mut buf) {
                 match ControlMsg::decode(&buf) {
                     Some(ControlMsg::RingStarts {
                         config,

@@ -158,7 +158,7 @@ fn gather(
                 waited: config.start_timeout,
             });
         }
-        while let Some(from) = fabric.recv_control(&mut buf) {
+        while let Some(from) = fabric.recv_control(fabric.me(), 0, &mut buf) {
             if let Some(ControlMsg::Persisted { view, copying }) = ControlMsg::decode(&buf) {
                 if missing.remove(&from) {
                     persisted[from.0 as usize] = Some(Persisted { view, copying });
@@ -196,7 +196,7 @@ fn follow(
             last_sent = Some(Instant::now());
             fabric.send_datagram(config.machine, MachineId(0), m, 0);
         }
-        if let Some(sender) = fabric.recv_control(&mut buf) {
+        if let Some(sender) = fabric.recv_control(fabric.me(), 0, &mut buf) {
             // Peers' ring starts may come first: dropped, they repeat them.
             if let (MachineId(0), Some(ControlMsg::Restart { restart, from })) =
                 (sender, ControlMsg::decode(&buf))
@@ -288,7 +288,7 @@ pub(crate) fn resume_rings(
                 waited: timeout,
             });
         }
-        while let Some(from) = fabric.recv_control(&mut buf) {
+        while let Some(from) = fabric.recv_control(fabric.me(), 0, &mut buf) {
             let Some(ControlMsg::RingStarts {
                 config,
                 reply,

@@ -1,23 +1,26 @@
-//! A machine's control plane in the runtime: `farm_cm::plane::ControlPlane` (the member and
-//! driver sides of FaRM §5.2-5.4) wired to the machine's state, the fabric and the
-//! coordination store. The plane decides; this carries its effects out (a datagram, a probe,
-//! a store read or compare-and-set, installing or committing a view) and feeds the results
-//! back, so that every deployment runs the same rules.
+//! A machine's control plane at work: `farm_cm::plane::ControlPlane` (the member and driver
+//! sides of FaRM §5.2-5.4) wired to the machine's state, the fabric and the coordination store.
+//! The plane decides; this carries its effects out (a datagram, a probe, a store read or
+//! compare-and-set, installing or committing a view) and feeds the results back, so that every
+//! deployment (a node's control thread, the in-process cluster) and the simulator run the same
+//! rules. It reads no clock and starts no thread: `now` comes from the caller, and the store
+//! and fabric calls return when they return (a ZooKeeper round trip in a node's control
+//! thread, at once in the simulator).
 
 use std::sync::Arc;
 
+use crate::machine::View;
+use crate::MachineState;
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::{Fabric, MemKey};
 use farm_core::MachineId;
-use farm_txn::machine::View;
-use farm_txn::MachineState;
 
-/// Region replicas one machine may hold.
-pub(crate) const REGIONS_PER_MACHINE_MAX: usize = 4096;
+/// Region replicas one machine may hold (the plane's `regions_max` in every deployment).
+pub const REGIONS_PER_MACHINE_MAX: usize = 4096;
 
 /// One machine's control plane and what it acts on.
-pub(crate) struct MachineControl {
+pub struct MachineControl {
     machine: Arc<MachineState>,
     plane: ControlPlane,
     fabric: Arc<dyn Fabric>,
@@ -50,7 +53,7 @@ fn local<'a>(machine: &MachineState, view: &'a View) -> Local<'a> {
 
 /// A reconfiguration probe (§5.2 step 2): a one-sided read of `m`'s memory from `me`, which
 /// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers.
-pub(crate) fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> bool {
+pub fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> bool {
     fabric
         .remote(me, m, MemKey::Feedback)
         .and_then(|h| h.read(0, &mut [0u8; 8]))
@@ -58,7 +61,8 @@ pub(crate) fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> bool {
 }
 
 impl MachineControl {
-    pub(crate) fn new(
+    /// The plane of `machine`, acting through `fabric` and `store`.
+    pub fn new(
         machine: Arc<MachineState>,
         params: PlaneParams,
         fabric: Arc<dyn Fabric>,
@@ -82,37 +86,52 @@ impl MachineControl {
     }
 
     /// A control datagram from `from`.
-    pub(crate) fn on_message(
-        &mut self,
-        from: MachineId,
-        msg: farm_cm::control::ControlMsg,
-        now: u64,
-    ) {
+    pub fn on_message(&mut self, from: MachineId, msg: farm_cm::control::ControlMsg, now: u64) {
         self.with_plane(now, |p, l| p.on_message(from, msg, now, l));
     }
 
     /// This machine's lease of `suspect` expired.
-    pub(crate) fn on_suspect(&mut self, suspect: MachineId, now: u64) {
+    pub fn on_suspect(&mut self, suspect: MachineId, now: u64) {
         self.with_plane(now, |p, l| p.on_suspect(suspect, now, l));
     }
 
     /// This machine cannot write to member `m` although `m` may live.
-    pub(crate) fn on_unreachable(&mut self, m: MachineId, now: u64) {
+    pub fn on_unreachable(&mut self, m: MachineId, now: u64) {
         self.with_plane(now, |p, l| p.on_unreachable(m, now, l));
     }
 
     /// Advances the plane.
-    pub(crate) fn tick(&mut self, now: u64) {
+    pub fn tick(&mut self, now: u64) {
         self.with_plane(now, |p, l| p.tick(now, l));
     }
 
+    /// Changes the lease length the plane times with (and the longest ever in force).
+    pub fn set_lease(&mut self, lease_ticks: u64, lease_longest_ticks: u64) {
+        self.plane.set_lease(lease_ticks, lease_longest_ticks);
+    }
+
+    /// The machine.
+    pub fn machine(&self) -> MachineId {
+        self.machine.id
+    }
+
     /// Whether a reconfiguration driven here is under way.
-    pub(crate) fn reconfiguring(&self) -> bool {
+    pub fn reconfiguring(&self) -> bool {
         self.plane.reconfiguring()
     }
 
+    /// Whether a reconfiguration driven here is under way or due.
+    pub fn busy(&self) -> bool {
+        self.plane.busy()
+    }
+
+    /// Whether the machine learnt it was removed from the configuration.
+    pub fn evicted(&self) -> bool {
+        self.machine.is_evicted()
+    }
+
     /// Reconfiguration steps seen since the last call, with their times.
-    pub(crate) fn take_events(&mut self) -> Vec<(u64, Event)> {
+    pub fn take_events(&mut self) -> Vec<(u64, Event)> {
         std::mem::take(&mut self.events)
     }
 
