@@ -236,6 +236,13 @@ impl Cluster {
             })
     }
 
+    /// Whether a plane stored `config` in the coordination store.
+    fn stored(&self, config: ConfigId) -> bool {
+        self.events
+            .iter()
+            .any(|(_, _, e)| *e == Event::Stored(config))
+    }
+
     fn attempts(&self) -> Vec<(u64, MachineId)> {
         self.events
             .iter()
@@ -418,12 +425,7 @@ fn a_configuration_installed_but_not_acknowledged_is_driven_again() {
     let mut c = Cluster::new(5);
     c.kill(MachineId(4));
     c.suspect(MachineId(0), MachineId(4));
-    let stored = |c: &Cluster| {
-        c.events
-            .iter()
-            .any(|(_, _, e)| matches!(e, Event::Stored(ConfigId(2))))
-    };
-    assert!(c.run_until(LEASE, stored));
+    assert!(c.run_until(LEASE, |c| c.stored(ConfigId(2))));
     c.kill(MachineId(3));
     assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2]))));
     assert_eq!(c.machines[0].config.id, ConfigId(3));
@@ -441,12 +443,7 @@ fn a_member_suspected_while_its_ack_is_awaited_is_not_waited_for() {
     let mut c = Cluster::new(5);
     c.kill(MachineId(4));
     c.suspect(MachineId(0), MachineId(4));
-    let stored = |c: &Cluster| {
-        c.events
-            .iter()
-            .any(|(_, _, e)| matches!(e, Event::Stored(ConfigId(2))))
-    };
-    assert!(c.run_until(LEASE, stored));
+    assert!(c.run_until(LEASE, |c| c.stored(ConfigId(2))));
     c.kill(MachineId(3));
     c.suspect(MachineId(0), MachineId(3));
     // Well within the ack timeout (a lease here).

@@ -195,7 +195,7 @@ impl MachineControl {
                             config = id.0,
                             "removed from the configuration"
                         );
-                        self.machine.set_evicted(true);
+                        self.machine.set_evicted();
                     }
                     Effect::Event(e) => {
                         log(me, &e);

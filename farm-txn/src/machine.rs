@@ -841,30 +841,16 @@ impl MachineState {
         active
     }
 
-    /// Marks this machine removed from (or, with `false`, back in) the configuration. A
-    /// deployed machine learns it when its lease is not renewed; in-process the CM says so.
-    pub fn set_evicted(&self, evicted: bool) {
-        self.evicted.store(evicted, Ordering::Release);
+    /// Marks this machine removed from the configuration: its control plane learnt it from the
+    /// coordination store once its CM fell silent. A removed machine never comes back as a
+    /// member; a new incarnation (a new `MachineState`) joins instead.
+    pub fn set_evicted(&self) {
+        self.evicted.store(true, Ordering::Release);
     }
 
     /// Whether this machine was removed from the configuration while alive.
     pub fn is_evicted(&self) -> bool {
         self.evicted.load(Ordering::Acquire)
-    }
-
-    /// The CM's side of REGIONS-ACTIVE / ALL-REGIONS-ACTIVE (§5.4), in-process: once every one
-    /// of `members` (the live members of configuration `config`) committed it and reports its
-    /// regions active, each is told. Returns whether that happened.
-    pub fn announce_all_active(members: &[&Arc<MachineState>], config: ConfigId) -> bool {
-        let ready = members
-            .iter()
-            .all(|m| m.committed_config() >= config && m.regions_active());
-        if ready {
-            for m in members {
-                m.all_regions_active(config);
-            }
-        }
-        ready
     }
 
     /// ALL-REGIONS-ACTIVE from the CM (§5.4): data and allocator recovery may start.

@@ -347,7 +347,7 @@ impl ClusterBuilder {
             .clone()
             .unwrap_or_else(|| Arc::new(EmbeddedStore::new()));
         let all = self.machines + self.spare_machines;
-        let (machines, store_version) = if self.restart {
+        let machines = if self.restart {
             self.restore_machines(params, &fabric, &*store)?
         } else {
             if let Some(dir) = &self.nvram_dir {
@@ -379,8 +379,8 @@ impl ClusterBuilder {
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            let version = match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
-                Ok(CasOutcome::Written(v)) => v,
+            match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
+                Ok(CasOutcome::Written(_)) => {}
                 Ok(CasOutcome::Conflict) => return Err(BuildError::Invalid(
                     "the coordination store already holds a configuration: restart that cluster \
                          with ClusterBuilder::restart, or give a new cluster a store of its own"
@@ -391,8 +391,8 @@ impl ClusterBuilder {
                         "storing the first configuration: {e}"
                     )))
                 }
-            };
-            (machines, version)
+            }
+            machines
         };
         let hosts: Vec<Host> = (0..self.workers)
             .map(|t| {
@@ -433,13 +433,6 @@ impl ClusterBuilder {
             machines: machines.clone(),
             fabric: fabric.clone(),
             store,
-            store_version,
-            // What the store holds is what every machine starts in.
-            stored_config: machines
-                .iter()
-                .map(|m| m.view().config.clone())
-                .max_by_key(|c| c.id)
-                .expect("machines"),
             suspicions: suspicions.clone(),
             events: reconfig_events.clone(),
             epoch,
@@ -505,7 +498,7 @@ impl ClusterBuilder {
         params: Params,
         fabric: &Arc<MemFabric>,
         store: &dyn CoordinationStore,
-    ) -> Result<(Vec<Arc<MachineState>>, farm_cm::StoreVersion), BuildError> {
+    ) -> Result<Vec<Arc<MachineState>>, BuildError> {
         let Some(dir) = &self.nvram_dir else {
             return Err(BuildError::Invalid(
                 "a restart needs the NVRAM directory the cluster ran on".into(),
@@ -546,15 +539,16 @@ impl ClusterBuilder {
             id: restart,
             ..newest.config.clone()
         };
-        let version =
-            match store.compare_and_set(Some(version), &farm_cm::codec::encode(&config)) {
-                Ok(CasOutcome::Written(v)) => v,
-                Ok(CasOutcome::Conflict) => return Err(invalid(
+        match store.compare_and_set(Some(version), &farm_cm::codec::encode(&config)) {
+            Ok(CasOutcome::Written(_)) => {}
+            Ok(CasOutcome::Conflict) => {
+                return Err(invalid(
                     "the stored configuration changed during the restart: is the cluster running?"
                         .into(),
-                )),
-                Err(e) => return Err(invalid(format!("storing the restart configuration: {e}"))),
-            };
+                ))
+            }
+            Err(e) => return Err(invalid(format!("storing the restart configuration: {e}"))),
+        }
         let mut machines = Vec::new();
         for m in (0..all).map(MachineId) {
             let fabric = fabric.clone() as Arc<dyn Fabric>;
@@ -599,7 +593,7 @@ impl ClusterBuilder {
             members = ?config.members,
             "cluster restarting from NVRAM"
         );
-        Ok((machines, version))
+        Ok(machines)
     }
 }
 

@@ -1,28 +1,24 @@
-//! The configuration manager's driver in the in-process runtime (FaRM §5.2): it watches the
-//! lease threads' suspicions and runs a [`Reconfig`] as the machine that must drive it (the CM
-//! when a member is suspected; the first backup CM when the CM is), carrying out its effects:
-//! probes are one-sided reads through the fabric, the compare-and-set goes to the coordination
-//! store (embedded or ZooKeeper), NEW-CONFIG installs the configuration at each member, and
-//! NEW-CONFIG-COMMIT ends it and starts transaction recovery in the members' workers (§5.3).
-//! Once every member reports its regions active (REGIONS-ACTIVE), it announces
-//! ALL-REGIONS-ACTIVE, which starts data and allocator recovery (§5.4-5.5).
-//!
-//! In-process, NEW-CONFIG and its ack, NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE
-//! are calls into the members' state rather than messages through their queues; the message
-//! encoding arrives with one process per machine.
+//! The control planes of the in-process cluster's machines (FaRM §5.2-5.4): one thread steps
+//! every machine's `farm_cm::plane::ControlPlane` (through `farm_txn::control::MachineControl`,
+//! as a node's control thread steps its own), with control messages as the `mem` fabric's
+//! datagrams, suspicions from the lease threads, probes as one-sided reads and the
+//! configuration in the coordination store (embedded or ZooKeeper). A killed machine's plane
+//! stops with it. The thread also serves the cluster's administrative requests: adding a spare
+//! machine (whose plane then asks the CM to add it, §5.2) and allocating a region (§3).
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use farm_cm::control::ControlMsg;
 use farm_cm::placement::{choose_replicas, next_region_id, AllocEffect, RegionAlloc};
-use farm_cm::reconfig::{backup_cms, Effect, Reconfig, ReconfigParams};
-use farm_cm::remap::RegionChanges;
-use farm_cm::{CasOutcome, CoordinationStore, StoreVersion};
+use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
+use farm_cm::CoordinationStore;
+use farm_core::fabric::Fabric;
 use farm_core::mem_fabric::MemFabric;
 use farm_core::{ConfigId, MachineId, RegionId};
+use farm_txn::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
 use farm_txn::MachineState;
 
 use crate::lease_thread::Suspicion;
@@ -30,7 +26,7 @@ use crate::lease_thread::Suspicion;
 /// A step of a reconfiguration, with its time (µs since the cluster started), for timelines.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum ReconfigEvent {
-    /// The driver took up a suspicion.
+    /// A machine's lease expired at another (the CM, or a member suspecting the CM).
     Suspect {
         /// Who is suspected.
         machine: MachineId,
@@ -73,6 +69,22 @@ pub enum ReconfigEvent {
     },
 }
 
+/// How often unanswered control messages are repeated.
+const REPEAT: Duration = Duration::from_millis(2);
+
+/// How long the control thread sleeps while a plane drives a reconfiguration.
+const DRIVING_SLEEP: Duration = Duration::from_micros(100);
+
+/// How long a join request waits for the machine to be added.
+const JOIN_WAIT_MAX: Duration = Duration::from_secs(30);
+
+/// A spare's request to join, answered once it is a member (or after [`JOIN_WAIT_MAX`]).
+struct PendingJoin {
+    machine: MachineId,
+    reply: std::sync::mpsc::Sender<Result<ConfigId, String>>,
+    deadline: Instant,
+}
+
 pub(crate) struct CmDriver {
     handle: Option<JoinHandle<()>>,
 }
@@ -89,9 +101,6 @@ pub(crate) struct CmShared {
     pub(crate) machines: Vec<Arc<MachineState>>,
     pub(crate) fabric: Arc<MemFabric>,
     pub(crate) store: Arc<dyn CoordinationStore>,
-    pub(crate) store_version: StoreVersion,
-    /// The configuration stored at `store_version`.
-    pub(crate) stored_config: farm_core::config::Configuration,
     pub(crate) suspicions: Arc<Mutex<Vec<Suspicion>>>,
     pub(crate) events: Arc<Mutex<Vec<ReconfigEvent>>>,
     pub(crate) epoch: Instant,
@@ -102,7 +111,7 @@ pub(crate) struct CmShared {
 }
 
 impl CmDriver {
-    /// Starts the driver thread.
+    /// Starts the control thread.
     pub(crate) fn start(shared: CmShared) -> Self {
         let handle = std::thread::Builder::new()
             .name("farm-cm".into())
@@ -120,24 +129,74 @@ impl CmDriver {
     }
 }
 
-/// A suspected CM not yet replaced: who suspected it, and how many attempts were made.
-struct CmSuspicion {
-    config: ConfigId,
-    cm: MachineId,
-    observers: BTreeSet<MachineId>,
-    attempts: usize,
-    next_attempt: Instant,
+fn plane_params(s: &CmShared) -> PlaneParams {
+    let lease = s.lease.current().as_micros() as u64;
+    PlaneParams {
+        replicas: s.replicas,
+        regions_max: REGIONS_PER_MACHINE_MAX,
+        machines_max: s.machines.len() as u16,
+        lease_ticks: lease,
+        lease_longest_ticks: s.lease.longest().as_micros() as u64,
+        ack_timeout_ticks: ACK_TIMEOUT_LEASES * lease,
+        repeat_ticks: REPEAT.as_micros() as u64,
+    }
 }
 
-fn run(mut s: CmShared) {
+fn run(s: CmShared) {
+    let now = || s.epoch.elapsed().as_micros() as u64;
+    let mut planes: Vec<MachineControl> = s
+        .machines
+        .iter()
+        .map(|m| {
+            MachineControl::new(
+                m.clone(),
+                plane_params(&s),
+                s.fabric.clone() as Arc<dyn Fabric>,
+                s.store.clone(),
+            )
+        })
+        .collect();
+    // Spares stay quiet until asked to join (a plane outside the configuration asks by itself).
+    let mut active: Vec<bool> = s
+        .machines
+        .iter()
+        .map(|m| m.view().config.contains(m.id))
+        .collect();
+    let mut joins: Vec<PendingJoin> = Vec::new();
+    let mut lease = (s.lease.current(), s.lease.longest());
     let mut seen = 0;
-    let mut cm_suspicion: Option<CmSuspicion> = None;
-    let mut announced = ConfigId(1);
+    let mut buf = Vec::new();
     while !s.stop.load(Ordering::Relaxed) {
-        std::thread::sleep((s.lease.current() / 10).max(Duration::from_micros(200)));
         let requests: Vec<Request> = s.requests.lock().expect("poisoned").drain(..).collect();
         for r in requests {
-            serve(&mut s, r);
+            match r {
+                Request::Join(m, reply) => {
+                    let view = s.machines[m.0 as usize].view();
+                    if view.config.contains(m) {
+                        let _ = reply.send(Err(format!(
+                            "machine {m} is already a member of configuration {}",
+                            view.config.id.0
+                        )));
+                    } else {
+                        active[m.0 as usize] = true;
+                        joins.push(PendingJoin {
+                            machine: m,
+                            reply,
+                            deadline: Instant::now() + JOIN_WAIT_MAX,
+                        });
+                    }
+                }
+                Request::AllocateRegion(near, reply) => {
+                    let _ = reply.send(allocate_region(&s, near));
+                }
+            }
+        }
+        if (s.lease.current(), s.lease.longest()) != lease {
+            lease = (s.lease.current(), s.lease.longest());
+            let (current, longest) = (lease.0.as_micros() as u64, lease.1.as_micros() as u64);
+            for p in &mut planes {
+                p.set_lease(current, longest);
+            }
         }
         let fresh: Vec<Suspicion> = {
             let all = s.suspicions.lock().expect("poisoned");
@@ -145,31 +204,9 @@ fn run(mut s: CmShared) {
             seen = all.len();
             fresh
         };
-        if !s.reconfigure {
-            continue;
-        }
-        let Some(view) = newest_view(&s) else {
-            continue;
-        };
-        let config = view.config.clone();
-        // Timestamped before the members hear of it, so that it precedes what it starts.
-        let at_us = s.epoch.elapsed().as_micros() as u64;
-        if announced < config.id && all_regions_active(&s, &config) {
-            announced = config.id;
-            s.events
-                .lock()
-                .expect("poisoned")
-                .push(ReconfigEvent::AllActive {
-                    config: config.id,
-                    at_us,
-                });
-        }
-        if cm_suspicion.as_ref().is_some_and(|c| c.config != config.id) {
-            cm_suspicion = None; // Resolved by a new configuration.
-        }
-        let mut suspects = BTreeSet::new();
         for x in fresh {
-            if !config.contains(x.suspect) || !config.contains(x.observer) {
+            let view = s.machines[x.observer.0 as usize].view();
+            if !view.config.contains(x.suspect) || !view.config.contains(x.observer) {
                 continue; // About an older configuration.
             }
             s.events
@@ -179,84 +216,73 @@ fn run(mut s: CmShared) {
                     machine: x.suspect,
                     at_us: x.at_us,
                 });
-            if x.observer == config.cm {
-                suspects.insert(x.suspect);
-            } else if x.suspect == config.cm {
-                cm_suspicion
-                    .get_or_insert_with(|| CmSuspicion {
-                        config: config.id,
-                        cm: config.cm,
-                        observers: BTreeSet::new(),
-                        attempts: 0,
-                        next_attempt: Instant::now() + 2 * s.lease.current(),
-                    })
-                    .observers
-                    .insert(x.observer);
+            if s.reconfigure && s.fabric.is_alive(x.observer) {
+                planes[x.observer.0 as usize].on_suspect(x.suspect, now());
             }
         }
-        // The CM removes the members it suspects (§5.2 step 1).
-        if !suspects.is_empty() && s.fabric.is_alive(config.cm) {
-            let _ = reconfigure(
-                &mut s,
-                config.cm,
-                config.clone(),
-                view.map.clone(),
-                view.changes.clone(),
-                suspects,
-            );
-            continue;
-        }
-        // A suspected CM is replaced by its backup CMs in consistent-hashing order (§5.2): the
-        // next one in line takes over once it suspects the CM itself; if it does not within a
-        // timeout, or its attempt produces no configuration, the one after it tries, and so on
-        // through every member.
-        let Some(c) = cm_suspicion.as_mut() else {
-            continue;
-        };
-        let order = backup_cms(&config, config.members.len());
-        if order.is_empty() {
-            continue;
-        }
-        let candidate = order[c.attempts % order.len()];
-        let ready = c.observers.contains(&candidate) && s.fabric.is_alive(candidate);
-        if !ready {
-            if Instant::now() >= c.next_attempt {
-                c.attempts += 1;
-                c.next_attempt = Instant::now() + 2 * s.lease.current();
+        for (i, p) in planes.iter_mut().enumerate() {
+            let m = p.machine();
+            if !active[i] || !s.fabric.is_alive(m) {
+                continue; // A killed machine's plane died with it.
             }
-            continue;
+            while let Some(from) = s.fabric.recv_control(m, now(), &mut buf) {
+                if let Some(msg) = ControlMsg::decode(&buf) {
+                    p.on_message(from, msg, now());
+                }
+            }
+            p.tick(now());
+            record(&s, p.take_events());
         }
-        let driver = candidate;
-        c.attempts += 1;
-        c.next_attempt = Instant::now() + 2 * s.lease.current();
-        let cm = c.cm;
-        let _ = reconfigure(
-            &mut s,
-            driver,
-            config.clone(),
-            view.map.clone(),
-            view.changes.clone(),
-            BTreeSet::from([cm]),
-        );
+        joins.retain(|j| {
+            let (m, reply, deadline) = (&j.machine, &j.reply, &j.deadline);
+            let machine = &s.machines[m.0 as usize];
+            let view = machine.view();
+            if view.config.contains(*m) && machine.committed_config() >= view.config.id {
+                let _ = reply.send(Ok(view.config.id));
+                false
+            } else if Instant::now() >= *deadline {
+                let _ = reply.send(Err(format!(
+                    "machine {m} was not added within {JOIN_WAIT_MAX:?} (is the CM up, and the \
+                     configuration settled?)"
+                )));
+                false
+            } else {
+                true
+            }
+        });
+        let driving = planes.iter().any(|p| p.reconfiguring());
+        std::thread::sleep(if driving || !joins.is_empty() {
+            DRIVING_SLEEP
+        } else {
+            (s.lease.current() / 20).max(Duration::from_micros(200))
+        });
     }
 }
 
-/// REGIONS-ACTIVE and ALL-REGIONS-ACTIVE (§5.4), in-process: once every live member of
-/// `config` has committed it and reports every region it is primary of active, every member
-/// is told, and data and allocator recovery start. Returns whether that happened.
-fn all_regions_active(s: &CmShared, config: &farm_core::config::Configuration) -> bool {
-    let cm = config.cm;
-    let members: Vec<&Arc<MachineState>> = config
-        .members
-        .iter()
-        .map(|m| &s.machines[m.0 as usize])
-        .filter(|m| s.fabric.reachable(cm, m.id))
-        .collect();
-    MachineState::announce_all_active(&members, config.id)
+/// Records a plane's reconfiguration steps in the cluster's timeline.
+fn record(s: &CmShared, events: Vec<(u64, Event)>) {
+    if events.is_empty() {
+        return;
+    }
+    let mut all = s.events.lock().expect("poisoned");
+    for (at_us, e) in events {
+        all.push(match e {
+            // Suspicions are recorded from the lease threads, with their own time.
+            Event::Suspect(_) | Event::Attempt { .. } => continue,
+            Event::Probed => ReconfigEvent::Probed { at_us },
+            Event::Stored(config) => ReconfigEvent::Stored { config, at_us },
+            Event::Committed(c) => ReconfigEvent::Committed {
+                config: c.id,
+                at_us,
+            },
+            Event::AllActive(config) => ReconfigEvent::AllActive { config, at_us },
+            Event::Failed(reason) => ReconfigEvent::Failed { reason, at_us },
+        });
+    }
 }
 
-/// The newest configuration any live member has (a partitioned minority may lag behind; spare
-/// machines, outside every configuration, know nothing).
+/// The newest view of a live member (a partitioned minority may lag behind; spare machines,
+/// outside every configuration, know nothing).
 fn newest_view(s: &CmShared) -> Option<Arc<farm_txn::machine::View>> {
     s.machines
         .iter()
@@ -265,153 +291,6 @@ fn newest_view(s: &CmShared) -> Option<Arc<farm_txn::machine::View>> {
         .filter(|(id, v)| v.config.contains(*id))
         .map(|(_, v)| v)
         .max_by_key(|v| v.config.id)
-}
-
-fn params(s: &CmShared) -> ReconfigParams {
-    ReconfigParams {
-        replicas: s.replicas,
-        regions_max: REGIONS_PER_MACHINE_MAX,
-        probe_timeout_ticks: s.lease.current().as_micros() as u64,
-        // A machine removed for a failed probe may hold a lease granted under any length
-        // in force so far.
-        lease_ticks: s.lease.longest().as_micros() as u64,
-    }
-}
-
-/// Region replicas one machine may hold.
-const REGIONS_PER_MACHINE_MAX: usize = 4096;
-
-fn reconfigure(
-    s: &mut CmShared,
-    me: MachineId,
-    config: farm_core::config::Configuration,
-    map: farm_core::config::RegionMap,
-    changes: BTreeMap<RegionId, RegionChanges>,
-    suspects: BTreeSet<MachineId>,
-) -> Result<ConfigId, String> {
-    let epoch = s.epoch;
-    let now = move || epoch.elapsed().as_micros() as u64;
-    let params = params(s);
-    let start = now();
-    // Suspects' leases have expired by definition (that is how they became suspects); a machine
-    // that fails a probe may still hold one, and the state machine waits that out (step 7).
-    let r = Reconfig::start(
-        me,
-        farm_cm::reconfig::attempt_base(&config, &s.stored_config),
-        s.store_version,
-        map,
-        changes,
-        suspects,
-        params,
-        start,
-        start,
-    );
-    drive(s, me, r)
-}
-
-/// Carries out a reconfiguration's effects until it ends; returns the committed configuration.
-fn drive(s: &mut CmShared, me: MachineId, mut r: Reconfig) -> Result<ConfigId, String> {
-    let epoch = s.epoch;
-    let now = move || epoch.elapsed().as_micros() as u64;
-    let mut probed = false;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        assert!(
-            Instant::now() < deadline,
-            "reconfiguration by {me} did not finish in 30 s"
-        );
-        if s.stop.load(Ordering::Relaxed) || !s.fabric.is_alive(me) {
-            // The driver's machine crashed (or the cluster is going away): so does the attempt.
-            tracing::warn!(
-                driver = me.0,
-                "reconfiguration abandoned: its driver stopped"
-            );
-            return Err(format!("driver {me} stopped"));
-        }
-        let effects = r.take_effects();
-        if effects.is_empty() && r.outcome().is_some() {
-            break;
-        }
-        for e in effects {
-            match e {
-                Effect::Probe(m) => {
-                    r.on_probe(m, farm_txn::control::probe(&*s.fabric, me, m), now())
-                }
-                Effect::CompareAndSet { expected, data } => {
-                    if !probed {
-                        probed = true;
-                        s.events
-                            .lock()
-                            .expect("poisoned")
-                            .push(ReconfigEvent::Probed { at_us: now() });
-                    }
-                    let result = s.store.compare_and_set(Some(expected), &data);
-                    if let Ok(CasOutcome::Written(v)) = result {
-                        s.store_version = v;
-                        s.stored_config = farm_cm::codec::decode(&data)
-                            .expect("the CM stores valid configurations");
-                    }
-                    r.on_store(result);
-                }
-                Effect::SendNewConfig(m, new) => {
-                    if probed {
-                        probed = false;
-                        s.events
-                            .lock()
-                            .expect("poisoned")
-                            .push(ReconfigEvent::Stored {
-                                config: new.config.id,
-                                at_us: now(),
-                            });
-                    }
-                    let target = &s.machines[m.0 as usize];
-                    if s.fabric.reachable(me, m) {
-                        target
-                            .install(new.config.clone(), new.map.clone(), new.changes.clone())
-                            .expect("NVRAM for new replicas");
-                        r.on_ack(m, new.config.id, now());
-                    }
-                }
-                // NEW-CONFIG-COMMIT: transaction recovery starts at the member (§5.3).
-                Effect::SendCommit(m, config) => {
-                    if s.fabric.reachable(me, m) {
-                        s.machines[m.0 as usize].commit_config(config);
-                    }
-                }
-            }
-        }
-        r.tick(now());
-        std::thread::sleep(Duration::from_micros(100));
-    }
-    match r.outcome().expect("finished") {
-        Ok(new) => {
-            // Members removed while alive learn it (their leases are not renewed; in-process,
-            // a call), and members of the new configuration are in.
-            for m in &s.machines {
-                m.set_evicted(!new.config.contains(m.id) && m.view().config.contains(m.id));
-            }
-            tracing::info!(config = new.config.id.0, members = ?new.config.members, cm = new.config.cm.0, "configuration committed");
-            s.events
-                .lock()
-                .expect("poisoned")
-                .push(ReconfigEvent::Committed {
-                    config: new.config.id,
-                    at_us: now(),
-                });
-            Ok(new.config.id)
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "reconfiguration failed");
-            s.events
-                .lock()
-                .expect("poisoned")
-                .push(ReconfigEvent::Failed {
-                    reason: e.to_string(),
-                    at_us: now(),
-                });
-            Err(e.to_string())
-        }
-    }
 }
 
 /// An administrative request for the CM.
@@ -426,58 +305,10 @@ pub(crate) enum Request {
     ),
 }
 
-fn serve(s: &mut CmShared, request: Request) {
-    let Some(view) = newest_view(s) else {
-        return;
-    };
-    let cm = view.config.cm;
-    match request {
-        Request::Join(m, reply) => {
-            let result = if view.config.contains(m) {
-                Err(format!(
-                    "machine {m} is already a member of configuration {}",
-                    view.config.id.0
-                ))
-            } else if !s.fabric.is_alive(cm) {
-                Err(format!(
-                    "the CM {cm} is down; try again after reconfiguration"
-                ))
-            } else {
-                let now = s.epoch.elapsed().as_micros() as u64;
-                let joiners = BTreeMap::from([(m, m.0 as u32)]);
-                let r = Reconfig::start_join(
-                    cm,
-                    farm_cm::reconfig::attempt_base(&view.config, &s.stored_config),
-                    s.store_version,
-                    view.map.clone(),
-                    view.changes.clone(),
-                    joiners,
-                    params(s),
-                    now,
-                );
-                drive(s, cm, r).and_then(|id| {
-                    if s.machines[m.0 as usize].view().config.contains(m) {
-                        Ok(id)
-                    } else {
-                        Err(format!("machine {m} did not answer the probe"))
-                    }
-                })
-            };
-            let _ = reply.send(result);
-        }
-        Request::AllocateRegion(near, reply) => {
-            let _ = reply.send(allocate_region(s, &view, near));
-        }
-    }
-}
-
 /// Region allocation (§3): the next id, replicas chosen for capacity, failure domains and
 /// locality, PREPARE at every replica, then the mapping committed everywhere.
-fn allocate_region(
-    s: &CmShared,
-    view: &farm_txn::machine::View,
-    near: Option<RegionId>,
-) -> Result<RegionId, String> {
+fn allocate_region(s: &CmShared, near: Option<RegionId>) -> Result<RegionId, String> {
+    let view = newest_view(s).ok_or("no live member")?;
     let region = next_region_id(&view.map);
     let replicas = choose_replicas(
         &view.config,
