@@ -18,6 +18,7 @@ use crate::cm::{SimCm, LEASE_TICKS};
 use crate::history::{check, Anomaly, Op, TxnRecord};
 use crate::leases::SimLeases;
 use crate::replicas::{check_replicas, ReplicaReport};
+use farm_cm::reconfig::backup_cms;
 
 /// Polls a setup or final-check transaction may take, with every write landing at once.
 const SETUP_POLLS_MAX: u64 = 100_000;
@@ -65,6 +66,10 @@ pub struct SimConfig {
     /// How backups acknowledge COMMIT-BACKUP (FaRM's one-sided writes, or RPCs as in
     /// Tailwind's baseline).
     pub replication: Replication,
+    /// The first crash takes the CM of the newest configuration and its first backup CM
+    /// together (two of `crashes`): the next machine in the backup-CM line must take over
+    /// (§5.2 step 1).
+    pub cm_failover: bool,
 }
 
 impl Default for SimConfig {
@@ -82,6 +87,7 @@ impl Default for SimConfig {
             power_losses: 0,
             stalls: 0,
             replication: Replication::OneSided,
+            cm_failover: false,
         }
     }
 }
@@ -119,6 +125,8 @@ pub struct SimOutcome {
     pub evicted: u64,
     /// Whole-cluster stalls.
     pub stalls: u64,
+    /// With `cm_failover`: the CM and the first backup CM that crashed together.
+    pub cm_failover: Option<(MachineId, MachineId)>,
 }
 
 #[derive(Debug)]
@@ -162,6 +170,8 @@ pub struct Sim {
     power_loss_in_reconfiguration: bool,
     /// A link (from, to) whose writes stay held until a step: see `crash_one`.
     slow_link: Option<(MachineId, MachineId, u64)>,
+    /// The CM and first backup CM crashed together (`SimConfig::cm_failover`).
+    cm_failover: Option<(MachineId, MachineId)>,
     /// Counters of the workers of earlier lives (before power losses).
     past_stats: Stats,
     /// Steps at which a machine pauses, earliest last.
@@ -287,6 +297,7 @@ impl Sim {
             power_loss_at,
             power_loss_in_reconfiguration,
             slow_link: None,
+            cm_failover: None,
             past_stats: Stats::default(),
             pause_at,
             stall_at,
@@ -452,7 +463,23 @@ impl Sim {
             .map(|m| m.id)
             .filter(|m| self.running(*m))
             .collect();
-        let victim = live[self.rng.below(live.len() as u64) as usize];
+        let victim = if self.config.cm_failover && self.crashed.is_empty() {
+            // The CM and its first backup CM at once; the second crash is this one.
+            let view = newest_view(&self.fabric, &self.paused, &self.machines, false)
+                .expect("a running member");
+            let backup = backup_cms(&view.config, view.config.members.len())[0];
+            if self.running(backup) && self.running(view.config.cm) {
+                self.crash(backup);
+                self.crash_at.pop();
+                self.cm_failover = Some((view.config.cm, backup));
+            }
+            view.config.cm
+        } else {
+            live[self.rng.below(live.len() as u64) as usize]
+        };
+        if !self.running(victim) {
+            return; // Already down (paused machines are not crashed).
+        }
         self.crash(victim);
         // With power losses to come, half the time a link between two survivors stalls for a
         // while: writes of transactions in flight land after the reconfiguration's drain,
@@ -970,6 +997,7 @@ impl Sim {
             paused: self.pauses_done,
             evicted: self.evicted,
             stalls: self.stalls_done,
+            cm_failover: self.cm_failover,
         }
     }
 

@@ -44,6 +44,22 @@ fn config(seed: u64) -> SimConfig {
         } else {
             Replication::OneSided
         },
+        cm_failover: false,
+    }
+}
+
+/// The CM and its first backup CM crash together (§5.2 step 1), in clusters of five to seven
+/// machines with one to three threads; a quarter of the seeds stall the whole cluster too, and
+/// half lose and delay datagrams.
+fn cm_failover_config(seed: u64) -> SimConfig {
+    SimConfig {
+        machines: 5 + (seed % 3) as u16,
+        threads: 1 + (seed / 3 % 3) as u16,
+        crashes: 2,
+        pauses: 0,
+        stalls: (seed % 4 == 1) as u16,
+        cm_failover: true,
+        ..config(seed)
     }
 }
 
@@ -118,6 +134,32 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
         evicted > 0,
         "no paused machine ever resumed and learnt it was out"
     );
+}
+
+/// Losing the CM and its first backup CM at once still reconfigures: the next in line takes
+/// over at its turn, and the survivors recover and re-replicate with nothing lost.
+#[test]
+fn the_cm_and_its_first_backup_crashing_together_still_reconfigure() {
+    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
+        let seed = seed.parse().expect("FARM_SIM_SEED is a number");
+        check(seed, cm_failover_config(seed));
+        return;
+    }
+    let seeds: u64 = std::env::var("FARM_SIM_FAULT_SEEDS")
+        .map(|s| s.parse().expect("a number"))
+        .unwrap_or(300);
+    for seed in 0..seeds {
+        let out = check(seed, cm_failover_config(seed));
+        let (cm, backup) = out
+            .cm_failover
+            .unwrap_or_else(|| panic!("seed {seed}: the CM and its backup did not crash together"));
+        assert!(
+            out.crashed.contains(&cm) && out.crashed.contains(&backup),
+            "seed {seed}: crashed {:?}",
+            out.crashed
+        );
+        assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
+    }
 }
 
 #[test]
