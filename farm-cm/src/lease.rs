@@ -27,6 +27,7 @@
 
 use std::collections::BTreeMap;
 
+use farm_core::config::Configuration;
 use farm_core::{ConfigId, MachineId};
 
 /// Lease timing, in ticks.
@@ -433,6 +434,101 @@ impl MemberLease {
     }
 }
 
+/// One machine's side of the lease protocol in the configuration it has installed: the CM's
+/// leases with every member, a member's lease with its CM, or none outside the configuration.
+/// It follows the machine's own configuration ([`LeaseRole::follow`]): leases carry over a new
+/// configuration with the same CM and start afresh with a new CM (§5.2). Every deployment's
+/// lease manager, and the simulator's, runs one per machine.
+#[derive(Debug)]
+pub enum LeaseRole {
+    /// This machine is the CM.
+    Cm(CmLeases),
+    /// This machine is a member; the lease is with its CM.
+    Member(MemberLease),
+    /// Outside the configuration: no lease to keep.
+    Out,
+}
+
+impl LeaseRole {
+    /// The role of `me` in `config`, its leases starting at `now`.
+    pub fn new(me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64) -> Self {
+        if !config.contains(me) {
+            LeaseRole::Out
+        } else if me == config.cm {
+            LeaseRole::Cm(CmLeases::new(
+                config.id,
+                timing,
+                &config.leaseholders(),
+                now,
+            ))
+        } else {
+            LeaseRole::Member(MemberLease::new(config.id, timing, config.cm, now))
+        }
+    }
+
+    /// Moves to `config`, which `me` installed at `now`: the leases carry over if the CM is the
+    /// same, else fresh ones start.
+    pub fn follow(&mut self, me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64) {
+        match self {
+            LeaseRole::Cm(c) if config.cm == me => {
+                c.reconfigure(config.id, &config.leaseholders(), now)
+            }
+            LeaseRole::Member(l) if config.contains(me) && config.cm == l.cm() && me != l.cm() => {
+                l.reconfigure(config.id, now)
+            }
+            _ => *self = Self::new(me, config, timing, now),
+        }
+    }
+
+    /// This machine's lease manager was not scheduled for `ticks` past a round: credited to
+    /// the leases it granted, never to those it holds (see [`CmLeases::stalled`]).
+    pub fn stalled(&mut self, ticks: u64) {
+        match self {
+            LeaseRole::Cm(c) => c.stalled(ticks),
+            LeaseRole::Member(m) => m.stalled(ticks),
+            LeaseRole::Out => {}
+        }
+    }
+
+    /// A new lease length from now on (expiries already computed stay).
+    pub fn set_timing(&mut self, timing: LeaseConfig) {
+        match self {
+            LeaseRole::Cm(c) => c.set_timing(timing),
+            LeaseRole::Member(m) => m.set_timing(timing),
+            LeaseRole::Out => {}
+        }
+    }
+
+    /// A lease datagram from `from`; answers go to `out`.
+    pub fn on_datagram(
+        &mut self,
+        from: MachineId,
+        msg: LeaseMsg,
+        now: u64,
+        out: &mut Vec<(MachineId, LeaseMsg)>,
+    ) {
+        match self {
+            LeaseRole::Cm(c) => c.on_datagram(from, msg, now, out),
+            LeaseRole::Member(m) => m.on_datagram(from, msg, now, out),
+            LeaseRole::Out => {}
+        }
+    }
+
+    /// Advances time: renewals go to `out`, suspicions to `events`.
+    pub fn tick(
+        &mut self,
+        now: u64,
+        out: &mut Vec<(MachineId, LeaseMsg)>,
+        events: &mut Vec<LeaseEvent>,
+    ) {
+        match self {
+            LeaseRole::Cm(c) => c.tick(now, events),
+            LeaseRole::Member(m) => m.tick(now, out, events),
+            LeaseRole::Out => {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -706,5 +802,43 @@ mod tests {
             &mut out,
         );
         assert_eq!(out.len(), 1, "a member ahead of the CM is answered");
+    }
+
+    /// A machine's role follows its configuration (§5.2): the same CM carries a member's
+    /// granted lease over, a new CM starts a fresh one, and a machine left out holds none.
+    #[test]
+    fn a_lease_role_follows_its_configuration() {
+        let timing = LeaseConfig::new(100);
+        let me = MachineId(1);
+        let mut config = Configuration::initial(3);
+        let mut role = LeaseRole::new(me, &config, timing, 0);
+        let mut out = Vec::new();
+        let mut events = Vec::new();
+        role.tick(0, &mut out, &mut events);
+        let Some((cm, LeaseMsg::Request { seq, .. })) = out.pop() else {
+            panic!("no REQUEST: {out:?}")
+        };
+        assert_eq!(cm, MachineId(0));
+        let grant = LeaseMsg::GrantRequest {
+            config: config.id,
+            seq,
+        };
+        role.on_datagram(cm, grant, 1, &mut out);
+        let valid = |r: &LeaseRole, now| matches!(r, LeaseRole::Member(l) if l.lease_valid(now));
+        assert!(valid(&role, 50));
+        config.id = ConfigId(2);
+        config.members.retain(|m| m.0 != 2);
+        role.follow(me, &config, timing, 10);
+        assert!(valid(&role, 50), "the same CM: the lease carried over");
+        config.id = ConfigId(3);
+        config.cm = me;
+        config.members.retain(|m| m.0 != 0);
+        role.follow(me, &config, timing, 20);
+        assert!(matches!(role, LeaseRole::Cm(_)), "{role:?}");
+        config.id = ConfigId(4);
+        config.cm = MachineId(3);
+        config.members = vec![MachineId(3)];
+        role.follow(me, &config, timing, 30);
+        assert!(matches!(role, LeaseRole::Out));
     }
 }

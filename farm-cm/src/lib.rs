@@ -22,5 +22,5 @@ pub mod reconfig;
 pub mod remap;
 pub mod store;
 
-pub use lease::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, MemberLease};
+pub use lease::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, LeaseRole, MemberLease};
 pub use store::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};

@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use farm_cm::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, MemberLease};
-use farm_core::config::Configuration;
+use farm_cm::{LeaseConfig, LeaseEvent, LeaseMsg, LeaseRole};
 use farm_core::fabric::Fabric;
 use farm_core::MachineId;
 use farm_txn::MachineState;
@@ -62,11 +61,6 @@ impl LeaseLength {
 /// expiry promptly.
 fn round_sleep(timing: LeaseConfig) -> Duration {
     Duration::from_micros((timing.renew_ticks / 4).max(50))
-}
-
-enum Role {
-    Cm(CmLeases),
-    Member(MemberLease),
 }
 
 /// Suspicions recorded at most (the lease protocol reports each suspect once per machine).
@@ -153,44 +147,6 @@ fn raise_priority() {
     }
 }
 
-/// The role in a new configuration: leases carry over while the CM stays (§5.2 resets the lease
-/// protocol only when the CM changed; see farm_cm::lease).
-fn next_role(
-    old: Option<Role>,
-    me: MachineId,
-    config: &Configuration,
-    timing: LeaseConfig,
-    now: u64,
-) -> Option<Role> {
-    match old {
-        Some(Role::Cm(mut c)) if config.cm == me => {
-            c.reconfigure(config.id, &config.leaseholders(), now);
-            Some(Role::Cm(c))
-        }
-        Some(Role::Member(mut l)) if config.contains(me) && config.cm == l.cm() && me != l.cm() => {
-            l.reconfigure(config.id, now);
-            Some(Role::Member(l))
-        }
-        _ => role_for(me, config, timing, now),
-    }
-}
-
-fn role_for(me: MachineId, config: &Configuration, timing: LeaseConfig, now: u64) -> Option<Role> {
-    if !config.contains(me) {
-        return None;
-    }
-    Some(if me == config.cm {
-        Role::Cm(CmLeases::new(
-            config.id,
-            timing,
-            &config.leaseholders(),
-            now,
-        ))
-    } else {
-        Role::Member(MemberLease::new(config.id, timing, config.cm, now))
-    })
-}
-
 fn run(
     machine: &MachineState,
     length: &LeaseLength,
@@ -210,18 +166,13 @@ fn run(
     let mut buf: Vec<u8> = Vec::with_capacity(64);
     let mut generation = machine.view_generation();
     let mut last_round: Option<u64> = None;
-    let mut role = role_for(
+    let mut role = LeaseRole::new(
         me,
         &machine.view().config,
         timing,
         epoch.elapsed().as_micros() as u64,
     );
-    let grace = start_grace.as_micros() as u64;
-    match &mut role {
-        Some(Role::Cm(c)) => c.stalled(grace),
-        Some(Role::Member(m)) => m.stalled(grace),
-        None => {}
-    }
+    role.stalled(start_grace.as_micros() as u64);
     while !stop.load(Ordering::Relaxed) {
         // A killed machine's lease manager dies with it.
         if fabric.is_up(me) {
@@ -233,11 +184,7 @@ fn run(
             let late = last_round.map_or(0, |t| now.saturating_sub(t + sleep.as_micros() as u64));
             if late > timing.renew_ticks {
                 tracing::info!(machine = me.0, late_us = late, "lease manager stalled");
-                match &mut role {
-                    Some(Role::Cm(c)) => c.stalled(late),
-                    Some(Role::Member(m)) => m.stalled(late),
-                    None => {}
-                }
+                role.stalled(late);
             }
             last_round = Some(now);
             if length.current() != lease {
@@ -246,31 +193,19 @@ fn run(
                 lease = length.current();
                 timing = LeaseConfig::new(lease.as_micros() as u64);
                 sleep = round_sleep(timing);
-                match &mut role {
-                    Some(Role::Cm(c)) => c.set_timing(timing),
-                    Some(Role::Member(m)) => m.set_timing(timing),
-                    None => {}
-                }
+                role.set_timing(timing);
             }
             if machine.view_generation() != generation {
                 generation = machine.view_generation();
-                role = next_role(role, me, &machine.view().config, timing, now);
+                role.follow(me, &machine.view().config, timing, now);
             }
             while let Some(from) = fabric.recv_datagram(me, now, &mut buf) {
                 let Some(msg) = LeaseMsg::decode(&buf) else {
                     continue;
                 };
-                match &mut role {
-                    Some(Role::Cm(c)) => c.on_datagram(from, msg, now, &mut out),
-                    Some(Role::Member(m)) => m.on_datagram(from, msg, now, &mut out),
-                    None => {}
-                }
+                role.on_datagram(from, msg, now, &mut out);
             }
-            match &mut role {
-                Some(Role::Cm(c)) => c.tick(now, &mut events),
-                Some(Role::Member(m)) => m.tick(now, &mut out, &mut events),
-                None => {}
-            }
+            role.tick(now, &mut out, &mut events);
             for (to, msg) in out.drain(..) {
                 fabric.send_datagram(me, to, &msg.encode(), now);
             }
