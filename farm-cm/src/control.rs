@@ -201,6 +201,149 @@ impl ControlMsg {
     }
 }
 
+/// The longest control datagram: UDP's payload limit (65,507 bytes) with room to spare. A
+/// longer message (NEW-CONFIG of a view with thousands of regions) travels in pieces.
+pub const DATAGRAM_BYTES_MAX: usize = 60_000;
+
+/// The longest control message reassembled from pieces (a view of the most regions a
+/// configuration may map is well below it); longer ones are dropped.
+pub const MESSAGE_BYTES_MAX: usize = 16 << 20;
+
+/// Messages in pieces a receiver assembles at once from one sender: the oldest gives way (a
+/// message whose piece was lost is sent again whole, under a new id).
+pub const PARTIAL_PER_SENDER_MAX: usize = 4;
+
+/// The kind of a piece of a longer message.
+const PIECE: u8 = 13;
+
+/// Tag, kind, message id, index, count, total length.
+const PIECE_HEADER_BYTES: usize = 2 + 8 + 4 + 4 + 4;
+
+impl ControlMsg {
+    /// The datagrams that carry this message: one, or pieces of at most
+    /// [`DATAGRAM_BYTES_MAX`] bytes under the sender's message id `id` (each message sent in
+    /// pieces needs an id the sender has not used for one yet), for [`Reassembly`] to join.
+    pub fn datagrams(&self, id: u64) -> Vec<Vec<u8>> {
+        let whole = self.encode();
+        if whole.len() <= DATAGRAM_BYTES_MAX {
+            return vec![whole];
+        }
+        assert!(
+            whole.len() <= MESSAGE_BYTES_MAX,
+            "a control message of {} bytes",
+            whole.len()
+        );
+        let chunk = DATAGRAM_BYTES_MAX - PIECE_HEADER_BYTES;
+        let count = whole.len().div_ceil(chunk) as u32;
+        whole
+            .chunks(chunk)
+            .enumerate()
+            .map(|(i, part)| {
+                let mut d = Vec::with_capacity(PIECE_HEADER_BYTES + part.len());
+                d.extend_from_slice(&[CONTROL_TAG, PIECE]);
+                d.extend_from_slice(&id.to_le_bytes());
+                d.extend_from_slice(&(i as u32).to_le_bytes());
+                d.extend_from_slice(&count.to_le_bytes());
+                d.extend_from_slice(&(whole.len() as u32).to_le_bytes());
+                d.extend_from_slice(part);
+                debug_assert!(d.len() <= DATAGRAM_BYTES_MAX);
+                d
+            })
+            .collect()
+    }
+}
+
+/// A message in pieces, partly arrived.
+#[derive(Debug)]
+struct Partial {
+    count: u32,
+    total: u32,
+    pieces: BTreeMap<u32, Vec<u8>>,
+    bytes: usize,
+    /// When it started, in arrivals at this receiver (the oldest gives way).
+    started: u64,
+}
+
+/// Joins the pieces of control messages ([`ControlMsg::datagrams`]) at a receiver; whole
+/// messages pass through. Bounded: [`PARTIAL_PER_SENDER_MAX`] messages in progress per sender,
+/// [`MESSAGE_BYTES_MAX`] bytes each. Pieces are unauthenticated input: a malformed one is
+/// dropped, and one that disagrees with the others of its message drops the message.
+#[derive(Debug, Default)]
+pub struct Reassembly {
+    partial: BTreeMap<(MachineId, u64), Partial>,
+    arrivals: u64,
+}
+
+impl Reassembly {
+    /// A receiver with nothing in progress.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A control datagram from `from`: the message it completes, if any.
+    pub fn accept(&mut self, from: MachineId, datagram: &[u8]) -> Option<ControlMsg> {
+        if datagram.len() < 2 || datagram[0] != CONTROL_TAG || datagram[1] != PIECE {
+            return ControlMsg::decode(datagram);
+        }
+        if datagram.len() <= PIECE_HEADER_BYTES {
+            return None;
+        }
+        let word = |at: usize| u32::from_le_bytes(datagram[at..at + 4].try_into().expect("4"));
+        let id = u64::from_le_bytes(datagram[2..10].try_into().expect("8 bytes"));
+        let (index, count, total) = (word(10), word(14), word(18));
+        if count < 2 || index >= count || total as usize > MESSAGE_BYTES_MAX {
+            return None;
+        }
+        self.arrivals += 1;
+        let key = (from, id);
+        if !self.partial.contains_key(&key) {
+            let mine: Vec<(u64, u64)> = (self.partial.iter())
+                .filter(|((m, _), _)| *m == from)
+                .map(|((_, id), p)| (p.started, *id))
+                .collect();
+            if mine.len() >= PARTIAL_PER_SENDER_MAX {
+                let oldest = mine.iter().min().expect("some").1;
+                self.partial.remove(&(from, oldest));
+            }
+            self.partial.insert(
+                key,
+                Partial {
+                    count,
+                    total,
+                    pieces: BTreeMap::new(),
+                    bytes: 0,
+                    started: self.arrivals,
+                },
+            );
+        }
+        let p = self.partial.get_mut(&key).expect("inserted");
+        let part = &datagram[PIECE_HEADER_BYTES..];
+        if p.count != count || p.total != total || p.bytes + part.len() > total as usize {
+            self.partial.remove(&key);
+            return None;
+        }
+        if p.pieces.contains_key(&index) {
+            return None; // A duplicate.
+        }
+        p.bytes += part.len();
+        p.pieces.insert(index, part.to_vec());
+        if p.pieces.len() < count as usize {
+            return None;
+        }
+        let p = self.partial.remove(&key).expect("complete");
+        if p.bytes != p.total as usize {
+            return None;
+        }
+        let whole: Vec<u8> = p.pieces.into_values().flatten().collect();
+        ControlMsg::decode(&whole)
+    }
+
+    /// Messages in progress (for bounds in tests).
+    pub fn in_progress(&self) -> usize {
+        self.partial.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,5 +431,58 @@ mod tests {
             seq: 1,
         };
         assert_eq!(ControlMsg::decode(&lease.encode()), None);
+    }
+
+    /// A view of thousands of regions is longer than one datagram: it travels in pieces,
+    /// joined whatever their order, duplicates ignored; a lost piece completes nothing, and at
+    /// most `PARTIAL_PER_SENDER_MAX` messages wait per sender.
+    #[test]
+    fn long_messages_travel_in_pieces() {
+        let mut config = Configuration::initial(5);
+        config.id = ConfigId(9);
+        let map = RegionMap::striped(5, 820, 2);
+        let changes: BTreeMap<RegionId, RegionChanges> = map
+            .iter()
+            .map(|(r, _)| {
+                let c = RegionChanges {
+                    last_primary_change: ConfigId(9),
+                    last_replica_change: ConfigId(9),
+                };
+                (r, c)
+            })
+            .collect();
+        let msg = ControlMsg::new_config(&config, &map, &changes);
+        assert!(
+            msg.encode().len() > 2 * DATAGRAM_BYTES_MAX,
+            "a test of pieces"
+        );
+        let pieces = msg.datagrams(7);
+        assert!(pieces.len() >= 3 && pieces.iter().all(|d| d.len() <= DATAGRAM_BYTES_MAX));
+        let mut r = Reassembly::new();
+        let from = MachineId(1);
+        let mut order: Vec<usize> = (0..pieces.len()).rev().collect();
+        order.insert(1, order[0]); // A duplicate.
+        let last = order.pop().expect("pieces");
+        for i in order {
+            assert_eq!(r.accept(from, &pieces[i]), None);
+        }
+        assert_eq!(r.accept(from, &pieces[last]), Some(msg.clone()));
+        assert_eq!(r.in_progress(), 0);
+        // Short messages pass through.
+        let ack = ControlMsg::NewConfigAck(ConfigId(9));
+        assert_eq!(ack.datagrams(8).len(), 1);
+        assert_eq!(r.accept(from, &ack.datagrams(8)[0]), Some(ack));
+        // Lost pieces: nothing completes, and old partial messages give way.
+        for id in 0..10 {
+            assert_eq!(r.accept(from, &msg.datagrams(100 + id)[0]), None);
+        }
+        assert_eq!(r.in_progress(), PARTIAL_PER_SENDER_MAX);
+        // A piece that disagrees with its message's others, and a malformed one.
+        let mut other = msg.datagrams(200);
+        assert_eq!(r.accept(from, &other[0]), None);
+        other[1][14] ^= 1; // Another count.
+        assert_eq!(r.accept(from, &other[1]), None);
+        assert_eq!(r.accept(from, &other[2]), None, "the message was dropped");
+        assert_eq!(r.accept(from, &other[1][..10]), None);
     }
 }

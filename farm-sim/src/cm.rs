@@ -8,7 +8,6 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use farm_cm::control::ControlMsg;
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 use farm_core::fabric::Fabric;
@@ -135,7 +134,7 @@ impl SimCm {
                 continue;
             }
             while let Some(from) = fabric.recv_control(m, now, &mut self.buf) {
-                if let Some(msg) = ControlMsg::decode(&self.buf) {
+                if let Some(msg) = p.receive(from, &self.buf) {
                     p.on_message(from, msg, now);
                 }
             }

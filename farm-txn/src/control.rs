@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::machine::View;
 use crate::MachineState;
+use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::{Fabric, MemKey};
@@ -27,6 +28,10 @@ pub struct MachineControl {
     store: Arc<dyn CoordinationStore>,
     /// Steps of reconfigurations seen here, with their time, for the caller to drain.
     events: Vec<(u64, Event)>,
+    /// Joins the pieces of long messages from peers.
+    pieces: Reassembly,
+    /// The id of the next message sent (pieces of one message share it).
+    next_message: u64,
 }
 
 impl std::fmt::Debug for MachineControl {
@@ -74,6 +79,8 @@ impl MachineControl {
             fabric,
             store,
             events: Vec::new(),
+            pieces: Reassembly::new(),
+            next_message: 0,
         }
     }
 
@@ -85,8 +92,15 @@ impl MachineControl {
         self.execute(now);
     }
 
-    /// A control datagram from `from`.
-    pub fn on_message(&mut self, from: MachineId, msg: farm_cm::control::ControlMsg, now: u64) {
+    /// A control datagram from `from`, decoded: the message it completes (a long message
+    /// travels in pieces), for the runtime to pass to [`MachineControl::on_message`] or, for
+    /// the restart exchange's, to handle itself.
+    pub fn receive(&mut self, from: MachineId, datagram: &[u8]) -> Option<ControlMsg> {
+        self.pieces.accept(from, datagram)
+    }
+
+    /// A control message from `from`.
+    pub fn on_message(&mut self, from: MachineId, msg: ControlMsg, now: u64) {
         self.with_plane(now, |p, l| p.on_message(from, msg, now, l));
     }
 
@@ -146,7 +160,10 @@ impl MachineControl {
             for e in effects {
                 match e {
                     Effect::Send(to, msg) => {
-                        self.fabric.send_datagram(me, to, &msg.encode(), now);
+                        for d in msg.datagrams(self.next_message) {
+                            self.fabric.send_datagram(me, to, &d, now);
+                        }
+                        self.next_message += 1;
                     }
                     Effect::Probe(m) => {
                         let ok = probe(&*self.fabric, me, m);

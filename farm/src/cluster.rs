@@ -473,15 +473,20 @@ impl ClusterBuilder {
             lease_length,
             cm,
         };
-        // The initial regions, allocated by the CM like any later one (§3).
-        let initial = if self.restart {
-            0
-        } else {
-            self.machines as u32 * self.regions_per_machine
-        };
-        for _ in 0..initial {
+        // The initial regions, allocated by the CM like any later one (§3), committed in one
+        // view.
+        if !self.restart {
+            let count = self.machines as usize * self.regions_per_machine as usize;
+            let (tx, rx) = std::sync::mpsc::channel();
             cluster
-                .allocate_region(None)
+                .inner
+                .requests
+                .lock()
+                .expect("requests poisoned")
+                .push(Request::AllocateRegions(count, tx));
+            rx.recv_timeout(Duration::from_secs(600))
+                .map_err(|_| AdminError::NoAnswer)
+                .and_then(|r| r.map_err(AdminError::Refused))
                 .map_err(|e| BuildError::Invalid(format!("allocating the initial regions: {e}")))?;
         }
         Ok(cluster)

@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use farm_cm::control::ControlMsg;
 use farm_cm::placement::{choose_replicas, next_region_id, AllocEffect, RegionAlloc};
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
 use farm_cm::CoordinationStore;
@@ -189,6 +188,9 @@ fn run(s: CmShared) {
                 Request::AllocateRegion(near, reply) => {
                     let _ = reply.send(allocate_region(&s, near));
                 }
+                Request::AllocateRegions(count, reply) => {
+                    let _ = reply.send(allocate_regions(&s, count, None));
+                }
             }
         }
         if (s.lease.current(), s.lease.longest()) != lease {
@@ -226,7 +228,7 @@ fn run(s: CmShared) {
                 continue; // A killed machine's plane died with it.
             }
             while let Some(from) = s.fabric.recv_control(m, now(), &mut buf) {
-                if let Some(msg) = ControlMsg::decode(&buf) {
+                if let Some(msg) = p.receive(from, &buf) {
                     p.on_message(from, msg, now());
                 }
             }
@@ -298,6 +300,11 @@ fn newest_view(s: &CmShared) -> Option<Arc<farm_txn::machine::View>> {
 pub(crate) enum Request {
     /// Add a machine to the configuration.
     Join(MachineId, std::sync::mpsc::Sender<Result<ConfigId, String>>),
+    /// Allocate `count` regions (the cluster's initial ones) in one new view.
+    AllocateRegions(
+        usize,
+        std::sync::mpsc::Sender<Result<Vec<RegionId>, String>>,
+    ),
     /// Allocate a region, near another one if given.
     AllocateRegion(
         Option<RegionId>,
@@ -308,54 +315,66 @@ pub(crate) enum Request {
 /// Region allocation (§3): the next id, replicas chosen for capacity, failure domains and
 /// locality, PREPARE at every replica, then the mapping committed everywhere.
 fn allocate_region(s: &CmShared, near: Option<RegionId>) -> Result<RegionId, String> {
+    allocate_regions(s, 1, near).map(|r| r[0])
+}
+
+/// Region allocation of `count` regions at once (the cluster's initial ones): each is chosen
+/// and prepared as one allocation is, against the map with the ones before it, and the
+/// mapping is committed everywhere once, in one new view, instead of once per region.
+fn allocate_regions(
+    s: &CmShared,
+    count: usize,
+    near: Option<RegionId>,
+) -> Result<Vec<RegionId>, String> {
     let view = newest_view(s).ok_or("no live member")?;
-    let region = next_region_id(&view.map);
-    let replicas = choose_replicas(
-        &view.config,
-        &view.map,
-        s.replicas,
-        REGIONS_PER_MACHINE_MAX,
-        near,
-    )
-    .map_err(|e| e.to_string())?;
-    let mut alloc = RegionAlloc::start(region, replicas);
-    let mut placement = None;
-    while alloc.outcome().is_none() || placement.is_none() {
-        let effects = alloc.take_effects();
-        if effects.is_empty() {
-            break;
-        }
-        for e in effects {
-            match e {
-                AllocEffect::Prepare(m, r) => {
-                    let ok =
-                        s.fabric.is_alive(m) && s.machines[m.0 as usize].prepare_region(r).is_ok();
-                    alloc.on_prepared(m, ok);
-                }
-                AllocEffect::Commit(_, _, p) => placement = Some(p),
-                AllocEffect::Abort(m, r) => s.machines[m.0 as usize].abort_region(r),
+    let mut map = view.map.clone();
+    let mut regions = Vec::with_capacity(count);
+    for _ in 0..count {
+        let region = next_region_id(&map);
+        let replicas = choose_replicas(
+            &view.config,
+            &map,
+            s.replicas,
+            REGIONS_PER_MACHINE_MAX,
+            near,
+        )
+        .map_err(|e| e.to_string())?;
+        let mut alloc = RegionAlloc::start(region, replicas);
+        let mut placement = None;
+        while alloc.outcome().is_none() || placement.is_none() {
+            let effects = alloc.take_effects();
+            if effects.is_empty() {
+                break;
             }
-        }
-    }
-    match alloc.outcome() {
-        Some(Ok(_)) => {
-            let p = placement.expect("committed");
-            let mut map = view.map.clone();
-            map.insert(region, p);
-            // COMMIT: every member learns the mapping; replicas use their prepared NVRAM.
-            for m in &view.config.members {
-                if s.fabric.reachable(view.config.cm, *m) {
-                    let target = &s.machines[m.0 as usize];
-                    let current = target.view();
-                    target
-                        .install(current.config.clone(), map.clone(), current.changes.clone())
-                        .map_err(|e| format!("installing region {} at {m}: {e}", region.0))?;
+            for e in effects {
+                match e {
+                    AllocEffect::Prepare(m, r) => {
+                        let ok = s.fabric.is_alive(m)
+                            && s.machines[m.0 as usize].prepare_region(r).is_ok();
+                        alloc.on_prepared(m, ok);
+                    }
+                    AllocEffect::Commit(_, _, p) => placement = Some(p),
+                    AllocEffect::Abort(m, r) => s.machines[m.0 as usize].abort_region(r),
                 }
             }
-            tracing::info!(region = region.0, "region allocated");
-            Ok(region)
         }
-        Some(Err(e)) => Err(e.to_string()),
-        None => Err("region allocation did not finish".into()),
+        match alloc.outcome() {
+            Some(Ok(_)) => map.insert(region, placement.expect("committed")),
+            Some(Err(e)) => return Err(e.to_string()),
+            None => return Err("region allocation did not finish".into()),
+        }
+        regions.push(region);
     }
+    // COMMIT: every member learns the mapping; replicas use their prepared NVRAM.
+    for m in &view.config.members {
+        if s.fabric.reachable(view.config.cm, *m) {
+            let target = &s.machines[m.0 as usize];
+            let current = target.view();
+            target
+                .install(current.config.clone(), map.clone(), current.changes.clone())
+                .map_err(|e| format!("installing regions {regions:?} at {m}: {e}"))?;
+        }
+    }
+    tracing::info!(regions = regions.len(), "regions allocated");
+    Ok(regions)
 }

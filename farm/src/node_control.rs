@@ -74,7 +74,7 @@ impl Control {
         let mut buf = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
             while let Some(from) = self.fabric.recv_control(me, 0, &mut buf) {
-                match ControlMsg::decode(&buf) {
+                match control.receive(from, &buf) {
                     Some(ControlMsg::RingStarts {
                         config,
                         reply: false,

@@ -21,7 +21,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use farm_cm::control::ControlMsg;
+use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::{CasOutcome, CoordinationStore};
 use farm_core::codec::StoredView;
 use farm_core::config::Configuration;
@@ -126,9 +126,9 @@ fn lead(
         restart: restart.id,
         from: from.clone(),
     }
-    .encode();
+    .datagrams(RESTART_MESSAGE_ID);
     for m in (1..config.machines).map(MachineId) {
-        fabric.send_datagram(config.machine, m, &msg, 0);
+        send_all(fabric, m, &msg);
     }
     Ok(Restart {
         config: restart,
@@ -151,6 +151,7 @@ fn gather(
         .collect();
     let started = Instant::now();
     let mut buf = Vec::new();
+    let mut pieces = Reassembly::new();
     while !missing.is_empty() {
         if started.elapsed() > config.start_timeout {
             return Err(NodeError::PeersMissing {
@@ -159,7 +160,7 @@ fn gather(
             });
         }
         while let Some(from) = fabric.recv_control(fabric.me(), 0, &mut buf) {
-            if let Some(ControlMsg::Persisted { view, copying }) = ControlMsg::decode(&buf) {
+            if let Some(ControlMsg::Persisted { view, copying }) = pieces.accept(from, &buf) {
                 if missing.remove(&from) {
                     persisted[from.0 as usize] = Some(Persisted { view, copying });
                 }
@@ -183,23 +184,24 @@ fn follow(
             view: p.view,
             copying: p.copying,
         }
-        .encode()
+        .datagrams(PERSISTED_MESSAGE_ID)
     });
     let started = Instant::now();
     let mut last_sent: Option<Instant> = None;
     let mut buf = Vec::new();
+    let mut pieces = Reassembly::new();
     let (id, from) = loop {
         if let Some(m) = mine
             .as_ref()
             .filter(|_| last_sent.is_none_or(|at| at.elapsed() >= PERSISTED_REPEAT))
         {
             last_sent = Some(Instant::now());
-            fabric.send_datagram(config.machine, MachineId(0), m, 0);
+            send_all(fabric, MachineId(0), m);
         }
         if let Some(sender) = fabric.recv_control(fabric.me(), 0, &mut buf) {
             // Peers' ring starts may come first: dropped, they repeat them.
             if let (MachineId(0), Some(ControlMsg::Restart { restart, from })) =
-                (sender, ControlMsg::decode(&buf))
+                (sender, pieces.accept(sender, &buf))
             {
                 break (restart, from);
             }
@@ -275,12 +277,13 @@ pub(crate) fn resume_rings(
             restart: id,
             from: restart.from.clone(),
         }
-        .encode()
+        .datagrams(RESTART_MESSAGE_ID)
     });
     let started = Instant::now();
     let mut last_repeat: Option<Instant> = None;
     let mut got = BTreeSet::new();
     let mut buf = Vec::new();
+    let mut pieces = Reassembly::new();
     while got.len() < peers.len() {
         if started.elapsed() > timeout {
             return Err(NodeError::PeersMissing {
@@ -293,7 +296,7 @@ pub(crate) fn resume_rings(
                 config,
                 reply,
                 starts,
-            }) = ControlMsg::decode(&buf)
+            }) = pieces.accept(from, &buf)
             else {
                 continue;
             };
@@ -321,7 +324,7 @@ pub(crate) fn resume_rings(
             last_repeat = Some(Instant::now());
             for p in peers.iter().filter(|p| !got.contains(*p)) {
                 if let Some(d) = &decision {
-                    fabric.send_datagram(me, *p, d, 0);
+                    send_all(fabric, *p, d);
                 }
                 send_starts(fabric, *p, id, false, &mine[p]);
             }
@@ -329,6 +332,19 @@ pub(crate) fn resume_rings(
         std::thread::sleep(Duration::from_micros(200));
     }
     Ok(mine)
+}
+
+/// Message ids of the restart's messages, which may travel in pieces (they carry a view),
+/// apart from those of the control plane, which count up from zero. A repeat reuses its id: a
+/// piece lost once is made up by the next repeat.
+const RESTART_MESSAGE_ID: u64 = 1 << 63;
+const PERSISTED_MESSAGE_ID: u64 = (1 << 63) | 1;
+
+/// Sends every datagram of a message to `to`.
+fn send_all(fabric: &dyn ProcessFabric, to: MachineId, datagrams: &[Vec<u8>]) {
+    for d in datagrams {
+        fabric.send_datagram(fabric.me(), to, d, 0);
+    }
 }
 
 /// Sends where this machine found `to`'s rings to it.
