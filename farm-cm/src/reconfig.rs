@@ -318,12 +318,10 @@ impl Reconfig {
                 .map(|(m, d)| (*m, *d))
                 .collect(),
             members: survivors,
-            // The old CM stays CM if it survived; otherwise the machine driving this becomes CM.
-            cm: if answered.contains(&self.old.cm) {
-                self.old.cm
-            } else {
-                self.me
-            },
+            // "In all cases, the machine initiating the reconfiguration will try to become the
+            // new CM" (§5.2 step 1): its NEW-CONFIG is what members accept (from their CM). A
+            // machine driving over a stored configuration whose CM lives is one of them.
+            cm: self.me,
         };
         match remap(
             &self.map,

@@ -63,6 +63,8 @@ struct Cluster {
     in_flight: Vec<(u64, MachineId, MachineId, ControlMsg)>,
     /// Machines that cannot exchange datagrams or probes with the others (a partition).
     cut: BTreeSet<MachineId>,
+    /// Machines whose datagrams are lost (probes still reach them).
+    muted: BTreeSet<MachineId>,
     /// Every event, with its machine and tick.
     events: Vec<(u64, MachineId, Event)>,
     /// Drop one datagram in `lose_one_in`, seeded (0: none).
@@ -102,6 +104,7 @@ impl Cluster {
             now: 0,
             in_flight: Vec::new(),
             cut: BTreeSet::new(),
+            muted: BTreeSet::new(),
             events: Vec::new(),
             lose_one_in: 0,
             rng: 0x9e37_79b9_7f4a_7c15,
@@ -132,7 +135,7 @@ impl Cluster {
                         self.rng ^= self.rng << 17;
                         let lost =
                             self.lose_one_in > 0 && self.rng.is_multiple_of(self.lose_one_in);
-                        if !lost {
+                        if !lost && !self.muted.contains(&m) {
                             self.in_flight.push((now + 1, m, to, msg));
                         }
                     }
@@ -223,12 +226,15 @@ impl Cluster {
         self.machines[m.0 as usize].alive = false;
     }
 
-    /// Whether every live machine outside `cut` committed a configuration with exactly
+    /// Whether every live machine outside `cut` and `muted` committed a configuration with exactly
     /// `members` and every region active in it.
     fn settled_without(&self, members: &[MachineId]) -> bool {
         self.machines
             .iter()
-            .filter(|m| m.alive && !self.cut.contains(&m.plane.me()))
+            .filter(|m| {
+                let id = m.plane.me();
+                m.alive && !self.cut.contains(&id) && !self.muted.contains(&id)
+            })
             .all(|m| {
                 m.config.members == members
                     && m.committed == m.config.id
@@ -455,4 +461,34 @@ fn a_member_suspected_while_its_ack_is_awaited_is_not_waited_for() {
         .collect();
     assert!(ok, "{:?} {states:?} {:?}", c.events, c.machines[0].plane);
     assert_eq!(c.machines[0].config.id, ConfigId(3));
+}
+
+/// §5.2 step 1, "the machine initiating the reconfiguration will try to become the new CM":
+/// the first backup CM stores configuration 2 but none of its messages get out (it answers
+/// probes, though); at its turn the second backup drives over the stored configuration, whose
+/// CM lives, and becomes the CM of the next one itself (members take NEW-CONFIG only from its
+/// CM). The first backup, whose acknowledgements never arrive, is removed after.
+#[test]
+fn a_machine_driving_over_a_stored_configuration_becomes_its_cm() {
+    let mut c = Cluster::new(5);
+    let config = Configuration::initial(5);
+    let order = backup_cms(&config, 4);
+    c.kill(MachineId(0));
+    c.muted.insert(order[0]);
+    for m in &order {
+        c.suspect(*m, MachineId(0));
+    }
+    assert!(c.run_until(LEASE, |c| c.stored(ConfigId(2))));
+    let mut rest: Vec<MachineId> = order[1..].to_vec();
+    rest.sort();
+    let ok = c.run_until(40 * LEASE, |c| c.settled_without(&rest));
+    assert!(ok, "{:?}", c.events);
+    assert!(
+        c.events
+            .iter()
+            .any(|(_, m, e)| *m == order[1] && *e == Event::Stored(ConfigId(3))),
+        "the second backup drove over configuration 2: {:?}",
+        c.events
+    );
+    assert_eq!(c.machines[order[1].0 as usize].config.cm, order[1]);
 }
