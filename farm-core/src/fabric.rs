@@ -1,4 +1,4 @@
-//! The fabric: what RDMA gives, on hardware that has none (DESIGN.md, Fabric).
+//! The fabric: what RDMA gives, on hardware that has none (docs/ARCHITECTURE.md, Fabric).
 //!
 //! Protocols talk to other machines only through [`Fabric`]:
 //! - one-sided reads of registered memory ([`Fabric::remote`] resolves a handle once, as FaRM

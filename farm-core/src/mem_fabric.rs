@@ -1,5 +1,5 @@
 //! The `mem` fabric backend: machines live in one process and "remote" memory is the other
-//! machine's mapped NVRAM (DESIGN.md, Fabric, backend 1).
+//! machine's mapped NVRAM (docs/ARCHITECTURE.md, Fabric).
 //!
 //! Besides the normal path (writes land and complete at once), it gives a driver the failures a
 //! real network has:

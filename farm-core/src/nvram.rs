@@ -5,7 +5,7 @@
 //! anonymous memory when no directory is given. Other machines write into it through the fabric
 //! while local workers read it, so nothing here ever hands out `&[u8]` or `&mut [u8]` to its
 //! contents: every access is a copy through atomic words, and callers check versions and
-//! checksums on what they copied out (STYLE.md, "Memory and unsafe").
+//! checksums on what they copied out (docs/ARCHITECTURE.md, Memory and unsafe).
 //!
 //! Ordering contract, which the object layer's seqlock reads and the ring buffers' trailers rely
 //! on:

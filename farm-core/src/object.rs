@@ -4,7 +4,7 @@
 //! primary locks an object with a compare-and-swap of the whole header at the version a
 //! transaction read (§4, Lock), so a concurrent commit, free or allocation makes the CAS fail.
 //!
-//! Reads are seqlock-style (DESIGN.md, Objects): copy header and payload, then read the header
+//! Reads are seqlock-style (docs/ARCHITECTURE.md, Objects): copy header and payload, then read the header
 //! again; the copy is consistent only when both headers are equal and unlocked. Writers
 //! ([`apply_locked`]) lock first, issue a release fence, write the payload and publish the new
 //! header with `Release`, which is the write half of the same protocol.

@@ -1,4 +1,4 @@
-//! What the fabrics of machine processes share (DESIGN.md, Fabric): the `shm` fabric (one host)
+//! What the fabrics of machine processes share (docs/ARCHITECTURE.md, Fabric): the `shm` fabric (one host)
 //! and the `tcp` fabric (several hosts) both run one machine per process, which
 //! - claims its NVRAM directory `<dir>/m<id>/` (`claim_machine`): the directory is stamped
 //!   with the cluster's id, and the process holds an exclusive lock on `alive` for as long as it

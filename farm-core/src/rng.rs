@@ -1,5 +1,5 @@
 //! A small seeded random number generator (SplitMix64). Protocol cores draw no randomness of
-//! their own (DESIGN.md, Determinism): whoever needs one is handed an `Rng` derived from a seed.
+//! their own (docs/ARCHITECTURE.md, Determinism): whoever needs one is handed an `Rng` derived from a seed.
 
 /// SplitMix64: fast, seedable, and good enough for scheduling choices and workloads.
 #[derive(Clone, Debug)]

@@ -1,4 +1,4 @@
-//! The `shm` fabric: one process per machine on one host (DESIGN.md, Fabric).
+//! The `shm` fabric: one process per machine on one host (docs/ARCHITECTURE.md, Fabric).
 //!
 //! Every machine's registered memory is a file of its NVRAM directory, `<dir>/m<id>/<area>`
 //! (the names [`area_file`] gives, which the machine's own NVRAM uses), and peers map those

@@ -1,4 +1,4 @@
-//! The `tcp` fabric: one process per machine, on different hosts (DESIGN.md, Fabric).
+//! The `tcp` fabric: one process per machine, on different hosts (docs/ARCHITECTURE.md, Fabric).
 //!
 //! Each process runs a NIC: a listener thread and, per connected peer, a serving thread that
 //! performs the peer's one-sided reads and writes on this machine's registered memory, so that

@@ -1,6 +1,6 @@
 //! The deterministic driver: a whole cluster in one thread over the `mem` fabric with writes held
 //! back, so that a seeded scheduler decides which worker polls next, which commit advances and
-//! when each one-sided write lands (DESIGN.md, Determinism). It runs the same protocol code as
+//! when each one-sided write lands (docs/ARCHITECTURE.md, Determinism). It runs the same protocol code as
 //! the threaded runtime (`farm_txn::Worker`), prints its seed first, and a seed replays exactly.
 
 use std::collections::BTreeMap;

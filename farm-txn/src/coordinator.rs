@@ -587,7 +587,7 @@ pub(crate) struct Commit {
 impl Worker {
     /// A consistent read of `len` payload bytes at `addr` from its primary: local memory when
     /// this machine is the primary, a one-sided read otherwise (§3). A locked object is a
-    /// conflict at once: waiting for it here could wait for this very thread (DESIGN.md).
+    /// conflict at once: waiting for it here could wait for this very thread (docs/ARCHITECTURE.md, Machines, threads, event loop).
     pub fn read_object(&mut self, addr: Addr, len: usize) -> Result<(Header, Vec<u8>), TxError> {
         // Read through the encoding buffer (free while a transaction executes): only the
         // payload is allocated, and nothing is zeroed first.

@@ -1,4 +1,4 @@
-//! Per-worker counters (DESIGN.md, Observability): commits, aborts by cause, protocol work.
+//! Per-worker counters (docs/ARCHITECTURE.md, Observability): commits, aborts by cause, protocol work.
 
 use crate::error::{Conflict, TxError};
 

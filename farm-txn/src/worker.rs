@@ -1,5 +1,5 @@
-//! A worker: one thread's share of a machine, as a deterministic state machine (DESIGN.md,
-//! Machines, threads, event loop).
+//! A worker: one thread's share of a machine, as a deterministic state machine
+//! (docs/ARCHITECTURE.md, Machines, threads, event loop).
 //!
 //! [`Worker::poll`] processes the inbound transaction logs and message queues of this thread (one
 //! of each per peer machine), answers LOCK and VALIDATE, applies COMMIT-PRIMARY, keeps

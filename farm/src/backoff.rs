@@ -1,6 +1,6 @@
 //! Backoff for pollers and conflicting transactions: spin, then yield, then sleep briefly, so
 //! that spinning threads do not starve a 2-core machine running three in-process machines
-//! (DESIGN.md, Machines, threads, event loop).
+//! (docs/ARCHITECTURE.md, Machines, threads, event loop).
 
 use std::time::Duration;
 

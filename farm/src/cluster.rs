@@ -1,5 +1,5 @@
 //! The in-process cluster: machines as groups of workers in one process over the `mem` fabric,
-//! driven by OS threads (DESIGN.md, Machines, threads, event loop).
+//! driven by OS threads (docs/ARCHITECTURE.md, Machines, threads, event loop).
 //!
 //! OS thread `t` hosts worker `t` of every machine and polls them in turn, so three machines
 //! share two cores without a context switch on the commit path (`crate::hosts`: the same
@@ -983,7 +983,7 @@ impl Cluster {
             .attempt(&mut self.host(), machine, None, &mut f)
     }
 
-    /// The throughput timeline (DESIGN.md, Observability): transactions committed in every
+    /// The throughput timeline (docs/ARCHITECTURE.md, Observability): transactions committed in every
     /// millisecond since the cluster started, with the reconfiguration events, ready to draw
     /// the paper's recovery timelines or to write as JSON ([`Timeline::to_json`]).
     pub fn timeline(&self) -> Timeline {

@@ -1,5 +1,5 @@
 //! Hosts: the workers that one OS thread polls, and what every deployment does with them
-//! (DESIGN.md, Machines, threads, event loop). One implementation serves the in-process
+//! (docs/ARCHITECTURE.md, Machines, threads, event loop). One implementation serves the in-process
 //! [`crate::Cluster`] and a [`crate::node::Node`]; they differ only in which workers a host holds:
 //!
 //! - in one process, host `t` is worker `t` of every machine, so one OS thread polls three

@@ -1,6 +1,6 @@
 //! One machine per process: a [`Node`] runs machine `m` of a cluster whose machines are separate
 //! processes, on one host over the `shm` fabric or on several over the `tcp` fabric
-//! ([`Transport`]; DESIGN.md, Fabric): it takes the machine's liveness lock, maps its NVRAM
+//! ([`Transport`]; docs/ARCHITECTURE.md, Fabric): it takes the machine's liveness lock, maps its NVRAM
 //! under `<dir>/m<id>/` (where, on one host, its peers map it too) and runs its lease thread
 //! with the CM of its configuration (§5.1), over UDP datagrams.
 //!
@@ -81,7 +81,7 @@ pub struct NodeConfig {
     pub transport: Transport,
 }
 
-/// The fabric of a node (DESIGN.md, Fabric).
+/// The fabric of a node (docs/ARCHITECTURE.md, Fabric).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Transport {
     /// One host: peers map each other's NVRAM files under the shared `dir`; datagrams over
