@@ -212,7 +212,8 @@ impl Sim {
             machines_max: config.machines,
             threads_max: config.threads,
             seed: config.seed,
-            datagrams_queued_max: 64,
+            // A NIC's receive queue: enough for every machine's lease renewals at the CM.
+            datagrams_queued_max: 64 * config.machines as usize,
         }));
         let cfg = Configuration::initial(config.machines);
         let map = RegionMap::striped(config.machines, 1, config.replicas - 1);
@@ -595,7 +596,7 @@ impl Sim {
             machines_max: self.config.machines,
             threads_max: self.config.threads,
             seed: self.rng.below(u64::MAX),
-            datagrams_queued_max: 64,
+            datagrams_queued_max: 64 * self.config.machines as usize,
         }));
         let machines: Vec<Arc<MachineState>> = self
             .machines
