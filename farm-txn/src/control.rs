@@ -87,9 +87,14 @@ impl MachineControl {
     /// Calls `f` with the plane and what the machine has installed now, then carries out the
     /// effects.
     fn with_plane(&mut self, now: u64, f: impl FnOnce(&mut ControlPlane, &Local<'_>)) {
+        self.feed(f);
+        self.execute(now);
+    }
+
+    /// Calls `f` with the plane and what the machine has installed now.
+    fn feed(&mut self, f: impl FnOnce(&mut ControlPlane, &Local<'_>)) {
         let view = self.machine.view();
         f(&mut self.plane, &local(&self.machine, &view));
-        self.execute(now);
     }
 
     /// A control datagram from `from`, decoded: the message it completes (a long message
@@ -167,9 +172,7 @@ impl MachineControl {
                     }
                     Effect::Probe(m) => {
                         let ok = probe(&*self.fabric, me, m);
-                        let view = self.machine.view();
-                        self.plane
-                            .on_probe(m, ok, now, &local(&self.machine, &view));
+                        self.feed(|p, l| p.on_probe(m, ok, now, l));
                     }
                     Effect::ReadStore => {
                         let stored = match self.store.read() {
@@ -189,14 +192,11 @@ impl MachineControl {
                                 None
                             }
                         };
-                        let view = self.machine.view();
-                        self.plane
-                            .on_store_read(stored, now, &local(&self.machine, &view));
+                        self.feed(|p, l| p.on_store_read(stored, now, l));
                     }
                     Effect::CompareAndSet { expected, data } => {
                         let result = self.store.compare_and_set(Some(expected), &data);
-                        let view = self.machine.view();
-                        self.plane.on_cas(result, now, &local(&self.machine, &view));
+                        self.feed(|p, l| p.on_cas(result, now, l));
                     }
                     Effect::Install(v) => {
                         let id = v.config.id;
