@@ -3,8 +3,8 @@
 
 use farm_cm::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, MemberLease};
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_core::{ConfigId, MachineId};
+use farm_fabric::mem::{DatagramPolicy, MemFabric, MemFabricConfig};
 
 const CM: MachineId = MachineId(0);
 const LEASE: u64 = 100;

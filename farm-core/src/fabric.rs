@@ -110,7 +110,7 @@ impl crate::object::ObjectSource for dyn RemoteMemory {
 
 /// That `len` bytes at `offset` of `machine`'s area `key` (`mem`) are word-aligned and inside
 /// it: what a NIC checks against a memory registration.
-pub(crate) fn check_bounds(
+pub fn check_bounds(
     machine: MachineId,
     key: MemKey,
     mem: &Nvram,

@@ -5,9 +5,9 @@
 //! - [`codec`]: how configurations and machines' views are stored;
 //! - [`nvram`]: memory-mapped NVRAM, the only module with raw-memory code;
 //! - [`object`]: object headers, locking and consistent reads;
-//! - [`fabric`], [`mem_fabric`], [`shm_fabric`] and [`tcp_fabric`]: one-sided reads and
-//!   writes, datagrams, fault injection; in one process, one process per machine over shared
-//!   files ([`process_fabric`] has what those processes share), or across hosts over TCP;
+//! - [`fabric`]: the contract of one-sided reads and writes and datagrams that every protocol
+//!   is written against (its backends, in one process, across processes and across hosts, are
+//!   the `farm-fabric` crate's);
 //! - [`ring`]: ring buffers for transaction logs and message queues;
 //! - [`wire`]: the records of the commit protocol;
 //! - [`rng`]: the seeded generator every random choice flows from.
@@ -28,14 +28,10 @@ pub mod codec;
 pub mod config;
 pub mod fabric;
 pub mod ids;
-pub mod mem_fabric;
 pub mod nvram;
 pub mod object;
-pub mod process_fabric;
 pub mod ring;
 pub mod rng;
-pub mod shm_fabric;
-pub mod tcp_fabric;
 pub mod wire;
 
 pub use ids::{Addr, ConfigId, MachineId, RegionId, ThreadId, TxnId, Version};

@@ -13,6 +13,10 @@
 //! - [`Nvram::write`] stores words in increasing address order, `Relaxed` except the last word,
 //!   which is stored with `Release`, so a reader that sees the last word of a write also sees the
 //!   rest of it.
+//!
+//! It is also the one module of the protocol crates that opens, maps and writes files (their
+//! `clippy.toml` refuses them everywhere else).
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
 use std::fs::OpenOptions;
 use std::io;
@@ -408,5 +412,60 @@ mod tests {
         assert_eq!(&buf, b"persist!");
         let err = Nvram::file(&path, 8192).unwrap_err();
         assert!(err.to_string().contains("expected 8192"), "{err}");
+    }
+}
+
+/// The small files that sit beside a machine's mapped areas in its NVRAM directory (its views,
+/// the regions it has still to copy). They go through here so that the protocol crates touch
+/// no file themselves: each is written whole, synced and renamed into place, so that a stop at
+/// any moment leaves the old contents or the new.
+pub mod files {
+    use std::io;
+    use std::path::Path;
+
+    /// Creates `dir` (and its parents) if it is missing.
+    pub fn create_dir(dir: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(dir)
+    }
+
+    /// Replaces `dir/name` with `bytes`: written to `name.new`, synced, renamed.
+    pub fn replace(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+        let tmp = dir.join(format!("{name}.new"));
+        let mut f = std::fs::File::create(&tmp)?;
+        io::Write::write_all(&mut f, bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, dir.join(name))
+    }
+
+    /// The contents of `dir/name`; `None` when there is no such file.
+    pub fn read(dir: &Path, name: &str) -> io::Result<Option<Vec<u8>>> {
+        match std::fs::read(dir.join(name)) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes `dir/name`; nothing to do when there is no such file.
+    pub fn remove(dir: &Path, name: &str) -> io::Result<()> {
+        match std::fs::remove_file(dir.join(name)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// The names of the files in `dir`, sorted; none when `dir` does not exist.
+    pub fn names(dir: &Path) -> io::Result<Vec<String>> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let mut names = Vec::new();
+        for entry in entries {
+            names.push(entry?.file_name().to_string_lossy().into_owned());
+        }
+        names.sort();
+        Ok(names)
     }
 }

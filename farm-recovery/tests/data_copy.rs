@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use farm_alloc::{block_header_offset, BlockPool, Slabs, BLOCK_BYTES};
 use farm_core::fabric::{Fabric, FabricError, MemKey};
-use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
 use farm_core::nvram::Nvram;
 use farm_core::object::{self, Header};
 use farm_core::rng::Rng;
 use farm_core::{MachineId, RegionId, Version};
+use farm_fabric::mem::{MemFabric, MemFabricConfig};
 use farm_recovery::{CopyParams, Progress, RegionCopy};
 
 const REGION_BYTES: usize = 4 * BLOCK_BYTES;

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::MemFabric;
 use farm_core::MachineId;
+use farm_fabric::mem::MemFabric;
 use farm_txn::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
 use farm_txn::MachineState;
 

@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::rng::Rng;
 use farm_core::{Addr, MachineId, ThreadId};
+use farm_fabric::mem::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_txn::{MachineState, Params, Replication, Stats, Tx, TxError, Worker};
 
 use crate::cm::{SimCm, LEASE_TICKS};

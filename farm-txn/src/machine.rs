@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use farm_alloc::BlockPool;
 use farm_core::config::{Configuration, RegionChanges, RegionMap};
 use farm_core::fabric::{Fabric, MemKey};
-use farm_core::nvram::Nvram;
+use farm_core::nvram::{files, Nvram};
 use farm_core::ring::RingLayout;
 use farm_core::wire::RECORD_BYTES_MAX;
 use farm_core::{ConfigId, MachineId, RegionId};
@@ -165,6 +165,9 @@ pub struct MachineState {
     /// Cluster parameters.
     pub params: Params,
     view: Mutex<Arc<View>>,
+    /// Held by whoever installs a view (the control plane, region allocation), through the
+    /// persistence of the view; the view's own lock only while it is swapped.
+    installing: Mutex<()>,
     view_generation: AtomicU64,
     nvram_dir: Option<PathBuf>,
     /// Regions prepared for allocation (§3) and not yet committed into a view.
@@ -377,7 +380,7 @@ impl MachineState {
         let nvram_dir = match from {
             Some(Reopen::Dir(d)) => {
                 let dir = machine_dir(d, id);
-                std::fs::create_dir_all(&dir)?;
+                files::create_dir(&dir)?;
                 Some(dir)
             }
             _ => None,
@@ -457,6 +460,7 @@ impl MachineState {
             id,
             params,
             view: Mutex::new(Arc::new(empty)),
+            installing: Mutex::new(()),
             view_generation: AtomicU64::new(0),
             nvram_dir,
             prepared: Mutex::new(prepared),
@@ -637,6 +641,19 @@ impl MachineState {
         changes: BTreeMap<RegionId, RegionChanges>,
         new_pools: bool,
     ) -> io::Result<()> {
+        // One installer at a time; the view's own lock is taken only to publish, so that
+        // workers and readers never wait for the fsyncs below.
+        let _installing = self.installing.lock().expect("poisoned");
+        let old = self.view();
+        let joining = config.contains(self.id) && self.joining.swap(false, Ordering::AcqRel);
+        let first = old.map.iter().next().is_none() && new_pools && !joining;
+        self.note_copies(&old, &map, joining, first);
+        // Regions still to copy first: a view naming a replica whose copy is not listed would
+        // pass for complete after a restart. The view is in NVRAM before anyone can see it
+        // here, so that a NEW-CONFIG-ACK (sent once the workers picked it up) always follows
+        // its persistence.
+        self.persist_copying()?;
+        self.persist_view(&config, &map, &changes)?;
         let blocked = changes
             .iter()
             .filter(|(_, c)| c.last_replica_change > ConfigId(0))
@@ -646,9 +663,12 @@ impl MachineState {
         // Precise membership (§5.2): writes from machines outside the configuration stop
         // landing here, those still in flight included.
         self.fabric.admit(self.id, &config.members);
-        let old = guard.clone();
-        let joining = config.contains(self.id) && self.joining.swap(false, Ordering::AcqRel);
-        let first = old.map.iter().next().is_none() && new_pools && !joining;
+        // `old` but for block pools that allocator recovery installed meanwhile.
+        let current = guard.clone();
+        assert_eq!(
+            current.config.id, old.config.id,
+            "the view changed under its installer"
+        );
         let mut regions = Vec::new();
         let mut pools = Vec::new();
         for (region, placement) in map.iter() {
@@ -665,59 +685,33 @@ impl MachineState {
                 .lock()
                 .expect("prepared poisoned")
                 .remove(&region);
-            let mem = match (old.region(region), prepared) {
+            let mem = match (current.region(region), prepared) {
                 (Some(m), _) => m.clone(),
                 (None, Some(m)) => m,
-                (None, None) => {
-                    // A new backup of an existing region starts empty: data recovery copies it
-                    // (§5.4).
-                    if joining {
-                        let others = placement.replicas().filter(|m| *m != self.id).count();
-                        self.to_copy
-                            .lock()
-                            .expect("poisoned")
-                            .insert(region, others <= 1);
-                    } else if let (false, Some(before)) = (first, old.map.get(region)) {
-                        // Replicas that held the region before and still do: one means the
-                        // region is down to a single copy of its data. So may it be when the
-                        // previous configuration changed its replicas too (their copies may
-                        // not be complete).
-                        let kept = placement.replicas().filter(|m| before.holds(*m)).count();
-                        let changed_before = old
-                            .changes
-                            .get(&region)
-                            .is_some_and(|c| c.last_replica_change == old.config.id);
-                        self.to_copy
-                            .lock()
-                            .expect("poisoned")
-                            .insert(region, kept <= 1 || changed_before);
-                    }
-                    self.map_region(region)?
-                }
+                // A new backup of an existing region starts empty: data recovery copies it
+                // (§5.4; `note_copies` listed it).
+                (None, None) => self.map_region(region)?,
             };
             regions[idx] = Some(mem);
             if placement.primary == self.id {
-                pools[idx] = match old.pools.get(idx).and_then(Option::as_ref) {
+                pools[idx] = match current.pools.get(idx).and_then(Option::as_ref) {
                     Some(p) => Some(p.clone()),
                     // A region new to the map (first configuration, or just allocated) is empty.
-                    None if new_pools && (first || old.map.get(region).is_none()) => {
+                    None if new_pools && (first || current.map.get(region).is_none()) => {
                         Some(Arc::new(BlockPool::new(self.params.region_bytes)))
                     }
                     None => None,
                 };
             }
         }
-        // Regions still to copy first: a view naming a replica whose copy is not listed would
-        // pass for complete after a restart.
-        self.persist_copying()?;
-        self.persist_view(&config, &map, &changes)?;
         // Region allocation installs a new map in the same configuration: its recovery keeps
         // covering the regions of the configuration's NEW-CONFIG.
-        let recovery_regions = if old.config.id == config.id && old.map.iter().next().is_some() {
-            old.recovery_regions.clone()
-        } else {
-            Arc::new(map.iter().map(|(r, _)| r).collect())
-        };
+        let recovery_regions =
+            if current.config.id == config.id && current.map.iter().next().is_some() {
+                current.recovery_regions.clone()
+            } else {
+                Arc::new(map.iter().map(|(r, _)| r).collect())
+            };
         *guard = Arc::new(View {
             config,
             map,
@@ -731,6 +725,36 @@ impl MachineState {
         Ok(())
     }
 
+    /// Lists the regions of `map` that this machine newly holds without their data (a new
+    /// backup, §5.4) among those to copy, with whether aggressively: when the region is down
+    /// to one replica holding its data.
+    fn note_copies(&self, old: &View, map: &RegionMap, joining: bool, first: bool) {
+        let prepared = self.prepared.lock().expect("prepared poisoned");
+        let mut to_copy = self.to_copy.lock().expect("poisoned");
+        for (region, placement) in map.iter() {
+            if !placement.holds(self.id)
+                || old.region(region).is_some()
+                || prepared.contains_key(&region)
+            {
+                continue;
+            }
+            if joining {
+                let others = placement.replicas().filter(|m| *m != self.id).count();
+                to_copy.insert(region, others <= 1);
+            } else if let (false, Some(before)) = (first, old.map.get(region)) {
+                // Replicas that held the region before and still do: one means the region is
+                // down to a single copy of its data. So may it be when the previous
+                // configuration changed its replicas too (their copies may not be complete).
+                let kept = placement.replicas().filter(|m| before.holds(*m)).count();
+                let changed_before = old
+                    .changes
+                    .get(&region)
+                    .is_some_and(|c| c.last_replica_change == old.config.id);
+                to_copy.insert(region, kept <= 1 || changed_before);
+            }
+        }
+    }
+
     /// Keeps the view of `config` (in a file of its own when this machine has an NVRAM
     /// directory), and forgets older views no drain mark names.
     fn persist_view(
@@ -741,7 +765,7 @@ impl MachineState {
     ) -> io::Result<()> {
         if let Some(dir) = &self.nvram_dir {
             let bytes = farm_core::codec::encode_view(config, map, changes);
-            write_atomically(dir, &view_file(config.id), &bytes)?;
+            files::replace(dir, &view_file(config.id), &bytes)?;
         }
         let mut views = self.views.lock().expect("poisoned");
         views.insert(
@@ -765,10 +789,7 @@ impl MachineState {
         for c in stale {
             views.remove(&c);
             if let Some(dir) = &self.nvram_dir {
-                match std::fs::remove_file(dir.join(view_file(c))) {
-                    Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-                    _ => {}
-                }
+                files::remove(dir, &view_file(c))?;
             }
         }
         Ok(())
@@ -789,7 +810,7 @@ impl MachineState {
             bytes.extend_from_slice(&r.0.to_le_bytes());
             bytes.push(*aggressive as u8);
         }
-        write_atomically(dir, COPYING_FILE, &bytes)?;
+        files::replace(dir, COPYING_FILE, &bytes)?;
         *persisted = to_copy;
         Ok(())
     }
@@ -1222,41 +1243,28 @@ fn view_file(config: ConfigId) -> String {
     format!("{VIEW_FILE_PREFIX}{}", config.0)
 }
 
-/// Replaces `dir/name` with `bytes` so that a stop leaves the old contents or the new.
-fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
-    let tmp = dir.join(format!("{name}.new"));
-    let mut f = std::fs::File::create(&tmp)?;
-    io::Write::write_all(&mut f, bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(name))
-}
-
 /// The views machine `id` kept in `dir`, by configuration.
 fn read_views(
     dir: &Path,
     id: MachineId,
 ) -> io::Result<BTreeMap<ConfigId, farm_core::codec::StoredView>> {
     let mut views = BTreeMap::new();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(views),
-        Err(e) => return Err(e),
-    };
-    for entry in entries {
-        let entry = entry?;
-        let name = entry.file_name();
+    for name in files::names(dir)? {
         let Some(config) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(VIEW_FILE_PREFIX))
+            .strip_prefix(VIEW_FILE_PREFIX)
             .and_then(|c| c.parse::<u64>().ok())
         else {
             continue;
         };
-        let bytes = std::fs::read(entry.path())?;
+        let path = dir.join(&name);
+        // Gone since it was listed: only a concurrent removal of a stale view does that.
+        let Some(bytes) = files::read(dir, &name)? else {
+            continue;
+        };
         let view = farm_core::codec::decode_view(&bytes).map_err(|e| {
             io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("view of machine {id} in {}: {e}", entry.path().display()),
+                format!("view of machine {id} in {}: {e}", path.display()),
             )
         })?;
         if view.config.id.0 != config {
@@ -1264,7 +1272,7 @@ fn read_views(
                 io::ErrorKind::InvalidData,
                 format!(
                     "{} holds the view of configuration {}",
-                    entry.path().display(),
+                    path.display(),
                     view.config.id.0
                 ),
             ));
@@ -1276,10 +1284,8 @@ fn read_views(
 
 /// The regions still to copy that a machine left in `dir` (with whether aggressively).
 fn read_copying(dir: &Path) -> io::Result<BTreeMap<RegionId, bool>> {
-    let bytes = match std::fs::read(dir.join(COPYING_FILE)) {
-        Ok(b) => b,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
-        Err(e) => return Err(e),
+    let Some(bytes) = files::read(dir, COPYING_FILE)? else {
+        return Ok(BTreeMap::new());
     };
     if !bytes.len().is_multiple_of(5) {
         return Err(io::Error::new(
@@ -1342,14 +1348,7 @@ pub fn read_persisted(nvram_dir: &Path, id: MachineId) -> io::Result<Option<Pers
 /// (liveness lock, admitted set) are the fabric's.
 pub fn forget_state(nvram_dir: &Path, id: MachineId) -> io::Result<()> {
     let dir = machine_dir(nvram_dir, id);
-    let entries = match std::fs::read_dir(&dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    for entry in entries {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
+    for name in files::names(&dir)? {
         let nvram = matches!(
             name.as_str(),
             "rings"
@@ -1361,13 +1360,13 @@ pub fn forget_state(nvram_dir: &Path, id: MachineId) -> io::Result<()> {
                 | "drain-marks"
         ) || name.starts_with("region-");
         if nvram {
-            let mem = Nvram::open(&entry.path())?;
+            let mem = Nvram::open(&dir.join(&name))?;
             mem.zero(0, mem.len());
         } else if name.starts_with(VIEW_FILE_PREFIX)
             || name == COPYING_FILE
             || name.ends_with(".new")
         {
-            std::fs::remove_file(entry.path())?;
+            files::remove(&dir, &name)?;
         }
     }
     Ok(())

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::{Addr, MachineId, RegionId, ThreadId};
+use farm_fabric::mem::{MemFabric, MemFabricConfig};
 use farm_txn::{MachineState, Params, Replication, Stats, TxError, Worker};
 
 use crate::cm::{CmDriver, CmShared, ReconfigEvent, Request};

@@ -15,8 +15,8 @@ use farm_cm::placement::{choose_replicas, next_region_id, AllocEffect, RegionAll
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::MemFabric;
 use farm_core::{ConfigId, MachineId, RegionId};
+use farm_fabric::mem::MemFabric;
 use farm_txn::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
 use farm_txn::MachineState;
 

@@ -20,8 +20,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use farm_core::fabric::Fabric;
-use farm_core::process_fabric::ProcessFabric;
 use farm_core::{Addr, MachineId};
+use farm_fabric::process::ProcessFabric;
 use farm_txn::{Stats, Tx, TxError, Worker};
 
 use crate::backoff::Backoff;

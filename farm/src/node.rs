@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
-use farm_core::process_fabric::{ProcessFabric, StartError};
 use farm_core::ring::RingLayout;
-use farm_core::shm_fabric::ShmFabric;
-use farm_core::tcp_fabric::TcpFabric;
 use farm_core::{MachineId, ThreadId};
+use farm_fabric::process::{ProcessFabric, StartError};
+use farm_fabric::shm::ShmFabric;
+use farm_fabric::tcp::TcpFabric;
 use farm_txn::{MachineState, Params, Replication, TxError, Worker};
 
 use crate::hosts::{Host, Hosts, IdleWait};
@@ -90,7 +90,7 @@ pub enum Transport {
     /// Several hosts: machine `m` listens at `addrs[m]` (TCP for one-sided operations, UDP
     /// for datagrams); `dir` holds this machine's NVRAM only. An operation unanswered for
     /// `timeout` fails, and a peer whose connection broke stays unreachable while it is a
-    /// member (see `farm_core::tcp_fabric`).
+    /// member (see `farm_fabric::tcp`).
     Tcp {
         /// Each machine's address.
         addrs: Vec<std::net::SocketAddr>,

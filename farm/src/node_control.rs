@@ -13,8 +13,8 @@ use farm_cm::control::ControlMsg;
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::Fabric;
-use farm_core::process_fabric::ProcessFabric;
 use farm_core::ConfigId;
+use farm_fabric::process::ProcessFabric;
 use farm_txn::MachineState;
 
 use crate::lease_thread::Suspicion;

@@ -25,8 +25,8 @@ use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::{CasOutcome, CoordinationStore};
 use farm_core::codec::StoredView;
 use farm_core::config::Configuration;
-use farm_core::process_fabric::ProcessFabric;
 use farm_core::{ConfigId, MachineId};
+use farm_fabric::process::ProcessFabric;
 use farm_txn::machine::Persisted;
 use farm_txn::Worker;
 

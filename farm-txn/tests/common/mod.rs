@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
-use farm_core::mem_fabric::{MemFabric, MemFabricConfig};
 use farm_core::ring::RingLayout;
 use farm_core::{MachineId, ThreadId};
+use farm_fabric::mem::{MemFabric, MemFabricConfig};
 use farm_txn::{MachineState, Params, Replication, Tx, TxError, Worker};
 
 /// Workers of machines 0, 1, 2 (thread 0), regions striped with `backups` backups each.

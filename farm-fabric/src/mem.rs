@@ -14,12 +14,12 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use crate::fabric::{
+use farm_core::fabric::{
     Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket, CONTROL_TAG,
 };
-use crate::ids::{MachineId, ThreadId};
-use crate::nvram::Nvram;
-use crate::rng::Rng;
+use farm_core::ids::{MachineId, ThreadId};
+use farm_core::nvram::Nvram;
+use farm_core::rng::Rng;
 
 /// Limits of a [`MemFabric`].
 #[derive(Clone, Copy, Debug)]
@@ -111,7 +111,7 @@ impl RemoteMemory for MemRemote {
         if !self.dst_alive.load(Ordering::Relaxed) || !same_side(&self.groups, self.src, self.dst) {
             return Err(FabricError::Unreachable(self.dst));
         }
-        crate::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
+        farm_core::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
         self.mem.read(offset as usize, buf);
         Ok(())
     }
@@ -411,7 +411,7 @@ impl Fabric for MemFabric {
             return Err(FabricError::Unreachable(dst));
         }
         let mem = self.area(dst, key)?;
-        crate::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
+        farm_core::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
         let link = self.link(src, dst);
         let seq = link.issued.fetch_add(1, Ordering::SeqCst) + 1;
         if self.hold_writes.load(Ordering::SeqCst) {

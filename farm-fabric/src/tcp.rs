@@ -27,7 +27,7 @@
 //! has not admitted (precise membership, §5.2). Reads from the cluster's machines are served
 //! whether or not they are members: the CM probes, and new backups copy, before they are.
 //!
-//! Datagrams go over UDP to each machine's listed address ([`crate::process_fabric`]).
+//! Datagrams go over UDP to each machine's listed address ([`crate::process`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufWriter, Read, Write};
@@ -38,14 +38,12 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::fabric::{
+use crate::process::{claim_machine, io_err, Claim, Datagrams, Peers, ProcessFabric, StartError};
+use farm_core::fabric::{
     check_bounds, Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
 };
-use crate::ids::{MachineId, RegionId};
-use crate::nvram::Nvram;
-use crate::process_fabric::{
-    claim_machine, io_err, Claim, Datagrams, Peers, ProcessFabric, StartError,
-};
+use farm_core::ids::{MachineId, RegionId};
+use farm_core::nvram::Nvram;
 
 /// Machines the NIC's admitted set can name.
 pub const ADMIT_MACHINES_MAX: usize = 512;
@@ -225,7 +223,7 @@ struct Served {
     areas: RwLock<HashMap<MemKey, Arc<Nvram>>>,
     /// Machines whose writes land, the members of this machine's configuration.
     admitted: Arc<Admitted>,
-    doorbell: crate::process_fabric::Doorbell,
+    doorbell: crate::process::Doorbell,
     stop: AtomicBool,
     /// Accepted connections, to close at stop or when their machine is removed.
     conns: Mutex<HashMap<u64, Inbound>>,

@@ -19,7 +19,7 @@
 //! changed the set may still land, as a write already on the wire does with a NIC.)
 //!
 //! Datagrams go over UDP on loopback, machine `m` at port `base_port + m`
-//! ([`crate::process_fabric`]).
+//! ([`crate::process`]).
 
 use std::collections::HashMap;
 use std::fs::{File, TryLockError};
@@ -28,15 +28,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::fabric::{
-    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
-};
-use crate::ids::MachineId;
-use crate::nvram::Nvram;
-pub use crate::process_fabric::machine_dir;
-use crate::process_fabric::{
+pub use crate::process::machine_dir;
+use crate::process::{
     claim_machine, io_err, Claim, Datagrams, Doorbell, Peers, ProcessFabric, StartError,
 };
+use farm_core::fabric::{
+    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+};
+use farm_core::ids::MachineId;
+use farm_core::nvram::Nvram;
 
 /// How stale a machine's liveness may be when an operation relies on it.
 pub const LIVENESS_CHECK: Duration = Duration::from_millis(1);
@@ -263,7 +263,7 @@ impl RemoteMemory for ShmRemote {
         if !self.state.alive(micros_since(self.epoch)) {
             return Err(FabricError::Unreachable(self.dst));
         }
-        crate::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
+        farm_core::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
         self.mem.read(offset as usize, buf);
         Ok(())
     }
@@ -329,7 +329,7 @@ impl Fabric for ShmFabric {
             return Err(FabricError::Unreachable(dst));
         }
         let mem = self.area(dst, &state, key)?;
-        crate::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
+        farm_core::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
         mem.write(offset as usize, data);
         if key == MemKey::Rings && dst != src.machine {
             self.ring(dst, &state);

@@ -20,9 +20,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::fabric::{Fabric, CONTROL_TAG};
-use crate::ids::MachineId;
-use crate::nvram::Nvram;
+use farm_core::fabric::{Fabric, CONTROL_TAG};
+use farm_core::ids::MachineId;
+use farm_core::nvram::Nvram;
 
 /// What a machine process needs of its fabric beyond [`Fabric`].
 pub trait ProcessFabric: Fabric {

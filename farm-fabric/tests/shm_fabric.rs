@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, CONTROL_TAG};
 use farm_core::nvram::Nvram;
-use farm_core::process_fabric::StartError;
-use farm_core::shm_fabric::{machine_dir, ShmFabric, LIVENESS_CHECK};
 use farm_core::{MachineId, RegionId, ThreadId};
+use farm_fabric::process::StartError;
+use farm_fabric::shm::{machine_dir, ShmFabric, LIVENESS_CHECK};
 
 const CLUSTER: u64 = 0x5eed_c1a5;
 const CHILD_ENV: &str = "FARM_SHM_CHILD";

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, WriteTicket};
 use farm_core::nvram::Nvram;
-use farm_core::process_fabric::{ProcessFabric, StartError};
-use farm_core::tcp_fabric::TcpFabric;
 use farm_core::{MachineId, RegionId, ThreadId};
+use farm_fabric::process::{ProcessFabric, StartError};
+use farm_fabric::tcp::TcpFabric;
 
 const CLUSTER: u64 = 0x7c9_c1a5;
 const REGION_BYTES: usize = 64 << 10;
