@@ -232,7 +232,7 @@ impl Sim {
             .collect();
         let workers = machines
             .iter()
-            .flat_map(|m| (0..config.threads).map(move |t| Worker::new(m.clone(), ThreadId(t))))
+            .flat_map(|m| (0..config.threads).map(move |t| sim_worker(m, ThreadId(t))))
             .collect::<Vec<_>>();
         let n_clients = workers.len();
         let clients = (0..n_clients).map(|_| Client::Idle).collect();
@@ -626,7 +626,7 @@ impl Sim {
         let threads = self.config.threads as usize;
         let mut workers: Vec<Worker> = machines
             .iter()
-            .flat_map(|m| (0..threads).map(move |t| Worker::new(m.clone(), ThreadId(t as u16))))
+            .flat_map(|m| (0..threads).map(move |t| sim_worker(m, ThreadId(t as u16))))
             .collect();
         for t in 0..threads {
             let mut peers: Vec<&mut Worker> = workers
@@ -1203,4 +1203,11 @@ pub fn run_seed(config: SimConfig) -> SimOutcome {
         config.seed, config.seed
     );
     Sim::new(config).run()
+}
+
+/// Worker `thread` of `machine`, checking its invariants after every poll.
+fn sim_worker(machine: &Arc<MachineState>, thread: ThreadId) -> Worker {
+    let mut w = Worker::new(machine.clone(), thread);
+    w.set_check_invariants(true);
+    w
 }

@@ -49,6 +49,7 @@ const fn header_bytes() -> usize {
 /// Coordinator state of one worker that outlives single transactions.
 #[derive(Debug)]
 pub(crate) struct CoordinatorState {
+    /// The local counter of the last transaction id handed out (`Worker::txn_id`).
     pub(crate) next_local: u64,
     /// Last ALLOC request id.
     pub(crate) next_request: u64,
@@ -1308,6 +1309,55 @@ impl Worker {
         // Unused reservations, this transaction's TRUNCATE unit included, go back.
         for (m, left) in std::mem::take(&mut c.reserved) {
             self.outbound[m.0 as usize].log.unreserve(left);
+        }
+    }
+
+    /// Checks the coordinator's state (see `Worker::invariants`).
+    pub(crate) fn coordinator_invariants(&self) {
+        let peers = self.machine.params.layout.machines_max as usize;
+        let coord = &self.coord;
+        assert_eq!(
+            coord.outstanding.len(),
+            peers,
+            "outstanding per participant"
+        );
+        assert_eq!(
+            coord.trunc_reserved.len(),
+            peers,
+            "TRUNCATE reservations per participant"
+        );
+        // Transaction ids are handed out in order: nothing acked, outstanding or recovering
+        // can be newer than the last one.
+        let issued = |l: &u64| *l <= coord.next_local;
+        assert!(
+            coord.unacked.keys().all(issued),
+            "an unacked id never issued"
+        );
+        assert!(
+            coord.recovering.iter().all(issued),
+            "a recovering id never issued"
+        );
+        for (p, ids) in coord.outstanding.iter().enumerate() {
+            assert!(
+                ids.iter().all(issued),
+                "an id outstanding at m{p} never issued"
+            );
+            // Invariant 6: a participant with transactions to truncate has room for one
+            // explicit TRUNCATE.
+            assert!(
+                ids.is_empty() || coord.trunc_reserved[p] > 0,
+                "m{p} has transactions to truncate and no TRUNCATE reserved"
+            );
+        }
+        if let Some(c) = &coord.active {
+            assert!(
+                c.txn.machine == self.machine.id && c.txn.thread == self.thread,
+                "{} committed by {}'s thread {}",
+                c.txn,
+                self.machine.id,
+                self.thread.0
+            );
+            assert!(issued(&c.txn.local), "{} never issued", c.txn);
         }
     }
 

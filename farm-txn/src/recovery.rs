@@ -95,6 +95,36 @@ impl RecoveryState {
         }
     }
 
+    /// Checks what this thread's recovery holds (see `Worker::invariants`).
+    pub(crate) fn invariants(&self, me: MachineId, thread: farm_core::ThreadId) {
+        // Thread t of every machine recovers the transactions whose coordinator thread is t:
+        // their records are in thread t's logs, their messages between peer threads t.
+        for t in self.txs.keys().chain(self.coord.keys()) {
+            assert_eq!(t.thread, thread, "{t} recovered by thread {}", thread.0);
+        }
+        for t in &self.waiting {
+            assert!(
+                t.machine == me && t.thread == thread,
+                "{t} waited for by {me}'s thread {}",
+                thread.0
+            );
+        }
+        for (t, round) in &self.coord {
+            // A decision goes out only once made (§5.3 step 7).
+            assert!(
+                round.decision.is_some() || (round.to_send.is_empty() && round.tickets.is_empty()),
+                "{t}: a decision sent before it was made"
+            );
+        }
+        for (from, config, region, _) in &self.early {
+            assert!(
+                *config > self.last_drained,
+                "a message of configuration {} from {from} for {region:?} kept after its drain",
+                config.0
+            );
+        }
+    }
+
     /// Whether nothing is left to recover at this thread.
     pub(crate) fn is_idle(&self) -> bool {
         self.txs.is_empty()

@@ -171,6 +171,8 @@ pub struct Worker {
     pub(crate) now: u64,
     /// Data recovery copies and allocator recovery scans (run by thread 0 of each machine).
     background: Background,
+    /// Whether every poll ends with [`Worker::invariants`] (debug builds, the simulator).
+    check_invariants: bool,
 }
 
 /// Data and allocator recovery in progress at this machine (§5.4-5.5).
@@ -237,6 +239,7 @@ impl Worker {
             inbound,
             outbound,
             remotes: Vec::new(),
+            check_invariants: cfg!(debug_assertions),
             slabs,
             coord,
             replies: Vec::new(),
@@ -550,6 +553,50 @@ impl Worker {
         busy
     }
 
+    /// Checks this worker's state against the invariants it must keep between polls
+    /// (docs/ARCHITECTURE.md, Invariants), panicking with the one broken. Cheap: it looks at
+    /// bounded sets, never at memory. The simulator runs it after every poll, and debug builds
+    /// of the runtime after every poll of a host.
+    pub fn invariants(&self) {
+        let layout = self.machine.params.layout;
+        let peers = layout.machines_max as usize;
+        assert_eq!(self.inbound.len(), peers, "one inbound pair per peer");
+        assert_eq!(self.outbound.len(), peers, "one outbound pair per peer");
+        assert!(
+            self.thread.0 < layout.threads,
+            "{:?} beyond the layout",
+            self.thread
+        );
+        assert!(
+            self.backlog.len() <= BACKLOG_MAX,
+            "backlog of {} over BACKLOG_MAX",
+            self.backlog.len()
+        );
+        assert!(
+            self.view_generation <= self.machine.view_generation(),
+            "a worker's view newer than its machine's"
+        );
+        // Invariant 1 (handlers never block): waiting is state, and a worker polls only what
+        // its view lets it (§5.2 precise membership): it drained no configuration it lacks.
+        assert!(
+            self.recovery.last_drained <= self.view.config.id,
+            "drained configuration {} beyond the view's {}",
+            self.recovery.last_drained.0,
+            self.view.config.id.0
+        );
+        for r in self.slabs.keys() {
+            assert!(
+                self.view
+                    .map
+                    .get(*r)
+                    .is_some_and(|p| p.primary == self.machine.id),
+                "slabs of {r:?}, which this machine is not primary of"
+            );
+        }
+        self.coordinator_invariants();
+        self.recovery.invariants(self.machine.id, self.thread);
+    }
+
     /// The configuration this worker is in.
     pub fn view(&self) -> &Arc<View> {
         &self.view
@@ -597,7 +644,16 @@ impl Worker {
         {
             self.machine.thread_settled(config, self.thread.0);
         }
+        if self.check_invariants {
+            self.invariants();
+        }
         busy
+    }
+
+    /// Whether every poll ends with [`Worker::invariants`] (on in debug builds; the simulator
+    /// turns it on in every build).
+    pub fn set_check_invariants(&mut self, on: bool) {
+        self.check_invariants = on;
     }
 
     pub(crate) fn poll_log(&mut self, sender: MachineId) -> bool {
