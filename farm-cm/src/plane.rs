@@ -749,6 +749,17 @@ impl ControlPlane {
                     new.config.contains(self.me),
                     "the driver left its own configuration"
                 );
+                // §5.2 step 1: the machine that drives a change is the new configuration's CM.
+                assert_eq!(
+                    new.config.cm, self.me,
+                    "committed a configuration it is not CM of"
+                );
+                assert!(
+                    new.config.id >= local.config.id,
+                    "committed configuration {} older than the view's {}",
+                    new.config.id.0,
+                    local.config.id.0
+                );
                 if let Change::Join(j) = change {
                     self.join_backoff.remove(&j);
                 }

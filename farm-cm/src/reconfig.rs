@@ -323,6 +323,21 @@ impl Reconfig {
             // machine driving over a stored configuration whose CM lives is one of them.
             cm: self.me,
         };
+        // §5.2 precise membership: a suspect or a machine that failed its probe is not in the
+        // new configuration; the driver is (it answered its own probe).
+        assert!(
+            config.members.iter().all(|m| !self.suspects.contains(m)),
+            "a suspect kept in configuration {}",
+            config.id.0
+        );
+        assert!(
+            config.contains(self.me),
+            "the driver left its own configuration"
+        );
+        assert!(
+            config.members.windows(2).all(|w| w[0] < w[1]),
+            "members unsorted"
+        );
         match remap(
             &self.map,
             &self.changes,
@@ -374,6 +389,11 @@ impl Reconfig {
     pub fn on_ack(&mut self, from: MachineId, config: ConfigId, now: u64) {
         if let Phase::Acking { new, awaiting, .. } = &mut self.phase {
             if config == new.config.id {
+                assert!(
+                    new.config.contains(from),
+                    "NEW-CONFIG-ACK from {from}, outside configuration {}",
+                    config.0
+                );
                 awaiting.remove(&from);
             }
         }
@@ -389,6 +409,12 @@ impl Reconfig {
             return;
         }
         let new = new.clone();
+        // §5.2 step 7 (§5.1: a removed machine stops once its lease expires): the commit
+        // follows every member's ack and the end of every lease a removed machine held.
+        assert!(
+            awaiting.is_empty() && now > self.leases_end,
+            "NEW-CONFIG-COMMIT too early"
+        );
         self.effects.extend(
             new.config
                 .members

@@ -32,8 +32,12 @@ const LIST_BYTES: usize = 8 * (LIST_CAPACITY + 1);
 pub struct SimConfig {
     /// Every random choice flows from this.
     pub seed: u64,
-    /// Machines (each a primary of one region, replicated on all others up to `replicas`).
+    /// Machines (each a primary of `regions_per_machine` regions, each replicated on the next
+    /// `replicas - 1` machines).
     pub machines: u16,
+    /// Regions each machine is primary of at the start (the scale campaign runs a thousand and
+    /// more in all; regions are then 2 MB instead of 8 MB, since a run touches few of them).
+    pub regions_per_machine: u32,
     /// Workers per machine; every worker is also a client.
     pub threads: u16,
     /// Replicas per region (f + 1).
@@ -77,6 +81,7 @@ impl Default for SimConfig {
         Self {
             seed: 1,
             machines: 3,
+            regions_per_machine: 1,
             threads: 2,
             replicas: 3,
             keys: 6,
@@ -203,7 +208,11 @@ impl Sim {
         };
         let params = Params {
             layout,
-            region_bytes: 8 << 20,
+            region_bytes: if config.regions_per_machine > 1 {
+                2 << 20
+            } else {
+                8 << 20
+            },
             validate_rpc_threshold: 4,
             recovery_interval_ticks: 2,
             replication: config.replication,
@@ -216,7 +225,11 @@ impl Sim {
             datagrams_queued_max: 64 * config.machines as usize,
         }));
         let cfg = Configuration::initial(config.machines);
-        let map = RegionMap::striped(config.machines, 1, config.replicas - 1);
+        let map = RegionMap::striped(
+            config.machines,
+            config.regions_per_machine,
+            config.replicas - 1,
+        );
         let machines: Vec<_> = (0..config.machines)
             .map(|m| {
                 MachineState::new(

@@ -15,10 +15,13 @@
 //! on its stale view, and stops once its own lease tells it it is out.
 //! A quarter of the seeds also stall the whole cluster (no machine runs for a few leases), and a
 //! third campaign stalls a cluster without failures, where nobody may be suspected at all.
+//! Further campaigns lose the CM and its first backup CM together (five to seven machines,
+//! one to three threads), and crash machines of clusters of 20 to 90 machines with over a
+//! thousand regions.
 //! A fifth of the seeds replicate with RPCs (backups' CPUs acknowledge COMMIT-BACKUP) instead of
 //! one-sided writes.
-//! `FARM_SIM_SEED=N` replays one seed (in both campaigns; name one test to run only it);
-//! `FARM_SIM_FAULT_SEEDS=N` runs more of each.
+//! `FARM_SIM_SEED=N` replays one seed (in every campaign; name one test to run only it);
+//! `FARM_SIM_FAULT_SEEDS=N` runs more of each (`FARM_SIM_SCALE_SEEDS=N` of the large clusters).
 
 use farm_sim::{run_seed, SimConfig, SimOutcome};
 use farm_txn::Replication;
@@ -30,6 +33,7 @@ fn config(seed: u64) -> SimConfig {
     SimConfig {
         seed,
         machines: 5,
+        regions_per_machine: 1,
         threads: 2,
         replicas: 3,
         keys: 6,
@@ -59,6 +63,23 @@ fn cm_failover_config(seed: u64) -> SimConfig {
         pauses: 0,
         stalls: (seed % 4 == 1) as u16,
         cm_failover: true,
+        ..config(seed)
+    }
+}
+
+/// A large cluster: 20 to 90 machines, each primary of enough regions that the cluster has
+/// at least 1,024 (a view of thousands of regions travels as several datagrams), one thread,
+/// one or two crashes (the CM among the candidates) and lossy datagrams in half the seeds.
+fn scale_config(seed: u64) -> SimConfig {
+    let machines = 20 + (seed * 37 % 71) as u16;
+    SimConfig {
+        machines,
+        regions_per_machine: 1024u32.div_ceil(machines as u32),
+        threads: 1,
+        keys: 12,
+        steps: 2500,
+        pauses: 0,
+        stalls: 0,
         ..config(seed)
     }
 }
@@ -158,6 +179,28 @@ fn the_cm_and_its_first_backup_crashing_together_still_reconfigure() {
             "seed {seed}: crashed {:?}",
             out.crashed
         );
+        assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
+    }
+}
+
+/// Crashes in clusters of 20 to 90 machines with over a thousand regions: suspected, removed,
+/// recovered and re-replicated as in small ones. A few seeds here (each builds a large
+/// cluster); `FARM_SIM_SCALE_SEEDS` runs more.
+#[test]
+fn large_clusters_reconfigure_and_recover() {
+    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
+        let seed = seed.parse().expect("FARM_SIM_SEED is a number");
+        check(seed, scale_config(seed));
+        return;
+    }
+    let seeds: u64 = std::env::var("FARM_SIM_SCALE_SEEDS")
+        .map(|s| s.parse().expect("a number"))
+        .unwrap_or(3);
+    for seed in 0..seeds {
+        let config = scale_config(seed);
+        let regions = config.machines as u32 * config.regions_per_machine;
+        assert!(regions >= 1024, "seed {seed}: {regions} regions");
+        let out = check(seed, config);
         assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
     }
 }

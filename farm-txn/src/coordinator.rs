@@ -904,6 +904,15 @@ impl Worker {
                         }
                         Err(e) => return Some(Err(e)),
                     }
+                    // Invariant 5: every participant holds a reservation before any LOCK.
+                    assert!(
+                        c.primaries
+                            .keys()
+                            .chain(c.backups.keys())
+                            .all(|m| c.reserved.contains_key(m)),
+                        "{}: LOCK without a reservation at every participant",
+                        c.txn
+                    );
                     let mut awaiting = BTreeSet::new();
                     for p in c.primaries.keys().copied().collect::<Vec<_>>() {
                         // Lent to the record and taken back: no copy of the writes.
@@ -920,6 +929,7 @@ impl Worker {
                         }
                         awaiting.insert(p);
                     }
+                    assert_eq!(awaiting.len(), c.primaries.len(), "a LOCK to every primary");
                     c.phase = Phase::Lock {
                         awaiting,
                         failed: false,
@@ -1046,7 +1056,14 @@ impl Worker {
                     {
                         return None;
                     }
+                    // Invariant 4, second half: success after one COMMIT-PRIMARY completed.
+                    assert!(!c.primaries.is_empty(), "{}: a read-only commit", c.txn);
                     let local = c.txn.local;
+                    assert!(
+                        !self.coord.unacked.contains_key(&local),
+                        "{} committed twice",
+                        c.txn
+                    );
                     for p in c.primaries.keys().chain(c.backups.keys()) {
                         self.coord.outstanding[p.0 as usize].insert(local);
                     }
@@ -1292,6 +1309,20 @@ impl Worker {
 
     /// ABORT to `primaries` (those that got a LOCK); everything else reserved is returned.
     fn abort(&mut self, c: &mut Commit, primaries: &BTreeSet<MachineId>) {
+        // §4: once a COMMIT-BACKUP may be out, only recovery may abort (§5.3).
+        assert!(
+            matches!(
+                c.phase,
+                Phase::Reserve | Phase::Lock { .. } | Phase::Validate { .. }
+            ),
+            "{} aborted by its coordinator after COMMIT-BACKUP could be out",
+            c.txn
+        );
+        assert!(
+            primaries.iter().all(|p| c.primaries.contains_key(p)),
+            "{}: ABORT to a machine that is not its primary",
+            c.txn
+        );
         for p in primaries {
             let _ = self.send_log(c, *p, &LogBody::Abort);
             // The primary frees the slots this transaction allocated there once it has

@@ -669,6 +669,13 @@ impl MachineState {
             current.config.id, old.config.id,
             "the view changed under its installer"
         );
+        // Views only move forward (a region allocation installs a new map in the same one).
+        assert!(
+            config.id >= current.config.id,
+            "view of configuration {} installed over {}",
+            config.id.0,
+            current.config.id.0
+        );
         let mut regions = Vec::new();
         let mut pools = Vec::new();
         for (region, placement) in map.iter() {
@@ -841,6 +848,12 @@ impl MachineState {
 
     /// NEW-CONFIG-COMMIT (§5.2 step 7): transaction recovery for `config` may start.
     pub fn commit_config(&self, config: ConfigId) {
+        // §5.2 step 7: NEW-CONFIG-COMMIT of a configuration this machine installed.
+        assert!(
+            config <= self.view().config.id,
+            "configuration {} committed before it was installed",
+            config.0
+        );
         self.committed.fetch_max(config.0, Ordering::AcqRel);
     }
 
@@ -876,6 +889,13 @@ impl MachineState {
 
     /// ALL-REGIONS-ACTIVE from the CM (§5.4): data and allocator recovery may start.
     pub fn all_regions_active(&self, config: ConfigId) {
+        // §5.4: ALL-REGIONS-ACTIVE follows every member's REGIONS-ACTIVE, which follows its
+        // NEW-CONFIG-COMMIT.
+        assert!(
+            config <= self.committed_config(),
+            "ALL-REGIONS-ACTIVE for configuration {} before its commit",
+            config.0
+        );
         self.all_active.fetch_max(config.0, Ordering::AcqRel);
     }
 

@@ -447,6 +447,18 @@ impl Worker {
     fn start_round(&mut self, view: Arc<View>) {
         let c = view.config.id;
         let me = self.machine.id;
+        // §5.3 step 2: a thread drains each configuration once, after its NEW-CONFIG-COMMIT.
+        assert!(
+            c > self.recovery.last_drained,
+            "configuration {} drained again (last drained {})",
+            c.0,
+            self.recovery.last_drained.0
+        );
+        assert!(
+            self.machine.committed_config() >= c,
+            "configuration {} drained before its NEW-CONFIG-COMMIT",
+            c.0
+        );
         // Step 2: every log, also those of machines that left (their records may decide
         // transactions). Records are processed as in the normal case. Message queues first:
         // a decision of an earlier round that landed here must count before this round votes,
@@ -841,6 +853,10 @@ impl Worker {
     fn region_collected(&mut self, region: RegionId) {
         let c = self.recovery.last_drained;
         let round = self.recovery.regions.get_mut(&region).expect("round");
+        assert!(
+            round.awaiting.is_empty() && !round.ready && !round.done,
+            "{region:?} collected before every NEED-RECOVERY, or twice"
+        );
         let txs = &self.recovery.txs;
         // Transactions this primary listed itself may have been decided and forgotten since.
         round
@@ -940,7 +956,13 @@ impl Worker {
     /// Marks a region's lock recovery ready and runs it if every local log is drained (another
     /// thread may still act as a backup of the region until it drains).
     fn region_ready(&mut self, region: RegionId) {
-        self.recovery.regions.get_mut(&region).expect("round").ready = true;
+        let round = self.recovery.regions.get_mut(&region).expect("round");
+        // §5.3 step 4 needs every backup's list and every write set fetched.
+        assert!(
+            round.awaiting.is_empty() && round.fetching.is_empty() && !round.done,
+            "{region:?} ready with backups or write sets outstanding, or after its lock recovery"
+        );
+        round.ready = true;
         if self.machine.all_drained(self.recovery.last_drained) {
             self.lock_region(region);
         }
@@ -952,6 +974,21 @@ impl Worker {
         let c = self.recovery.last_drained;
         let view = self.recovery.drained_view.clone().expect("drained");
         let placement = view.map.get(region).expect("mapped").clone();
+        assert_eq!(
+            placement.primary, self.machine.id,
+            "lock recovery of {region:?} away from its primary"
+        );
+        let round = &self.recovery.regions[&region];
+        assert!(
+            round.ready && !round.done,
+            "lock recovery of {region:?} before it was ready, or twice"
+        );
+        // §5.3 step 4 follows step 2 on every thread: no record of the old configuration is
+        // still on its way into this machine's logs.
+        assert!(
+            self.machine.all_drained(c),
+            "lock recovery of {region:?} before every thread drained"
+        );
         let mem = view
             .region(region)
             .expect("primary holds its region")
@@ -1220,6 +1257,17 @@ impl Worker {
     fn decide_tx(&mut self, t: TxnId, d: Decision) {
         let view = self.recovery.drained_view.clone().expect("drained");
         let round = self.recovery.coord.get_mut(&t).expect("round");
+        // §5.3 step 7: a recovering transaction is decided once; a repeated round repeats it.
+        assert!(
+            round.decision.is_none_or(|x| x == d),
+            "{t} decided {:?}, then {d:?}",
+            round.decision
+        );
+        assert!(
+            self.recovery.finished.get(&t).is_none_or(|x| *x == d),
+            "{t} finished as {:?}, now decided {d:?}",
+            self.recovery.finished.get(&t)
+        );
         round.decision = Some(d);
         let mut to: BTreeSet<MachineId> = BTreeSet::new();
         for r in &round.regions {
@@ -1328,7 +1376,8 @@ impl Worker {
     }
 
     fn on_decision(&mut self, t: TxnId, d: Decision) {
-        if self.recovery.forgotten.contains_key(&t) {
+        if let Some(x) = self.recovery.forgotten.get(&t) {
+            assert_eq!(*x, d, "{t} forgotten as decided {x:?}, now decided {d:?}");
             return;
         }
         let Some(tx) = self.recovery.txs.get_mut(&t) else {
@@ -1336,7 +1385,8 @@ impl Worker {
             self.recovery.early_decisions.insert(t, (d, false));
             return;
         };
-        if tx.decision.is_some() {
+        if let Some(x) = tx.decision {
+            assert_eq!(x, d, "{t} decided {x:?}, then {d:?}");
             return;
         }
         tx.decision = Some(d);
@@ -1383,6 +1433,10 @@ impl Worker {
         }
         tx.applied = true;
         let held = std::mem::replace(&mut tx.locks_held, false);
+        assert!(
+            !held || tx.lock.is_some(),
+            "{t}: locks held here without a LOCK record"
+        );
         let free_slots = d == Decision::Abort && !std::mem::replace(&mut tx.slots_freed, true);
         let lock_ws = tx.lock.clone();
         let recovery_locked = std::mem::take(&mut tx.recovery_locked);
@@ -1500,6 +1554,10 @@ impl Worker {
             return;
         }
         let tx = self.recovery.txs.remove(&t).expect("known");
+        assert!(
+            tx.applied,
+            "{t} forgotten before its decision was carried out"
+        );
         self.recovery
             .forgotten
             .insert(t, tx.decision.expect("forgotten after a decision"));
