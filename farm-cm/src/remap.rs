@@ -111,7 +111,24 @@ pub fn remap(
                 out.new_backups.push((region, m));
             }
         }
+        // §5.2 precise membership: every replica a member, none twice.
+        assert!(
+            survivors.iter().all(alive),
+            "{region:?} placed outside configuration {}",
+            new.id.0
+        );
+        assert!(
+            survivors
+                .iter()
+                .enumerate()
+                .all(|(i, m)| !survivors[..i].contains(m)),
+            "{region:?} placed twice on one machine: {survivors:?}"
+        );
         let primary = survivors[0];
+        assert!(
+            primary == p.primary || entry.last_primary_change == new.id,
+            "{region:?}'s primary moved without a LastPrimaryChange"
+        );
         out.map.insert(
             region,
             Placement {
@@ -120,6 +137,11 @@ pub fn remap(
             },
         );
     }
+    assert_eq!(
+        out.map.iter().count(),
+        map.iter().count(),
+        "a region lost by remapping"
+    );
     Ok(out)
 }
 

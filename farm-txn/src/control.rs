@@ -165,6 +165,8 @@ impl MachineControl {
             for e in effects {
                 match e {
                     Effect::Send(to, msg) => {
+                        // The plane handles its own messages (`ControlPlane::send`).
+                        assert_ne!(to, me, "a control message to itself: {msg:?}");
                         for d in msg.datagrams(self.next_message) {
                             self.fabric.send_datagram(me, to, &d, now);
                         }
@@ -200,8 +202,15 @@ impl MachineControl {
                     }
                     Effect::Install(v) => {
                         let id = v.config.id;
-                        if let Err(e) = self.machine.install(v.config, v.map, v.changes) {
-                            tracing::error!(error = %e, config = id.0, "installing NEW-CONFIG");
+                        match self.machine.install(v.config, v.map, v.changes) {
+                            Ok(()) => assert!(
+                                self.machine.view().config.id >= id,
+                                "NEW-CONFIG {} installed but not in force",
+                                id.0
+                            ),
+                            Err(e) => {
+                                tracing::error!(error = %e, config = id.0, "installing NEW-CONFIG")
+                            }
                         }
                     }
                     Effect::Commit(id) => self.machine.commit_config(id),

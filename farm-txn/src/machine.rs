@@ -549,6 +549,11 @@ impl MachineState {
 
     /// Records that local `thread`'s worker picked up view `generation`.
     pub(crate) fn note_refreshed(&self, thread: farm_core::ThreadId, generation: u64) {
+        assert!(
+            generation <= self.view_generation(),
+            "{:?} picked up a view not yet installed",
+            thread
+        );
         self.refreshed[thread.0 as usize].fetch_max(generation, Ordering::AcqRel);
     }
 
@@ -587,6 +592,10 @@ impl MachineState {
     /// logs drained for it). Once every thread has, and data and allocator recovery are done,
     /// the machine is settled in `config`: recovery is over here.
     pub(crate) fn thread_settled(&self, config: ConfigId, thread: u16) {
+        assert!(
+            thread < self.params.layout.threads,
+            "thread {thread} settled"
+        );
         let mut threads = self.settled_threads.lock().expect("poisoned");
         threads.insert(thread, config);
         let all = threads.len() == self.params.layout.threads as usize
@@ -982,6 +991,16 @@ impl MachineState {
 
     /// Records that `thread` drained its logs for `config` (LastDrained, §5.3 step 2).
     pub(crate) fn thread_drained(&self, config: ConfigId, thread: u16) {
+        assert!(
+            thread < self.params.layout.threads,
+            "thread {thread} drained"
+        );
+        // §5.3 step 2 starts at NEW-CONFIG-COMMIT.
+        assert!(
+            config <= self.committed_config(),
+            "configuration {} drained before its commit",
+            config.0
+        );
         let mut d = self.drained.lock().expect("poisoned");
         if d.0 < config {
             *d = (config, BTreeSet::new());
@@ -1001,6 +1020,11 @@ impl MachineState {
     /// When every thread has, the region becomes active: the configuration is written where
     /// coordinators look for it (local memory here, one-sided reads elsewhere).
     pub(crate) fn lock_recovered(&self, region: RegionId, config: ConfigId, thread: u16) {
+        assert!(
+            self.all_drained(config),
+            "lock recovery of {region:?} in configuration {} before every thread drained",
+            config.0
+        );
         let mut all = self.lock_recovery.lock().expect("poisoned");
         let entry = all.entry(region).or_insert((config, BTreeSet::new()));
         if entry.0 > config {
@@ -1099,6 +1123,12 @@ impl MachineState {
             mem.store_u64(off, h.with_lock().0, Ordering::Release);
         }
         *n += 1;
+        // One per recovering transaction that wrote the object: bounded by the transactions
+        // a thread can have in flight, never by anything that grows.
+        assert!(
+            *n <= RECOVERY_LOCKS_PER_OBJECT_MAX,
+            "{n} recovery locks on {region:?}+{offset:#x}"
+        );
     }
 
     /// Applies a recovered commit to an object locked by recovery if it is newer, and drops
@@ -1245,6 +1275,10 @@ pub fn restart_view(
     }
     Ok(view)
 }
+
+/// Recovery locks one object may hold at once: one per recovering transaction that wrote it,
+/// and each coordinator thread of each machine has one commit in flight.
+const RECOVERY_LOCKS_PER_OBJECT_MAX: u32 = 1 << 16;
 
 /// First word of a machine's state file.
 const STATE_MAGIC: u64 = u64::from_le_bytes(*b"farmstat");
