@@ -49,6 +49,7 @@ fn config(seed: u64) -> SimConfig {
             Replication::OneSided
         },
         cm_failover: false,
+        production_timeouts: false,
     }
 }
 
@@ -155,6 +156,22 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
         evicted > 0,
         "no paused machine ever resumed and learnt it was out"
     );
+}
+
+/// A coordinator whose commit a new configuration made recovering asks for the votes it lacks
+/// after a 400th of a lease (one tick here), possibly before it drained that configuration.
+/// The primary answered from the round of the configuration it had drained, in which the
+/// transaction was not recovering and whose logs it had processed normally: "unknown", and the
+/// coordinator aborted a transaction whose COMMIT-PRIMARY the primary had applied (seed 303:
+/// a read of a value whose transaction aborted, G1a). Votes belong to a configuration in
+/// which the transaction is recovering (one after the configuration its commit started in).
+#[test]
+fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
+    let config = SimConfig {
+        production_timeouts: true,
+        ..config(303)
+    };
+    check(303, config);
 }
 
 /// Losing the CM and its first backup CM at once still reconfigures: the next in line takes

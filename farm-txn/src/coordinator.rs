@@ -36,8 +36,6 @@ const PIGGYBACK_IDS_MAX: usize = 16;
 const _: () = assert!(PIGGYBACK_IDS_MAX <= TRUNCATED_IDS_MAX);
 /// Retries of a read that keeps being torn before the transaction gives up with a conflict.
 const TORN_RETRIES_MAX: usize = 64;
-/// Ticks a truncatable transaction waits for a piggyback before an explicit TRUNCATE is sent.
-pub const TRUNCATE_DELAY_TICKS: u64 = 200;
 /// Committed transactions whose truncation is pending before explicit TRUNCATEs are forced.
 const OUTSTANDING_MAX: usize = 256;
 
@@ -1393,7 +1391,8 @@ impl Worker {
     }
 
     /// Background work of the coordinator: collect COMMIT-PRIMARY acks and truncate lazily,
-    /// explicitly when idle for [`TRUNCATE_DELAY_TICKS`] or when too much is pending.
+    /// explicitly when idle for [`crate::Params::truncate_delay_ticks`] or when too much is
+    /// pending.
     pub(crate) fn coordinator_background(&mut self, now: u64) -> bool {
         let mut busy = false;
         let acked: Vec<u64> = self
@@ -1425,7 +1424,8 @@ impl Worker {
         }
         let since = *self.coord.truncatable_since.get_or_insert(now);
         let pending: usize = self.coord.outstanding.iter().map(BTreeSet::len).sum();
-        if now.saturating_sub(since) < TRUNCATE_DELAY_TICKS && pending < OUTSTANDING_MAX {
+        let delay = self.machine.params.truncate_delay_ticks();
+        if now.saturating_sub(since) < delay && pending < OUTSTANDING_MAX {
             return busy;
         }
         self.flush_truncations();

@@ -31,7 +31,20 @@ pub struct Params {
     pub recovery_interval_ticks: u64,
     /// How backups acknowledge COMMIT-BACKUP.
     pub replication: Replication,
+    /// The lease length at start, in the ticks `now` counts (microseconds in the runtime; a
+    /// lease changed later, `Cluster::set_lease`, leaves these timeouts as they are). The
+    /// protocol's own timeouts are fractions of it ([`Params::request_vote_ticks`],
+    /// [`Params::truncate_delay_ticks`]), so that every deployment keeps the same ratios.
+    pub lease_ticks: u64,
 }
+
+/// REQUEST-VOTE timeouts per lease: a recovery coordinator asks for missing votes after a
+/// 400th of a lease (§5.3 step 6 says "after a timeout"; 250 µs of the default 100 ms lease).
+pub const REQUEST_VOTES_PER_LEASE: u64 = 400;
+
+/// Explicit-truncation delays per lease: a truncatable transaction waits a 500th of a lease
+/// (200 µs of 100 ms) for a record to piggyback its truncation on (§4 step 5).
+pub const TRUNCATE_DELAYS_PER_LEASE: u64 = 500;
 
 /// How backups acknowledge COMMIT-BACKUP (§4 step 3).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -51,9 +64,23 @@ pub enum Replication {
 }
 
 impl Params {
+    /// Ticks a recovery coordinator waits for votes before sending REQUEST-VOTE (at least one).
+    pub fn request_vote_ticks(&self) -> u64 {
+        (self.lease_ticks / REQUEST_VOTES_PER_LEASE).max(1)
+    }
+
+    /// Ticks a truncatable transaction waits for a piggyback before an explicit TRUNCATE is
+    /// sent (at least one).
+    pub fn truncate_delay_ticks(&self) -> u64 {
+        (self.lease_ticks / TRUNCATE_DELAYS_PER_LEASE).max(1)
+    }
+
     /// Checks that the parameters are usable, naming the problem when not.
     pub fn validate(&self) -> Result<(), String> {
         self.layout.validate(RECORD_BYTES_MAX + 8)?;
+        if self.lease_ticks == 0 {
+            return Err("the lease must be at least one tick".into());
+        }
         if !self.region_bytes.is_multiple_of(farm_alloc::BLOCK_BYTES)
             || self.region_bytes < 2 * farm_alloc::BLOCK_BYTES
         {

@@ -1233,6 +1233,11 @@ impl Worker {
         Ok(Some(Some(t)))
     }
 
+    /// Whether messages to `dst` wait for queue space (its worker has not freed its queue).
+    pub(crate) fn queue_full(&self, dst: MachineId) -> bool {
+        self.backlog.iter().any(|(d, _)| *d == dst)
+    }
+
     /// Sends a message. Message queues are freed as soon as messages are processed; when the
     /// queue to `dst` is full the message waits in a bounded backlog that [`Worker::poll`]
     /// retries, so a handler never blocks on a slow peer.
@@ -1242,7 +1247,7 @@ impl Worker {
         payload.clear();
         msg.encode(&mut payload);
         frame(&payload, &mut framed);
-        if self.backlog.iter().any(|(d, _)| *d == dst) || !self.try_send_framed(dst, &framed) {
+        if self.queue_full(dst) || !self.try_send_framed(dst, &framed) {
             assert!(
                 self.backlog.len() < BACKLOG_MAX,
                 "{}/{}: message backlog to {dst} overflows (configuration {:?}, members {:?}); last: {msg:?}",
@@ -1264,7 +1269,7 @@ impl Worker {
         dst: MachineId,
         msg: &Message,
     ) -> Option<Option<WriteTicket>> {
-        if self.backlog.iter().any(|(d, _)| *d == dst) {
+        if self.queue_full(dst) {
             return None;
         }
         let (mut payload, mut framed) = std::mem::take(&mut self.msg_bufs);

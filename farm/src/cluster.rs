@@ -328,6 +328,7 @@ impl ClusterBuilder {
             validate_rpc_threshold: 4,
             recovery_interval_ticks: self.recovery_interval.as_micros() as u64,
             replication: self.replication,
+            lease_ticks: self.lease.as_micros() as u64,
         };
         params.validate().map_err(BuildError::Invalid)?;
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {

@@ -254,6 +254,7 @@ impl Node {
             validate_rpc_threshold: 4,
             recovery_interval_ticks: 50,
             replication: Replication::OneSided,
+            lease_ticks: config.lease.as_micros() as u64,
         };
         params.validate().map_err(NodeError::Invalid)?;
         let (machine, restart) = match &store {

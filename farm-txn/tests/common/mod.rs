@@ -34,6 +34,7 @@ pub fn workers_replicating(
         validate_rpc_threshold: 4,
         recovery_interval_ticks: 2,
         replication,
+        lease_ticks: 100_000,
     };
     let fabric = Arc::new(MemFabric::new(MemFabricConfig {
         machines_max: 3,
