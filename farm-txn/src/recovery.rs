@@ -1227,15 +1227,20 @@ impl Worker {
     }
 
     fn on_vote(&mut self, region: RegionId, t: TxnId, regions: Vec<RegionId>, v: Vote) {
-        if !recovering_in(t, self.recovery.last_drained) {
-            return; // From a round that cannot judge `t` (see `on_request_vote`).
+        // Only from a round in which `t` is recovering (see `on_request_vote`).
+        let view = self.recovery.drained_view.clone().expect("drained");
+        let written = match self.recovery.coord.get(&t) {
+            Some(round) => round.regions.clone(),
+            None => regions.clone(),
+        };
+        if !view.is_recovering(t, &written) {
+            return;
         }
         let now = self.now;
         if let Some(d) = self.recovery.finished.get(&t).copied() {
             // A round repeating the decision collects votes like any other, and the decision
             // goes to the replicas of every region that votes with records (a later round's
             // new backup of a region may have received them by REPLICATE-TX-STATE).
-            let view = self.recovery.drained_view.clone().expect("drained");
             if let Some(round) = self.recovery.coord.get_mut(&t) {
                 round.votes.insert(region, v);
                 if let (false, Some(p)) = (regions.is_empty(), view.map.get(region)) {
@@ -1256,7 +1261,6 @@ impl Worker {
         if regions.is_empty() && !self.recovery.coord.contains_key(&t) {
             return; // An answer for a round that is gone.
         }
-        let view = self.recovery.drained_view.clone().expect("drained");
         let has_records = !regions.is_empty();
         let round = self
             .recovery
@@ -1333,10 +1337,11 @@ impl Worker {
                 .collect();
             // Votes still missing are asked for after the timeout, also after a decision
             // (truncation waits for every region's vote, which follows its replication), and
-            // only in a round that may judge the transaction: a commit that a new
-            // configuration made recovering waits until this thread drained it.
+            // only in a round in which the transaction is recovering (its primaries drained
+            // the same configuration and judge it alike): a commit that a newer configuration
+            // made recovering waits until this thread drained that one.
             if !missing.is_empty()
-                && recovering_in(t, c)
+                && view.is_recovering(t, &round.regions)
                 && now.saturating_sub(round.since)
                     >= request_vote_wait(request_vote, lease, round.asks)
             {
