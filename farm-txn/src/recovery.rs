@@ -1227,15 +1227,10 @@ impl Worker {
     }
 
     fn on_vote(&mut self, region: RegionId, t: TxnId, regions: Vec<RegionId>, v: Vote) {
-        // Only from a round in which `t` is recovering (see `on_request_vote`).
-        let view = self.recovery.drained_view.clone().expect("drained");
-        let written = match self.recovery.coord.get(&t) {
-            Some(round) => round.regions.clone(),
-            None => regions.clone(),
-        };
-        if !view.is_recovering(t, &written) {
-            return;
+        if !recovering_in(t, self.recovery.last_drained) {
+            return; // From a round that cannot judge `t` (see `on_request_vote`).
         }
+        let view = self.recovery.drained_view.clone().expect("drained");
         let now = self.now;
         if let Some(d) = self.recovery.finished.get(&t).copied() {
             // A round repeating the decision collects votes like any other, and the decision
@@ -1337,11 +1332,12 @@ impl Worker {
                 .collect();
             // Votes still missing are asked for after the timeout, also after a decision
             // (truncation waits for every region's vote, which follows its replication), and
-            // only in a round in which the transaction is recovering (its primaries drained
-            // the same configuration and judge it alike): a commit that a newer configuration
-            // made recovering waits until this thread drained that one.
+            // before a decision, only in a round in which the transaction is recovering (its
+            // primaries drained the same configuration and judge it alike): a commit that a
+            // newer configuration made recovering waits until this thread drained that one.
+            // (A round that repeats a decision knows only the regions that voted in it.)
             if !missing.is_empty()
-                && view.is_recovering(t, &round.regions)
+                && (round.decision.is_some() || view.is_recovering(t, &round.regions))
                 && now.saturating_sub(round.since)
                     >= request_vote_wait(request_vote, lease, round.asks)
             {
