@@ -284,6 +284,21 @@ impl Datagrams {
         let _ = self.sender.send_to(&msg, to);
     }
 
+    /// One datagram for `dst` of the kind asked, if `dst` is this process's machine `me` (a
+    /// process receives only its own machine's).
+    pub(crate) fn recv_for(
+        &self,
+        me: MachineId,
+        dst: MachineId,
+        control: bool,
+        buf: &mut Vec<u8>,
+    ) -> Option<MachineId> {
+        if dst != me {
+            return None;
+        }
+        self.recv(control, buf)
+    }
+
     /// One datagram of the kind asked (control or lease), queued or from the socket.
     pub(crate) fn recv(&self, control: bool, buf: &mut Vec<u8>) -> Option<MachineId> {
         let (mine, theirs) = if control {

@@ -1183,20 +1183,12 @@ impl Fabric for TcpFabric {
         self.datagrams.send(src, dst, data);
     }
 
-    fn recv_datagram(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
-        let _ = now;
-        if dst != self.me {
-            return None;
-        }
-        self.datagrams.recv(false, buf)
+    fn recv_datagram(&self, dst: MachineId, _now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        self.datagrams.recv_for(self.me, dst, false, buf)
     }
 
-    fn recv_control(&self, dst: MachineId, now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
-        let _ = now;
-        if dst != self.me {
-            return None;
-        }
-        self.datagrams.recv(true, buf)
+    fn recv_control(&self, dst: MachineId, _now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
+        self.datagrams.recv_for(self.me, dst, true, buf)
     }
 
     fn admit(&self, machine: MachineId, members: &[MachineId]) {

@@ -94,6 +94,20 @@ fn power_config(seed: u64) -> SimConfig {
     }
 }
 
+/// The seed `FARM_SIM_SEED` names for replay, if any.
+fn replay_seed() -> Option<u64> {
+    std::env::var("FARM_SIM_SEED")
+        .ok()
+        .map(|s| s.parse().expect("FARM_SIM_SEED is a number"))
+}
+
+/// How many seeds a campaign runs: `var` if set, else `default`.
+fn seed_count(var: &str, default: u64) -> u64 {
+    std::env::var(var)
+        .map(|s| s.parse().unwrap_or_else(|_| panic!("{var} is a number")))
+        .unwrap_or(default)
+}
+
 fn check_seed(seed: u64) -> SimOutcome {
     check(seed, config(seed))
 }
@@ -126,13 +140,11 @@ fn check(seed: u64, config: SimConfig) -> SimOutcome {
 
 #[test]
 fn crashes_lose_nothing_and_stay_strictly_serializable() {
-    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
-        check_seed(seed.parse().expect("FARM_SIM_SEED is a number"));
+    if let Some(seed) = replay_seed() {
+        check_seed(seed);
         return;
     }
-    let seeds: u64 = std::env::var("FARM_SIM_FAULT_SEEDS")
-        .map(|s| s.parse().expect("a number"))
-        .unwrap_or(1000);
+    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 1000);
     let (mut unknown, mut unknown_committed, mut recovered) = (0, 0, 0);
     let (mut paused, mut evicted, mut stalls) = (0, 0, 0);
     for seed in 0..seeds {
@@ -181,14 +193,11 @@ fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
 /// over at its turn, and the survivors recover and re-replicate with nothing lost.
 #[test]
 fn the_cm_and_its_first_backup_crashing_together_still_reconfigure() {
-    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
-        let seed = seed.parse().expect("FARM_SIM_SEED is a number");
+    if let Some(seed) = replay_seed() {
         check(seed, cm_failover_config(seed));
         return;
     }
-    let seeds: u64 = std::env::var("FARM_SIM_FAULT_SEEDS")
-        .map(|s| s.parse().expect("a number"))
-        .unwrap_or(300);
+    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 300);
     for seed in 0..seeds {
         let out = check(seed, cm_failover_config(seed));
         let (cm, backup) = out
@@ -208,14 +217,11 @@ fn the_cm_and_its_first_backup_crashing_together_still_reconfigure() {
 /// cluster); `FARM_SIM_SCALE_SEEDS` runs more.
 #[test]
 fn large_clusters_reconfigure_and_recover() {
-    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
-        let seed = seed.parse().expect("FARM_SIM_SEED is a number");
+    if let Some(seed) = replay_seed() {
         check(seed, scale_config(seed));
         return;
     }
-    let seeds: u64 = std::env::var("FARM_SIM_SCALE_SEEDS")
-        .map(|s| s.parse().expect("a number"))
-        .unwrap_or(3);
+    let seeds = seed_count("FARM_SIM_SCALE_SEEDS", 3);
     for seed in 0..seeds {
         let config = scale_config(seed);
         let regions = config.machines as u32 * config.regions_per_machine;
@@ -227,14 +233,11 @@ fn large_clusters_reconfigure_and_recover() {
 
 #[test]
 fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
-    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
-        let seed = seed.parse().expect("FARM_SIM_SEED is a number");
+    if let Some(seed) = replay_seed() {
         check(seed, power_config(seed));
         return;
     }
-    let seeds: u64 = std::env::var("FARM_SIM_FAULT_SEEDS")
-        .map(|s| s.parse().expect("a number"))
-        .unwrap_or(500);
+    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 500);
     let (mut unknown, mut unknown_committed, mut recovered, mut restarts) = (0, 0, 0, 0);
     let (mut mid_reconfiguration, mut mid_txn_recovery, mut mid_data_recovery) = (0, 0, 0);
     let mut late_rejected = 0;
@@ -282,14 +285,11 @@ fn whole_cluster_stalls_suspect_nobody() {
         stalls: 2,
         ..config(seed)
     };
-    if let Ok(seed) = std::env::var("FARM_SIM_SEED") {
-        let seed = seed.parse().expect("FARM_SIM_SEED is a number");
+    if let Some(seed) = replay_seed() {
         check(seed, stall_config(seed));
         return;
     }
-    let seeds: u64 = std::env::var("FARM_SIM_FAULT_SEEDS")
-        .map(|s| s.parse().expect("a number"))
-        .unwrap_or(200);
+    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 200);
     for seed in 0..seeds {
         let out = check(seed, stall_config(seed));
         assert_eq!(out.stalls, 2, "seed {seed}: the stalls did not happen");
