@@ -252,6 +252,10 @@ pub struct ControlPlane {
     cm: CmState,
     /// Members this machine (as CM) suspects, with when the next attempt may start.
     suspects: BTreeSet<MachineId>,
+    /// Of `suspects`, those suspected only for not acknowledging a NEW-CONFIG: alive perhaps,
+    /// with threads slow to pick the view up. Forgiven when removing them too would leave no
+    /// majority (a lease that expires suspects them again, for good).
+    unacknowledged: BTreeSet<MachineId>,
     retry_at: u64,
     /// No machine removed by an attempt abandoned here holds a lease after this tick: the next
     /// attempt's commit waits for it too (§5.2 step 7).
@@ -280,6 +284,7 @@ impl ControlPlane {
             evicted: false,
             cm: CmState::default(),
             suspects: BTreeSet::new(),
+            unacknowledged: BTreeSet::new(),
             retry_at: 0,
             leases_end: 0,
             cm_suspicion: None,
@@ -341,6 +346,7 @@ impl ControlPlane {
                 ..CmState::default()
             };
             self.suspects.retain(|m| local.config.contains(*m));
+            self.unacknowledged.retain(|m| self.suspects.contains(m));
             self.reported.clear();
         }
         if self
@@ -452,6 +458,7 @@ impl ControlPlane {
         debug_assert!(c.members.windows(2).all(|w| w[0] < w[1]), "members sorted");
         if c.cm == self.me {
             self.suspects.insert(suspect);
+            self.unacknowledged.remove(&suspect);
             self.abandon_awaiting(suspect, now);
         } else if suspect == c.cm && self.cm_suspicion.is_none() {
             self.cm_suspicion = Some(CmSuspicion {
@@ -764,6 +771,7 @@ impl ControlPlane {
                     self.join_backoff.remove(&j);
                 }
                 self.suspects.retain(|m| new.config.contains(*m));
+                self.unacknowledged.retain(|m| self.suspects.contains(m));
                 self.cm_suspicion = None;
                 self.event(Event::Committed(new.config));
             }
@@ -785,17 +793,31 @@ impl ControlPlane {
                 // one: the attempt's suspects are not members of it, and without them
                 // nobody would commit it (§5.2 step 6 needs every member's ack).
                 let at = now + self.params.takeover_ticks();
-                if let ReconfigError::NotAcknowledged { config, missing } = &e {
-                    if local.config.id == *config {
-                        self.suspects
-                            .extend(missing.iter().filter(|m| **m != self.me));
+                let mut forgiven = BTreeSet::new();
+                match &e {
+                    ReconfigError::NotAcknowledged { config, missing }
+                        if local.config.id == *config =>
+                    {
+                        for m in missing.iter().filter(|m| **m != self.me) {
+                            if self.suspects.insert(*m) {
+                                self.unacknowledged.insert(*m);
+                            }
+                        }
                     }
+                    // Removing the members that were only slow to acknowledge would leave no
+                    // majority: wait for them instead, driving the stored configuration again
+                    // (NEW-CONFIG repeated). A failed one's lease expires and suspects it.
+                    ReconfigError::NoMajority { .. } => {
+                        forgiven = std::mem::take(&mut self.unacknowledged);
+                    }
+                    _ => {}
                 }
                 if let Some(s) = self.cm_suspicion.as_mut() {
                     s.not_before = at;
                 } else {
                     self.suspects.extend(suspects);
                 }
+                self.suspects.retain(|m| !forgiven.contains(m));
                 self.retry_at = at;
                 self.event(Event::Failed(e.to_string()));
             }
