@@ -43,7 +43,8 @@ fn killed_machine_is_removed(net: Net, test: u16, znode: &str) {
     std::thread::sleep(Duration::from_millis(300));
     machines.signal(2, libc::SIGKILL);
     std::thread::sleep(Duration::from_millis(700));
-    std::fs::write(dir.path().join("stop"), b"").unwrap();
+    // The survivors report once they are in a configuration without machine 2.
+    nodes::stop_after_removal_of(dir.path(), 2);
     let ends = machines.ends(|e| e.sums.len() == 2, |_, _| {});
     ends.assert_survivors_hold_the_total();
     for m in [0u16, 1] {
@@ -105,7 +106,7 @@ fn stopped_machine_is_removed(net: Net, test: u16, znode: &str) {
         |m, line| {
             if line.starts_with("evicted") {
                 assert_eq!(m, 2, "machine {m} evicted");
-                std::fs::write(dir.path().join("stop"), b"").unwrap();
+                nodes::stop_after_removal_of(dir.path(), 2);
             }
         },
     );

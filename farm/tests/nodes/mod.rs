@@ -198,7 +198,35 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
             Err(e) => println!("error {e}"),
         }
     }
+    wait_until_removed(node, &stop);
     quiesce_and_report(node, &all, done);
+}
+
+/// Tells the machines of `dir` to stop (the file `<dir>/stop`), the survivors once they are in
+/// a configuration without `removed`.
+pub fn stop_after_removal_of(dir: &Path, removed: u16) {
+    // Written whole before it appears: a child that sees the file reads the machine.
+    let tmp = dir.join("stop.tmp");
+    std::fs::write(&tmp, removed.to_string()).unwrap();
+    std::fs::rename(&tmp, dir.join("stop")).unwrap();
+}
+
+/// The file `stop` may name a machine that the test stopped or killed: a survivor waits until
+/// it is in a configuration without it before it reports, since it may hear of the removal
+/// after the removed machine does (from the coordination store) and after the test's deadline.
+fn wait_until_removed(node: &Node, stop: &Path) {
+    let Ok(m) = std::fs::read_to_string(stop).unwrap().trim().parse::<u16>() else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node.configuration().contains(farm::MachineId(m)) {
+        assert!(
+            Instant::now() < deadline,
+            "machine {} still has machine {m} in its configuration",
+            node.id()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// Quiesces with the other machines and prints `transfers <done>`, where every region lives
@@ -528,10 +556,12 @@ fn print_sum(node: &Node, all: &[Addr]) {
     let balances: Vec<u64> = node
         .txn(|tx| all.iter().map(|a| tx.read::<u64>(*a)).collect())
         .unwrap();
+    let list: Vec<String> = balances.iter().map(u64::to_string).collect();
     println!(
-        "sum {} moved {}",
+        "sum {} moved {} balances {}",
         balances.iter().sum::<u64>(),
-        balances.iter().filter(|b| **b != BALANCE).count()
+        balances.iter().filter(|b| **b != BALANCE).count(),
+        list.join(",")
     );
 }
 
@@ -593,13 +623,19 @@ pub struct Ends {
     pub committed_when_evicted: BTreeMap<u16, String>,
     /// The configuration a machine rejoined in.
     pub rejoined: Option<u64>,
+    /// The balances each machine read with its sum, account by account (to diagnose a total
+    /// that does not hold).
+    pub balances: BTreeMap<u16, String>,
 }
 
 impl Ends {
     fn take(&mut self, m: u16, line: &str) {
         if let Some(rest) = line.strip_prefix("sum ") {
-            let (sum, _) = rest.split_once(" moved ").unwrap();
+            let (sum, rest) = rest.split_once(" moved ").unwrap();
             self.sums.insert(m, sum.parse().unwrap());
+            if let Some((_, b)) = rest.split_once(" balances ") {
+                self.balances.insert(m, b.to_string());
+            }
         } else if let Some(rest) = line.strip_prefix("config ") {
             self.configs.insert(m, rest.to_string());
         } else if let Some(n) = line.strip_prefix("transfers ") {
@@ -624,7 +660,7 @@ impl Ends {
         assert_eq!(
             self.sums,
             BTreeMap::from([(0, total), (1, total)]),
-            "the total did not hold"
+            "the total did not hold: {self:?}"
         );
         for m in [0u16, 1] {
             let c = &self.configs[&m];
