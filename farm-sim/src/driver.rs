@@ -81,6 +81,11 @@ pub struct SimConfig {
     /// cut off for less than its removal takes) leave holes in rings that stall recovery in
     /// about one seed in a thousand (issue 16, cases 1 and 4).
     pub production_timeouts: bool,
+    /// A paused machine's memory stays reachable: its CPU stops (workers, control plane and
+    /// lease manager) while its NIC goes on serving one-sided reads and landing writes, as an
+    /// RDMA NIC does, and as the `shm` fabric does for a process under SIGSTOP. Off, a paused
+    /// machine is cut off (its peers' operations to it fail, as over `tcp`).
+    pub paused_memory_reachable: bool,
 }
 
 impl Default for SimConfig {
@@ -101,6 +106,7 @@ impl Default for SimConfig {
             replication: Replication::OneSided,
             cm_failover: false,
             production_timeouts: false,
+            paused_memory_reachable: false,
         }
     }
 }
@@ -442,8 +448,12 @@ impl Sim {
         }
     }
 
-    /// Each paused machine on a side of its own.
+    /// Each paused machine on a side of its own, unless its memory stays reachable
+    /// ([`SimConfig::paused_memory_reachable`]).
     fn cut_off_paused(&self) {
+        if self.config.paused_memory_reachable {
+            return;
+        }
         let alone: Vec<[MachineId; 1]> = self.paused.keys().map(|m| [*m]).collect();
         let mut sides: Vec<&[MachineId]> = vec![&[]];
         sides.extend(alone.iter().map(|a| &a[..]));
