@@ -190,4 +190,16 @@ pub trait Fabric: Send + Sync + fmt::Debug {
         let _ = machine;
         true
     }
+
+    /// Members of `machine`'s configuration (those it admits) that it can no longer write to
+    /// although they may live: a write to one failed while both were up (a connection that
+    /// broke, a partition), and the link stays broken while the peer is a member, so that no
+    /// later write lands beyond the hole the failed one left in a ring. The machine's control
+    /// plane reports them (`ControlPlane::on_unreachable`) until the configuration removes
+    /// them; a peer admitted again is a new incarnation whose rings start afresh. A fabric of
+    /// one machine per process answers for its own machine only. None by default.
+    fn broken_members(&self, machine: MachineId) -> Vec<MachineId> {
+        let _ = machine;
+        Vec::new()
+    }
 }

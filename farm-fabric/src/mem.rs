@@ -8,7 +8,10 @@
 //! - datagram loss and delay by a seeded policy;
 //! - held writes: with [`MemFabric::set_hold_writes`], writes queue on their link until the driver
 //!   delivers them one by one ([`MemFabric::deliver_next`]), and a crash of the sender can land
-//!   any prefix of them ([`MemFabric::crash`]), the last one possibly cut at any byte.
+//!   any prefix of them ([`MemFabric::crash`]), the last one possibly cut at any byte;
+//! - partitions ([`MemFabric::partition`]): operations across the cut fail, and a write lost to
+//!   it breaks its link as a connection breaks: it stays down while the target is a member of
+//!   the writer's configuration ([`Fabric::broken_members`]), after the partition heals too.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -89,6 +92,10 @@ pub struct MemFabric {
     hold_writes: AtomicBool,
     /// Partition side of every machine: machines on different sides cannot reach each other.
     groups: Arc<[AtomicU32]>,
+    /// Per (writer, target) machine pair: a write failed across a partition while both were
+    /// up, and the link stays broken while the writer admits the target (see
+    /// [`Fabric::broken_members`]).
+    broken: Box<[AtomicBool]>,
     policy: Mutex<(DatagramPolicy, Rng)>,
 }
 
@@ -154,6 +161,9 @@ impl MemFabric {
             groups: (0..config.machines_max)
                 .map(|_| AtomicU32::new(0))
                 .collect(),
+            broken: (0..config.machines_max as usize * config.machines_max as usize)
+                .map(|_| AtomicBool::new(false))
+                .collect(),
             policy: Mutex::new((DatagramPolicy::default(), Rng::new(config.seed))),
         }
     }
@@ -169,6 +179,11 @@ impl MemFabric {
         let word =
             self.machines[dst.0 as usize].admitted[src.0 as usize / 64].load(Ordering::Acquire);
         src == dst || word & (1 << (src.0 % 64)) != 0
+    }
+
+    /// Whether writes from `src` to `dst` broke (see [`MemFabric::broken`]).
+    fn broken_link(&self, src: MachineId, dst: MachineId) -> &AtomicBool {
+        &self.broken[src.0 as usize * self.config.machines_max as usize + dst.0 as usize]
     }
 
     fn link(&self, src: Endpoint, dst: MachineId) -> &Link {
@@ -404,10 +419,18 @@ impl Fabric for MemFabric {
         if !self.machine(src.machine)?.alive.load(Ordering::SeqCst) {
             return Err(FabricError::SenderDown(src.machine));
         }
-        if !self.machine(dst)?.alive.load(Ordering::SeqCst)
-            || !same_side(&self.groups, src.machine, dst)
-            || !self.admits(dst, src.machine)
-        {
+        if !self.machine(dst)?.alive.load(Ordering::SeqCst) || !self.admits(dst, src.machine) {
+            return Err(FabricError::Unreachable(dst));
+        }
+        let broken = self.broken_link(src.machine, dst);
+        if !same_side(&self.groups, src.machine, dst) {
+            // Both up, but the write is lost: the link breaks, as a connection does.
+            broken.store(true, Ordering::SeqCst);
+            return Err(FabricError::Unreachable(dst));
+        }
+        if broken.load(Ordering::SeqCst) {
+            // Healed, but a write beyond the hole a lost one left would land: the link stays
+            // down while `dst` is a member.
             return Err(FabricError::Unreachable(dst));
         }
         let mem = self.area(dst, key)?;
@@ -488,8 +511,30 @@ impl Fabric for MemFabric {
                 .iter()
                 .filter(|x| x.0 as usize / 64 == i)
                 .fold(0u64, |b, x| b | 1 << (x.0 % 64));
-            word.store(bits, Ordering::Release);
+            let was = word.swap(bits, Ordering::AcqRel);
+            // A machine removed or added is another incarnation from now on: this machine's
+            // link to it starts afresh.
+            let mut changed = was ^ bits;
+            while changed != 0 {
+                let dst = MachineId((i * 64) as u16 + changed.trailing_zeros() as u16);
+                changed &= changed - 1;
+                if dst.0 < self.config.machines_max {
+                    self.broken_link(machine, dst)
+                        .store(false, Ordering::SeqCst);
+                }
+            }
         }
+    }
+
+    fn broken_members(&self, machine: MachineId) -> Vec<MachineId> {
+        (0..self.config.machines_max)
+            .map(MachineId)
+            .filter(|&dst| {
+                dst != machine
+                    && self.broken_link(machine, dst).load(Ordering::SeqCst)
+                    && self.admits(machine, dst)
+            })
+            .collect()
     }
 
     fn is_up(&self, machine: MachineId) -> bool {
@@ -677,6 +722,9 @@ mod tests {
         }
     }
 
+    /// Reads and datagrams come back with the heal; a write lost to the partition broke its
+    /// link, which stays down (and is reported) while the target is a member of the writer's
+    /// configuration, and starts afresh once the writer removed it.
     #[test]
     fn a_partition_cuts_reads_writes_and_datagrams_until_healed() {
         let f = fabric();
@@ -697,8 +745,21 @@ mod tests {
             .is_err());
         f.send_datagram(MachineId(0), MachineId(1), b"x", 0);
         assert_eq!(f.recv_datagram(MachineId(1), 1, &mut Vec::new()), None);
+        assert_eq!(f.broken_members(MachineId(0)), vec![MachineId(1)]);
+        assert_eq!(f.broken_members(MachineId(1)), vec![]);
         f.heal();
         assert!(r.read(0, &mut buf).is_ok());
+        assert!(f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+            .is_err());
+        assert_eq!(f.broken_members(MachineId(0)), vec![MachineId(1)]);
+        // Writes on links that never lost one go on.
+        assert!(f
+            .write(ep(2), MachineId(1), MemKey::Rings, 8, &[2; 8])
+            .is_ok());
+        f.admit(MachineId(0), &[MachineId(0), MachineId(2)]);
+        assert_eq!(f.broken_members(MachineId(0)), vec![]);
+        f.admit(MachineId(0), &[MachineId(0), MachineId(1), MachineId(2)]);
         assert!(f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
             .is_ok());

@@ -42,14 +42,6 @@ pub trait ProcessFabric: Fabric {
     /// [`ProcessFabric::writes_seen`]) or `timeout` passes: an idle poller wakes for a peer's
     /// LOCK or message at once, and costs no CPU meanwhile.
     fn wait_for_writes(&self, seen: u64, timeout: Duration);
-
-    /// Members of this machine's configuration it can no longer write to although their
-    /// process may live (a connection that broke and, to keep log writes in order, stays
-    /// down while they are members): the machine suspects them, as if their lease had run
-    /// out, so that the configuration removes them and they rejoin. None by default.
-    fn broken_members(&self) -> Vec<MachineId> {
-        Vec::new()
-    }
 }
 
 /// Why a machine process's fabric could not start.

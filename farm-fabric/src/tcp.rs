@@ -1224,6 +1224,24 @@ impl Fabric for TcpFabric {
     fn is_up(&self, machine: MachineId) -> bool {
         machine == self.me || self.link(machine).is_ok_and(|l| l.is_up())
     }
+
+    fn broken_members(&self, machine: MachineId) -> Vec<MachineId> {
+        assert_eq!(
+            machine, self.me,
+            "the tcp fabric answers for its own machine only"
+        );
+        self.links
+            .iter()
+            .filter(|l| {
+                self.served.admits(l.dst)
+                    && matches!(
+                        l.inner.lock().expect("link poisoned").state,
+                        LinkState::Broken
+                    )
+            })
+            .map(|l| l.dst)
+            .collect()
+    }
 }
 
 impl ProcessFabric for TcpFabric {
@@ -1249,20 +1267,6 @@ impl ProcessFabric for TcpFabric {
 
     fn writes_seen(&self) -> u64 {
         self.claim.doorbell.seen()
-    }
-
-    fn broken_members(&self) -> Vec<MachineId> {
-        self.links
-            .iter()
-            .filter(|l| {
-                self.served.admits(l.dst)
-                    && matches!(
-                        l.inner.lock().expect("link poisoned").state,
-                        LinkState::Broken
-                    )
-            })
-            .map(|l| l.dst)
-            .collect()
     }
 
     /// This machine's NIC thread rings the doorbell after each write into the rings.

@@ -229,6 +229,24 @@ fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
     }
 }
 
+/// A write that fails between two live machines (here: to a machine paused, cut off, for less
+/// than its removal takes) leaves a hole in the target's ring, which it waits at forever: at the
+/// runtime's timeout ratios, seed 1616's clients never finished and seed 2320 never quiesced
+/// (machine 1 polled machine 3's queue to 136 while machine 3 had written to 262,240). The
+/// link stays broken while the target is a member, and the writer reports it: the CM removes
+/// the member, whose rings start afresh if it rejoins (issue 16, cases 1 and 4).
+#[test]
+fn a_link_that_broke_to_a_live_member_gets_it_removed() {
+    for seed in [1616, 2320] {
+        let config = SimConfig {
+            production_timeouts: true,
+            paused_memory_reachable: false,
+            ..config(seed)
+        };
+        check(seed, config);
+    }
+}
+
 /// Losing the CM and its first backup CM at once still reconfigures: the next in line takes
 /// over at its turn, and the survivors recover and re-replicate with nothing lost.
 #[test]

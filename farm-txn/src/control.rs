@@ -119,8 +119,13 @@ impl MachineControl {
         self.with_plane(now, |p, l| p.on_unreachable(m, now, l));
     }
 
-    /// Advances the plane.
+    /// Advances the plane, first reporting the members the fabric can no longer write to
+    /// (`Fabric::broken_members`): a failed write to a live member left a hole in its ring, so
+    /// the configuration must remove it.
     pub fn tick(&mut self, now: u64) {
+        for m in self.fabric.broken_members(self.machine.id) {
+            self.on_unreachable(m, now);
+        }
         self.with_plane(now, |p, l| p.tick(now, l));
     }
 

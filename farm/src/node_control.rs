@@ -1,9 +1,10 @@
 //! A node's control thread: its machine's control plane (`farm_cm::plane`, through
-//! `crate::control`) fed with control datagrams, the lease thread's suspicions and the links
-//! the fabric can no longer write on, with the coordination store in ZooKeeper. What the plane
-//! decides (§5.2-5.4: who reconfigures, NEW-CONFIG and its ack, the commit, REGIONS-ACTIVE,
-//! eviction, joins) is the same in every deployment; this thread only adds the answers to a
-//! whole-cluster restart's late ring-start requests (`crate::node_restart`).
+//! `crate::control`, which also reports the links the fabric can no longer write on) fed with
+//! control datagrams and the lease thread's suspicions, with the coordination store in
+//! ZooKeeper. What the plane decides (§5.2-5.4: who reconfigures, NEW-CONFIG and its ack, the
+//! commit, REGIONS-ACTIVE, eviction, joins) is the same in every deployment; this thread only
+//! adds the answers to a whole-cluster restart's late ring-start requests
+//! (`crate::node_restart`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -92,9 +93,6 @@ impl Control {
             };
             for s in fresh.iter().filter(|s| s.observer == me) {
                 control.on_suspect(s.suspect, self.now());
-            }
-            for m in self.fabric.broken_members() {
-                control.on_unreachable(m, self.now());
             }
             control.tick(self.now());
             for (_, e) in control.take_events() {
