@@ -74,13 +74,6 @@ pub struct SimConfig {
     /// together (two of `crashes`): the next machine in the backup-CM line must take over
     /// (§5.2 step 1).
     pub cm_failover: bool,
-    /// REQUEST-VOTE and explicit truncation at the runtime's fractions of the lease
-    /// (`Params::request_vote_ticks`, `Params::truncate_delay_ticks`: one tick here). Off, they
-    /// wait 250 and 200 ticks (five and four leases), as the campaigns run for now: at the
-    /// runtime's ratios, writes that fail to a machine that stays a member (a paused machine
-    /// cut off for less than its removal takes) leave holes in rings that stall recovery in
-    /// about one seed in a thousand (issue 16, cases 1 and 4).
-    pub production_timeouts: bool,
     /// A paused machine's memory stays reachable: its CPU stops (workers, control plane and
     /// lease manager) while its NIC goes on serving one-sided reads and landing writes, as an
     /// RDMA NIC does, and as the `shm` fabric does for a process under SIGSTOP. Off, a paused
@@ -105,7 +98,6 @@ impl Default for SimConfig {
             stalls: 0,
             replication: Replication::OneSided,
             cm_failover: false,
-            production_timeouts: false,
             paused_memory_reachable: false,
         }
     }
@@ -230,12 +222,9 @@ impl Sim {
             validate_rpc_threshold: 4,
             recovery_interval_ticks: 2,
             replication: config.replication,
-            lease_ticks: if config.production_timeouts {
-                LEASE_TICKS
-            } else {
-                // 250 and 200 ticks (see `SimConfig::production_timeouts`).
-                LEASE_TICKS * 2000
-            },
+            // REQUEST-VOTE and explicit truncation at the runtime's fractions of the lease
+            // (`Params::request_vote_ticks`, `Params::truncate_delay_ticks`: one tick here).
+            lease_ticks: LEASE_TICKS,
         };
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
             machines_max: config.machines,

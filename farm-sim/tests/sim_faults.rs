@@ -50,7 +50,6 @@ fn config(seed: u64) -> SimConfig {
             Replication::OneSided
         },
         cm_failover: false,
-        production_timeouts: false,
         paused_memory_reachable: seed.is_multiple_of(4),
     }
 }
@@ -221,17 +220,13 @@ fn paused_machines_of_small_clusters_corrupt_nothing() {
 #[test]
 fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
     for seed in [303, 327] {
-        let config = SimConfig {
-            production_timeouts: true,
-            ..config(seed)
-        };
-        check(seed, config);
+        check_seed(seed);
     }
 }
 
 /// A write that fails between two live machines (here: to a machine paused, cut off, for less
-/// than its removal takes) leaves a hole in the target's ring, which it waits at forever: at the
-/// runtime's timeout ratios, seed 1616's clients never finished and seed 2320 never quiesced
+/// than its removal takes) leaves a hole in the target's ring, which it waits at forever: seed
+/// 1616's clients never finished and seed 2320 never quiesced
 /// (machine 1 polled machine 3's queue to 136 while machine 3 had written to 262,240). The
 /// link stays broken while the target is a member, and the writer reports it: the CM removes
 /// the member, whose rings start afresh if it rejoins (issue 16, cases 1 and 4).
@@ -239,7 +234,6 @@ fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
 fn a_link_that_broke_to_a_live_member_gets_it_removed() {
     for seed in [1616, 2320] {
         let config = SimConfig {
-            production_timeouts: true,
             paused_memory_reachable: false,
             ..config(seed)
         };
