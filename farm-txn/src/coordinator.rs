@@ -1023,10 +1023,13 @@ impl Worker {
                     }
                     let mut tickets = Vec::new();
                     for p in c.primaries.keys().copied().collect::<Vec<_>>() {
-                        // A dead primary leaves the transaction to recovery; the others commit.
-                        if let Ok(t) = self.send_log(c, p, &LogBody::CommitPrimary) {
-                            tickets.push((p, t));
-                        }
+                        // A primary the write failed to keeps its ticket, as lost: nothing
+                        // counts it delivered (truncation waits) until it left the
+                        // configuration and recovery settles its region.
+                        let t = self
+                            .send_log(c, p, &LogBody::CommitPrimary)
+                            .unwrap_or(Some(crate::worker::LOST));
+                        tickets.push((p, t));
                     }
                     let abort_bytes = RingWriter::reservation(framed_len(header_bytes()));
                     for p in c.primaries.keys().copied().collect::<Vec<_>>() {
@@ -1400,9 +1403,9 @@ impl Worker {
             .unacked
             .iter()
             .filter(|(_, ts)| {
-                // A failed write went to a primary that died: recovery settles that region.
-                ts.iter()
-                    .all(|(p, t)| self.write_status(*p, *t) != WriteStatus::Pending)
+                // A failed write went to a primary that has left the configuration since:
+                // recovery settles that region. One to a member waits (`write_settled`).
+                ts.iter().all(|(p, t)| self.write_settled(*p, *t))
             })
             .map(|(l, _)| *l)
             .collect();

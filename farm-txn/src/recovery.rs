@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use farm_core::fabric::{WriteStatus, WriteTicket};
+use farm_core::fabric::WriteTicket;
 use farm_core::object;
 use farm_core::ring::RecordPos;
 use farm_core::wire::{LogBody, Message, RecoveryBody, Seen, WriteEntry, WriteSet};
@@ -1113,11 +1113,7 @@ impl Worker {
                     None => p.unsent.push((dst, msg)),
                 }
             }
-            if p.unsent.is_empty()
-                && p.sent
-                    .iter()
-                    .all(|(m, t)| self.write_status(*m, *t) != WriteStatus::Pending)
-            {
+            if p.unsent.is_empty() && p.sent.iter().all(|(m, t)| self.write_settled(*m, *t)) {
                 ready.push(p.txn);
             }
         }
@@ -1381,9 +1377,7 @@ impl Worker {
                         continue;
                     }
                     let tickets = round.tickets.clone();
-                    let landed = tickets
-                        .iter()
-                        .all(|(m, tk)| self.write_status(*m, *tk) != WriteStatus::Pending);
+                    let landed = tickets.iter().all(|(m, tk)| self.write_settled(*m, *tk));
                     if !landed {
                         continue;
                     }

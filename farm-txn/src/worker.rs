@@ -188,6 +188,11 @@ struct Background {
 /// Slots an allocator recovery step looks at.
 const SCAN_SLOTS_PER_STEP: usize = 4096;
 
+/// The ticket of a write that failed when it was posted (its target unreachable): it never
+/// lands ([`Worker::write_settled`] says when that no longer matters). Fabrics number their
+/// tickets from 1 up and never reach it.
+pub(crate) const LOST: WriteTicket = WriteTicket(u64::MAX);
+
 /// An ALLOC-REPLY (to the machine named first) held until its block-header writes are acked.
 type PendingAllocReply = (MachineId, Message, Vec<(MachineId, WriteTicket)>);
 
@@ -835,7 +840,7 @@ impl Worker {
             let done = self.alloc_replies[i]
                 .2
                 .iter()
-                .all(|(b, t)| self.write_status(*b, Some(*t)) != WriteStatus::Pending);
+                .all(|(b, t)| self.write_settled(*b, Some(*t)));
             if done {
                 let (dst, reply, _) = self.alloc_replies.swap_remove(i);
                 ready.push((dst, reply));
@@ -1263,7 +1268,7 @@ impl Worker {
     }
 
     /// Sends a message now if its queue has room, returning the write's ticket (`None` for a
-    /// local write or a dead peer, which nobody waits for); `None` when it must be retried.
+    /// local write, [`LOST`] for a write that failed); `None` when it must be retried.
     pub(crate) fn send_tracked(
         &mut self,
         dst: MachineId,
@@ -1281,7 +1286,7 @@ impl Worker {
         match placed {
             Ok(Some(ticket)) => Some(ticket),
             Ok(None) => None,
-            Err(_) => Some(None),
+            Err(_) => Some(Some(LOST)),
         }
     }
 
@@ -1343,11 +1348,25 @@ impl Worker {
         busy
     }
 
-    /// Whether a posted write to `dst` has landed.
+    /// Whether a posted write to `dst` has landed ([`LOST`]: failed when posted).
     pub(crate) fn write_status(&self, dst: MachineId, ticket: Option<WriteTicket>) -> WriteStatus {
         match ticket {
             None => WriteStatus::Done,
+            Some(LOST) => WriteStatus::Failed,
             Some(t) => self.machine.fabric.write_status(self.endpoint(), dst, t),
+        }
+    }
+
+    /// Whether a posted write to `dst` is settled: it landed, or it failed and `dst` has left
+    /// this worker's configuration (recovery decides what it held). A write that failed to a
+    /// member is not delivered: the member may live behind a broken link, never having seen it
+    /// (§4 step 5 truncates only once every primary has COMMIT-PRIMARY), until the
+    /// configuration removes it, which the broken link asks for (`Fabric::broken_members`).
+    pub(crate) fn write_settled(&self, dst: MachineId, ticket: Option<WriteTicket>) -> bool {
+        match self.write_status(dst, ticket) {
+            WriteStatus::Done => true,
+            WriteStatus::Failed => !self.view.config.contains(dst),
+            WriteStatus::Pending => false,
         }
     }
 

@@ -22,6 +22,15 @@ pub fn workers_replicating(
     backups: u16,
     replication: Replication,
 ) -> Vec<Worker> {
+    workers_over(region_bytes, backups, replication).0
+}
+
+/// [`workers_replicating`], with their fabric (to partition it).
+pub fn workers_over(
+    region_bytes: usize,
+    backups: u16,
+    replication: Replication,
+) -> (Vec<Worker>, Arc<MemFabric>) {
     let layout = RingLayout {
         machines_max: 3,
         threads: 1,
@@ -43,7 +52,7 @@ pub fn workers_replicating(
         datagrams_queued_max: 8,
     }));
     let map = RegionMap::striped(3, 1, backups);
-    (0..3)
+    let workers = (0..3)
         .map(|m| {
             let state = MachineState::new(
                 MachineId(m),
@@ -56,7 +65,8 @@ pub fn workers_replicating(
             .unwrap();
             Worker::new(state, ThreadId(0))
         })
-        .collect()
+        .collect();
+    (workers, fabric)
 }
 
 #[allow(dead_code)] // Not every test binary drives commits.
