@@ -166,6 +166,11 @@ impl<'w> Tx<'w> {
         if !self.state.objects.contains_key(&addr) {
             let (header, data) = self.worker.read_object(addr, len)?;
             if !header.allocated() {
+                // A concurrent transaction freed it after this one read its address from
+                // another object: that read is stale, a conflict to retry, not a bad address.
+                if self.earlier_read_changed()? {
+                    return Err(TxError::Conflict(Conflict::Validate));
+                }
                 return Err(TxError::BadAddress {
                     addr,
                     why: "object is not allocated",
@@ -485,10 +490,37 @@ impl<'w> Tx<'w> {
         ))
     }
 
-    /// Frees the object at `addr` when the transaction commits.
+    /// Whether an object this transaction read from before (not one it allocated) changed
+    /// since, or is locked by a committing transaction.
+    fn earlier_read_changed(&mut self) -> Result<bool, TxError> {
+        let earlier: Vec<(Addr, Header)> = self
+            .state
+            .objects
+            .iter()
+            .filter(|(_, e)| e.fresh.is_none())
+            .map(|(a, e)| (*a, e.read))
+            .collect();
+        for (a, read) in earlier {
+            match self.worker.read_object(a, 0) {
+                Ok((header, _)) if header == read => {}
+                Ok(_) | Err(TxError::Conflict(_)) => return Ok(true),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Frees the object at `addr` when the transaction commits. An object this transaction
+    /// allocated goes back at once: nobody else ever saw it, and the commit has nothing to do
+    /// for it (as a write of a never-allocated slot that stays free, it would leak the slot).
     pub fn free(&mut self, addr: Addr) -> Result<(), TxError> {
         self.read(addr, 0)?;
         let e = self.state.objects.get_mut(&addr).expect("just read");
+        if let Some((slot, config)) = e.fresh {
+            self.state.objects.remove(&addr);
+            self.worker.give_back(addr, slot, config);
+            return Ok(());
+        }
         e.written = true;
         e.allocated = false;
         e.data.clear();
@@ -761,30 +793,36 @@ impl Worker {
     /// RELEASE to the primary that handed the slot out.
     pub fn discard(&mut self, state: TxState) {
         for (addr, e) in state.objects {
-            let Some((slot, config)) = e.fresh else {
-                continue;
-            };
-            if primary_changed_since(&self.view, addr.region, config) {
-                continue;
+            if let Some((slot, config)) = e.fresh {
+                self.give_back(addr, slot, config);
             }
-            match self.slabs.get_mut(&addr.region) {
-                Some(slabs) => slabs.free(addr.offset, slot),
-                None => {
-                    let primary = self
-                        .view
-                        .map
-                        .get(addr.region)
-                        .expect("allocated there")
-                        .primary;
-                    self.send_message(
-                        primary,
-                        &Message::Release {
-                            addr,
-                            slot_bytes: slot,
-                            config,
-                        },
-                    );
-                }
+        }
+    }
+
+    /// Gives back a slot of `slot` bytes at `addr` that a primary handed out in `config` and
+    /// nobody saw allocated: to this thread's slabs, or with a RELEASE to that primary (unless
+    /// the primary changed since: the new one's allocator scan counted it free).
+    fn give_back(&mut self, addr: Addr, slot: u32, config: ConfigId) {
+        if primary_changed_since(&self.view, addr.region, config) {
+            return;
+        }
+        match self.slabs.get_mut(&addr.region) {
+            Some(slabs) => slabs.free(addr.offset, slot),
+            None => {
+                let primary = self
+                    .view
+                    .map
+                    .get(addr.region)
+                    .expect("allocated there")
+                    .primary;
+                self.send_message(
+                    primary,
+                    &Message::Release {
+                        addr,
+                        slot_bytes: slot,
+                        config,
+                    },
+                );
             }
         }
     }
