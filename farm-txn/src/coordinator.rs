@@ -118,6 +118,8 @@ pub struct Tx<'w> {
     worker: &'w mut Worker,
     state: TxState,
     poller: Option<Poller<'w>>,
+    /// The worker's view generation when execution started: every read comes from that view.
+    generation: u64,
 }
 
 impl std::fmt::Debug for Tx<'_> {
@@ -137,6 +139,7 @@ impl<'w> Tx<'w> {
     pub fn new(worker: &'w mut Worker) -> Self {
         worker.refresh_view();
         Self {
+            generation: worker.view_generation,
             worker,
             state: TxState::default(),
             poller: None,
@@ -148,6 +151,7 @@ impl<'w> Tx<'w> {
     pub fn with_poller(worker: &'w mut Worker, poller: Poller<'w>) -> Self {
         worker.refresh_view();
         Self {
+            generation: worker.view_generation,
             worker,
             state: TxState::default(),
             poller: Some(poller),
@@ -165,12 +169,14 @@ impl<'w> Tx<'w> {
     pub fn read(&mut self, addr: Addr, len: usize) -> Result<&[u8], TxError> {
         if !self.state.objects.contains_key(&addr) {
             let (header, data) = self.worker.read_object(addr, len)?;
+            self.same_view()?;
             if !header.allocated() {
                 // A concurrent transaction freed it after this one read its address from
                 // another object: that read is stale, a conflict to retry, not a bad address.
                 if self.earlier_read_changed()? {
                     return Err(TxError::Conflict(Conflict::Validate));
                 }
+                self.same_view()?;
                 return Err(TxError::BadAddress {
                     addr,
                     why: "object is not allocated",
@@ -197,6 +203,7 @@ impl<'w> Tx<'w> {
         if e.data.len() < len && !e.written && e.fresh.is_none() {
             // Read again, longer: the same version, or the first read is already stale.
             let (header, data) = self.worker.read_object(addr, len)?;
+            self.same_view()?;
             let e = self.state.objects.get_mut(&addr).expect("present");
             if header != e.read {
                 return Err(TxError::Conflict(Conflict::Validate));
@@ -488,6 +495,19 @@ impl<'w> Tx<'w> {
         Err(TxError::Unavailable(
             farm_core::fabric::FabricError::Unreachable(primary),
         ))
+    }
+
+    /// Fails once the worker picked up a newer view during the execution (a read refreshes
+    /// it): the transaction's identifier takes the configuration of the view its commit starts
+    /// in, so reads from an older one would escape the check that a read region's primary
+    /// changed since (`check_view`'s `read_moved`), and be validated against a promoted
+    /// backup that may not have applied a committed write yet (§5.3 step 1).
+    fn same_view(&self) -> Result<(), TxError> {
+        if self.worker.view_generation == self.generation {
+            Ok(())
+        } else {
+            Err(TxError::ConfigurationChanged)
+        }
     }
 
     /// Whether an object this transaction read from before (not one it allocated) changed

@@ -6,7 +6,7 @@ mod common;
 
 use farm_core::config::Configuration;
 use farm_core::{Addr, ConfigId, MachineId};
-use farm_txn::{Tx, Worker};
+use farm_txn::{Tx, TxError, Worker};
 
 fn cluster() -> Vec<Worker> {
     common::workers(2 << 20, 1)
@@ -88,4 +88,35 @@ fn records_from_a_removed_machine_are_ignored() {
         }
     }
     outcome.expect("the member's commit finishes").unwrap();
+}
+
+/// A transaction's reads all come from one view: once a read picked up a newer configuration
+/// (NEW-CONFIG installed meanwhile), the execution ends with `ConfigurationChanged`, which
+/// `txn()` retries. Before, the read went on in the newer view; the transaction's identifier
+/// then took the newer configuration, so its reads from the older one escaped the commit's
+/// check that a read region's primary changed, and were validated against a promoted backup
+/// that may not have applied a committed write yet (issue 16, case 2).
+#[test]
+fn a_transaction_reads_from_one_view() {
+    let mut w = cluster();
+    let mut now = 0;
+    let mut objects = Vec::new();
+    for m in [0, 1] {
+        let mut tx = Tx::new(&mut w[m]);
+        objects.push(tx.alloc(8, None).unwrap());
+        let state = tx.into_state();
+        w[m].start_commit(state);
+        while w[m].poll_commit(now).is_none() {
+            poll_all(&mut w, &mut now);
+        }
+    }
+    let (x, y) = (objects[0], objects[1]);
+    let machine = w[0].machine().clone();
+    let map = w[0].view().map.clone();
+    let mut tx = Tx::new(&mut w[0]);
+    tx.read(x, 8).unwrap();
+    let mut next = Configuration::initial(3);
+    next.id = ConfigId(2);
+    machine.install(next, map, Default::default()).unwrap();
+    assert_eq!(tx.read(y, 8).unwrap_err(), TxError::ConfigurationChanged);
 }
