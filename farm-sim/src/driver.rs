@@ -1138,11 +1138,21 @@ impl Sim {
             .workers
             .iter()
             .map(|w| {
+                let view = w.machine().view();
+                // Background recovery (§5.4-5.5): regions still to copy here, and the regions
+                // this machine is primary of whose free lists are not rebuilt yet.
+                let unscanned: Vec<farm_core::RegionId> = view
+                    .map
+                    .primary_of(w.machine().id)
+                    .filter(|r| view.pool(*r).is_none())
+                    .collect();
                 format!(
-                    "{}/{}: alive {} quiet {} retained {} recovery {}",
+                    "{}/{}: alive {} to copy {:?} unscanned {:?} quiet {} retained {} recovery {}",
                     w.machine().id,
                     w.thread().0,
                     self.fabric.is_alive(w.machine().id),
+                    w.machine().regions_to_copy(),
+                    unscanned,
                     w.coordinator_quiet(),
                     w.retained_records(),
                     w.recovery_summary()
