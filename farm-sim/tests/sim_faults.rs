@@ -166,8 +166,25 @@ fn seed_count(var: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-fn check_seed(seed: u64) -> SimOutcome {
-    check(seed, config(seed))
+/// Runs a campaign of `config`'s shapes: the seed `FARM_SIM_SEED` names alone, if any
+/// (`None`: one seed's totals say nothing), else seeds `0..n`, `n` from `var` if set or
+/// `default`, each checked and handed to `each`; returns `n`.
+fn campaign(
+    var: &str,
+    default: u64,
+    config: impl Fn(u64) -> SimConfig,
+    mut each: impl FnMut(u64, &SimOutcome),
+) -> Option<u64> {
+    if let Some(seed) = replay_seed() {
+        check(seed, config(seed));
+        return None;
+    }
+    let seeds = seed_count(var, default);
+    for seed in 0..seeds {
+        let out = check(seed, config(seed));
+        each(seed, &out);
+    }
+    Some(seeds)
 }
 
 fn check(seed: u64, config: SimConfig) -> SimOutcome {
@@ -198,22 +215,18 @@ fn check(seed: u64, config: SimConfig) -> SimOutcome {
 
 #[test]
 fn crashes_lose_nothing_and_stay_strictly_serializable() {
-    if let Some(seed) = replay_seed() {
-        check_seed(seed);
-        return;
-    }
-    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 1000);
     let (mut unknown, mut unknown_committed, mut recovered) = (0, 0, 0);
     let (mut paused, mut evicted, mut stalls) = (0, 0, 0);
-    for seed in 0..seeds {
-        let out = check_seed(seed);
+    let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 1000, config, |_, out| {
         stalls += out.stalls;
         unknown += out.unknown.0;
         unknown_committed += out.unknown.1;
         recovered += out.stats.recovered_commits + out.stats.recovered_aborts;
         paused += out.paused;
         evicted += out.evicted;
-    }
+    }) else {
+        return;
+    };
     println!(
         "{seeds} seeds: {recovered} transactions decided by recovery, {unknown} in flight at a \
          crashed or stopped coordinator ({unknown_committed} of them committed); {paused} \
@@ -230,17 +243,13 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
 
 #[test]
 fn paused_machines_of_small_clusters_corrupt_nothing() {
-    if let Some(seed) = replay_seed() {
-        check(seed, pause_config(seed));
-        return;
-    }
-    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 300);
     let (mut paused, mut evicted) = (0, 0);
-    for seed in 0..seeds {
-        let out = check(seed, pause_config(seed));
+    let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 300, pause_config, |_, out| {
         paused += out.paused;
         evicted += out.evicted;
-    }
+    }) else {
+        return;
+    };
     assert_eq!(paused, seeds, "a seed paused no machine");
     assert!(
         evicted > 0,
@@ -252,14 +261,7 @@ fn paused_machines_of_small_clusters_corrupt_nothing() {
 /// fix a shape each, and the issue's liveness failures came from shapes they did not run.
 #[test]
 fn varied_shapes_lose_nothing_and_stay_strictly_serializable() {
-    if let Some(seed) = replay_seed() {
-        check(seed, varied_config(seed));
-        return;
-    }
-    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 300);
-    for seed in 0..seeds {
-        check(seed, varied_config(seed));
-    }
+    campaign("FARM_SIM_FAULT_SEEDS", 300, varied_config, |_, _| {});
 }
 
 /// A coordinator whose commit a new configuration made recovering asks for the votes it lacks
@@ -273,7 +275,7 @@ fn varied_shapes_lose_nothing_and_stay_strictly_serializable() {
 #[test]
 fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
     for seed in [303, 327] {
-        check_seed(seed);
+        check(seed, config(seed));
     }
 }
 
@@ -298,23 +300,22 @@ fn a_link_that_broke_to_a_live_member_gets_it_removed() {
 /// over at its turn, and the survivors recover and re-replicate with nothing lost.
 #[test]
 fn the_cm_and_its_first_backup_crashing_together_still_reconfigure() {
-    if let Some(seed) = replay_seed() {
-        check(seed, cm_failover_config(seed));
-        return;
-    }
-    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 300);
-    for seed in 0..seeds {
-        let out = check(seed, cm_failover_config(seed));
-        let (cm, backup) = out
-            .cm_failover
-            .unwrap_or_else(|| panic!("seed {seed}: the CM and its backup did not crash together"));
-        assert!(
-            out.crashed.contains(&cm) && out.crashed.contains(&backup),
-            "seed {seed}: crashed {:?}",
-            out.crashed
-        );
-        assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
-    }
+    campaign(
+        "FARM_SIM_FAULT_SEEDS",
+        300,
+        cm_failover_config,
+        |seed, out| {
+            let (cm, backup) = out.cm_failover.unwrap_or_else(|| {
+                panic!("seed {seed}: the CM and its backup did not crash together")
+            });
+            assert!(
+                out.crashed.contains(&cm) && out.crashed.contains(&backup),
+                "seed {seed}: crashed {:?}",
+                out.crashed
+            );
+            assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
+        },
+    );
 }
 
 /// Crashes in clusters of 20 to 90 machines with over a thousand regions: suspected, removed,
@@ -322,32 +323,20 @@ fn the_cm_and_its_first_backup_crashing_together_still_reconfigure() {
 /// cluster); `FARM_SIM_SCALE_SEEDS` runs more.
 #[test]
 fn large_clusters_reconfigure_and_recover() {
-    if let Some(seed) = replay_seed() {
-        check(seed, scale_config(seed));
-        return;
-    }
-    let seeds = seed_count("FARM_SIM_SCALE_SEEDS", 3);
-    for seed in 0..seeds {
+    campaign("FARM_SIM_SCALE_SEEDS", 3, scale_config, |seed, out| {
         let config = scale_config(seed);
         let regions = config.machines as u32 * config.regions_per_machine;
         assert!(regions >= 1024, "seed {seed}: {regions} regions");
-        let out = check(seed, config);
         assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
-    }
+    });
 }
 
 #[test]
 fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
-    if let Some(seed) = replay_seed() {
-        check(seed, power_config(seed));
-        return;
-    }
-    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 500);
     let (mut unknown, mut unknown_committed, mut recovered, mut restarts) = (0, 0, 0, 0);
     let (mut mid_reconfiguration, mut mid_txn_recovery, mut mid_data_recovery) = (0, 0, 0);
     let mut late_rejected = 0;
-    for seed in 0..seeds {
-        let out = check(seed, power_config(seed));
+    let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 500, power_config, |_, out| {
         unknown += out.unknown.0;
         unknown_committed += out.unknown.1;
         recovered += out.stats.recovered_commits + out.stats.recovered_aborts;
@@ -356,7 +345,9 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
         mid_txn_recovery += out.restarts_mid.1;
         mid_data_recovery += out.restarts_mid.2;
         late_rejected += out.stats.restart_late_rejected;
-    }
+    }) else {
+        return;
+    };
     println!(
         "{seeds} seeds: {restarts} restarts from NVRAM ({mid_reconfiguration} in the middle of a \
          reconfiguration, {mid_txn_recovery} of transaction recovery, {mid_data_recovery} of \
@@ -390,18 +381,12 @@ fn whole_cluster_stalls_suspect_nobody() {
         stalls: 2,
         ..config(seed)
     };
-    if let Some(seed) = replay_seed() {
-        check(seed, stall_config(seed));
-        return;
-    }
-    let seeds = seed_count("FARM_SIM_FAULT_SEEDS", 200);
-    for seed in 0..seeds {
-        let out = check(seed, stall_config(seed));
+    campaign("FARM_SIM_FAULT_SEEDS", 200, stall_config, |seed, out| {
         assert_eq!(out.stalls, 2, "seed {seed}: the stalls did not happen");
         assert_eq!(
             (out.configurations, out.evicted),
             (0, 0),
             "seed {seed}: a stall of the whole cluster changed the configuration"
         );
-    }
+    });
 }
