@@ -106,6 +106,12 @@ impl Nvram {
         // discipline, so the usual hazard of a file changing under a mapping is the intended
         // shared-memory semantics here.
         let mut map = unsafe { MmapOptions::new().len(len).map_mut(file)? };
+        // No read-ahead: regions, logs and queues are touched a word or an object at a time, and
+        // the kernel's read-ahead of a sparse file zeroes a whole window of page cache at each
+        // fault. With thousands of regions that window is most of the machine's memory, pages
+        // are evicted and faulted again, and a 4,096-region cluster spent a minute in memset
+        // during lock recovery (long enough for its leases to expire). Only advice.
+        let _ = map.advise(memmap2::Advice::Random);
         let base = map.as_mut_ptr();
         Ok(Self {
             _map: map,
