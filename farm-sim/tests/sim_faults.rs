@@ -296,6 +296,15 @@ fn a_link_that_broke_to_a_live_member_gets_it_removed() {
     }
 }
 
+/// Lock bits are NVRAM, the locks' owners are not: after a whole-cluster restart, a lock bit
+/// the previous life left (here machine 1's recovery lock on an object of region 1, taken for
+/// a transaction whose recovery the power loss interrupted) belonged to nobody, and machine
+/// 0's copy of region 1 retried the locked object forever: seed 699 never quiesced.
+#[test]
+fn a_restart_leaves_no_lock_from_the_previous_life() {
+    check(699, varied_config(699));
+}
+
 /// Losing the CM and its first backup CM at once still reconfigures: the next in line takes
 /// over at its turn, and the survivors recover and re-replicate with nothing lost.
 #[test]

@@ -373,6 +373,22 @@ impl MachineState {
         };
         *state.to_copy.lock().expect("poisoned") = incomplete;
         state.install_view(config.clone(), map.clone(), changes, false)?;
+        // Every region changes primary at the restart: lock recovery locks again what the
+        // recovering transactions wrote, and no lock bit of the previous life has a holder.
+        let view = state.view();
+        for (region, _) in view.map.iter() {
+            if let Some(mem) = view.region(region) {
+                let cleared = farm_recovery::locks::clear_locks(mem, params.region_bytes);
+                if cleared > 0 {
+                    tracing::debug!(
+                        machine = id.0,
+                        region = region.0,
+                        cleared,
+                        "lock bits of the previous life cleared"
+                    );
+                }
+            }
+        }
         let all_changed = map
             .iter()
             .map(|(r, _)| {

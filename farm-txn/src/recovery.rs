@@ -657,8 +657,9 @@ impl Worker {
 
     /// Step 2 after a whole-cluster restart into configuration `restart`: every record left in
     /// the log from `sender` belongs to a transaction whose coordinator's state is gone, so each
-    /// goes to recovery as it is, nothing applied or locked (the previous life's locks are
-    /// NVRAM state that lock recovery takes over, as every region's primary "changed").
+    /// goes to recovery as it is, nothing applied or locked (`MachineState::restore` cleared
+    /// the previous life's lock bits; every region's primary "changed", so lock recovery
+    /// locks what the recovering transactions wrote).
     /// Records that landed after the previous life's last drain of this log, of transactions
     /// recovering in the configuration drained, had been rejected (`reject_after_drain`): they
     /// are freed again, not recovered.
