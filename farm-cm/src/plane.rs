@@ -115,6 +115,9 @@ pub struct Local<'a> {
     pub map: &'a RegionMap,
     /// LastPrimaryChange and LastReplicaChange per region.
     pub changes: &'a BTreeMap<RegionId, RegionChanges>,
+    /// The regions of `map` whose replica here is still being copied (§5.4): a reconfiguration
+    /// driven from here promotes no replica of them on this machine.
+    pub copying: &'a BTreeSet<RegionId>,
     /// The newest configuration committed here (NEW-CONFIG-COMMIT).
     pub committed: ConfigId,
     /// The newest configuration whose ALL-REGIONS-ACTIVE arrived here.
@@ -157,7 +160,8 @@ pub enum Event {
 pub enum Effect {
     /// Send a control datagram.
     Send(MachineId, ControlMsg),
-    /// A one-sided read of the machine (§5.2 step 2); report with [`ControlPlane::on_probe`].
+    /// A one-sided read of the machine's complete replicas (§5.2 step 2); report with
+    /// [`ControlPlane::on_probe`].
     Probe(MachineId),
     /// Read the coordination store; report with [`ControlPlane::on_store_read`].
     ReadStore,
@@ -532,10 +536,17 @@ impl ControlPlane {
         }
     }
 
-    /// The result of [`Effect::Probe`].
-    pub fn on_probe(&mut self, m: MachineId, ok: bool, now: u64, local: &Local<'_>) {
+    /// The result of [`Effect::Probe`]: the regions whose replica `m` holds complete, or `None`
+    /// when the read failed.
+    pub fn on_probe(
+        &mut self,
+        m: MachineId,
+        answer: Option<BTreeSet<RegionId>>,
+        now: u64,
+        local: &Local<'_>,
+    ) {
         if let Some(a) = self.attempt.as_mut() {
-            a.reconfig.on_probe(m, ok, now);
+            a.reconfig.on_probe(m, answer, now);
             self.pump(now, local);
         }
     }
@@ -648,6 +659,7 @@ impl ControlPlane {
                     version,
                     local.map.clone(),
                     local.changes.clone(),
+                    local.copying.clone(),
                     suspects.clone(),
                     self.params.reconfig(),
                     self.leases_end.max(now),
@@ -660,6 +672,7 @@ impl ControlPlane {
                 version,
                 local.map.clone(),
                 local.changes.clone(),
+                local.copying.clone(),
                 BTreeMap::from([(*j, j.0 as u32)]),
                 self.params.reconfig(),
                 now,

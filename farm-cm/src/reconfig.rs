@@ -4,7 +4,9 @@
 //! 1. *Suspect* (the caller, on lease expiry) starts a [`Reconfig`] with the suspects.
 //! 2. *Probe*: one-sided reads of every other member; a failed probe adds a suspect; go on only
 //!    with answers from a majority of the configuration, so a minority partition cannot
-//!    reconfigure.
+//!    reconfigure. A probe's answer is the set of regions whose replica the member holds
+//!    complete (data recovery of a new backup's copy finished, §5.4): only those may be
+//!    promoted in step 4.
 //! 3. *Update configuration*: compare-and-set `<c+1, S', F', CM'>` in the coordination store at
 //!    the version of `c`; losing the race ends this attempt.
 //! 4. *Remap regions* ([`crate::remap`]).
@@ -38,7 +40,7 @@ pub struct NewConfig {
 /// Something the driver must do for the state machine.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum Effect {
-    /// A one-sided read of `MachineId`; report with [`Reconfig::on_probe`].
+    /// A one-sided read of `MachineId`'s complete replicas; report with [`Reconfig::on_probe`].
     Probe(MachineId),
     /// Compare-and-set in the coordination store; report with [`Reconfig::on_store`].
     CompareAndSet {
@@ -129,14 +131,17 @@ pub struct Reconfig {
     leases_end: u64,
     /// Machines asking to join, with their failure domains.
     joiners: BTreeMap<MachineId, u32>,
+    /// Per answering member, the regions it holds in `map` whose replica is not complete yet.
+    copying: BTreeMap<MachineId, BTreeSet<RegionId>>,
     phase: Phase,
     effects: Vec<Effect>,
 }
 
 impl Reconfig {
-    /// Starts reconfiguring `old` (stored at `old_version`) without `suspects`, driven by `me`.
-    /// `leases_end` is when every lease the suspects could hold has expired (step 7); machines
-    /// that fail probes extend it by a lease.
+    /// Starts reconfiguring `old` (stored at `old_version`) without `suspects`, driven by `me`,
+    /// which is still copying its replicas of the regions `copying`. `leases_end` is when every
+    /// lease the suspects could hold has expired (step 7); machines that fail probes extend it
+    /// by a lease.
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         me: MachineId,
@@ -144,6 +149,7 @@ impl Reconfig {
         old_version: StoreVersion,
         map: RegionMap,
         changes: BTreeMap<RegionId, RegionChanges>,
+        copying: BTreeSet<RegionId>,
         suspects: BTreeSet<MachineId>,
         params: ReconfigParams,
         leases_end: u64,
@@ -171,6 +177,7 @@ impl Reconfig {
             params,
             leases_end,
             joiners: BTreeMap::new(),
+            copying: BTreeMap::from([(me, copying)]),
             phase: Phase::Probing {
                 awaiting,
                 answered: BTreeSet::from([me]),
@@ -192,6 +199,7 @@ impl Reconfig {
         old_version: StoreVersion,
         map: RegionMap,
         changes: BTreeMap<RegionId, RegionChanges>,
+        copying: BTreeSet<RegionId>,
         joiners: BTreeMap<MachineId, u32>,
         params: ReconfigParams,
         now: u64,
@@ -206,6 +214,7 @@ impl Reconfig {
             old_version,
             map,
             changes,
+            copying,
             BTreeSet::new(),
             params,
             now,
@@ -237,15 +246,24 @@ impl Reconfig {
         }
     }
 
-    /// The result of probing `m`, learned at `now`.
-    pub fn on_probe(&mut self, m: MachineId, ok: bool, now: u64) {
+    /// The result of probing `m`, learned at `now`: the regions whose replica `m` holds complete,
+    /// or `None` when the read failed. A region of `map` that `m` holds and does not name is
+    /// one it is still copying (or has not installed yet).
+    pub fn on_probe(&mut self, m: MachineId, answer: Option<BTreeSet<RegionId>>, now: u64) {
         if let Phase::Probing {
             awaiting, answered, ..
         } = &mut self.phase
         {
             if awaiting.remove(&m) {
-                if ok {
+                if let Some(complete) = answer {
                     answered.insert(m);
+                    let copying: BTreeSet<RegionId> = self
+                        .map
+                        .iter()
+                        .filter(|(r, p)| p.holds(m) && !complete.contains(r))
+                        .map(|(r, _)| r)
+                        .collect();
+                    self.copying.insert(m, copying);
                 } else if self.joiners.remove(&m).is_some() {
                     // A joiner that does not answer simply does not join.
                 } else {
@@ -342,6 +360,7 @@ impl Reconfig {
             &self.map,
             &self.changes,
             &config,
+            &self.copying,
             self.params.replicas,
             self.params.regions_max,
         ) {
@@ -503,6 +522,12 @@ mod tests {
         lease_ticks: 20,
     };
 
+    /// A probe's answer: every replica complete (the test maps have fewer than 64 regions), or
+    /// a failed read.
+    fn answer(ok: bool) -> Option<BTreeSet<RegionId>> {
+        ok.then(|| (0..64).map(RegionId).collect())
+    }
+
     fn setup(n: u16) -> (Configuration, RegionMap, EmbeddedStore, StoreVersion) {
         let config = Configuration::initial(n);
         let store = EmbeddedStore::new();
@@ -525,7 +550,7 @@ mod tests {
             }
             for e in effects {
                 match &e {
-                    Effect::Probe(m) => r.on_probe(*m, !dead.contains(&m.0), now),
+                    Effect::Probe(m) => r.on_probe(*m, answer(!dead.contains(&m.0)), now),
                     Effect::CompareAndSet { expected, data } => {
                         r.on_store(store.compare_and_set(Some(*expected), data))
                     }
@@ -549,6 +574,7 @@ mod tests {
             v,
             map,
             BTreeMap::new(),
+            BTreeSet::new(),
             BTreeSet::from([MachineId(3)]),
             PARAMS,
             100,
@@ -593,6 +619,7 @@ mod tests {
             v,
             map.clone(),
             BTreeMap::new(),
+            BTreeSet::new(),
             BTreeSet::from([MachineId(4)]),
             PARAMS,
             0,
@@ -602,7 +629,7 @@ mod tests {
         for _ in 0..10 {
             for e in r.take_effects() {
                 match e {
-                    Effect::Probe(m) => r.on_probe(m, true, 1),
+                    Effect::Probe(m) => r.on_probe(m, answer(true), 1),
                     Effect::CompareAndSet { expected, data } => {
                         let out = store.compare_and_set(Some(expected), &data);
                         if let Ok(CasOutcome::Written(v)) = &out {
@@ -638,6 +665,7 @@ mod tests {
             stored.expect("stored"),
             map,
             BTreeMap::new(),
+            BTreeSet::new(),
             BTreeSet::from([MachineId(3)]),
             PARAMS,
             0,
@@ -658,6 +686,7 @@ mod tests {
             v,
             map,
             BTreeMap::new(),
+            BTreeSet::new(),
             BTreeSet::from([MachineId(4)]),
             PARAMS,
             0,
@@ -688,6 +717,7 @@ mod tests {
             v,
             map,
             BTreeMap::new(),
+            BTreeSet::new(),
             BTreeSet::from([MachineId(4)]),
             PARAMS,
             0,
@@ -697,7 +727,7 @@ mod tests {
         let effects = r.take_effects();
         for e in effects {
             if e == Effect::Probe(MachineId(1)) {
-                r.on_probe(MachineId(1), true, 0);
+                r.on_probe(MachineId(1), answer(true), 0);
             }
         }
         assert!(r.outcome().is_none());
@@ -724,6 +754,7 @@ mod tests {
             v,
             map.clone(),
             BTreeMap::new(),
+            BTreeSet::new(),
             suspects.clone(),
             PARAMS,
             0,
@@ -735,6 +766,7 @@ mod tests {
             v,
             map,
             BTreeMap::new(),
+            BTreeSet::new(),
             suspects,
             PARAMS,
             0,
@@ -743,7 +775,7 @@ mod tests {
         for r in [&mut a, &mut b] {
             for e in r.take_effects() {
                 if let Effect::Probe(m) = e {
-                    r.on_probe(m, m != MachineId(3), 0);
+                    r.on_probe(m, answer(m != MachineId(3)), 0);
                 }
             }
         }
@@ -774,6 +806,7 @@ mod tests {
             v,
             map,
             BTreeMap::new(),
+            BTreeSet::new(),
             BTreeSet::from([MachineId(0)]),
             PARAMS,
             0,
@@ -796,13 +829,14 @@ mod tests {
             StoreVersion(0),
             map,
             BTreeMap::new(),
+            BTreeSet::new(),
             BTreeSet::from([MachineId(1), MachineId(2)]),
             PARAMS,
             0,
             0,
         );
-        r.on_probe(MachineId(3), true, 0);
-        r.on_probe(MachineId(4), true, 0);
+        r.on_probe(MachineId(3), answer(true), 0);
+        r.on_probe(MachineId(4), answer(true), 0);
         assert_eq!(
             r.outcome(),
             Some(&Err(ReconfigError::Remap(RemapError::RegionsLost(vec![
@@ -827,6 +861,7 @@ mod tests {
             v,
             map3.clone(),
             BTreeMap::new(),
+            BTreeSet::new(),
             joiners,
             PARAMS,
             0,

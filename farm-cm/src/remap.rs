@@ -1,7 +1,9 @@
 //! Region remapping at reconfiguration (FaRM §5.2, step 4), as a pure function: promote a
-//! surviving backup for every region that lost its primary, restore `f + 1` replicas where
-//! capacity and failure domains allow, and fail (naming the regions) when a region lost every
-//! replica. It also maintains, per region, the configuration of its last primary change and of
+//! surviving complete backup for every region that lost its primary, restore `f + 1` replicas
+//! where capacity and failure domains allow, and fail (naming the regions) when a region lost
+//! every complete replica. A new backup's replica is complete once data recovery copied it
+//! (§5.4); until then it holds only what was copied so far and the commits since, so promoting
+//! it would serve uncopied objects as never written. It also maintains, per region, the configuration of its last primary change and of
 //! its last replica change, which transaction recovery uses to find the transactions it must
 //! recover (§5.3).
 
@@ -30,24 +32,29 @@ pub struct Remap {
 /// Why remapping is impossible.
 #[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
 pub enum RemapError {
-    /// Every replica of these regions is gone: their data is lost.
-    #[error("regions {0:?} lost every replica")]
+    /// Every complete replica of these regions is gone: their data is lost.
+    #[error("regions {0:?} lost every complete replica")]
     RegionsLost(Vec<RegionId>),
 }
 
-/// Remaps `map` for configuration `new` (its members are the survivors). `replicas` is `f + 1`;
-/// `regions_max` bounds how many replicas one machine may hold.
+/// Remaps `map` for configuration `new` (its members are the survivors). `copying` lists, per
+/// survivor, the regions whose replica there is still being copied (not complete); a survivor
+/// it does not name holds complete replicas only. `replicas` is `f + 1`; `regions_max` bounds
+/// how many replicas one machine may hold.
 pub fn remap(
     map: &RegionMap,
     changes: &BTreeMap<RegionId, RegionChanges>,
     new: &Configuration,
+    copying: &BTreeMap<MachineId, BTreeSet<RegionId>>,
     replicas: usize,
     regions_max: usize,
 ) -> Result<Remap, RemapError> {
     let alive = |m: &MachineId| new.contains(*m);
+    let complete =
+        |r: RegionId, m: &MachineId| alive(m) && copying.get(m).is_none_or(|c| !c.contains(&r));
     let lost: Vec<RegionId> = map
         .iter()
-        .filter(|(_, p)| !alive(&p.primary) && !p.backups.iter().any(alive))
+        .filter(|(r, p)| !alive(&p.primary) && !p.backups.iter().any(|b| complete(*r, b)))
         .map(|(r, _)| r)
         .collect();
     if !lost.is_empty() {
@@ -77,6 +84,14 @@ pub fn remap(
         let entry = out.changes.entry(region).or_default();
         let replica_lost = survivors.len() < 1 + p.backups.len();
         if !alive(&p.primary) {
+            // The first complete survivor (there is one: `lost` is empty) goes first; backups
+            // still copying stay backups and copy on from it.
+            let at = survivors
+                .iter()
+                .position(|m| complete(region, m))
+                .expect("a complete survivor");
+            let promoted = survivors.remove(at);
+            survivors.insert(0, promoted);
             out.promoted.push(region);
             entry.last_primary_change = new.id;
         }
@@ -129,6 +144,11 @@ pub fn remap(
             primary == p.primary || entry.last_primary_change == new.id,
             "{region:?}'s primary moved without a LastPrimaryChange"
         );
+        // Issue 16 case 5: only a complete replica serves as primary.
+        assert!(
+            primary == p.primary || complete(region, &primary),
+            "{region:?} promoted to {primary}, which is still copying it"
+        );
         out.map.insert(
             region,
             Placement {
@@ -165,7 +185,7 @@ mod tests {
     fn promotes_backups_and_restores_replication() {
         let map = RegionMap::striped(4, 2, 2);
         let new = config(2, &[0, 1, 3]);
-        let r = remap(&map, &BTreeMap::new(), &new, 3, 8).unwrap();
+        let r = remap(&map, &BTreeMap::new(), &new, &BTreeMap::new(), 3, 8).unwrap();
         for (region, old) in map.iter() {
             let now = r.map.get(region).unwrap();
             assert!(new.contains(now.primary) && now.backups.iter().all(|b| new.contains(*b)));
@@ -193,7 +213,15 @@ mod tests {
     #[test]
     fn capacity_limits_leave_regions_under_replicated() {
         let map = RegionMap::striped(3, 1, 2);
-        let r = remap(&map, &BTreeMap::new(), &config(2, &[0, 1]), 3, 8).unwrap();
+        let r = remap(
+            &map,
+            &BTreeMap::new(),
+            &config(2, &[0, 1]),
+            &BTreeMap::new(),
+            3,
+            8,
+        )
+        .unwrap();
         assert_eq!(
             r.under_replicated.len(),
             3,
@@ -207,14 +235,38 @@ mod tests {
     #[test]
     fn under_replicated_regions_get_replicas_on_a_joining_machine() {
         let map = RegionMap::striped(3, 1, 2);
-        let short = remap(&map, &BTreeMap::new(), &config(2, &[0, 1]), 3, 8).unwrap();
-        let again = remap(&short.map, &short.changes, &config(3, &[0, 1]), 3, 8).unwrap();
+        let short = remap(
+            &map,
+            &BTreeMap::new(),
+            &config(2, &[0, 1]),
+            &BTreeMap::new(),
+            3,
+            8,
+        )
+        .unwrap();
+        let again = remap(
+            &short.map,
+            &short.changes,
+            &config(3, &[0, 1]),
+            &BTreeMap::new(),
+            3,
+            8,
+        )
+        .unwrap();
         assert_eq!(again.map, short.map);
         assert_eq!(
             again.changes, short.changes,
             "nothing changed, nothing blocked"
         );
-        let joined = remap(&short.map, &short.changes, &config(4, &[0, 1, 2]), 3, 8).unwrap();
+        let joined = remap(
+            &short.map,
+            &short.changes,
+            &config(4, &[0, 1, 2]),
+            &BTreeMap::new(),
+            3,
+            8,
+        )
+        .unwrap();
         for (region, p) in joined.map.iter() {
             assert_eq!(p.backups.len(), 2, "{region:?} back to 3 replicas");
             assert!(
@@ -235,8 +287,64 @@ mod tests {
     fn losing_every_replica_is_an_error_naming_the_regions() {
         let map = RegionMap::striped(4, 1, 1);
         // Region 1 lives on machines 1 and 2.
-        let e = remap(&map, &BTreeMap::new(), &config(2, &[0, 3]), 2, 8).unwrap_err();
+        let e = remap(
+            &map,
+            &BTreeMap::new(),
+            &config(2, &[0, 3]),
+            &BTreeMap::new(),
+            2,
+            8,
+        )
+        .unwrap_err();
         assert_eq!(e, RemapError::RegionsLost(vec![RegionId(1)]));
-        assert_eq!(e.to_string(), "regions [RegionId(1)] lost every replica");
+        assert_eq!(
+            e.to_string(),
+            "regions [RegionId(1)] lost every complete replica"
+        );
+    }
+
+    /// Issue 16 case 5: a backup still copying its region is never promoted. A complete
+    /// backup listed after it is; with none, the region is lost, named as such.
+    #[test]
+    fn only_a_complete_backup_is_promoted() {
+        let mut map = RegionMap::default();
+        map.insert(
+            RegionId(0),
+            Placement {
+                primary: MachineId(0),
+                backups: vec![MachineId(1), MachineId(2)],
+            },
+        );
+        let copying = BTreeMap::from([(MachineId(1), BTreeSet::from([RegionId(0)]))]);
+        let r = remap(
+            &map,
+            &BTreeMap::new(),
+            &config(2, &[1, 2, 3]),
+            &copying,
+            3,
+            8,
+        )
+        .unwrap();
+        let p = r.map.get(RegionId(0)).unwrap();
+        assert_eq!(
+            p.primary,
+            MachineId(2),
+            "the complete backup, not the first"
+        );
+        assert_eq!(p.backups, vec![MachineId(1), MachineId(3)]);
+        let e = remap(&map, &BTreeMap::new(), &config(2, &[1, 3]), &copying, 3, 8).unwrap_err();
+        assert_eq!(e, RemapError::RegionsLost(vec![RegionId(0)]));
+        // A survivor copying another region is complete for this one.
+        let elsewhere = BTreeMap::from([(MachineId(1), BTreeSet::from([RegionId(7)]))]);
+        let r = remap(
+            &map,
+            &BTreeMap::new(),
+            &config(2, &[1, 3]),
+            &elsewhere,
+            3,
+            8,
+        )
+        .unwrap();
+        assert_eq!(r.map.get(RegionId(0)).unwrap().primary, MachineId(1));
     }
 }

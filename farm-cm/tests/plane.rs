@@ -40,6 +40,8 @@ struct Machine {
     /// Whether the machine's workers picked up its newest view (a NEW-CONFIG is acknowledged
     /// only then); a test clears it for a machine whose threads are busy.
     refreshed: bool,
+    /// Replicas still being copied: none (recovery is instant here).
+    copying: BTreeSet<RegionId>,
 }
 
 impl Machine {
@@ -48,6 +50,7 @@ impl Machine {
             config: &self.config,
             map: &self.map,
             changes: &self.changes,
+            copying: &self.copying,
             committed: self.committed,
             all_active: self.all_active,
             // Recovery is instant here: regions are active once the configuration commits.
@@ -100,6 +103,7 @@ impl Cluster {
                 evicted: false,
                 alive: true,
                 refreshed: true,
+                copying: BTreeSet::new(),
             })
             .collect();
         Self {
@@ -144,8 +148,12 @@ impl Cluster {
                         }
                     }
                     Effect::Probe(p) => {
-                        let ok = self.connected(m, p);
-                        self.with_plane(m, |plane, local| plane.on_probe(p, ok, now, local));
+                        // Every replica is complete: recovery is instant here.
+                        let answer = self.connected(m, p).then(|| {
+                            let map = &self.machines[p.0 as usize].map;
+                            map.iter().map(|(r, _)| r).collect()
+                        });
+                        self.with_plane(m, |plane, local| plane.on_probe(p, answer, now, local));
                     }
                     Effect::ReadStore => {
                         let stored =

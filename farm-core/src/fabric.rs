@@ -30,6 +30,9 @@ pub enum MemKey {
     Rings,
     /// Truncation feedback slots: receivers tell this machine, as a sender, how far they freed.
     Feedback,
+    /// The regions whose replica the machine holds complete, which a reconfiguration's probe
+    /// reads (§5.2 step 2): only a complete replica may be promoted.
+    Replicas,
 }
 
 /// The sending side of a queue pair: one per (machine, thread).

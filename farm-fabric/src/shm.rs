@@ -50,6 +50,7 @@ pub fn area_file(key: MemKey) -> String {
         MemKey::Region(r) => format!("region-{}", r.0),
         MemKey::Rings => "rings".to_string(),
         MemKey::Feedback => "feedback".to_string(),
+        MemKey::Replicas => "replicas".to_string(),
     }
 }
 

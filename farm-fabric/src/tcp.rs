@@ -541,6 +541,7 @@ impl Request {
             MemKey::Region(r) => (0u8, r.0),
             MemKey::Rings => (1, 0),
             MemKey::Feedback => (2, 0),
+            MemKey::Replicas => (3, 0),
         };
         out.push(self.op);
         out.push(area);
@@ -562,6 +563,7 @@ impl Request {
             0 => MemKey::Region(RegionId(region)),
             1 => MemKey::Rings,
             2 => MemKey::Feedback,
+            3 => MemKey::Replicas,
             a => return Err(format!("unknown area {a}")),
         };
         if b[2..4] != [0, 0] || b[28..32] != [0; 4] || (b[1] != 0 && region != 0) {

@@ -7,6 +7,7 @@
 //! and fabric calls return when they return (a ZooKeeper round trip in a node's control
 //! thread, at once in the simulator).
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::machine::View;
@@ -15,7 +16,7 @@ use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::{Fabric, MemKey};
-use farm_core::MachineId;
+use farm_core::{MachineId, RegionId};
 
 /// Region replicas one machine may hold (the plane's `regions_max` in every deployment).
 pub const REGIONS_PER_MACHINE_MAX: usize = 4096;
@@ -43,11 +44,12 @@ impl std::fmt::Debug for MachineControl {
     }
 }
 
-fn local<'a>(machine: &MachineState, view: &'a View) -> Local<'a> {
+fn local<'a>(machine: &MachineState, view: &'a View, copying: &'a BTreeSet<RegionId>) -> Local<'a> {
     Local {
         config: &view.config,
         map: &view.map,
         changes: &view.changes,
+        copying,
         committed: machine.committed_config(),
         all_active: machine.all_active_config(),
         regions_active: machine.regions_active(),
@@ -57,12 +59,13 @@ fn local<'a>(machine: &MachineState, view: &'a View) -> Local<'a> {
 }
 
 /// A reconfiguration probe (§5.2 step 2): a one-sided read of `m`'s memory from `me`, which
-/// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers.
-pub fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> bool {
+/// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers, of the regions
+/// whose replica `m` holds complete (`None`: no answer).
+pub fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> Option<BTreeSet<RegionId>> {
     fabric
-        .remote(me, m, MemKey::Feedback)
-        .and_then(|h| h.read(0, &mut [0u8; 8]))
-        .is_ok()
+        .remote(me, m, MemKey::Replicas)
+        .and_then(|h| crate::machine::read_complete(&*h))
+        .ok()
 }
 
 impl MachineControl {
@@ -94,7 +97,8 @@ impl MachineControl {
     /// Calls `f` with the plane and what the machine has installed now.
     fn feed(&mut self, f: impl FnOnce(&mut ControlPlane, &Local<'_>)) {
         let view = self.machine.view();
-        f(&mut self.plane, &local(&self.machine, &view));
+        let copying = self.machine.regions_to_copy().into_keys().collect();
+        f(&mut self.plane, &local(&self.machine, &view, &copying));
     }
 
     /// A control datagram from `from`, decoded: the message it completes (a long message
@@ -178,8 +182,8 @@ impl MachineControl {
                         self.next_message += 1;
                     }
                     Effect::Probe(m) => {
-                        let ok = probe(&*self.fabric, me, m);
-                        self.feed(|p, l| p.on_probe(m, ok, now, l));
+                        let answer = probe(&*self.fabric, me, m);
+                        self.feed(|p, l| p.on_probe(m, answer, now, l));
                     }
                     Effect::ReadStore => {
                         let stored = match self.store.read() {

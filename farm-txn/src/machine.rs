@@ -195,6 +195,9 @@ pub struct MachineState {
     /// Held by whoever installs a view (the control plane, region allocation), through the
     /// persistence of the view; the view's own lock only while it is swapped.
     installing: Mutex<()>,
+    /// The regions whose replica here is complete, where reconfiguration probes read them
+    /// ([`MemKey::Replicas`]; see [`MachineState::publish_complete`]).
+    complete: Arc<Nvram>,
     view_generation: AtomicU64,
     nvram_dir: Option<PathBuf>,
     /// Regions prepared for allocation (§3) and not yet committed into a view.
@@ -490,6 +493,10 @@ impl MachineState {
         }
         fabric.register(id, MemKey::Rings, rings.clone());
         fabric.register(id, MemKey::Feedback, feedback.clone());
+        // Rewritten from the view at every install: nothing is complete before the first.
+        let complete = map_area(&nvram_dir, "replicas", COMPLETE_AREA_BYTES)?;
+        write_complete(&complete, &[]);
+        fabric.register(id, MemKey::Replicas, complete.clone());
         let empty = View {
             config: config.clone(),
             map: RegionMap::default(),
@@ -504,6 +511,7 @@ impl MachineState {
             params,
             view: Mutex::new(Arc::new(empty)),
             installing: Mutex::new(()),
+            complete,
             view_generation: AtomicU64::new(0),
             nvram_dir,
             prepared: Mutex::new(prepared),
@@ -781,7 +789,26 @@ impl MachineState {
             pools,
         });
         self.view_generation.fetch_add(1, Ordering::Release);
+        drop(guard);
+        let to_copy = self.to_copy.lock().expect("poisoned");
+        self.publish_complete(&to_copy);
         Ok(())
+    }
+
+    /// Publishes, for reconfiguration probes (§5.2 step 2), the regions of the view in force
+    /// whose replica here is complete: held, and not still to copy (`to_copy`, whose lock the
+    /// caller holds, so that publications follow one another in the order of their changes).
+    fn publish_complete(&self, to_copy: &BTreeMap<RegionId, bool>) {
+        let view = self.view();
+        let ids: Vec<RegionId> = view
+            .map
+            .iter()
+            .filter(|(r, p)| {
+                p.holds(self.id) && view.region(*r).is_some() && !to_copy.contains_key(r)
+            })
+            .map(|(r, _)| r)
+            .collect();
+        write_complete(&self.complete, &ids);
     }
 
     /// Lists the regions of `map` that this machine newly holds without their data (a new
@@ -971,14 +998,13 @@ impl MachineState {
     }
 
     pub(crate) fn copy_done(&self, region: RegionId) {
-        if self
-            .to_copy
-            .lock()
-            .expect("poisoned")
-            .remove(&region)
-            .is_none()
         {
-            return;
+            let mut to_copy = self.to_copy.lock().expect("poisoned");
+            if to_copy.remove(&region).is_none() {
+                return;
+            }
+            // From now on a reconfiguration may promote this replica.
+            self.publish_complete(&to_copy);
         }
         // Failing to record it only makes a restart copy the region again.
         if let Err(e) = self.persist_copying() {
@@ -1467,6 +1493,64 @@ pub fn forget_state(nvram_dir: &Path, id: MachineId) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// [`MemKey::Replicas`]: a sequence word (odd while being rewritten), a count, then that many
+/// region ids of 4 bytes, for the replicas one machine may hold.
+const COMPLETE_AREA_BYTES: usize = 16 + 4 * crate::control::REGIONS_PER_MACHINE_MAX;
+
+/// Rewrites the complete replicas of a [`MemKey::Replicas`] area (a seqlock: readers that see
+/// the sequence word odd, or changed across their read, read again).
+fn write_complete(area: &Nvram, ids: &[RegionId]) {
+    assert!(
+        ids.len() <= crate::control::REGIONS_PER_MACHINE_MAX,
+        "{} complete replicas on one machine",
+        ids.len()
+    );
+    let mut bytes: Vec<u8> = ids.iter().flat_map(|r| r.0.to_le_bytes()).collect();
+    bytes.resize(bytes.len().next_multiple_of(8), 0);
+    // Odd while rewriting (already odd if a rewrite was cut short by a power loss).
+    let odd = area.load_u64(0, Ordering::Acquire) | 1;
+    area.store_u64(0, odd, Ordering::Relaxed);
+    std::sync::atomic::fence(Ordering::Release);
+    area.store_u64(8, ids.len() as u64, Ordering::Relaxed);
+    if !bytes.is_empty() {
+        area.write(16, &bytes);
+    }
+    area.store_u64(0, odd + 1, Ordering::Release);
+}
+
+/// Reads a machine's complete replicas from its [`MemKey::Replicas`] area through `remote`:
+/// what a reconfiguration probe learns (§5.2 step 2). An area that stays mid-rewrite for
+/// every attempt reads as no complete replica (the safe answer: nothing of it is promoted).
+pub fn read_complete(
+    remote: &dyn farm_core::fabric::RemoteMemory,
+) -> Result<BTreeSet<RegionId>, farm_core::fabric::FabricError> {
+    const ATTEMPTS: usize = 64;
+    for _ in 0..ATTEMPTS {
+        let mut head = [0u8; 16];
+        remote.read(0, &mut head)?;
+        let seq = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+        let count = u64::from_le_bytes(head[8..].try_into().expect("8 bytes")) as usize;
+        if seq % 2 == 1 || count > crate::control::REGIONS_PER_MACHINE_MAX {
+            continue;
+        }
+        let mut ids = vec![0u8; (4 * count).next_multiple_of(8)];
+        if !ids.is_empty() {
+            remote.read(16, &mut ids)?;
+        }
+        let mut again = [0u8; 8];
+        remote.read(0, &mut again)?;
+        if u64::from_le_bytes(again) != seq {
+            continue;
+        }
+        return Ok(ids
+            .chunks_exact(4)
+            .take(count)
+            .map(|b| RegionId(u32::from_le_bytes(b.try_into().expect("4 bytes"))))
+            .collect());
+    }
+    Ok(BTreeSet::new())
 }
 
 fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvram>> {

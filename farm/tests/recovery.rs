@@ -304,3 +304,81 @@ fn list_append_through_a_killed_member_is_strictly_serializable() {
     let anomalies = check(&history);
     assert!(anomalies.is_empty(), "{anomalies:#?}");
 }
+
+/// Only a complete replica becomes primary: a new backup's copy is not the region's data until
+/// data recovery finished it (§5.4). With two replicas, killing a region's primary and then,
+/// while the new backup still copies, the backup promoted in its place leaves the region
+/// without a complete replica: the CM says so, naming the region, instead of promoting the
+/// copy (whose uncopied objects would read as never written, and whose allocator scan would
+/// hand their slots out again).
+#[test]
+fn a_backup_still_copying_is_never_promoted() {
+    let c = Cluster::builder()
+        .machines(5)
+        .workers(1)
+        .replicas(2)
+        .region_bytes(4 << 20)
+        .lease(Duration::from_millis(50))
+        // One 8 KB chunk every 20 ms: the region's 1.6 MB of objects take seconds to copy.
+        .recovery_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let addrs: Vec<Addr> = (0..800u64)
+        .map(|i| c.txn(MachineId(1), |tx| tx.alloc(&[i; 128], None)).unwrap())
+        .collect();
+    let region = addrs[0].region;
+    assert!(addrs.iter().all(|a| a.region == region));
+    let before = c.view(MachineId(0)).map.get(region).unwrap().clone();
+    let (primary, backup) = (before.primary, before.backups[0]);
+    c.kill(primary);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let copying = loop {
+        let v = c.view(backup);
+        let p = v.map.get(region).unwrap();
+        if !v.config.contains(primary) && p.primary == backup {
+            let new = p.backups[0];
+            if c.machine_states()[new.0 as usize]
+                .regions_to_copy()
+                .contains_key(&region)
+            {
+                break new;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{backup} not promoted with a new backup copying: {:?}",
+            c.reconfig_events()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    c.kill(backup);
+    let named = format!("{region:?}");
+    loop {
+        for m in (0..5)
+            .map(MachineId)
+            .filter(|m| ![primary, backup].contains(m))
+        {
+            let v = c.view(m);
+            assert_ne!(
+                v.map.get(region).map(|p| p.primary),
+                Some(copying),
+                "{copying} became primary of {region:?} while copying it (configuration {}, \
+                 seen at {m})",
+                v.config.id.0
+            );
+        }
+        let lost = c
+            .reconfig_events()
+            .iter()
+            .any(|e| matches!(e, ReconfigEvent::Failed { reason, .. } if reason.contains(&named)));
+        if lost {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no attempt failed naming {region:?}: {:?}",
+            c.reconfig_events()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

@@ -12,7 +12,7 @@ use farm::zk::ZkStore;
 use farm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 use farm_cm::codec;
 use farm_core::config::Configuration;
-use farm_core::{ConfigId, MachineId};
+use farm_core::{ConfigId, MachineId, RegionId};
 
 /// Opens `n` clients of one fresh store.
 type Factory = dyn Fn(usize) -> Vec<Arc<dyn CoordinationStore>>;
@@ -202,6 +202,7 @@ fn racing_reconfigurations_have_exactly_one_winner_in_every_store() {
                             v,
                             map,
                             BTreeMap::new(),
+                            BTreeSet::new(),
                             suspects,
                             params,
                             0,
@@ -209,7 +210,8 @@ fn racing_reconfigurations_have_exactly_one_winner_in_every_store() {
                         );
                         for e in r.take_effects() {
                             if let Effect::Probe(m) = e {
-                                r.on_probe(m, true, 0);
+                                // Every replica complete (the map has four regions).
+                                r.on_probe(m, Some((0..4).map(RegionId).collect()), 0);
                             }
                         }
                         let Effect::CompareAndSet { expected, data } = r.take_effects().remove(0)
