@@ -51,7 +51,12 @@ pub const ADMIT_MACHINES_MAX: usize = 512;
 pub const OP_BYTES_MAX: usize = 64 << 20;
 
 const MAGIC: u32 = 0xfa53_7c90;
-const VERSION: u16 = 1;
+/// The version of this fabric's protocol (hellos, requests, replies), bumped with any change to
+/// them: 2 added the `Replicas` area. A hello also carries the version of the records and
+/// messages that travel inside ring writes (`farm_core::wire::WIRE_VERSION`); a peer that
+/// differs in either is refused at its hello, and both sides say which versions met.
+pub const VERSION: u16 = 2;
+const RECORDS: u8 = farm_core::wire::WIRE_VERSION;
 const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;
 const REQUEST_BYTES: usize = 32;
@@ -75,6 +80,29 @@ const ACK_OK: u32 = 0;
 const ACK_BAD_FRAMING: u32 = 1;
 const ACK_OTHER_CLUSTER: u32 = 2;
 const ACK_OTHER_MACHINE: u32 = 3;
+/// The low byte of the acknowledgement; above it, the refusing side's record version (bits
+/// 8-15) and fabric version (bits 16-31).
+const ACK_OTHER_VERSION: u32 = 4;
+
+/// The acknowledgement refusing a peer of other versions: it names this build's.
+const fn other_version_ack() -> u32 {
+    ACK_OTHER_VERSION | (RECORDS as u32) << 8 | (VERSION as u32) << 16
+}
+
+/// Why a peer's acknowledgement `verdict` refused this machine's hello.
+fn refusal(verdict: u32) -> String {
+    match verdict & 0xff {
+        ACK_OTHER_CLUSTER => "it belongs to another cluster".into(),
+        ACK_OTHER_MACHINE => "it is not that machine".into(),
+        ACK_OTHER_VERSION => format!(
+            "it speaks fabric protocol {} with records of version {}; this build speaks {VERSION} \
+             with records of version {RECORDS}",
+            verdict >> 16,
+            (verdict >> 8) & 0xff
+        ),
+        _ => "it does not speak this protocol".into(),
+    }
+}
 
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -364,16 +392,23 @@ fn serve(
     let (src, verdict) = check_hello(hello, served);
     if verdict != ACK_OK {
         served.reject();
-        let reason = match verdict {
-            ACK_OTHER_CLUSTER => "another cluster's",
-            ACK_OTHER_MACHINE => "for another machine",
-            _ => "bad framing in its hello",
+        let reason = match verdict & 0xff {
+            ACK_OTHER_CLUSTER => "another cluster's".to_string(),
+            ACK_OTHER_MACHINE => "for another machine".to_string(),
+            ACK_OTHER_VERSION => format!(
+                "machine {} speaks fabric protocol {} with records of version {}; this build \
+                 speaks {VERSION} with records of version {RECORDS}",
+                src.0,
+                u16::from_le_bytes([hello[4], hello[5]]),
+                hello[10]
+            ),
+            _ => "bad framing in its hello".to_string(),
         };
         tracing::warn!(machine = served.me.0, %peer, "refused a connection: {reason}");
         out.write_all(&MAGIC.to_le_bytes())?;
         out.write_all(&verdict.to_le_bytes())?;
         out.flush()?;
-        return Err(ConnEnd::Refused(reason.into()));
+        return Err(ConnEnd::Refused(reason));
     }
     if let Some(c) = served
         .conns
@@ -492,16 +527,17 @@ fn serve(
 fn check_hello(hello: &[u8], served: &Served) -> (MachineId, u32) {
     let u16_at = |i: usize| u16::from_le_bytes([hello[i], hello[i + 1]]);
     let src = MachineId(u16_at(6));
-    let verdict =
-        if hello[..4] != MAGIC.to_le_bytes() || u16_at(4) != VERSION || hello[10..16] != [0; 6] {
-            ACK_BAD_FRAMING
-        } else if hello[16..24] != served.cluster.to_le_bytes() {
-            ACK_OTHER_CLUSTER
-        } else if u16_at(8) != served.me.0 || src.0 as usize >= served.machines {
-            ACK_OTHER_MACHINE
-        } else {
-            ACK_OK
-        };
+    let verdict = if hello[..4] != MAGIC.to_le_bytes() || hello[11..16] != [0; 5] {
+        ACK_BAD_FRAMING
+    } else if u16_at(4) != VERSION || hello[10] != RECORDS {
+        other_version_ack()
+    } else if hello[16..24] != served.cluster.to_le_bytes() {
+        ACK_OTHER_CLUSTER
+    } else if u16_at(8) != served.me.0 || src.0 as usize >= served.machines {
+        ACK_OTHER_MACHINE
+    } else {
+        ACK_OK
+    };
     (src, verdict)
 }
 
@@ -800,6 +836,7 @@ impl Link {
         hello[..4].copy_from_slice(&MAGIC.to_le_bytes());
         hello[4..6].copy_from_slice(&VERSION.to_le_bytes());
         hello[6..8].copy_from_slice(&self.me.0.to_le_bytes());
+        hello[10] = RECORDS;
         hello[8..10].copy_from_slice(&self.dst.0.to_le_bytes());
         hello[16..24].copy_from_slice(&self.cluster.to_le_bytes());
         (&stream).write_all(&hello)?;
@@ -807,11 +844,7 @@ impl Link {
         (&stream).read_exact(&mut ack)?;
         let verdict = u32::from_le_bytes(ack[4..8].try_into().expect("4 bytes"));
         if ack[..4] != MAGIC.to_le_bytes() || verdict != ACK_OK {
-            let reason = match verdict {
-                ACK_OTHER_CLUSTER => "it belongs to another cluster",
-                ACK_OTHER_MACHINE => "it is not that machine",
-                _ => "it does not speak this protocol",
-            };
+            let reason = refusal(verdict);
             tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
                 "the peer refused the connection: {reason}");
             return Err(io::Error::new(io::ErrorKind::ConnectionRefused, reason));
@@ -1274,5 +1307,26 @@ impl ProcessFabric for TcpFabric {
     /// This machine's NIC thread rings the doorbell after each write into the rings.
     fn wait_for_writes(&self, seen: u64, timeout: Duration) {
         self.claim.doorbell.wait(seen, timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A machine refused for its versions says which met: the peer's (from its
+    /// acknowledgement) and its own.
+    #[test]
+    fn a_version_refusal_names_both_sides_versions() {
+        let verdict = ACK_OTHER_VERSION | 7 << 8 | 1 << 16;
+        assert_eq!(
+            refusal(verdict),
+            format!(
+                "it speaks fabric protocol 1 with records of version 7; this build speaks \
+                 {VERSION} with records of version {RECORDS}"
+            )
+        );
+        assert_eq!(other_version_ack() & 0xff, ACK_OTHER_VERSION);
+        assert_eq!(refusal(ACK_OTHER_CLUSTER), "it belongs to another cluster");
     }
 }

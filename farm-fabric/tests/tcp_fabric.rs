@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, WriteTicket};
 use farm_core::nvram::Nvram;
+use farm_core::wire::WIRE_VERSION;
 use farm_core::{MachineId, RegionId, ThreadId};
 use farm_fabric::process::{ProcessFabric, StartError};
-use farm_fabric::tcp::TcpFabric;
+use farm_fabric::tcp::{TcpFabric, VERSION as FABRIC_VERSION};
 
 const CLUSTER: u64 = 0x7c9_c1a5;
 const REGION_BYTES: usize = 64 << 10;
@@ -196,13 +197,26 @@ fn writes_from_machines_not_admitted_are_refused() {
 /// A raw connection: sends `hello` and returns the acknowledgement's status, or `None` if the
 /// NIC closed the connection without one.
 fn raw_hello(addr: SocketAddr, cluster: u64, src: u16, dst: u16) -> (TcpStream, u32) {
+    raw_hello_speaking(addr, cluster, src, dst, FABRIC_VERSION, WIRE_VERSION)
+}
+
+/// A raw hello that says it speaks fabric protocol `version` with records of `records`.
+fn raw_hello_speaking(
+    addr: SocketAddr,
+    cluster: u64,
+    src: u16,
+    dst: u16,
+    version: u16,
+    records: u8,
+) -> (TcpStream, u32) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hello = [0u8; 24];
     hello[..4].copy_from_slice(&0xfa53_7c90u32.to_le_bytes());
-    hello[4..6].copy_from_slice(&1u16.to_le_bytes());
+    hello[4..6].copy_from_slice(&version.to_le_bytes());
     hello[6..8].copy_from_slice(&src.to_le_bytes());
     hello[8..10].copy_from_slice(&dst.to_le_bytes());
+    hello[10] = records;
     hello[16..24].copy_from_slice(&cluster.to_le_bytes());
     s.write_all(&hello).unwrap();
     let mut ack = [0u8; 8];
@@ -282,6 +296,33 @@ fn messages_not_from_the_cluster_are_refused_and_change_nothing() {
     assert!(closed(&mut s));
     assert_eq!(word(&mem1, 24), 0);
     assert_eq!(f1.rejections(), 6);
+}
+
+/// A peer built with another fabric protocol, or with another version of the records that
+/// travel in ring writes, is refused at its hello: the acknowledgement names this build's
+/// versions (and the refused side logs both), and the connection closes before any request.
+#[test]
+fn a_peer_of_another_version_is_refused_and_told_which_versions_this_build_speaks() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f1, _mem1) = machine(root.path(), M1, &addrs);
+    f1.admit(M1, &[M0, M1]);
+    for (version, records) in [
+        (FABRIC_VERSION - 1, WIRE_VERSION),
+        (FABRIC_VERSION + 1, WIRE_VERSION),
+        (FABRIC_VERSION, WIRE_VERSION + 1),
+    ] {
+        let (mut s, status) = raw_hello_speaking(addrs[1], CLUSTER, 0, 1, version, records);
+        assert_eq!(
+            (status & 0xff, status >> 16, (status >> 8) & 0xff),
+            (4, FABRIC_VERSION as u32, WIRE_VERSION as u32),
+            "a hello speaking {version}/{records}"
+        );
+        assert!(closed(&mut s));
+    }
+    assert_eq!(f1.rejections(), 3);
+    let (_s, status) = raw_hello(addrs[1], CLUSTER, 0, 1);
+    assert_eq!(status, 0, "this build's own hello");
 }
 
 #[test]
