@@ -280,6 +280,17 @@ impl CmLeases {
         self.members.values().filter_map(|m| m.cm_expires).max()
     }
 
+    /// Until when the CM holds a lease at every member (`u64::MAX` without members; 0 while a
+    /// member has granted none yet): any member whose grant ran out may drive the
+    /// configuration that removes the CM (§5.2 step 1).
+    pub fn every_lease_until(&self) -> u64 {
+        self.members
+            .values()
+            .map(|m| m.cm_expires.unwrap_or(0))
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
     /// Whether the CM holds a valid lease at `member` at `now`.
     pub fn holds_lease_at(&self, member: MachineId, now: u64) -> bool {
         self.members
@@ -480,6 +491,22 @@ impl LeaseRole {
         }
     }
 
+    /// Until when this machine may tell an application what it read (FaRM §5.1): while the
+    /// leases it holds may not have run out at the machines that could remove it. A member,
+    /// while its lease at the CM holds (it runs from the REQUEST's sending, so it ends here no
+    /// later than at the CM); the CM, while every member's grant holds (a member whose grant
+    /// ran out may drive the configuration that removes the CM). A configuration's removed
+    /// machines are dropped only after their leases surely ended (§5.2 step 7), so a machine
+    /// that reads and then finds `now` within this bound read what was current. Outside the
+    /// configuration: never (0).
+    pub fn serves_until(&self) -> u64 {
+        match self {
+            LeaseRole::Cm(c) => c.every_lease_until(),
+            LeaseRole::Member(m) => m.lease_expires().unwrap_or(0),
+            LeaseRole::Out => 0,
+        }
+    }
+
     /// This machine's lease manager was not scheduled for `ticks` past a round: credited to
     /// the leases it granted, never to those it holds (see [`CmLeases::stalled`]).
     pub fn stalled(&mut self, ticks: u64) {
@@ -677,6 +704,57 @@ mod tests {
     /// install a configuration one after another; a member that installs it one and a half
     /// leases after its CM keeps its leases meanwhile (with fresh leases at every configuration
     /// it suspected the CM), and a new member gets a lease period.
+    /// Issue 16 case 3: a machine serves what it reads only while the leases that keep it a
+    /// member may not have run out where it could be removed. A member until its own lease at
+    /// the CM ends (a stall does not move it); the CM until the first member's grant ends.
+    #[test]
+    fn a_machine_serves_only_while_the_leases_keeping_it_a_member_hold() {
+        let t = LeaseConfig::new(100);
+        let (cm_id, a, b) = (MachineId(0), MachineId(1), MachineId(2));
+        let config = Configuration::initial(3);
+        let mut cm = LeaseRole::new(cm_id, &config, t, 0);
+        let mut la = LeaseRole::new(a, &config, t, 0);
+        let mut lb = LeaseRole::new(b, &config, t, 0);
+        assert_eq!(
+            [cm.serves_until(), la.serves_until(), lb.serves_until()],
+            [0; 3],
+            "nothing served before the first grants"
+        );
+        // a and b request at 10 and 20; the CM grants and asks at 12 and 22; they grant at 14
+        // and 24.
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        for (m, l, at) in [(a, &mut la, 10), (b, &mut lb, 20)] {
+            l.tick(at, &mut out, &mut ev);
+            let (_, req) = out.pop().unwrap();
+            cm.on_datagram(m, req, at + 2, &mut out);
+            let (_, grant_req) = out.pop().unwrap();
+            l.on_datagram(cm_id, grant_req, at + 4, &mut out);
+            if m == a {
+                assert_eq!(cm.serves_until(), 0, "b has not granted the CM a lease yet");
+            }
+            let (_, grant) = out.pop().unwrap();
+            cm.on_datagram(m, grant, at + 4, &mut out);
+        }
+        assert_eq!(la.serves_until(), 110, "a's lease runs from its request");
+        assert_eq!(lb.serves_until(), 120);
+        assert_eq!(
+            cm.serves_until(),
+            112,
+            "the CM's lease at a, from its GRANT-REQUEST, ends first"
+        );
+        la.stalled(500);
+        cm.stalled(500);
+        assert_eq!(
+            (la.serves_until(), cm.serves_until()),
+            (110, 112),
+            "a stall moved a held lease"
+        );
+        let alone = Configuration::initial(1);
+        assert_eq!(LeaseRole::new(cm_id, &alone, t, 0).serves_until(), u64::MAX);
+        let out_of = LeaseRole::new(MachineId(5), &config, t, 0);
+        assert_eq!(out_of.serves_until(), 0);
+    }
+
     #[test]
     fn a_configuration_with_the_same_cm_carries_the_leases_over() {
         let t = LeaseConfig::new(100);

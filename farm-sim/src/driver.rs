@@ -151,6 +151,8 @@ enum Client {
 struct Effects {
     allocated: Option<(Addr, u64)>,
     freed: Option<Addr>,
+    /// Wrote nothing: committed on its reads alone, told only while the lease holds.
+    read_only: bool,
 }
 
 /// A simulated cluster.
@@ -748,10 +750,10 @@ impl Sim {
     }
 
     fn advance_client(&mut self, c: usize, start_new: bool) {
-        // A machine checks its own lease before it tells an application anything (FaRM relies
-        // on bounded clock drift here, §5.1): one removed meanwhile stops instead, however long
-        // it took to notice for its other work. Otherwise a resumed machine could report a
-        // read-only transaction served from its stale replicas.
+        // A machine removed meanwhile stops once its own lease tells it so, however long it
+        // took to notice for its other work (fail-stop, as a deployment learns it from the
+        // store). Until then a read-only commit is told only while its lease holds
+        // (`MachineState::serves_at`, below, as in the runtime).
         let m = self.workers[c].machine().id;
         if self.leases.orphan_expired(m, self.now) {
             self.leases.forget_orphan(m);
@@ -765,7 +767,9 @@ impl Sim {
                 None => self.clients[c] = Client::Committing(rec, effects),
                 Some(r) => {
                     rec.complete = self.now;
-                    rec.committed = r.is_ok();
+                    let machine = self.workers[c].machine();
+                    rec.committed =
+                        r.is_ok() && (!effects.read_only || machine.serves_at(self.now));
                     if rec.committed {
                         if let Some(a) = effects.freed {
                             self.temps[c].retain(|(t, _)| *t != a);
@@ -885,6 +889,7 @@ impl Sim {
         };
         match result {
             Ok(()) => {
+                effects.read_only = state.is_read_only();
                 self.workers[c].start_commit(state);
                 self.clients[c] = Client::Committing(rec, effects);
             }
@@ -1228,6 +1233,10 @@ fn lease_round(
         for x in leases.step_machine(m, fabric, now) {
             cm.suspect(x, m, now);
         }
+    }
+    // What each machine may tell its applications, as the runtime's lease threads publish it.
+    for machine in machines {
+        machine.set_serves_until(leases.serves_until(machine.id));
     }
     out
 }

@@ -72,7 +72,10 @@ impl SimLeases {
                 }
             }
             if !config.contains(self.cm) {
-                let until = self.cm_leases.cm_lease_expires().unwrap_or(now);
+                let until = match self.cm_leases.every_lease_until() {
+                    u64::MAX => now,
+                    until => until,
+                };
                 self.orphans.insert(self.cm, until);
             }
         }
@@ -151,6 +154,19 @@ impl SimLeases {
             .drain(..)
             .map(|LeaseEvent::Suspect(x)| x)
             .collect()
+    }
+
+    /// Until when machine `m` may tell an application what it read, as the runtime's lease
+    /// manager computes it (`LeaseRole::serves_until`): a member's own lease, every lease the
+    /// CM holds at its members, an orphan's last one; never for a spare.
+    pub fn serves_until(&self, m: MachineId) -> u64 {
+        if m == self.cm {
+            self.cm_leases.every_lease_until()
+        } else if let Some(l) = self.members.get(&m) {
+            l.lease_expires().unwrap_or(0)
+        } else {
+            self.orphans.get(&m).copied().unwrap_or(0)
+        }
     }
 
     /// Whether orphan `m`'s own lease has run out at `now` (it knows it is out).

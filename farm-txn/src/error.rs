@@ -27,6 +27,11 @@ pub enum TxError {
     /// decided by recovery (§5.3), and the caller cannot know how. Never retried.
     #[error("machine {0} was removed from the configuration; it must rejoin before coordinating")]
     Evicted(MachineId),
+    /// The coordinator's machine read while its lease may have run out (FaRM §5.1): a
+    /// configuration without it may already serve newer values, so what it read is not told.
+    /// `txn()` retries: once the lease is renewed, or the machine learns it was removed.
+    #[error("machine {0} does not hold its lease: it serves nothing until renewed")]
+    LeaseLapsed(MachineId),
     /// The coordinator's own machine failed during the commit: recovery decides the outcome
     /// (§5.3), and the caller cannot know it. Never retried.
     #[error("the coordinator machine {0} failed during the commit; recovery decides the outcome")]
@@ -87,6 +92,7 @@ impl TxError {
                 | TxError::RegionBlocked(_)
                 | TxError::ConfigurationChanged
                 | TxError::Unavailable(_)
+                | TxError::LeaseLapsed(_)
         )
     }
 }

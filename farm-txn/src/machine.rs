@@ -219,6 +219,9 @@ pub struct MachineState {
     /// Removed from the configuration while alive (a false suspicion or a partition): its
     /// coordinators can no longer commit, since members ignore its logs (§5.2).
     evicted: std::sync::atomic::AtomicBool,
+    /// Until when (in the ticks of the machine's lease manager, which the runtime's polls
+    /// share) this machine may tell an application what it read; see [`MachineState::serves_at`].
+    serves_until: AtomicU64,
     /// Regions this machine holds as a new backup, still to be copied from their primary.
     /// With whether the region is down to one replica that holds its data (then the copy runs
     /// at the aggressive pace, §5.4). Kept in NVRAM too (a restart must not take an unfinished
@@ -519,6 +522,7 @@ impl MachineState {
             drained: Mutex::new((config.id, BTreeSet::new())),
             all_active: AtomicU64::new(config.id.0),
             evicted: std::sync::atomic::AtomicBool::new(false),
+            serves_until: AtomicU64::new(0),
             copying_persisted: Mutex::new(to_copy.clone()),
             to_copy: Mutex::new(to_copy),
             views: Mutex::new(views),
@@ -964,6 +968,22 @@ impl MachineState {
     /// Whether this machine was removed from the configuration while alive.
     pub fn is_evicted(&self) -> bool {
         self.evicted.load(Ordering::Acquire)
+    }
+
+    /// The lease manager's bound on serving (`farm_cm::LeaseRole::serves_until`), after each
+    /// of its rounds.
+    pub fn set_serves_until(&self, until: u64) {
+        self.serves_until.store(until, Ordering::Release);
+    }
+
+    /// Whether a read that finished before `now` may be told to an application (FaRM §5.1):
+    /// the leases that keep this machine a member held then, so no configuration without it
+    /// was in force yet (one commits only once its removed machines' leases surely ended,
+    /// §5.2 step 7). `now` must be read after the read it vouches for; a machine paused past
+    /// its lease, removed and continued would otherwise serve its stale replicas until it
+    /// learns the new configuration.
+    pub fn serves_at(&self, now: u64) -> bool {
+        now <= self.serves_until.load(Ordering::Acquire)
     }
 
     /// ALL-REGIONS-ACTIVE from the CM (§5.4): data and allocator recovery may start.

@@ -55,7 +55,10 @@ pub(crate) const HOSTS_MAX: usize = 64;
 fn waits_for_recovery(e: &TxError) -> bool {
     matches!(
         e,
-        TxError::Unavailable(_) | TxError::RegionBlocked(_) | TxError::ConfigurationChanged
+        TxError::Unavailable(_)
+            | TxError::RegionBlocked(_)
+            | TxError::ConfigurationChanged
+            | TxError::LeaseLapsed(_)
     )
 }
 
@@ -431,6 +434,7 @@ impl Hosts {
                 return Err(e);
             }
         };
+        let read_only = state.is_read_only();
         host.workers[i].start_commit(state);
         let mut backoff = Backoff::new();
         let started = self.now();
@@ -447,6 +451,12 @@ impl Hosts {
             let now = self.now();
             if let Some(r) = host.workers[i].poll_commit(now) {
                 if r.is_ok() {
+                    // A read-only transaction committed on reads alone: told only if the lease
+                    // held when they ended (a fresh clock, read after them). A transaction
+                    // that wrote committed at its primaries and backups, all members.
+                    if read_only && !host.workers[i].machine().serves_at(self.now()) {
+                        return Err(TxError::LeaseLapsed(machine));
+                    }
                     host.record_commit(now);
                 }
                 return r.map(|()| value);
@@ -504,11 +514,23 @@ impl Hosts {
         let i = host.index_of(machine);
         let mut backoff = Backoff::new();
         let mut attempt = 0;
+        let started = Instant::now();
         loop {
             // As for transactions: a read issued from a machine that is gone fails at once (its
             // view is stale; its reads would wait for recovery that never reaches it).
             self.may_coordinate(&host.workers[i])?;
             match host.workers[i].read_object_into(addr, buf) {
+                // Told only if the lease held when the read ended (FaRM §5.1).
+                Ok(_) if !host.workers[i].machine().serves_at(self.now()) => {
+                    if started.elapsed() >= RECOVERY_WAIT_MAX {
+                        return Err(TxError::LeaseLapsed(machine));
+                    }
+                    if host.poll_until_idle(|| self.now()) {
+                        backoff.reset();
+                    } else {
+                        backoff.idle();
+                    }
+                }
                 Ok(h) if h.allocated() => return Ok(()),
                 Ok(_) => {
                     return Err(TxError::BadAddress {

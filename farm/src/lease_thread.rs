@@ -206,6 +206,9 @@ fn run(
                 role.on_datagram(from, msg, now, &mut out);
             }
             role.tick(now, &mut out, &mut events);
+            // What the machine's polls may tell applications (`MachineState::serves_at`):
+            // they count time from the same epoch.
+            machine.set_serves_until(role.serves_until());
             for (to, msg) in out.drain(..) {
                 fabric.send_datagram(me, to, &msg.encode(), now);
             }

@@ -332,11 +332,14 @@ impl Node {
         };
         let stop = Arc::new(AtomicBool::new(false));
         let suspicions = Arc::new(Mutex::new(Vec::new()));
+        // One clock for the lease thread and the polls: the polls compare their time with
+        // the lease's bound (`MachineState::serves_at`).
+        let epoch = Instant::now();
         let leases = LeaseThreads::start(
             std::slice::from_ref(&machine),
             Arc::new(LeaseLength::new(config.lease)),
             fabric.clone() as Arc<dyn Fabric>,
-            Instant::now(),
+            epoch,
             // Past the start barrier, processes start their lease threads within a poll of
             // each other, unless one stalls (two cores, three processes faulting in their
             // regions: tens of milliseconds, seen over tcp) or its last probe is slow.
@@ -348,7 +351,7 @@ impl Node {
             workers.into_iter().map(|w| Host::new(vec![w])).collect(),
             fabric.clone() as Arc<dyn Fabric>,
             IdleWait::Doorbell(fabric.clone()),
-            Instant::now(),
+            epoch,
         ));
         let pollers = hosts.start_pollers(&[]);
         let committed = Arc::new(Mutex::new(Vec::new()));
@@ -360,7 +363,7 @@ impl Node {
                 suspicions: suspicions.clone(),
                 lease: config.lease,
                 replicas: config.replicas as usize,
-                epoch: Instant::now(),
+                epoch,
                 stop: stop.clone(),
                 committed: committed.clone(),
                 ring_starts,

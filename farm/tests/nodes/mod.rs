@@ -89,7 +89,7 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         base_port: port,
         lease: match mode {
             "bank" => BANK_LEASE,
-            "kill" | "append" | "run" | "restarted" | "rejoin" | "failover" => KILL_LEASE,
+            "kill" | "append" | "stale" | "run" | "restarted" | "rejoin" | "failover" => KILL_LEASE,
             _ => LEASE,
         },
         start_timeout: Duration::from_secs(30),
@@ -97,7 +97,7 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         // The failure tests re-replicate onto the third machine (§5.4).
         // With three replicas on three machines, a machine that rejoins gets a replica of
         // every region, copied from the primaries (§5.4).
-        replicas: if matches!(mode, "kill" | "append" | "run" | "restarted") {
+        replicas: if matches!(mode, "kill" | "append" | "stale" | "run" | "restarted") {
             2
         } else {
             3
@@ -149,7 +149,8 @@ pub fn child_main() {
     match mode.as_str() {
         "bank" => bank(&node, dir),
         "kill" | "failover" => bank_until_stopped(&node, dir),
-        "append" => append_until_stopped(&node, dir),
+        "append" => append_until_stopped(&node, dir, 2),
+        "stale" => append_until_stopped(&node, dir, 3),
         "run" => run_until_killed(&node, dir),
         "restarted" => restarted(&node, dir),
         _ => {}
@@ -411,21 +412,33 @@ pub fn host_ns() -> u64 {
 /// `<dir>/stop`, printing each acknowledged one as `txn <invoke> <complete> <ops>` (`a:key:value`
 /// or `r:key:v.v.v`); machine 2 only holds lists (it is the one killed). Then machine 0 prints
 /// a final read of every list as a last transaction, and `done`.
-fn append_until_stopped(node: &Node, dir: &Path) {
+/// List-append transactions from the first `writers` machines until `<dir>/stop` appears (or,
+/// for a machine removed meanwhile, until it learns it: `evicted <host ns>`); machine 0 then
+/// reads every list. With three, machine 2 only reads, as fast as it can, while the others
+/// append every few milliseconds (so that the lists do not fill up while it is stopped).
+fn append_until_stopped(node: &Node, dir: &Path, writers: u64) {
     let keys = open_objects(node, dir, |tx| tx.alloc(&[0u64; LIST_CAP + 1], None));
     let me = node.id().0 as u64;
     let stop = dir.join("stop");
     let mut next = rng(node);
     let mut i = 0u64;
-    while me < 2 && !stop.exists() {
+    while me < writers && !stop.exists() {
+        let reader = writers == 3 && me == 2;
         let plan: Vec<(usize, bool)> = (0..1 + next(3))
-            .map(|_| (next(keys.len() as u64) as usize, next(2) == 0))
+            .map(|_| (next(keys.len() as u64) as usize, !reader && next(2) == 0))
             .collect();
+        if writers == 3 && !reader {
+            std::thread::sleep(Duration::from_millis(3));
+        }
         let base = (me << 40) | (i << 4);
         i += 1;
         let invoke = host_ns();
         match node.txn(|tx| list_append(tx, &keys, &plan, base)) {
             Ok(ops) => println!("txn {invoke} {} {}", host_ns(), encode_ops(&ops)),
+            Err(farm::TxError::Evicted(_)) => {
+                println!("evicted {}", host_ns());
+                break;
+            }
             Err(e) => println!("error {e}"),
         }
     }
