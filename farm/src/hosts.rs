@@ -411,6 +411,11 @@ impl Hosts {
     ) -> Result<R, TxError> {
         let i = host.index_of(machine);
         self.may_coordinate(&host.workers[i])?;
+        // A machine whose lease may have run out starts nothing (FaRM §5.1): `txn()` waits
+        // for the renewal (or for learning it was removed) before it runs the closure.
+        if !host.workers[i].machine().serves_at(self.now()) {
+            return Err(TxError::LeaseLapsed(machine));
+        }
         let (value, state) = {
             // The coordinator worker executes; the host's other workers are polled while the
             // execution waits (an allocation at a remote primary hosted by this very thread).
