@@ -60,6 +60,20 @@ pub enum StartError {
         /// The cluster id asked for.
         expected: u64,
     },
+    /// The NVRAM directory was made by a build whose records (logs, queues) are of another
+    /// version: this build could not read them, nor its peers on the directory this build's.
+    #[error(
+        "the NVRAM directory {dir} holds records of version {found}; this build reads and \
+         writes version {expected}: run the build that made it, or use another directory"
+    )]
+    OtherVersion {
+        /// The directory.
+        dir: String,
+        /// The record version stamped in it.
+        found: u8,
+        /// This build's record version (`farm_core::wire::WIRE_VERSION`).
+        expected: u8,
+    },
     /// Another live process runs this machine.
     #[error("machine {0} already runs in another process (its `alive` lock is held)")]
     AlreadyRunning(MachineId),
@@ -126,14 +140,18 @@ pub(crate) fn claim_machine(dir: &Path, cluster: u64, me: MachineId) -> Result<C
     })
 }
 
-/// Stamps `dir` with the cluster id, or checks the stamp already there: a directory holds the
-/// NVRAM of one cluster only. The stamp appears whole (written aside, then linked into place),
-/// so racing first processes of one cluster all read the same id.
+/// Stamps `dir` with the cluster id and the version of the records its logs and queues hold
+/// (`farm_core::wire::WIRE_VERSION`), or checks the stamp already there: a directory holds the
+/// NVRAM of one cluster only, written by builds that read each other's records (a restart on
+/// it, or a peer on the `shm` fabric). The stamp appears whole (written aside, then linked
+/// into place), so racing first processes of one cluster all read the same one. A stamp
+/// without a version line predates it: version 1.
 fn stamp_cluster(dir: &Path, me: MachineId, cluster: u64) -> Result<(), StartError> {
     let stamp = dir.join("cluster");
+    let records = farm_core::wire::WIRE_VERSION;
     if !stamp.exists() {
         let aside = dir.join(format!("cluster.m{}", me.0));
-        std::fs::write(&aside, format!("{cluster:#x}\n"))
+        std::fs::write(&aside, format!("{cluster:#x}\nrecords {records}\n"))
             .map_err(io_err(format!("writing {}", aside.display())))?;
         // Fails if another process linked its stamp first: then that one is checked below.
         let _ = std::fs::hard_link(&aside, &stamp);
@@ -141,17 +159,35 @@ fn stamp_cluster(dir: &Path, me: MachineId, cluster: u64) -> Result<(), StartErr
     }
     let text =
         std::fs::read_to_string(&stamp).map_err(io_err(format!("reading {}", stamp.display())))?;
-    let found = u64::from_str_radix(text.trim().trim_start_matches("0x"), 16).map_err(|e| {
+    let invalid = |what: String| {
         io_err(format!("reading {}", stamp.display()))(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("not a cluster id: {e}"),
+            what,
         ))
-    })?;
+    };
+    let mut lines = text.lines();
+    let id = lines.next().unwrap_or_default().trim();
+    let found = u64::from_str_radix(id.trim_start_matches("0x"), 16)
+        .map_err(|e| invalid(format!("not a cluster id: {e}")))?;
     if found != cluster {
         return Err(StartError::OtherCluster {
             dir: dir.display().to_string(),
             found,
             expected: cluster,
+        });
+    }
+    let stamped = match lines.next().map(str::trim) {
+        None | Some("") => 1,
+        Some(line) => line
+            .strip_prefix("records ")
+            .and_then(|v| v.parse::<u8>().ok())
+            .ok_or_else(|| invalid(format!("not a record version: {line:?}")))?,
+    };
+    if stamped != records {
+        return Err(StartError::OtherVersion {
+            dir: dir.display().to_string(),
+            found: stamped,
+            expected: records,
         });
     }
     Ok(())
@@ -344,4 +380,50 @@ impl Datagrams {
 thread_local! {
     /// Each reader thread's receive buffer, allocated once.
     static RECV_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory holds records of one version: a build whose records differ (a restart on
+    /// it after an upgrade, or a peer process of another build on `shm`) is refused, naming
+    /// both versions. A new directory is stamped with this build's; a stamp from before
+    /// versions were stamped holds version 1.
+    #[test]
+    fn a_directory_of_another_record_version_is_refused_naming_both() {
+        const CLUSTER: u64 = 0x5eed;
+        let records = farm_core::wire::WIRE_VERSION;
+        let dir = tempfile::tempdir().unwrap();
+        stamp_cluster(dir.path(), MachineId(0), CLUSTER).unwrap();
+        stamp_cluster(dir.path(), MachineId(1), CLUSTER).unwrap();
+        let stamp = std::fs::read_to_string(dir.path().join("cluster")).unwrap();
+        assert_eq!(stamp, format!("{CLUSTER:#x}\nrecords {records}\n"));
+
+        let newer = records + 1;
+        std::fs::write(
+            dir.path().join("cluster"),
+            format!("{CLUSTER:#x}\nrecords {newer}\n"),
+        )
+        .unwrap();
+        match stamp_cluster(dir.path(), MachineId(0), CLUSTER) {
+            Err(e @ StartError::OtherVersion { .. }) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains(&format!("records of version {newer}"))
+                        && msg.contains(&format!("writes version {records}")),
+                    "{msg}"
+                );
+            }
+            other => panic!("a directory of records {newer} was opened: {other:?}"),
+        }
+
+        std::fs::write(dir.path().join("cluster"), format!("{CLUSTER:#x}\n")).unwrap();
+        let opened = stamp_cluster(dir.path(), MachineId(0), CLUSTER);
+        assert_eq!(
+            opened.is_ok(),
+            records == 1,
+            "a stamp without a version (version 1) with records {records}: {opened:?}"
+        );
+    }
 }
