@@ -1015,6 +1015,13 @@ impl Sim {
         for w in &self.workers {
             stats.add(w.stats());
         }
+        // Every machine here runs this build: a record that does not decode is a bug, which
+        // a worker only logs and skips (it may be another build's elsewhere).
+        assert_eq!(
+            stats.malformed, 0,
+            "seed {}: workers skipped records that did not decode",
+            self.config.seed
+        );
         SimOutcome {
             history: self.history,
             anomalies,

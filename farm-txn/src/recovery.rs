@@ -682,12 +682,14 @@ impl Worker {
             }
         };
         while let Some(pos) = self.inbound[sender.0 as usize].log.poll(&mut buf) {
-            let rec = farm_core::wire::LogRecord::decode(&buf).unwrap_or_else(|e| {
-                panic!(
-                    "corrupt log record from {sender} at {} with a valid checksum: {e}",
-                    pos.0
-                )
-            });
+            let rec = match farm_core::wire::LogRecord::decode(&buf) {
+                Ok(rec) => rec,
+                Err(e) => {
+                    self.malformed(sender, farm_core::ring::RingKind::Log, pos, &e);
+                    self.inbound[sender.0 as usize].log.release(pos);
+                    continue;
+                }
+            };
             if rec.txn.config >= restart {
                 self.on_log_record(sender, pos, rec);
                 continue;

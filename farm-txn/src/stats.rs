@@ -52,6 +52,9 @@ pub struct Stats {
     /// Records a whole-cluster restart found past a log's drain mark, of transactions the
     /// drain made recovering, and rejected again (see `MachineState::drain_mark`).
     pub restart_late_rejected: u64,
+    /// Records and messages from other machines that passed their checksum but did not decode
+    /// (another build's, or a peer's bug): logged and skipped, nothing applied.
+    pub malformed: u64,
 }
 
 impl Stats {
@@ -106,7 +109,8 @@ impl Stats {
             recovery_votes,
             recovered_commits,
             recovered_aborts,
-            restart_late_rejected
+            restart_late_rejected,
+            malformed
         );
     }
 }

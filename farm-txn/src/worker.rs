@@ -668,10 +668,10 @@ impl Worker {
             busy = true;
             match LogRecord::decode(&buf) {
                 Ok(rec) => self.on_log_record(sender, pos, rec),
-                Err(e) => panic!(
-                    "corrupt log record from {sender} at {} with a valid checksum: {e}",
-                    pos.0
-                ),
+                Err(e) => {
+                    self.malformed(sender, RingKind::Log, pos, &e);
+                    self.inbound[sender.0 as usize].log.release(pos);
+                }
             }
         }
         self.buf = buf;
@@ -679,6 +679,28 @@ impl Worker {
             self.report_freed(sender, RingKind::Log, false);
         }
         busy
+    }
+
+    /// A record or message from `sender` whose checksum held but which does not decode (a
+    /// peer of another build, or a peer's bug): logged, counted, and skipped by the caller,
+    /// nothing applied. A worker panics only for what means its own memory is corrupt.
+    pub(crate) fn malformed(
+        &mut self,
+        sender: MachineId,
+        kind: RingKind,
+        pos: farm_core::ring::RecordPos,
+        e: &farm_core::wire::WireError,
+    ) {
+        self.stats.malformed += 1;
+        tracing::error!(
+            machine = self.machine.id.0,
+            thread = self.thread.0,
+            sender = sender.0,
+            ?kind,
+            at = pos.0,
+            error = %e,
+            "a record with a valid checksum that does not decode: skipped"
+        );
     }
 
     pub(crate) fn poll_queue(&mut self, sender: MachineId) -> bool {
@@ -745,7 +767,8 @@ impl Worker {
                     body,
                 }) => self.on_recovery_message(sender, config, region, body),
                 Ok(reply) => self.replies.push((sender, reply)),
-                Err(e) => panic!("corrupt message from {sender} with a valid checksum: {e}"),
+                // Released above.
+                Err(e) => self.malformed(sender, RingKind::Queue, pos, &e),
             }
         }
         self.buf = buf;

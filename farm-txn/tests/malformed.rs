@@ -1,0 +1,71 @@
+//! Input from another machine never panics a worker (issue 16 case 7): a record or message
+//! whose checksum holds but which does not decode (a peer built with another record version,
+//! or a peer's bug) is logged, counted and skipped, nothing applied, and the worker goes on
+//! serving everyone else.
+
+mod common;
+
+use common::{drive, start};
+use farm_core::fabric::{Endpoint, Fabric, MemKey};
+use farm_core::ring::{frame, RingKind};
+use farm_core::{Addr, MachineId, ThreadId};
+use farm_txn::{Replication, Tx, Worker};
+
+fn read(w: &mut [Worker], m: usize, a: Addr) -> u64 {
+    let mut tx = Tx::new(&mut w[m]);
+    let v = tx.read(a, 8).unwrap().to_vec();
+    let state = tx.into_state();
+    w[m].abort_execution(state, &farm_txn::TxError::Aborted("read only".into()));
+    u64::from_le_bytes(v[..8].try_into().unwrap())
+}
+
+#[test]
+fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
+    let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
+    let mut now = 0;
+    let mut a = None;
+    start(&mut w, 0, |tx| {
+        let x = tx.alloc(8, None)?;
+        tx.write(x, &5u64.to_le_bytes())?;
+        a = Some(x);
+        Ok(())
+    });
+    drive(&mut w, 0, &[0, 1, 2], &mut now, 1000)
+        .expect("the allocation ends")
+        .unwrap();
+    let a = a.unwrap();
+    // Machine 2, which never wrote to machine 0, appends to both of its rings there a record
+    // framed and checksummed like any other, of a record version this build does not speak.
+    let layout = w[0].machine().params.layout;
+    let src = Endpoint {
+        machine: MachineId(2),
+        thread: ThreadId(0),
+    };
+    let mut framed = Vec::new();
+    frame(&[0xee; 40], &mut framed);
+    for kind in [RingKind::Log, RingKind::Queue] {
+        let at = layout.ring_offset(MachineId(2), ThreadId(0), kind) as u64;
+        fabric
+            .write(src, MachineId(0), MemKey::Rings, at, &framed)
+            .unwrap();
+    }
+    for _ in 0..10 {
+        now += 1;
+        w[0].poll(now);
+    }
+    assert_eq!(w[0].stats().malformed, 2, "both records counted");
+    assert_eq!(read(&mut w, 1, a), 5, "nothing applied");
+    // Machine 0 serves the others as before.
+    start(&mut w, 1, |tx| tx.write(a, &6u64.to_le_bytes()));
+    drive(&mut w, 1, &[0, 1, 2], &mut now, 1000)
+        .expect("the commit ends")
+        .unwrap();
+    // The primary applies COMMIT-PRIMARY at its next polls.
+    for _ in 0..10 {
+        now += 1;
+        for x in w.iter_mut() {
+            x.poll(now);
+        }
+    }
+    assert_eq!(read(&mut w, 2, a), 6);
+}
