@@ -47,8 +47,9 @@ use crate::store::{CasOutcome, StoreError, StoreVersion};
 pub const TAKEOVER_LEASES: u64 = 2;
 
 /// Leases that probes and NEW-CONFIG-ACKs are waited for (at least; a deployment may add a
-/// floor): a member acknowledges once its control loop ran, it persisted the view and every
-/// worker picked it up. A member silent that long is removed by the next attempt.
+/// floor): a member acknowledges once its control loop ran and it persisted the view (and, for
+/// a view that adds machines, every worker started afresh with them). A member silent that
+/// long is removed by the next attempt.
 pub const ACK_TIMEOUT_LEASES: u64 = 10;
 
 /// How many times longer a machine outside the configuration waits between requests to join
@@ -124,9 +125,11 @@ pub struct Local<'a> {
     pub all_active: ConfigId,
     /// Every region this machine is primary of is active in the committed configuration.
     pub regions_active: bool,
-    /// Every worker picked up the installed view (a member acknowledges NEW-CONFIG only then:
-    /// a machine joining in it writes here after the commit, into rings started afresh).
-    pub workers_refreshed: bool,
+    /// Every worker started afresh with the machines that joined the installed view (a member
+    /// acknowledges NEW-CONFIG only then: a machine joining in it writes here after the
+    /// commit, into rings started afresh). Without joiners, at once: the acknowledgement never
+    /// waits for a worker that an application holds.
+    pub workers_ready: bool,
     /// The machine learnt it was removed (it acts no more).
     pub evicted: bool,
 }
@@ -247,7 +250,8 @@ pub struct ControlPlane {
     params: PlaneParams,
     effects: Vec<Effect>,
     // Member side.
-    /// NEW-CONFIG to acknowledge once installed and picked up: configuration and sender.
+    /// NEW-CONFIG to acknowledge once installed (and its joiners' rings started afresh):
+    /// configuration and sender.
     ack_due: Option<(ConfigId, MachineId)>,
     last_report: u64,
     last_join: Option<u64>,
@@ -379,7 +383,7 @@ impl ControlPlane {
                     self.effects.push(Effect::Install(v));
                 }
                 if local.config.id <= id {
-                    // Acknowledged once installed and picked up by every worker (`tick`).
+                    // Acknowledged once installed and its workers ready (`tick`).
                     self.ack_due = Some((id, from));
                 }
             }
@@ -849,7 +853,7 @@ impl ControlPlane {
         if let Some((id, cm)) = self.ack_due {
             if local.config.id > id {
                 self.ack_due = None;
-            } else if local.config.id == id && local.workers_refreshed {
+            } else if local.config.id == id && local.workers_ready {
                 self.ack_due = None;
                 self.send(cm, ControlMsg::NewConfigAck(id), now, local);
             }

@@ -37,9 +37,9 @@ struct Machine {
     all_active: ConfigId,
     evicted: bool,
     alive: bool,
-    /// Whether the machine's workers picked up its newest view (a NEW-CONFIG is acknowledged
-    /// only then); a test clears it for a machine whose threads are busy.
-    refreshed: bool,
+    /// Whether the machine is ready to acknowledge its newest view (its workers started afresh
+    /// with machines it adds); a test clears it for a machine whose threads are busy.
+    ready: bool,
     /// Replicas still being copied: none (recovery is instant here).
     copying: BTreeSet<RegionId>,
 }
@@ -55,7 +55,7 @@ impl Machine {
             all_active: self.all_active,
             // Recovery is instant here: regions are active once the configuration commits.
             regions_active: self.committed >= self.config.id,
-            workers_refreshed: self.refreshed,
+            workers_ready: self.ready,
             evicted: self.evicted,
         }
     }
@@ -102,7 +102,7 @@ impl Cluster {
                 all_active: config.id,
                 evicted: false,
                 alive: true,
-                refreshed: true,
+                ready: true,
                 copying: BTreeSet::new(),
             })
             .collect();
@@ -475,8 +475,8 @@ fn a_member_suspected_while_its_ack_is_awaited_is_not_waited_for() {
     assert_eq!(c.machines[0].config.id, ConfigId(3));
 }
 
-/// A live member is slow to acknowledge (its threads pick the view up late, as a process's
-/// do under load): removing it too would leave no majority, so that attempt fails, and the
+/// A live member is slow to acknowledge (its threads are late to get ready, as a process's
+/// are under load): removing it too would leave no majority, so that attempt fails, and the
 /// CM must not keep suspecting it for good (every transaction would wait forever for a
 /// configuration nobody commits). It drives the stored configuration again, which the member
 /// acknowledges once its threads caught up.
@@ -484,7 +484,7 @@ fn a_member_suspected_while_its_ack_is_awaited_is_not_waited_for() {
 fn a_member_slow_to_acknowledge_is_waited_for_when_removing_it_would_lose_the_majority() {
     let mut c = Cluster::new(3);
     c.kill(MachineId(2));
-    c.machines[1].refreshed = false;
+    c.machines[1].ready = false;
     c.suspect(MachineId(0), MachineId(2));
     // Past the ack timeout (a lease here) and the attempt that would remove machine 1 too.
     let failed = |c: &Cluster| {
@@ -493,7 +493,7 @@ fn a_member_slow_to_acknowledge_is_waited_for_when_removing_it_would_lose_the_ma
             .any(|(_, _, e)| matches!(e, Event::Failed(f) if f.contains("majority")))
     };
     assert!(c.run_until(10 * LEASE, failed), "{:#?}", c.events);
-    c.machines[1].refreshed = true;
+    c.machines[1].ready = true;
     let ok = c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1])));
     assert!(ok, "{:#?}", c.events);
     assert_eq!(c.machines[1].committed, c.machines[1].config.id);

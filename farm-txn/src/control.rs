@@ -53,7 +53,7 @@ fn local<'a>(machine: &MachineState, view: &'a View, copying: &'a BTreeSet<Regio
         committed: machine.committed_config(),
         all_active: machine.all_active_config(),
         regions_active: machine.regions_active(),
-        workers_refreshed: machine.workers_refreshed(),
+        workers_ready: machine.workers_ready(),
         evicted: machine.is_evicted(),
     }
 }

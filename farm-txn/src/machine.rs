@@ -250,6 +250,13 @@ pub struct MachineState {
     settled: AtomicU64,
     /// Per local thread, the view generation its worker picked up last.
     refreshed: Vec<AtomicU64>,
+    /// Per machine, the view generation in which it last joined this machine's view (a new
+    /// incarnation, writing into rings started afresh): each worker starts afresh with it when
+    /// it picks up that view or a later one (`Worker::refresh_view`). 0: never joined since
+    /// this machine started.
+    joined: Vec<AtomicU64>,
+    /// The newest of `joined`: NEW-CONFIG is acknowledged once every worker got that far.
+    joined_latest: AtomicU64,
     /// A new incarnation waiting to join ([`MachineState::joiner`]): the view that adds it is
     /// its first with data, and every replica it gets there is copied (§5.4).
     joining: std::sync::atomic::AtomicBool,
@@ -537,6 +544,10 @@ impl MachineState {
             refreshed: (0..params.layout.threads)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
+            joined: (0..params.layout.machines_max)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            joined_latest: AtomicU64::new(0),
             joining: std::sync::atomic::AtomicBool::new(false),
             state,
             rings,
@@ -612,14 +623,23 @@ impl MachineState {
         self.refreshed[thread.0 as usize].fetch_max(generation, Ordering::AcqRel);
     }
 
-    /// Whether every local worker picked up the newest view: a member acknowledges NEW-CONFIG
-    /// only then, so that a machine joining in it finds the rings it writes to started afresh
-    /// (`Worker::refresh_view`) when the configuration commits.
-    pub fn workers_refreshed(&self) -> bool {
-        let generation = self.view_generation();
+    /// Whether every local worker started afresh with every machine that joined this
+    /// machine's view (it picked up the view that added the newest): a member acknowledges
+    /// NEW-CONFIG only then, so that a machine joining in it finds the rings it writes to
+    /// started afresh (`Worker::refresh_view`) when the configuration commits. A view that adds
+    /// nobody needs no worker: the acknowledgement never waits for a thread that an
+    /// application's closure holds (issue 16 case 6); such a worker picks the view up at its
+    /// next poll, and a read it makes meanwhile ends its execution (`Tx::same_view`).
+    pub fn workers_ready(&self) -> bool {
+        let due = self.joined_latest.load(Ordering::Acquire);
         self.refreshed
             .iter()
-            .all(|r| r.load(Ordering::Acquire) >= generation)
+            .all(|r| r.load(Ordering::Acquire) >= due)
+    }
+
+    /// The view generation in which `m` last joined this machine's view (0: not since start).
+    pub(crate) fn joined_at(&self, m: MachineId) -> u64 {
+        self.joined[m.0 as usize].load(Ordering::Acquire)
     }
 
     /// The configuration this machine restarted into, if the cluster restarted from NVRAM.
@@ -709,6 +729,12 @@ impl MachineState {
         // workers and readers never wait for the fsyncs below.
         let _installing = self.installing.lock().expect("poisoned");
         let old = self.view();
+        let joined: Vec<MachineId> = config
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != self.id && !old.config.contains(*m))
+            .collect();
         let joining = config.contains(self.id) && self.joining.swap(false, Ordering::AcqRel);
         let first = old.map.iter().next().is_none() && new_pools && !joining;
         self.note_copies(&old, &map, joining, first);
@@ -792,6 +818,13 @@ impl MachineState {
             regions,
             pools,
         });
+        // Machines new to the view join in the generation about to be published (one installer
+        // at a time: nobody else moves it), so a worker that picks it up sees them.
+        let next = self.view_generation() + 1;
+        for m in &joined {
+            self.joined[m.0 as usize].store(next, Ordering::Release);
+            self.joined_latest.store(next, Ordering::Release);
+        }
         self.view_generation.fetch_add(1, Ordering::Release);
         drop(guard);
         let to_copy = self.to_copy.lock().expect("poisoned");

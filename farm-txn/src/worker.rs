@@ -140,6 +140,9 @@ pub struct Worker {
     /// This worker's copy of the machine's view, refreshed when a new one is installed.
     pub(crate) view: Arc<View>,
     pub(crate) view_generation: u64,
+    /// Per machine, the generation of its joining (`MachineState::joined_at`) this worker
+    /// started afresh with last.
+    started: Vec<u64>,
     pub(crate) thread: ThreadId,
     pub(crate) inbound: Vec<Inbound>,
     pub(crate) outbound: Vec<Outbound>,
@@ -222,6 +225,9 @@ impl Worker {
         let view_generation = machine.view_generation();
         let view = machine.view();
         let view_config = view.config.id;
+        let started = (0..peers)
+            .map(|m| machine.joined_at(MachineId(m)))
+            .collect();
         let slabs = view
             .map
             .primary_of(machine.id)
@@ -240,6 +246,7 @@ impl Worker {
             machine,
             view,
             view_generation,
+            started,
             thread,
             inbound,
             outbound,
@@ -371,24 +378,28 @@ impl Worker {
         if generation == self.view_generation {
             return false;
         }
-        let old = std::mem::replace(&mut self.view, self.machine.view());
+        self.view = self.machine.view();
         self.view_generation = generation;
         self.remotes.clear();
         self.active.clear();
         let me = self.machine.id;
         let view = self.view.clone();
+        // Machines that joined since this worker last started afresh with them (by the
+        // machine's count, not this worker's previous view: a worker held by a closure may
+        // have missed the view that removed one and see it again, a new incarnation).
         let joined: Vec<MachineId> = view
             .config
             .members
             .iter()
             .copied()
-            .filter(|m| *m != me && !old.config.contains(*m))
+            .filter(|m| *m != me && self.machine.joined_at(*m) > self.started[m.0 as usize])
             .collect();
         for m in joined {
+            self.started[m.0 as usize] = self.machine.joined_at(m);
             self.forget_peer(m);
         }
-        // Acknowledged only now (see `MachineState::workers_refreshed`): a joined machine
-        // writes here once the configuration commits, after every member acknowledged it.
+        // Acknowledged only now (see `MachineState::workers_ready`): a joined machine writes
+        // here once the configuration commits, after every member acknowledged it.
         self.machine.note_refreshed(self.thread, generation);
         self.slabs.retain(|r, _| {
             view.pool(*r).is_some() && view.map.get(*r).is_some_and(|p| p.primary == me)

@@ -423,3 +423,44 @@ fn the_timeline_counts_commits_and_records_reconfiguration() {
         t.committed_per_ms.len()
     );
 }
+
+/// An application closure that runs longer than the acknowledgement timeout does not hold
+/// reconfiguration hostage (issue 16 case 6): in this process a closure holds one worker of
+/// every machine, and NEW-CONFIG-ACK waited for every worker to pick the view up, so no
+/// attempt to remove a killed machine could commit until the closure ended. Only a view that
+/// adds a machine needs its workers first (they start afresh the rings it will write).
+#[test]
+fn a_long_closure_does_not_hold_up_reconfiguration() {
+    let c = cluster();
+    let a = c.txn(MachineId(1), |tx| tx.alloc(&1u64, None)).unwrap();
+    // What the first execution saw (a retry after the reconfiguration would see it done).
+    let first = std::sync::Mutex::new(None);
+    c.txn(MachineId(1), |tx| {
+        let _: u64 = tx.read(a)?;
+        let mut first = first.lock().unwrap();
+        if first.is_some() {
+            return Ok(());
+        }
+        c.kill(MachineId(3));
+        // A hundred leases (ten acknowledgement timeouts) of waiting inside the closure.
+        let deadline = Instant::now() + LEASE * 100;
+        let mut removed = false;
+        while !removed && Instant::now() < deadline {
+            let v = c.view(MachineId(0));
+            removed = !v.config.contains(MachineId(3))
+                && c.reconfig_events().iter().any(|e| {
+                    matches!(e, ReconfigEvent::Committed { config, .. } if *config == v.config.id)
+                });
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        *first = Some(removed);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(
+        *first.lock().unwrap(),
+        Some(true),
+        "no configuration without machine 3 committed while the closure ran: {:?}",
+        c.reconfig_events()
+    );
+}
