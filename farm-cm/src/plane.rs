@@ -622,9 +622,11 @@ impl ControlPlane {
                 .copied()
                 .filter(|m| *m != me && base.contains(*m))
                 .collect();
-            if !suspects.is_empty() || local.committed < c.id {
+            if !suspects.is_empty() || local.committed < c.id || stored.id > c.id {
                 // Removals, or a configuration installed here (this machine its CM) that no
-                // attempt is committing any more: driven again, from the stored one.
+                // attempt is committing any more, or one stored but installed nowhere (a
+                // compare-and-set whose answer was lost: it took effect, the attempt failed):
+                // driven again, from the stored one.
                 Change::Remove(suspects)
             } else if let Some(j) = self.next_joiner(now) {
                 if stored.id != c.id {

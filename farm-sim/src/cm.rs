@@ -2,15 +2,17 @@
 //! (`farm_cm::plane`, carried out by `farm_txn::control::MachineControl`), the very code a
 //! node runs, stepped by the scheduler (FaRM §5.2-5.4). Control messages are the fabric's
 //! datagrams, lost and delayed as the run asks; suspicions come from leases
-//! ([`crate::leases`]); the coordination store is an embedded one, the stand-in for ZooKeeper.
+//! ([`crate::leases`]); the coordination store is an embedded one, the stand-in for ZooKeeper,
+//! which may time out as ZooKeeper's operations do ([`crate::SimConfig::store_timeouts`]).
 //! A paused machine's plane does not run, and a crashed one's is gone.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
-use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
+use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 use farm_core::fabric::Fabric;
+use farm_core::rng::Rng;
 use farm_core::MachineId;
 use farm_fabric::mem::MemFabric;
 use farm_txn::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
@@ -23,10 +25,57 @@ pub const LEASE_TICKS: u64 = 50;
 /// How often unanswered control messages are repeated, in ticks (a tenth of a lease).
 const REPEAT_TICKS: u64 = LEASE_TICKS / 10;
 
+/// One store operation in this many times out, when the run asks for timeouts.
+const STORE_TIMEOUT_ONE_IN: u64 = 8;
+
+/// The simulated coordination store: an embedded one whose operations, with `faults`, now and
+/// then time out; a compare-and-set as likely after it took effect as before.
+#[derive(Debug)]
+struct SimStore {
+    inner: EmbeddedStore,
+    faults: Option<Mutex<Rng>>,
+}
+
+impl SimStore {
+    /// Whether the next operation times out, and if so whether after taking effect.
+    fn timeout(&self) -> Option<bool> {
+        let mut rng = self.faults.as_ref()?.lock().expect("store rng");
+        match rng.below(2 * STORE_TIMEOUT_ONE_IN) {
+            0 => Some(false),
+            1 => Some(true),
+            _ => None,
+        }
+    }
+}
+
+impl CoordinationStore for SimStore {
+    fn read(&self) -> Result<Option<(StoreVersion, Vec<u8>)>, StoreError> {
+        match self.timeout() {
+            Some(_) => Err(StoreError::Timeout(0)),
+            None => self.inner.read(),
+        }
+    }
+
+    fn compare_and_set(
+        &self,
+        expected: Option<StoreVersion>,
+        data: &[u8],
+    ) -> Result<CasOutcome, StoreError> {
+        match self.timeout() {
+            Some(false) => Err(StoreError::Timeout(0)),
+            Some(true) => {
+                let _ = self.inner.compare_and_set(expected, data);
+                Err(StoreError::Timeout(0))
+            }
+            None => self.inner.compare_and_set(expected, data),
+        }
+    }
+}
+
 /// The simulated CM: each machine's control plane.
 #[derive(Debug)]
 pub struct SimCm {
-    store: Arc<EmbeddedStore>,
+    store: Arc<SimStore>,
     planes: Vec<MachineControl>,
     /// Configurations committed.
     pub committed: u64,
@@ -38,15 +87,27 @@ pub struct SimCm {
 }
 
 impl SimCm {
-    /// The planes of `machines` over `fabric`, with a store holding their first configuration.
-    pub fn new(machines: &[Arc<MachineState>], fabric: &Arc<MemFabric>, replicas: usize) -> Self {
-        let store = Arc::new(EmbeddedStore::new());
+    /// The planes of `machines` over `fabric`, with a store holding their first configuration
+    /// (whose operations time out as `faults` draws, if given).
+    pub fn new(
+        machines: &[Arc<MachineState>],
+        fabric: &Arc<MemFabric>,
+        replicas: usize,
+        faults: Option<Rng>,
+    ) -> Self {
+        let store = Arc::new(SimStore {
+            inner: EmbeddedStore::new(),
+            faults: faults.map(Mutex::new),
+        });
         let config = machines
             .iter()
             .map(|m| m.view().config.clone())
             .max_by_key(|c| c.id)
             .expect("machines");
-        match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
+        match store
+            .inner
+            .compare_and_set(None, &farm_cm::codec::encode(&config))
+        {
             Ok(CasOutcome::Written(_)) => {}
             other => panic!("storing the first configuration: {other:?}"),
         }
@@ -84,6 +145,7 @@ impl SimCm {
     pub fn stored_config(&self) -> farm_core::ConfigId {
         let (_, bytes) = self
             .store
+            .inner
             .read()
             .expect("embedded store")
             .expect("a configuration is stored from the start");

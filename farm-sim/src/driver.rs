@@ -79,6 +79,9 @@ pub struct SimConfig {
     /// RDMA NIC does, and as the `shm` fabric does for a process under SIGSTOP. Off, a paused
     /// machine is cut off (its peers' operations to it fail, as over `tcp`).
     pub paused_memory_reachable: bool,
+    /// The coordination store times out now and then, as ZooKeeper's operations may: a read, or
+    /// a compare-and-set before or after it took effect (its caller cannot tell which).
+    pub store_timeouts: bool,
 }
 
 impl Default for SimConfig {
@@ -99,6 +102,7 @@ impl Default for SimConfig {
             replication: Replication::OneSided,
             cm_failover: false,
             paused_memory_reachable: false,
+            store_timeouts: false,
         }
     }
 }
@@ -302,7 +306,12 @@ impl Sim {
             .collect();
         stall_at.sort_unstable_by(|a, b| b.cmp(a));
         let leases = SimLeases::new(&cfg, LEASE_TICKS, 0);
-        let cm = SimCm::new(&machines, &fabric, config.replicas as usize);
+        let cm = SimCm::new(
+            &machines,
+            &fabric,
+            config.replicas as usize,
+            store_faults(&config, 0),
+        );
         let mut sim = Sim {
             rng,
             now: 0,
@@ -668,7 +677,8 @@ impl Sim {
         self.grace.clear();
         self.leases = SimLeases::new(&config, LEASE_TICKS, self.now);
         let committed = self.cm.committed;
-        self.cm = SimCm::new(&machines, &fabric, self.config.replicas as usize);
+        let faults = store_faults(&self.config, self.restarts);
+        self.cm = SimCm::new(&machines, &fabric, self.config.replicas as usize, faults);
         self.cm.committed = committed;
         self.fabric = fabric;
         self.fabric.set_datagram_policy(self.datagram_policy());
@@ -1246,6 +1256,14 @@ fn lease_round(
         machine.set_serves_until(leases.serves_until(machine.id));
     }
     out
+}
+
+/// The store's timeouts of a run ([`SimConfig::store_timeouts`]) in its `life`-th life (a
+/// restart starts a new store over the same stored configuration), from the seed.
+fn store_faults(config: &SimConfig, life: u64) -> Option<Rng> {
+    config
+        .store_timeouts
+        .then(|| Rng::new(config.seed ^ 0x0057_07e5 ^ life << 32))
 }
 
 /// Runs one seed, printing it first so that a failure can be replayed.

@@ -21,7 +21,8 @@
 //! of clusters of 20 to 90 machines with over a thousand regions. The last draws the shape
 //! itself from the seed (machines, threads, replicas, keys, length, and every fault kind).
 //! A fifth of the seeds replicate with RPCs (backups' CPUs acknowledge COMMIT-BACKUP) instead of
-//! one-sided writes.
+//! one-sided writes, and a quarter of the crash campaign's have a coordination store whose
+//! operations time out now and then (a compare-and-set before or after it took effect).
 //! `FARM_SIM_SEED=N` replays one seed (in every campaign; name one test to run only it);
 //! `FARM_SIM_FAULT_SEEDS=N` runs more of each (`FARM_SIM_SCALE_SEEDS=N` of the large clusters).
 
@@ -29,7 +30,7 @@ use farm_sim::{run_seed, SimConfig, SimOutcome};
 use farm_txn::Replication;
 
 /// One or two crashes; a third of the seeds pause a machine besides a single crash (a removed
-/// machine is a failure too: at most f = 2 per run).
+/// machine is a failure too: at most f = 2 per run); a quarter time the store out.
 fn config(seed: u64) -> SimConfig {
     let crashes = 1 + (seed % 2) as u16;
     SimConfig {
@@ -52,6 +53,7 @@ fn config(seed: u64) -> SimConfig {
         },
         cm_failover: false,
         paused_memory_reachable: seed.is_multiple_of(4),
+        store_timeouts: seed % 8 >= 6,
     }
 }
 
@@ -117,7 +119,8 @@ fn power_config(seed: u64) -> SimConfig {
 /// A shape drawn from the seed: 4 to 7 machines, 1 to 3 threads, 2 or 3 replicas, 3 to 20
 /// keys, 2,000 to 5,000 steps; crashes (never more than a minority, nor all replicas), a pause
 /// in a third of the seeds that leave room for one, power losses in a quarter, a whole-cluster
-/// stall in a third, lossy datagrams, memory-reachable pauses and RPC replication in half.
+/// stall in a third, lossy datagrams, memory-reachable pauses and RPC replication in half,
+/// coordination-store timeouts in a third.
 fn varied_config(seed: u64) -> SimConfig {
     let mut r = farm_core::rng::Rng::new(seed ^ 0x5eed_5a9e);
     let machines = 4 + r.below(4) as u16;
@@ -149,6 +152,7 @@ fn varied_config(seed: u64) -> SimConfig {
         },
         cm_failover: false,
         paused_memory_reachable: r.below(2) == 0,
+        store_timeouts: r.below(3) == 0,
     }
 }
 
