@@ -692,15 +692,16 @@ impl Worker {
         busy
     }
 
-    /// A record or message from `sender` whose checksum held but which does not decode (a
-    /// peer of another build, or a peer's bug): logged, counted, and skipped by the caller,
-    /// nothing applied. A worker panics only for what means its own memory is corrupt.
+    /// A record or message from `sender` whose checksum held but which does not decode, or
+    /// which the protocol cannot have sent in this state (a peer of another build, or a peer's
+    /// bug): logged, counted, and skipped by the caller, nothing applied. A worker panics only
+    /// for what means its own memory is corrupt.
     pub(crate) fn malformed(
         &mut self,
         sender: MachineId,
         kind: RingKind,
         pos: farm_core::ring::RecordPos,
-        e: &farm_core::wire::WireError,
+        why: &dyn std::fmt::Display,
     ) {
         self.stats.malformed += 1;
         tracing::error!(
@@ -709,8 +710,8 @@ impl Worker {
             sender = sender.0,
             ?kind,
             at = pos.0,
-            error = %e,
-            "a record with a valid checksum that does not decode: skipped"
+            %why,
+            "a record from another machine that cannot be applied: skipped"
         );
     }
 
@@ -945,15 +946,24 @@ impl Worker {
                 }
             }
             LogBody::CommitPrimary => {
-                let held = self.inbound[sender.0 as usize]
-                    .locks
-                    .remove(&local)
-                    .unwrap_or_else(|| panic!("COMMIT-PRIMARY for {} without a LOCK", rec.txn));
-                assert!(
-                    held.ok,
-                    "COMMIT-PRIMARY for {} whose locking failed",
-                    rec.txn
-                );
+                let inbound = &mut self.inbound[sender.0 as usize];
+                let held = match inbound.locks.remove(&local) {
+                    Some(held) if held.ok => held,
+                    // A coordinator sends COMMIT-PRIMARY only after every LOCK succeeded.
+                    other => {
+                        let why = match &other {
+                            Some(_) => "COMMIT-PRIMARY whose locking failed",
+                            None => "COMMIT-PRIMARY without a LOCK",
+                        };
+                        if let Some(held) = other {
+                            inbound.locks.insert(local, held); // For its ABORT.
+                        }
+                        inbound.log.release(pos);
+                        let why = format!("{why} ({})", rec.txn);
+                        self.malformed(sender, RingKind::Log, pos, &why);
+                        return;
+                    }
+                };
                 self.apply_at_primary(&held.writes);
                 let r = self.inbound[sender.0 as usize]
                     .retained
@@ -1137,9 +1147,18 @@ impl Worker {
             let r = inbound.retained.remove(&local).expect("listed");
             if let Some(ws) = r.backup_writes {
                 for w in &ws.writes {
-                    let mem = self.view.region(w.addr.region).unwrap_or_else(|| {
-                        panic!("COMMIT-BACKUP for region {:?} not held here", w.addr.region)
-                    });
+                    let Some(mem) = self.view.region(w.addr.region) else {
+                        // A coordinator sends COMMIT-BACKUP only to the region's backups.
+                        self.stats.malformed += 1;
+                        tracing::error!(
+                            machine = self.machine.id.0,
+                            thread = self.thread.0,
+                            sender = sender.0,
+                            region = w.addr.region.0,
+                            "COMMIT-BACKUP for a region not held here: write skipped"
+                        );
+                        continue;
+                    };
                     let new = w.read.committed_successor(w.allocated);
                     let data = if w.allocated { &w.data[..] } else { &[][..] };
                     object::install_at_backup(mem, w.addr.offset as u64, data, new);

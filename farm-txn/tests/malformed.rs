@@ -1,14 +1,16 @@
 //! Input from another machine never panics a worker (issue 16 case 7): a record or message
 //! whose checksum holds but which does not decode (a peer built with another record version,
-//! or a peer's bug) is logged, counted and skipped, nothing applied, and the worker goes on
-//! serving everyone else.
+//! or a peer's bug), or which no coordinator sends in that state (COMMIT-PRIMARY without a
+//! LOCK), is logged, counted and skipped, nothing applied, and the worker goes on serving
+//! everyone else.
 
 mod common;
 
 use common::{drive, start};
 use farm_core::fabric::{Endpoint, Fabric, MemKey};
 use farm_core::ring::{frame, RingKind};
-use farm_core::{Addr, MachineId, ThreadId};
+use farm_core::wire::{LogBody, LogRecord};
+use farm_core::{Addr, ConfigId, MachineId, ThreadId, TxnId};
 use farm_txn::{Replication, Tx, Worker};
 
 fn read(w: &mut [Worker], m: usize, a: Addr) -> u64 {
@@ -49,11 +51,32 @@ fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
             .write(src, MachineId(0), MemKey::Rings, at, &framed)
             .unwrap();
     }
+    // Then, after the first in its log, a record that decodes but that no coordinator sends
+    // in this state: COMMIT-PRIMARY for a transaction whose LOCK never came.
+    let commit = LogRecord {
+        txn: TxnId {
+            config: ConfigId(1),
+            machine: MachineId(2),
+            thread: ThreadId(0),
+            local: 7,
+        },
+        truncate_below: 0,
+        truncated: Vec::new(),
+        body: LogBody::CommitPrimary,
+    };
+    let mut payload = Vec::new();
+    commit.encode(&mut payload);
+    let mut second = Vec::new();
+    frame(&payload, &mut second);
+    let at = layout.ring_offset(MachineId(2), ThreadId(0), RingKind::Log) + framed.len();
+    fabric
+        .write(src, MachineId(0), MemKey::Rings, at as u64, &second)
+        .unwrap();
     for _ in 0..10 {
         now += 1;
         w[0].poll(now);
     }
-    assert_eq!(w[0].stats().malformed, 2, "both records counted");
+    assert_eq!(w[0].stats().malformed, 3, "every record counted");
     assert_eq!(read(&mut w, 1, a), 5, "nothing applied");
     // Machine 0 serves the others as before.
     start(&mut w, 1, |tx| tx.write(a, &6u64.to_le_bytes()));
