@@ -29,11 +29,29 @@ fn list_append_across_processes_through_a_kill_is_strictly_serializable() {
     machines.signal(2, libc::SIGKILL);
     std::thread::sleep(Duration::from_millis(700));
     std::fs::write(dir.path().join("stop"), b"").unwrap();
+    let (history, per_machine) = histories(&machines, 2, |m, line| {
+        assert!(!line.starts_with("error"), "machine {m}: {line}");
+    });
+    assert!(
+        per_machine.iter().all(|n| *n > 10),
+        "too few transactions: {per_machine:?}"
+    );
+    let anomalies = farm_sim::check(&history);
+    assert!(anomalies.is_empty(), "{anomalies:#?}");
+}
+
+/// The machines' lines until the first `n` said `done`: every committed transaction, how many
+/// each machine committed, and every other line handed to `other`.
+fn histories(
+    machines: &Machines,
+    n: usize,
+    mut other: impl FnMut(u16, &str),
+) -> (Vec<farm_sim::TxnRecord>, Vec<usize>) {
     let mut history = Vec::new();
     let mut done = std::collections::BTreeSet::new();
-    let mut per_machine = [0usize; 2];
+    let mut per_machine = vec![0usize; n];
     let deadline = Instant::now() + Duration::from_secs(60);
-    while done.len() < 2 {
+    while done.len() < n {
         let left = deadline.saturating_duration_since(Instant::now());
         match machines.lines.recv_timeout(left) {
             Ok((m, line)) => {
@@ -43,18 +61,13 @@ fn list_append_across_processes_through_a_kill_is_strictly_serializable() {
                 } else if line == "done" {
                     done.insert(m);
                 } else {
-                    assert!(!line.starts_with("error"), "machine {m}: {line}");
+                    other(m, &line);
                 }
             }
             Err(e) => panic!("{} transactions, done {done:?}: {e}", history.len()),
         }
     }
-    assert!(
-        per_machine.iter().all(|n| *n > 10),
-        "too few transactions: {per_machine:?}"
-    );
-    let anomalies = farm_sim::check(&history);
-    assert!(anomalies.is_empty(), "{anomalies:#?}");
+    (history, per_machine)
 }
 
 /// A machine stopped past its lease, removed, and continued serves no stale read (issue 16
@@ -76,33 +89,18 @@ fn a_machine_stopped_past_its_lease_serves_no_stale_read_when_continued() {
     std::thread::sleep(Duration::from_millis(1000));
     let continued = nodes::host_ns();
     machines.signal(2, libc::SIGCONT);
-    let mut history = Vec::new();
-    let mut done = std::collections::BTreeSet::new();
-    let mut per_machine = [0usize; 3];
     let mut evicted_at = None;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while done.len() < 3 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match machines.lines.recv_timeout(left) {
-            Ok((m, line)) => {
-                if let Some(t) = line.strip_prefix("txn ") {
-                    history.push(decode_txn(t));
-                    per_machine[m as usize] += 1;
-                } else if let Some(at) = line.strip_prefix("evicted ") {
-                    assert_eq!(m, 2, "machine {m} evicted");
-                    evicted_at = Some(at.parse::<u64>().unwrap());
-                    // The others stop once the removed machine knows it is out.
-                    std::fs::write(dir.path().join("stop"), b"").unwrap();
-                } else if line == "done" {
-                    done.insert(m);
-                } else {
-                    // The removed machine's transactions may fail as it learns it is out.
-                    assert!(m == 2 || !line.starts_with("error"), "machine {m}: {line}");
-                }
-            }
-            Err(e) => panic!("{} transactions, done {done:?}: {e}", history.len()),
+    let (history, per_machine) = histories(&machines, 3, |m, line| {
+        if let Some(at) = line.strip_prefix("evicted ") {
+            assert_eq!(m, 2, "machine {m} evicted");
+            evicted_at = Some(at.parse::<u64>().unwrap());
+            // The others stop once the removed machine knows it is out.
+            std::fs::write(dir.path().join("stop"), b"").unwrap();
+        } else {
+            // The removed machine's transactions may fail as it learns it is out.
+            assert!(m == 2 || !line.starts_with("error"), "machine {m}: {line}");
         }
-    }
+    });
     let evicted_at = evicted_at.expect("machine 2 never learnt it was removed");
     assert!(
         evicted_at > continued,
