@@ -97,7 +97,7 @@ impl MachineControl {
     /// Calls `f` with the plane and what the machine has installed now.
     fn feed(&mut self, f: impl FnOnce(&mut ControlPlane, &Local<'_>)) {
         let view = self.machine.view();
-        let copying = self.machine.regions_to_copy().into_keys().collect();
+        let copying = self.machine.copying_regions();
         f(&mut self.plane, &local(&self.machine, &view, &copying));
     }
 

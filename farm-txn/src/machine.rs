@@ -198,6 +198,9 @@ pub struct MachineState {
     /// The regions whose replica here is complete, where reconfiguration probes read them
     /// ([`MemKey::Replicas`]; see [`MachineState::publish_complete`]).
     complete: Arc<Nvram>,
+    /// The regions still to copy, as published with `complete` (the control plane reads them
+    /// at every step; a copy of `to_copy`'s keys made only when it changes).
+    copying: Mutex<Arc<BTreeSet<RegionId>>>,
     view_generation: AtomicU64,
     nvram_dir: Option<PathBuf>,
     /// Regions prepared for allocation (§3) and not yet committed into a view.
@@ -522,6 +525,7 @@ impl MachineState {
             view: Mutex::new(Arc::new(empty)),
             installing: Mutex::new(()),
             complete,
+            copying: Mutex::new(Arc::default()),
             view_generation: AtomicU64::new(0),
             nvram_dir,
             prepared: Mutex::new(prepared),
@@ -846,6 +850,12 @@ impl MachineState {
             .map(|(r, _)| r)
             .collect();
         write_complete(&self.complete, &ids);
+        *self.copying.lock().expect("poisoned") = Arc::new(to_copy.keys().copied().collect());
+    }
+
+    /// The regions whose replica here is still being copied, as last published.
+    pub fn copying_regions(&self) -> Arc<BTreeSet<RegionId>> {
+        self.copying.lock().expect("poisoned").clone()
     }
 
     /// Lists the regions of `map` that this machine newly holds without their data (a new
