@@ -381,11 +381,7 @@ impl Hosts {
             attempt += 1;
             match self.attempt(host, machine, place, &mut f) {
                 Err(e) if waits_for_recovery(&e) && started.elapsed() < RECOVERY_WAIT_MAX => {
-                    if host.poll_until_idle(|| self.now()) {
-                        backoff.reset();
-                    } else {
-                        backoff.idle();
-                    }
+                    self.wait_idle(host, &mut backoff);
                 }
                 Err(e)
                     if !waits_for_recovery(&e)
@@ -492,6 +488,16 @@ impl Hosts {
         }
     }
 
+    /// Polls `host` until idle, and backs off only if it had nothing to do: between attempts
+    /// that wait for something the workers (here or elsewhere) must finish.
+    fn wait_idle(&self, host: &mut Host, backoff: &mut Backoff) {
+        if host.poll_until_idle(|| self.now()) {
+            backoff.reset();
+        } else {
+            backoff.idle();
+        }
+    }
+
     /// Whether `worker`'s machine may coordinate or serve a read: not removed from the
     /// configuration, and up (the in-process fabric kills machines whose threads go on).
     fn may_coordinate(&self, worker: &Worker) -> Result<(), TxError> {
@@ -530,11 +536,7 @@ impl Hosts {
                     if started.elapsed() >= RECOVERY_WAIT_MAX {
                         return Err(TxError::LeaseLapsed(machine));
                     }
-                    if host.poll_until_idle(|| self.now()) {
-                        backoff.reset();
-                    } else {
-                        backoff.idle();
-                    }
+                    self.wait_idle(host, &mut backoff);
                 }
                 Ok(h) if h.allocated() => return Ok(()),
                 Ok(_) => {
@@ -545,12 +547,7 @@ impl Hosts {
                 }
                 Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
                     attempt += 1;
-                    // Back off only once the host had nothing left to do.
-                    if host.poll_until_idle(|| self.now()) {
-                        backoff.reset();
-                    } else {
-                        backoff.idle();
-                    }
+                    self.wait_idle(host, &mut backoff);
                 }
                 Err(e) => return Err(e),
             }
