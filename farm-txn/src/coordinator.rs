@@ -100,6 +100,8 @@ struct Entry {
 #[derive(Debug, Default)]
 pub struct TxState {
     objects: BTreeMap<Addr, Entry>,
+    /// The coordinator's view generation during the execution (every read came from it).
+    generation: u64,
 }
 
 impl TxState {
@@ -160,7 +162,8 @@ impl<'w> Tx<'w> {
 
     /// Ends execution, handing the state to [`Worker::start_commit`] (or dropping it: an
     /// uncommitted transaction must still give back what it allocated; see [`Worker::discard`]).
-    pub fn into_state(self) -> TxState {
+    pub fn into_state(mut self) -> TxState {
+        self.state.generation = self.generation;
         self.state
     }
 
@@ -1175,9 +1178,15 @@ impl Worker {
                 .is_some_and(|(_, handed)| primary_changed_since(&view, a.region, handed))
         });
         let blocked = written.iter().copied().find(|r| self.region_blocked(*r));
+        // The coordinator picked up a newer view since the execution (between its last read
+        // and the commit, or while an allocation polled the worker): the identifier took the
+        // newer configuration, so `read_moved` cannot see that the reads came from an older
+        // one, whose primaries may have been replaced by backups that have not applied a
+        // committed write yet (§5.3 step 1).
+        let reads_older = c.state.generation != self.view_generation;
         match &c.phase {
             Phase::Reserve => {
-                if !recovering && !read_moved && !stale_slot && blocked.is_none() {
+                if !recovering && !read_moved && !stale_slot && !reads_older && blocked.is_none() {
                     return None;
                 }
                 self.return_reservations(c);

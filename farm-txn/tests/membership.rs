@@ -120,3 +120,46 @@ fn a_transaction_reads_from_one_view() {
     machine.install(next, map, Default::default()).unwrap();
     assert_eq!(tx.read(y, 8).unwrap_err(), TxError::ConfigurationChanged);
 }
+
+/// The commit of a transaction whose coordinator picked up a newer configuration after the
+/// last read (between execution and commit, or while an allocation at a remote primary
+/// polled the worker) ends with `ConfigurationChanged`. Its identifier would take the newer
+/// configuration, so the check that a read region's primary changed since would miss reads
+/// from the older view, validated then against a promoted backup that may not have applied a
+/// committed write yet (issue 16, case 2).
+#[test]
+fn a_commit_started_in_a_newer_view_than_its_reads_aborts() {
+    let mut w = cluster();
+    let mut now = 0;
+    let mut objects = Vec::new();
+    for m in [0, 1] {
+        let mut tx = Tx::new(&mut w[m]);
+        objects.push(tx.alloc(8, None).unwrap());
+        let state = tx.into_state();
+        w[m].start_commit(state);
+        while w[m].poll_commit(now).is_none() {
+            poll_all(&mut w, &mut now);
+        }
+    }
+    let (x, y) = (objects[0], objects[1]);
+    let machine = w[2].machine().clone();
+    let map = w[2].view().map.clone();
+    let mut tx = Tx::new(&mut w[2]);
+    tx.read(x, 8).unwrap();
+    tx.write(y, &[1; 8]).unwrap();
+    let state = tx.into_state();
+    let mut next = Configuration::initial(3);
+    next.id = ConfigId(2);
+    machine.install(next, map, Default::default()).unwrap();
+    w[2].refresh_view();
+    w[2].start_commit(state);
+    let mut outcome = None;
+    for _ in 0..1000 {
+        if let Some(r) = w[2].poll_commit(now) {
+            outcome = Some(r);
+            break;
+        }
+        poll_all(&mut w, &mut now);
+    }
+    assert_eq!(outcome, Some(Err(TxError::ConfigurationChanged)));
+}
