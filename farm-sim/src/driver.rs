@@ -1032,6 +1032,13 @@ impl Sim {
             "seed {}: workers skipped records that did not decode",
             self.config.seed
         );
+        // The recovery log holds what a failure leaves in flight many times over here: full,
+        // it would mean entries are not freed when their transactions are forgotten.
+        assert_eq!(
+            stats.recovery_log_full, 0,
+            "seed {}: a recovery log filled up",
+            self.config.seed
+        );
         SimOutcome {
             history: self.history,
             anomalies,

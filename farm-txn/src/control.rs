@@ -127,7 +127,7 @@ impl MachineControl {
     /// (`Fabric::broken_members`): a failed write to a live member left a hole in its ring, so
     /// the configuration must remove it.
     pub fn tick(&mut self, now: u64) {
-        for m in self.fabric.broken_members(self.machine.id) {
+        for m in self.machine.unreachable_members() {
             self.on_unreachable(m, now);
         }
         self.with_plane(now, |p, l| p.tick(now, l));

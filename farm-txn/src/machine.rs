@@ -14,6 +14,7 @@ use farm_core::fabric::{Fabric, MemKey};
 use farm_core::nvram::{files, Nvram};
 use farm_core::ring::RingLayout;
 use farm_core::wire::RECORD_BYTES_MAX;
+use farm_core::ThreadId;
 use farm_core::{ConfigId, MachineId, RegionId};
 
 /// Parameters every machine of a cluster agrees on.
@@ -258,6 +259,10 @@ pub struct MachineState {
     /// it picks up that view or a later one (`Worker::refresh_view`). 0: never joined since
     /// this machine started.
     joined: Vec<AtomicU64>,
+    /// Per worker thread and peer, the links a worker cut (`Worker::cut`): the peer's
+    /// `joined` generation then, plus one (0: not cut). A later incarnation of the peer has
+    /// another generation, so the mark does not follow it.
+    cut: Vec<AtomicU64>,
     /// The newest of `joined`: NEW-CONFIG is acknowledged once every worker got that far.
     joined_latest: AtomicU64,
     /// A new incarnation waiting to join ([`MachineState::joiner`]): the view that adds it is
@@ -551,6 +556,9 @@ impl MachineState {
             joined: (0..params.layout.machines_max)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
+            cut: (0..params.layout.machines_max as usize * params.layout.threads as usize)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             joined_latest: AtomicU64::new(0),
             joining: std::sync::atomic::AtomicBool::new(false),
             state,
@@ -644,6 +652,32 @@ impl MachineState {
     /// The view generation in which `m` last joined this machine's view (0: not since start).
     pub(crate) fn joined_at(&self, m: MachineId) -> u64 {
         self.joined[m.0 as usize].load(Ordering::Acquire)
+    }
+
+    /// Records that worker `thread` cut its link to `peer` (`Worker::cut`).
+    pub(crate) fn cut_link(&self, thread: ThreadId, peer: MachineId) {
+        let at = thread.0 as usize * self.params.layout.machines_max as usize + peer.0 as usize;
+        self.cut[at].store(self.joined_at(peer) + 1, Ordering::Release);
+    }
+
+    /// The members this machine can no longer write to although they may live, which the
+    /// configuration must remove: those the fabric's links to broke (`Fabric::broken_members`:
+    /// a failed write left a hole in a ring) and those a worker cut off for not draining their
+    /// queue (`Worker::cut`). The control plane reports them at every tick.
+    pub fn unreachable_members(&self) -> Vec<MachineId> {
+        let peers = self.params.layout.machines_max as usize;
+        let view = self.view();
+        let mut out = self.fabric.broken_members(self.id);
+        for (at, mark) in self.cut.iter().enumerate() {
+            let peer = MachineId((at % peers) as u16);
+            let mark = mark.load(Ordering::Acquire);
+            if mark != 0 && mark == self.joined_at(peer) + 1 && view.config.contains(peer) {
+                out.push(peer);
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// The configuration this machine restarted into, if the cluster restarted from NVRAM.

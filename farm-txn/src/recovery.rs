@@ -67,9 +67,20 @@ pub(crate) struct RecoveryState {
     /// This thread's own commits whose outcome recovery decides, and the decisions made.
     pub(crate) waiting: BTreeSet<TxnId>,
     pub(crate) decided: BTreeMap<TxnId, Decision>,
-    /// Per transaction, its entries in this thread's recovery log, dropped when it is
-    /// forgotten.
-    pub(crate) logged: BTreeMap<TxnId, Vec<RecordPos>>,
+    /// Per transaction, where the recovery messages kept for a restart lie, dropped when it
+    /// is forgotten.
+    pub(crate) logged: BTreeMap<TxnId, Vec<Kept>>,
+}
+
+/// Where a recovery message kept for a restart lies (see [`crate::recovery_log`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// In this thread's recovery log.
+    Log(RecordPos),
+    /// Still in the queue it arrived in, from this sender, whose slot is held: the recovery
+    /// log was full. A held slot stops the sender's queue from wrapping past it, which is the
+    /// back-pressure a full recovery log puts on its senders.
+    Queue(MachineId, RecordPos),
 }
 
 impl RecoveryState {
@@ -775,9 +786,7 @@ impl Worker {
             for pos in tx.records {
                 self.inbound[t.machine.0 as usize].log.release(pos);
             }
-            for pos in self.recovery.logged.remove(&t).unwrap_or_default() {
-                self.recovery_log.release(pos);
-            }
+            self.release_kept(t);
         }
     }
 
@@ -1600,24 +1609,83 @@ impl Worker {
         for pos in tx.records {
             log.release(pos);
         }
-        for pos in self.recovery.logged.remove(&t).unwrap_or_default() {
-            self.recovery_log.release(pos);
+        self.release_kept(t);
+    }
+
+    /// Frees what was kept of `t`'s recovery messages for a restart.
+    fn release_kept(&mut self, t: TxnId) {
+        for kept in self.recovery.logged.remove(&t).unwrap_or_default() {
+            match kept {
+                Kept::Log(pos) => self.recovery_log.release(pos),
+                Kept::Queue(sender, pos) => self.inbound[sender.0 as usize].queue.release(pos),
+            }
         }
     }
 
-    /// Keeps a recovery message that a restart must still see (see [`crate::recovery_log`])
-    /// in this thread's recovery log before it is processed: REPLICATE-TX-STATE,
-    /// COMMIT-RECOVERY and ABORT-RECOVERY of a transaction not forgotten here. `payload` is the
-    /// message as it arrived.
-    pub(crate) fn log_recovery_message(&mut self, msg: &Message, payload: &[u8]) {
+    /// Keeps a recovery message that a restart must still see (see [`crate::recovery_log`]),
+    /// before it is processed: REPLICATE-TX-STATE, COMMIT-RECOVERY and ABORT-RECOVERY of a
+    /// transaction not forgotten here. `payload` is the message as it arrived from `sender` at
+    /// `pos` of its queue. Returns whether the queue slot must stay held: the recovery log was
+    /// full, so the message's own slot is its record until the transaction is forgotten.
+    pub(crate) fn log_recovery_message(
+        &mut self,
+        sender: MachineId,
+        pos: RecordPos,
+        msg: &Message,
+        payload: &[u8],
+    ) -> bool {
         let Some(t) = logged_txn(msg) else {
-            return;
+            return false;
         };
         if self.recovery.forgotten.contains_key(&t) {
-            return;
+            return false;
         }
-        let pos = self.recovery_log.append(payload);
-        self.recovery.logged.entry(t).or_default().push(pos);
+        let kept = self.keep(sender, pos, payload);
+        self.recovery.logged.entry(t).or_default().push(kept);
+        matches!(kept, Kept::Queue(..))
+    }
+
+    /// Drops the recovery messages kept in queue slots from `peer`, whose rings start afresh
+    /// (a new incarnation joined): a restart no longer finds them. They were kept there only
+    /// because the recovery log was full.
+    pub(crate) fn forget_kept_from(&mut self, peer: MachineId) {
+        let mut lost = 0;
+        for kept in self.recovery.logged.values_mut() {
+            let before = kept.len();
+            kept.retain(|k| !matches!(k, Kept::Queue(s, _) if *s == peer));
+            lost += before - kept.len();
+        }
+        if lost > 0 {
+            tracing::error!(
+                machine = self.machine.id.0,
+                thread = self.thread.0,
+                peer = peer.0,
+                lost,
+                "recovery messages kept in the queue from a machine that joined again are \
+                 dropped: a whole-cluster restart before their transactions are forgotten \
+                 would not see them"
+            );
+        }
+    }
+
+    /// Where the recovery message at `pos` of `sender`'s queue is kept: in the recovery log if
+    /// it has room, else in its queue slot.
+    fn keep(&mut self, sender: MachineId, pos: RecordPos, payload: &[u8]) -> Kept {
+        let was_full = self.recovery_log.is_full();
+        if let Some(at) = self.recovery_log.append(payload) {
+            return Kept::Log(at);
+        }
+        if !was_full {
+            tracing::warn!(
+                machine = self.machine.id.0,
+                thread = self.thread.0,
+                sender = sender.0,
+                "the recovery log is full: recovery messages keep their queue slots until their \
+                 transactions are forgotten, which holds up their senders' queues"
+            );
+        }
+        self.stats.recovery_log_full += 1;
+        Kept::Queue(sender, pos)
     }
 
     /// After a whole-cluster restart, before anything else: what the previous life knew from
@@ -1626,26 +1694,31 @@ impl Worker {
     /// recovery round decides (§5.3 step 6: a replica that saw COMMIT-RECOVERY votes
     /// commit-primary, one that saw ABORT-RECOVERY cannot vote commit).
     pub(crate) fn restart_read_recovery_messages(&mut self, entries: Vec<(RecordPos, Vec<u8>)>) {
-        let mut kept = entries;
         let mut buf = Vec::new();
+        let mut kept: Vec<(Kept, Vec<u8>)> = entries
+            .into_iter()
+            .map(|(at, b)| (Kept::Log(at), b))
+            .collect();
         for sender in 0..self.inbound.len() {
+            let from = MachineId(sender as u16);
             while let Some(pos) = self.inbound[sender].queue.poll(&mut buf) {
+                let mut held = false;
                 if Message::decode(&buf).is_ok_and(|m| logged_txn(&m).is_some()) {
-                    let at = self.recovery_log.append(&buf);
+                    let at = self.keep(from, pos, &buf);
+                    held = matches!(at, Kept::Queue(..));
                     kept.push((at, buf.clone()));
                 }
-                self.inbound[sender].queue.release(pos);
+                if !held {
+                    self.inbound[sender].queue.release(pos);
+                }
             }
         }
         for (pos, bytes) in kept {
             let msg = Message::decode(&bytes).unwrap_or_else(|e| {
-                panic!(
-                    "corrupt recovery log entry at {} with a valid checksum: {e}",
-                    pos.0
-                )
+                panic!("corrupt kept recovery message at {pos:?} with a valid checksum: {e}")
             });
             let t = logged_txn(&msg)
-                .unwrap_or_else(|| panic!("recovery log entry at {} holds {msg:?}", pos.0));
+                .unwrap_or_else(|| panic!("kept recovery message at {pos:?} holds {msg:?}"));
             let Message::Recovery { region, body, .. } = msg else {
                 unreachable!("logged_txn matched a recovery message");
             };

@@ -12,7 +12,15 @@
 //! the restart decides as before.
 //!
 //! The log is a ring written and read by its own thread, framed and checksummed like the
-//! inbound rings ([`farm_core::ring`]), with its head word in NVRAM.
+//! inbound rings ([`farm_core::ring`]), with its head word in NVRAM. It is as large as one
+//! inbound log, plenty for the transactions in flight at a failure; what decides its use is
+//! input from other machines, though, so a full log is not an error: a message that does not
+//! fit keeps its queue slot instead (`recovery::Kept::Queue`), held until its transaction is
+//! forgotten. The queue is NVRAM too, so a restart reads it back from there; and as a held
+//! slot stops the sender's queue from wrapping past it, senders slow down until the log
+//! frees, or, if it never does, let their backlogs fill and cut the link
+//! (`Worker::send_message`), which removes this machine from the configuration rather than
+//! stopping every machine that talks to it.
 
 use std::sync::Arc;
 
@@ -30,6 +38,8 @@ pub(crate) struct RecoveryLog {
     reader: RingReader,
     framed: Vec<u8>,
     polled: Vec<u8>,
+    /// The last append found no room.
+    full: bool,
 }
 
 impl RecoveryLog {
@@ -62,26 +72,19 @@ impl RecoveryLog {
             reader,
             framed: Vec::new(),
             polled: Vec::new(),
+            full: false,
         };
         (log, entries)
     }
 
-    /// Appends `payload` (an encoded message) and returns its position.
-    ///
-    /// # Panics
-    ///
-    /// When the log is full: it holds the recovery messages of transactions in flight at a
-    /// failure and not yet forgotten, and it is as large as one inbound log (see
-    /// `MachineState::recovery_log_ring`).
-    pub(crate) fn append(&mut self, payload: &[u8]) -> RecordPos {
+    /// Appends `payload` (an encoded message) and returns its position; `None` when the log
+    /// is full (the caller keeps the message in its queue slot instead,
+    /// `recovery::Kept::Queue`).
+    pub(crate) fn append(&mut self, payload: &[u8]) -> Option<RecordPos> {
         frame(payload, &mut self.framed);
-        let Some(place) = self.writer.place(self.framed.len(), 0) else {
-            panic!(
-                "the recovery log is full ({} bytes in use): more recovery messages kept than \
-                 a log holds; raise the log size",
-                self.writer.in_use()
-            );
-        };
+        let place = self.writer.place(self.framed.len(), 0);
+        self.full = place.is_none();
+        let place = place?;
         if let Some((at, len)) = place.skip {
             self.mem.write(self.base + at, &skip_marker(len));
         }
@@ -91,7 +94,12 @@ impl RecoveryLog {
             .poll(&mut self.polled)
             .expect("the entry just appended");
         debug_assert_eq!(self.polled[..payload.len()], *payload);
-        pos
+        Some(pos)
+    }
+
+    /// Whether the last append found no room.
+    pub(crate) fn is_full(&self) -> bool {
+        self.full
     }
 
     /// Drops the entry at `pos`.

@@ -55,6 +55,12 @@ pub struct Stats {
     /// Records and messages from other machines that passed their checksum but did not decode
     /// (another build's, or a peer's bug): logged and skipped, nothing applied.
     pub malformed: u64,
+    /// Links this thread cut because the peer freed no queue space while a full backlog of
+    /// messages waited for it (the peer is reported unreachable).
+    pub cut_links: u64,
+    /// Recovery messages whose queue slot was held as their restart record because the
+    /// recovery log was full.
+    pub recovery_log_full: u64,
 }
 
 impl Stats {
@@ -110,7 +116,9 @@ impl Stats {
             recovered_commits,
             recovered_aborts,
             restart_late_rejected,
-            malformed
+            malformed,
+            cut_links,
+            recovery_log_full
         );
     }
 }

@@ -15,7 +15,7 @@ use farm_alloc::{block_header_offset, block_of, slot_bytes_of, AllocError, Slabs
 use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
 use farm_core::object;
 use farm_core::ring::{frame, skip_marker, HeadWord, RecordPos, RingKind, RingReader, RingWriter};
-use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, WriteSet};
+use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, RecoveryBody, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
 use crate::coordinator::CoordinatorState;
@@ -131,6 +131,23 @@ impl Inbound {
 pub(crate) struct Outbound {
     pub(crate) log: RingWriter,
     pub(crate) queue: RingWriter,
+    /// Messages to this peer waiting in [`Worker`]'s backlog for queue space there.
+    backlogged: usize,
+    /// The peer let [`BACKLOG_PER_PEER_MAX`] messages pile up without freeing queue space: the
+    /// link is down, as a broken connection, until the peer leaves the configuration (and
+    /// joins again as a new incarnation, which starts this afresh).
+    cut: bool,
+}
+
+impl Outbound {
+    fn new(layout: farm_core::ring::RingLayout) -> Self {
+        Self {
+            log: RingWriter::new(layout.log_bytes),
+            queue: RingWriter::new(layout.queue_bytes),
+            backlogged: 0,
+            cut: false,
+        }
+    }
 }
 
 /// One worker thread of one machine.
@@ -199,9 +216,12 @@ pub(crate) const LOST: WriteTicket = WriteTicket(u64::MAX);
 /// An ALLOC-REPLY (to the machine named first) held until its block-header writes are acked.
 type PendingAllocReply = (MachineId, Message, Vec<(MachineId, WriteTicket)>);
 
-/// Most messages waiting for queue space: one reply per LOCK or VALIDATE in flight, and each
-/// peer thread has at most one commit in flight.
-const BACKLOG_MAX: usize = 4096;
+/// Most messages waiting for queue space at one peer thread, beyond what its queue holds. A
+/// live peer needs few: one reply per LOCK or VALIDATE it has in flight, and the recovery
+/// messages of the transactions in flight at a failure. A peer that lets more pile up does
+/// not drain its queue (stopped, or a bug), and the link to it is cut
+/// ([`Worker::send_message`]) rather than letting the backlog grow without bound.
+const BACKLOG_PER_PEER_MAX: usize = 4096;
 
 impl Worker {
     /// Worker `thread` of `machine`.
@@ -216,12 +236,7 @@ impl Worker {
         let inbound = (0..peers)
             .map(|s| Inbound::open(&machine, thread, MachineId(s), restart.is_some()))
             .collect();
-        let outbound = (0..peers)
-            .map(|_| Outbound {
-                log: RingWriter::new(layout.log_bytes),
-                queue: RingWriter::new(layout.queue_bytes),
-            })
-            .collect();
+        let outbound = (0..peers).map(|_| Outbound::new(layout)).collect();
         let view_generation = machine.view_generation();
         let view = machine.view();
         let view_config = view.config.id;
@@ -436,11 +451,9 @@ impl Worker {
             machine.feedback.store_u64(slot, 0, Ordering::Release);
         }
         machine.forget_marks(peer, self.thread.0);
+        self.forget_kept_from(peer);
         self.inbound[peer.0 as usize] = Inbound::open(&machine, self.thread, peer, false);
-        self.outbound[peer.0 as usize] = Outbound {
-            log: RingWriter::new(layout.log_bytes),
-            queue: RingWriter::new(layout.queue_bytes),
-        };
+        self.outbound[peer.0 as usize] = Outbound::new(layout);
         self.backlog.retain(|(m, _)| *m != peer);
         self.alloc_replies.retain(|(m, ..)| *m != peer);
         self.replies.retain(|(m, _)| *m != peer);
@@ -583,11 +596,23 @@ impl Worker {
             "{:?} beyond the layout",
             self.thread
         );
-        assert!(
-            self.backlog.len() <= BACKLOG_MAX,
-            "backlog of {} over BACKLOG_MAX",
-            self.backlog.len()
-        );
+        for (m, out) in self.outbound.iter().enumerate() {
+            let waiting = self
+                .backlog
+                .iter()
+                .filter(|(d, _)| d.0 as usize == m)
+                .count();
+            assert_eq!(out.backlogged, waiting, "backlog count of m{m}");
+            // Messages to this machine itself wait only until its next poll frees its queue.
+            assert!(
+                m == self.machine.id.0 as usize || waiting <= BACKLOG_PER_PEER_MAX,
+                "backlog of {waiting} to m{m} over BACKLOG_PER_PEER_MAX"
+            );
+            assert!(
+                !out.cut || waiting == 0,
+                "messages waiting for m{m}, cut off"
+            );
+        }
         assert!(
             self.view_generation <= self.machine.view_generation(),
             "a worker's view newer than its machine's"
@@ -728,10 +753,24 @@ impl Worker {
                 self.inbound[sender.0 as usize].queue.release(pos);
                 continue;
             }
-            if let Ok(m) = &msg {
-                self.log_recovery_message(m, &buf);
+            if let Ok(Message::Recovery {
+                body: RecoveryBody::SendTxState(t, ws, _) | RecoveryBody::ReplicateTxState(t, ws, _),
+                ..
+            }) = &msg
+            {
+                if let Some(why) = self.unsendable_writes(ws) {
+                    self.inbound[sender.0 as usize].queue.release(pos);
+                    self.malformed(sender, RingKind::Queue, pos, &format!("{why} ({t})"));
+                    continue;
+                }
             }
-            self.inbound[sender.0 as usize].queue.release(pos);
+            let held = match &msg {
+                Ok(m) => self.log_recovery_message(sender, pos, m, &buf),
+                Err(_) => false,
+            };
+            if !held {
+                self.inbound[sender.0 as usize].queue.release(pos);
+            }
             match msg {
                 Ok(Message::Validate { txn, reads }) => {
                     let ok = reads.iter().all(|(addr, seen)| {
@@ -905,6 +944,20 @@ impl Worker {
             return;
         }
         let local = rec.txn.local;
+        let why = match &rec.body {
+            LogBody::Lock(ws) | LogBody::CommitBackup(ws) => self.unsendable_writes(ws),
+            _ => None,
+        };
+        let why = why.or_else(|| {
+            let twice = matches!(rec.body, LogBody::Lock(_))
+                && self.inbound[sender.0 as usize].locks.contains_key(&local);
+            twice.then(|| "a second LOCK under one transaction's id".to_string())
+        });
+        if let Some(why) = why {
+            self.inbound[sender.0 as usize].log.release(pos);
+            let why = format!("{why} ({})", rec.txn);
+            return self.malformed(sender, RingKind::Log, pos, &why);
+        }
         match rec.body {
             LogBody::Lock(writes) => {
                 let ok = self.lock_all(&writes);
@@ -919,7 +972,7 @@ impl Worker {
                         ok,
                     },
                 );
-                assert!(prev.is_none(), "two LOCK records for {}", rec.txn);
+                debug_assert!(prev.is_none(), "checked above");
                 if sender == self.machine.id {
                     // The coordinator is this very worker: no message, a direct reply.
                     self.replies
@@ -992,6 +1045,25 @@ impl Worker {
             }
             LogBody::Truncate => self.inbound[sender.0 as usize].log.release(pos),
         }
+    }
+
+    /// Why no coordinator sends the writes `ws` (a peer's bug, or another build's), if it
+    /// does not: a write that does not fit in a region, at an offset no object starts at (an
+    /// object's header is a word), or whose header was read locked (§4: execution reads only
+    /// unlocked objects). Checked where they arrive, before any is locked or applied.
+    pub(crate) fn unsendable_writes(&self, ws: &WriteSet) -> Option<String> {
+        let region_bytes = self.machine.params.region_bytes;
+        ws.writes.iter().find_map(|w| {
+            let offset = w.addr.offset as usize;
+            let end = offset + object::HEADER_BYTES + w.data.len();
+            if !offset.is_multiple_of(8) || end > region_bytes {
+                Some(format!("a write at {:?} of {} bytes", w.addr, w.data.len()))
+            } else if w.read.locked() {
+                Some(format!("a write at {:?} read locked", w.addr))
+            } else {
+                None
+            }
+        })
     }
 
     /// §4 step 1 at the primary: CAS every written object's header at the version read. On the
@@ -1253,6 +1325,9 @@ impl Worker {
         framed: &[u8],
         reserved: usize,
     ) -> Result<Option<Option<WriteTicket>>, FabricError> {
+        if self.outbound[dst.0 as usize].cut {
+            return Err(FabricError::Unreachable(dst));
+        }
         self.refresh_head(dst, kind);
         let out = &mut self.outbound[dst.0 as usize];
         let writer = match kind {
@@ -1293,7 +1368,7 @@ impl Worker {
 
     /// Whether messages to `dst` wait for queue space (its worker has not freed its queue).
     pub(crate) fn queue_full(&self, dst: MachineId) -> bool {
-        self.backlog.iter().any(|(d, _)| *d == dst)
+        self.outbound[dst.0 as usize].backlogged > 0
     }
 
     /// Sends a message. Message queues are freed as soon as messages are processed; when the
@@ -1306,18 +1381,40 @@ impl Worker {
         msg.encode(&mut payload);
         frame(&payload, &mut framed);
         if self.queue_full(dst) || !self.try_send_framed(dst, &framed) {
-            assert!(
-                self.backlog.len() < BACKLOG_MAX,
-                "{}/{}: message backlog to {dst} overflows (configuration {:?}, members {:?}); last: {msg:?}",
-                self.machine.id,
-                self.thread.0,
-                self.view.config.id,
-                self.view.config.members
-            );
-            self.stats.queue_full_waits += 1;
-            self.backlog.push_back((dst, framed.clone()));
+            if dst != self.machine.id
+                && self.outbound[dst.0 as usize].backlogged >= BACKLOG_PER_PEER_MAX
+            {
+                self.cut(dst, msg);
+            } else {
+                self.stats.queue_full_waits += 1;
+                self.outbound[dst.0 as usize].backlogged += 1;
+                self.backlog.push_back((dst, framed.clone()));
+            }
         }
         self.msg_bufs = (payload, framed);
+    }
+
+    /// Cuts the link to `dst`, which let [`BACKLOG_PER_PEER_MAX`] messages pile up here: they
+    /// and `last` are dropped, every later write to it fails as on a broken connection, and the
+    /// machine reports it unreachable (`MachineState::unreachable_members`) so that the
+    /// configuration removes it. Nothing counts a message to it delivered meanwhile
+    /// ([`Worker::write_settled`]); what it held is recovered once it is removed (§5.3).
+    fn cut(&mut self, dst: MachineId, last: &Message) {
+        tracing::error!(
+            machine = self.machine.id.0,
+            thread = self.thread.0,
+            peer = dst.0,
+            config = self.view.config.id.0,
+            ?last,
+            "a peer freed no queue space for {BACKLOG_PER_PEER_MAX} messages: link cut, peer \
+             reported unreachable"
+        );
+        self.stats.cut_links += 1;
+        self.backlog.retain(|(d, _)| *d != dst);
+        let out = &mut self.outbound[dst.0 as usize];
+        out.backlogged = 0;
+        out.cut = true;
+        self.machine.cut_link(self.thread, dst);
     }
 
     /// Sends a message now if its queue has room, returning the write's ticket (`None` for a
@@ -1391,6 +1488,7 @@ impl Worker {
         let mut rest = std::collections::VecDeque::new();
         while let Some((dst, framed)) = self.backlog.pop_front() {
             if !blocked.contains(&dst) && self.try_send_framed(dst, &framed) {
+                self.outbound[dst.0 as usize].backlogged -= 1;
                 busy = true;
             } else {
                 blocked.push(dst);

@@ -92,3 +92,103 @@ fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
     }
     assert_eq!(read(&mut w, 2, a), 6);
 }
+
+/// Machine 2 appends `records` to its log at machine 0, framed one after the other.
+fn append_log(w: &[Worker], fabric: &farm_fabric::mem::MemFabric, records: &[LogRecord]) {
+    let layout = w[0].machine().params.layout;
+    let src = Endpoint {
+        machine: MachineId(2),
+        thread: ThreadId(0),
+    };
+    let mut at = layout.ring_offset(MachineId(2), ThreadId(0), RingKind::Log);
+    for rec in records {
+        let mut payload = Vec::new();
+        rec.encode(&mut payload);
+        let mut framed = Vec::new();
+        frame(&payload, &mut framed);
+        fabric
+            .write(src, MachineId(0), MemKey::Rings, at as u64, &framed)
+            .unwrap();
+        at += framed.len();
+    }
+}
+
+/// LOCK and COMMIT-BACKUP records whose writes no coordinator sends (beyond the region, at an
+/// offset no object starts at, at a header read locked) and a second LOCK under one
+/// transaction's id are skipped like records that do not decode: nothing is locked or applied.
+#[test]
+fn writes_no_coordinator_sends_are_skipped() {
+    let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
+    let mut now = 0;
+    let mut a = None;
+    start(&mut w, 0, |tx| {
+        let x = tx.alloc(8, None)?;
+        tx.write(x, &5u64.to_le_bytes())?;
+        a = Some(x);
+        Ok(())
+    });
+    drive(&mut w, 0, &[0, 1, 2], &mut now, 1000)
+        .expect("the allocation ends")
+        .unwrap();
+    let a = a.unwrap();
+    let (header, _) = w[0].read_object(a, 8).unwrap();
+    let region_bytes = w[0].machine().params.region_bytes as u32;
+    let txn = |local| TxnId {
+        config: ConfigId(1),
+        machine: MachineId(2),
+        thread: ThreadId(0),
+        local,
+    };
+    let write = |addr: Addr, read: farm_core::object::Header| farm_core::wire::WriteEntry {
+        addr,
+        read,
+        allocated: true,
+        data: 9u64.to_le_bytes().to_vec(),
+    };
+    let lock = |local, writes| LogRecord {
+        txn: txn(local),
+        truncate_below: 0,
+        truncated: Vec::new(),
+        body: LogBody::Lock(farm_core::wire::WriteSet {
+            regions: vec![a.region],
+            writes,
+        }),
+    };
+    let beyond = Addr {
+        offset: region_bytes - 8,
+        ..a
+    };
+    let misaligned = Addr {
+        offset: a.offset + 3,
+        ..a
+    };
+    let records = [
+        lock(1, vec![write(beyond, header)]),
+        lock(2, vec![write(misaligned, header)]),
+        lock(3, vec![write(a, header.with_lock())]),
+        // A LOCK that takes a's lock, then another under the same id.
+        lock(4, vec![write(a, header)]),
+        lock(4, vec![write(a, header)]),
+        LogRecord {
+            txn: txn(5),
+            truncate_below: 0,
+            truncated: Vec::new(),
+            body: LogBody::CommitBackup(farm_core::wire::WriteSet {
+                regions: vec![a.region],
+                writes: vec![write(beyond, header)],
+            }),
+        },
+    ];
+    let locks_before = w[0].stats().locks_processed;
+    append_log(&w, &fabric, &records);
+    for _ in 0..10 {
+        now += 1;
+        w[0].poll(now);
+    }
+    assert_eq!(w[0].stats().malformed, 5, "every such record counted");
+    assert_eq!(
+        w[0].stats().locks_processed,
+        locks_before + 1,
+        "only the first LOCK of transaction 4 taken"
+    );
+}
