@@ -305,7 +305,7 @@ impl Sim {
             .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
             .collect();
         stall_at.sort_unstable_by(|a, b| b.cmp(a));
-        let leases = SimLeases::new(&cfg, LEASE_TICKS, 0);
+        let leases = SimLeases::new(&machines, LEASE_TICKS, 0);
         let cm = SimCm::new(
             &machines,
             &fabric,
@@ -675,7 +675,7 @@ impl Sim {
         fabric.set_hold_writes(true);
         self.paused.clear();
         self.grace.clear();
-        self.leases = SimLeases::new(&config, LEASE_TICKS, self.now);
+        self.leases = SimLeases::new(&machines, LEASE_TICKS, self.now);
         let committed = self.cm.committed;
         let faults = store_faults(&self.config, self.restarts);
         self.cm = SimCm::new(&machines, &fabric, self.config.replicas as usize, faults);
@@ -764,10 +764,10 @@ impl Sim {
         // took to notice for its other work (fail-stop, as a deployment learns it from the
         // store). Until then a read-only commit is told only while its lease holds
         // (`MachineState::serves_at`, below, as in the runtime).
-        let m = self.workers[c].machine().id;
-        if self.leases.orphan_expired(m, self.now) {
-            self.leases.forget_orphan(m);
-            self.stop_evicted(vec![m]);
+        let machine = self.workers[c].machine().clone();
+        let newest = newest_view(&self.fabric, &self.paused, &self.machines, false);
+        if newest.is_some_and(|v| self.leases.orphan_expired(&machine, &v.config, self.now)) {
+            self.stop_evicted(vec![machine.id]);
             return;
         }
         match std::mem::replace(&mut self.clients[c], Client::Idle) {
@@ -1157,9 +1157,7 @@ impl Sim {
             if quiet {
                 self.fabric.set_hold_writes(true);
                 // Time jumped without lease renewals: the leases start again.
-                if let Some(config) = self.newest_committed() {
-                    self.leases = SimLeases::new(&config, LEASE_TICKS, self.now);
-                }
+                self.leases = SimLeases::new(&self.machines, LEASE_TICKS, self.now);
                 return;
             }
         }
@@ -1202,9 +1200,9 @@ fn running(fabric: &MemFabric, paused: &BTreeMap<MachineId, u64>, m: MachineId) 
 }
 
 /// The newest view of a running machine: committed there (NEW-CONFIG-COMMIT) with
-/// `committed`, else installed (NEW-CONFIG) with a running member. Leases follow the installed
-/// one, since NEW-CONFIG-ACK grants the new CM its leases (§5.2 step 6), so a driver that dies
-/// before committing is suspected under it.
+/// `committed`, else installed (NEW-CONFIG) with a running member: a machine of an earlier
+/// configuration that is not in it is out once its own leases ran out (the new CM's leases
+/// start with NEW-CONFIG-ACK, §5.2 step 6, so no commit is needed for that).
 fn newest_view(
     fabric: &MemFabric,
     paused: &BTreeMap<MachineId, u64>,
@@ -1239,28 +1237,23 @@ fn lease_round(
     (paused, grace): (&BTreeMap<MachineId, u64>, &BTreeMap<MachineId, u64>),
     now: u64,
 ) -> Vec<MachineId> {
-    if let Some(view) = newest_view(fabric, paused, machines, false) {
-        if view.config.id > leases.config() {
-            leases.reconfigure(&view.config, now);
-        }
-    }
+    let newest = newest_view(fabric, paused, machines, false);
     let mut out = Vec::new();
-    for m in machines.iter().map(|m| m.id) {
+    for machine in machines {
+        let m = machine.id;
         if !running(fabric, paused, m) || grace.get(&m).is_some_and(|until| now < *until) {
             continue;
         }
-        if leases.orphan_expired(m, now) {
-            leases.forget_orphan(m);
+        if newest
+            .as_ref()
+            .is_some_and(|v| leases.orphan_expired(machine, &v.config, now))
+        {
             out.push(m);
             continue;
         }
-        for x in leases.step_machine(m, fabric, now) {
+        for x in leases.step_machine(m, now) {
             cm.suspect(x, m, now);
         }
-    }
-    // What each machine may tell its applications, as the runtime's lease threads publish it.
-    for machine in machines {
-        machine.set_serves_until(leases.serves_until(machine.id));
     }
     out
 }

@@ -7,12 +7,14 @@
 //! simulator in `farm-sim` drive the same code by calling [`Worker::poll`] and
 //! [`Worker::poll_commit`] with the current tick. Transaction state recovery (§5.3) runs in the
 //! same workers ([`recovery`]). A machine's control plane (`farm_cm::plane`) acts on its
-//! [`MachineState`] through [`control::MachineControl`], in every deployment and the simulator.
+//! [`MachineState`] through [`control::MachineControl`], and its lease manager through
+//! [`lease::MachineLease`], in every deployment and the simulator.
 #![deny(missing_docs)]
 
 pub mod control;
 pub mod coordinator;
 pub mod error;
+pub mod lease;
 pub mod machine;
 pub mod recovery;
 mod recovery_log;

@@ -9,9 +9,10 @@ use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use farm_cm::{LeaseConfig, LeaseEvent, LeaseMsg, LeaseRole};
+use farm_cm::LeaseConfig;
 use farm_core::fabric::Fabric;
 use farm_core::MachineId;
+use farm_txn::lease::MachineLease;
 use farm_txn::MachineState;
 
 /// A machine suspected by another one because a lease ran out.
@@ -148,7 +149,7 @@ fn raise_priority() {
 }
 
 fn run(
-    machine: &MachineState,
+    machine: &Arc<MachineState>,
     length: &LeaseLength,
     fabric: &dyn Fabric,
     epoch: Instant,
@@ -161,60 +162,31 @@ fn run(
     let mut timing = LeaseConfig::new(lease.as_micros() as u64);
     let mut sleep = round_sleep(timing);
     let me = machine.id;
-    let mut out: Vec<(MachineId, LeaseMsg)> = Vec::with_capacity(256);
-    let mut events: Vec<LeaseEvent> = Vec::with_capacity(256);
-    let mut buf: Vec<u8> = Vec::with_capacity(64);
-    let mut generation = machine.view_generation();
-    let mut last_round: Option<u64> = None;
-    let mut role = LeaseRole::new(
-        me,
-        &machine.view().config,
+    let mut suspects: Vec<MachineId> = Vec::with_capacity(256);
+    let mut manager = MachineLease::new(
+        machine.clone(),
         timing,
+        sleep.as_micros() as u64,
         epoch.elapsed().as_micros() as u64,
     );
-    role.stalled(start_grace.as_micros() as u64);
+    manager.grace(start_grace.as_micros() as u64);
     while !stop.load(Ordering::Relaxed) {
         // A killed machine's lease manager dies with it.
         if fabric.is_up(me) {
-            let now = epoch.elapsed().as_micros() as u64;
-            // This thread not being scheduled is no evidence against the peers: credit a
-            // stall longer than a renewal to the leases it granted (`CmLeases::stalled`).
-            // On this VM two threads faulting in fresh memory stall every thread, real-time
-            // ones included, for 10-40 ms (docs/ARCHITECTURE.md, "Leases").
-            let late = last_round.map_or(0, |t| now.saturating_sub(t + sleep.as_micros() as u64));
-            if late > timing.renew_ticks {
-                tracing::info!(machine = me.0, late_us = late, "lease manager stalled");
-                role.stalled(late);
-            }
-            last_round = Some(now);
             if length.current() != lease {
-                // Expiries already computed stay: a shorter lease takes effect once the longer
-                // ones end.
                 lease = length.current();
                 timing = LeaseConfig::new(lease.as_micros() as u64);
                 sleep = round_sleep(timing);
-                role.set_timing(timing);
+                manager.set_timing(timing, sleep.as_micros() as u64);
             }
-            if machine.view_generation() != generation {
-                generation = machine.view_generation();
-                role.follow(me, &machine.view().config, timing, now);
-            }
-            while let Some(from) = fabric.recv_datagram(me, now, &mut buf) {
-                let Some(msg) = LeaseMsg::decode(&buf) else {
-                    continue;
-                };
-                role.on_datagram(from, msg, now, &mut out);
-            }
-            role.tick(now, &mut out, &mut events);
-            // What the machine's polls may tell applications (`MachineState::serves_at`):
-            // they count time from the same epoch.
-            machine.set_serves_until(role.serves_until());
-            for (to, msg) in out.drain(..) {
-                fabric.send_datagram(me, to, &msg.encode(), now);
-            }
-            if !events.is_empty() {
+            // On this VM two threads faulting in fresh memory stall every thread, real-time
+            // ones included, for 10-40 ms (docs/ARCHITECTURE.md, "Leases"): the round credits
+            // such a stall to the leases this machine granted.
+            let now = epoch.elapsed().as_micros() as u64;
+            manager.round(now, &mut suspects);
+            if !suspects.is_empty() {
                 let mut s = suspicions.lock().expect("suspicions poisoned");
-                for LeaseEvent::Suspect(suspect) in events.drain(..) {
+                for suspect in suspects.drain(..) {
                     tracing::warn!(
                         observer = me.0,
                         suspect = suspect.0,
@@ -231,7 +203,7 @@ fn run(
                 }
             }
         } else {
-            last_round = None;
+            manager.down();
         }
         std::thread::sleep(sleep);
     }
