@@ -141,17 +141,11 @@ impl SimCm {
         }
     }
 
-    /// The id of the configuration in the coordination store.
-    pub fn stored_config(&self) -> farm_core::ConfigId {
-        let (_, bytes) = self
-            .store
-            .inner
-            .read()
-            .expect("embedded store")
-            .expect("a configuration is stored from the start");
-        farm_cm::codec::decode(&bytes)
-            .expect("the CM stores valid configurations")
-            .id
+    /// The store as a whole-cluster restart sees it: without the timeouts of
+    /// [`crate::SimConfig::store_timeouts`] (an operator's restart is retried until the store
+    /// answers).
+    pub fn restart_store(&self) -> &dyn CoordinationStore {
+        &self.store.inner
     }
 
     /// Marks `machine` paused or running again.

@@ -607,7 +607,6 @@ impl Sim {
             self.commit_unknown(c);
         }
         let seed = self.config.seed;
-        let stored = self.cm.stored_config();
         let persisted: Vec<_> = self
             .machines
             .iter()
@@ -622,13 +621,14 @@ impl Sim {
                 Some(farm_txn::machine::Persisted { view, copying })
             })
             .collect();
-        let view = farm_txn::machine::restart_view(stored, &persisted)
-            .unwrap_or_else(|e| panic!("seed {seed}: restart refused: {e}"));
-        let restart = farm_core::ConfigId(stored.0 + 1);
-        let config = Configuration {
-            id: restart,
-            ..view.config.clone()
-        };
+        let plan = farm_txn::machine::plan_restart(
+            self.cm.restart_store(),
+            &persisted,
+            self.config.machines,
+        )
+        .unwrap_or_else(|e| panic!("seed {seed}: restart refused: {e}"));
+        let (view, config) = (plan.from, plan.config);
+        let restart = config.id;
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
             machines_max: self.config.machines,
             threads_max: self.config.threads,

@@ -51,12 +51,7 @@ impl SimLeases {
 
     /// Whether `machine`, a member in the configuration it installed but not in `newest`, knows
     /// from its own leases at `now` that it is out: none it holds may still be in force.
-    pub fn orphan_expired(
-        &self,
-        machine: &MachineState,
-        newest: &Configuration,
-        now: u64,
-    ) -> bool {
+    pub fn orphan_expired(&self, machine: &MachineState, newest: &Configuration, now: u64) -> bool {
         let m = machine.id;
         !newest.contains(m)
             && machine.view().config.contains(m)

@@ -1366,6 +1366,72 @@ impl Persisted {
     }
 }
 
+/// A whole-cluster restart, decided ([`plan_restart`]).
+#[derive(Clone, Debug)]
+pub struct RestartPlan {
+    /// The restart configuration, stored: the newest view's configuration under the next id.
+    pub config: Configuration,
+    /// The newest view the machines left, which the members reopen their NVRAM with.
+    pub from: farm_core::codec::StoredView,
+}
+
+/// Why a whole-cluster restart was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RestartError {
+    /// The coordination store failed, or holds nothing to restart.
+    #[error("{0}")]
+    Store(String),
+    /// What the machines left cannot be restarted from.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Decides a whole-cluster restart of a cluster of `machines` (ids below it) from what each
+/// left in NVRAM (`persisted`, by id): reads the stored configuration, takes the view to
+/// resume from ([`restart_view`]), and stores the restart configuration, the next id, with a
+/// compare-and-set at the version read, so that a cluster still reconfiguring makes it fail.
+/// Every deployment's restart decides through it once: the in-process builder, a node
+/// process's machine 0, and the simulator's power losses.
+pub fn plan_restart(
+    store: &dyn farm_cm::CoordinationStore,
+    persisted: &[Option<Persisted>],
+    machines: u16,
+) -> Result<RestartPlan, RestartError> {
+    let store_err = |what: &str| {
+        let what = what.to_string();
+        move |e: farm_cm::StoreError| RestartError::Store(format!("{what}: {e}"))
+    };
+    let (version, bytes) = store
+        .read()
+        .map_err(store_err("reading the stored configuration"))?
+        .ok_or_else(|| {
+            RestartError::Store(
+                "the coordination store holds no configuration: nothing to restart".into(),
+            )
+        })?;
+    let stored = farm_cm::codec::decode(&bytes)
+        .map_err(|e| RestartError::Store(format!("the stored configuration: {e}")))?;
+    let from = restart_view(stored.id, persisted).map_err(RestartError::Invalid)?;
+    if let Some(m) = from.config.members.iter().find(|m| m.0 >= machines) {
+        return Err(RestartError::Invalid(format!(
+            "machine {m} is a member of configuration {} but the cluster runs {machines} \
+             machines",
+            from.config.id.0
+        )));
+    }
+    let config = Configuration {
+        id: ConfigId(stored.id.0 + 1),
+        ..from.config.clone()
+    };
+    match store.compare_and_set(Some(version), &farm_cm::codec::encode(&config)) {
+        Ok(farm_cm::CasOutcome::Written(_)) => Ok(RestartPlan { config, from }),
+        Ok(farm_cm::CasOutcome::Conflict) => Err(RestartError::Store(
+            "the stored configuration changed during the restart: is the cluster running?".into(),
+        )),
+        Err(e) => Err(store_err("storing the restart configuration")(e)),
+    }
+}
+
 /// The view a whole-cluster restart resumes from, given the configuration in the coordination
 /// store (`stored`) and what each machine left (`persisted`, by machine id; see
 /// [`read_persisted`]): the newest view any machine installed (most regions among equals).

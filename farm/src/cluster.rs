@@ -511,14 +511,6 @@ impl ClusterBuilder {
             ));
         };
         let invalid = BuildError::Invalid;
-        let (version, bytes) = store
-            .read()
-            .map_err(|e| invalid(format!("reading the stored configuration: {e}")))?
-            .ok_or_else(|| {
-                invalid("the coordination store holds no configuration: nothing to restart".into())
-            })?;
-        let stored = farm_cm::codec::decode(&bytes)
-            .map_err(|e| invalid(format!("the coordination store's configuration: {e}")))?;
         let all = self.machines + self.spare_machines;
         let mut persisted = Vec::new();
         for m in 0..all {
@@ -526,35 +518,10 @@ impl ClusterBuilder {
                 .map_err(|e| invalid(format!("reading machine {}'s NVRAM: {e}", MachineId(m))))?;
             persisted.push(p);
         }
-        if persisted.iter().all(Option::is_none) {
-            return Err(invalid(format!(
-                "{} holds no machine's NVRAM: nothing to restart",
-                dir.display()
-            )));
-        }
-        let newest = farm_txn::machine::restart_view(stored.id, &persisted).map_err(invalid)?;
-        if let Some(m) = newest.config.members.iter().find(|m| m.0 >= all) {
-            return Err(invalid(format!(
-                "machine {m} is a member of configuration {} but the cluster is built with {all} \
-                 machines and spares",
-                newest.config.id.0
-            )));
-        }
-        let restart = farm_core::ConfigId(stored.id.0 + 1);
-        let config = Configuration {
-            id: restart,
-            ..newest.config.clone()
-        };
-        match store.compare_and_set(Some(version), &farm_cm::codec::encode(&config)) {
-            Ok(CasOutcome::Written(_)) => {}
-            Ok(CasOutcome::Conflict) => {
-                return Err(invalid(
-                    "the stored configuration changed during the restart: is the cluster running?"
-                        .into(),
-                ))
-            }
-            Err(e) => return Err(invalid(format!("storing the restart configuration: {e}"))),
-        }
+        let plan = farm_txn::machine::plan_restart(store, &persisted, all)
+            .map_err(|e| invalid(format!("restarting from {}: {e}", dir.display())))?;
+        let (config, newest) = (plan.config, plan.from);
+        let restart = config.id;
         let mut machines = Vec::new();
         for m in (0..all).map(MachineId) {
             let fabric = fabric.clone() as Arc<dyn Fabric>;

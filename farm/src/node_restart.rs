@@ -5,12 +5,12 @@
 //! 1. Every machine's process starts with `restart`. Each holds its machine's `alive` lock, so
 //!    once all run, no process of the previous life does.
 //! 2. Machine 0 decides: every other machine sends it what it left in NVRAM
-//!    ([`ControlMsg::Persisted`]; on other hosts machine 0 could not read it), and the restart
-//!    configuration is the newest view any machine left ([`farm_txn::machine::restart_view`],
-//!    which refuses a region without a complete replica), under the next configuration id,
-//!    compare-and-set in ZooKeeper at the version it read (a cluster that still reconfigures
-//!    makes that fail). It announces it with [`ControlMsg::Restart`]; the others check it
-//!    against the store.
+//!    ([`ControlMsg::Persisted`]; on other hosts machine 0 could not read it), and decides as
+//!    every deployment does ([`farm_txn::machine::plan_restart`]): the newest view any machine
+//!    left, which refuses a region without a complete replica, under the next configuration
+//!    id, compare-and-set in ZooKeeper at the version it read (a cluster that still
+//!    reconfigures makes that fail). It announces it with [`ControlMsg::Restart`]; the others
+//!    check it against the store.
 //! 3. Each member reopens its NVRAM with that view (`MachineState::restore`): its readers
 //!    resume every inbound ring at its head word, keeping the complete records after it.
 //! 4. Senders continue each ring where its receiver found the tail, which only the receiver
@@ -22,12 +22,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use farm_cm::control::{ControlMsg, Reassembly};
-use farm_cm::{CasOutcome, CoordinationStore};
-use farm_core::codec::StoredView;
+use farm_cm::CoordinationStore;
 use farm_core::config::Configuration;
 use farm_core::{ConfigId, MachineId};
 use farm_fabric::process::ProcessFabric;
-use farm_txn::machine::Persisted;
+use farm_txn::machine::{Persisted, RestartError, RestartPlan};
 use farm_txn::Worker;
 
 use crate::node::{NodeConfig, NodeError};
@@ -38,15 +37,6 @@ const REPEAT: Duration = Duration::from_millis(2);
 /// How often a machine repeats what it left in NVRAM, until machine 0 decides (a view is
 /// larger than a decision: repeated less often).
 const PERSISTED_REPEAT: Duration = Duration::from_millis(20);
-
-/// What a restart resumes from.
-#[derive(Clone, Debug)]
-pub(crate) struct Restart {
-    /// The restart configuration, as stored.
-    pub(crate) config: Configuration,
-    /// The newest view the machines left, which the members reopen their NVRAM with.
-    pub(crate) from: StoredView,
-}
 
 /// Where this machine found each peer's rings to it, per peer: what it answers requests with.
 pub(crate) type RingStarts = BTreeMap<MachineId, Vec<[u64; 4]>>;
@@ -59,7 +49,7 @@ pub(crate) fn decide(
     fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
     mine: Option<Persisted>,
-) -> Result<Restart, NodeError> {
+) -> Result<RestartPlan, NodeError> {
     let me = config.machine;
     let all: Vec<MachineId> = (0..config.machines).map(MachineId).collect();
     crate::node::wait_for_machines(&all, |m| fabric.is_up(m), config.start_timeout)?;
@@ -88,52 +78,25 @@ fn lead(
     fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
     mine: Option<Persisted>,
-) -> Result<Restart, NodeError> {
-    let (version, bytes) = store
-        .read()
-        .map_err(store_err("reading the stored configuration"))?
-        .ok_or_else(|| {
-            NodeError::Store("ZooKeeper holds no configuration: nothing to restart".into())
-        })?;
-    let stored = farm_cm::codec::decode(&bytes)
-        .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?;
+) -> Result<RestartPlan, NodeError> {
     let persisted = gather(config, fabric, mine)?;
-    let from =
-        farm_txn::machine::restart_view(stored.id, &persisted).map_err(NodeError::Invalid)?;
-    if let Some(m) = from.config.members.iter().find(|m| m.0 >= config.machines) {
-        return Err(NodeError::Invalid(format!(
-            "machine {m} is a member of configuration {} but the cluster runs {} machines",
-            from.config.id.0, config.machines
-        )));
-    }
-    let restart = Configuration {
-        id: ConfigId(stored.id.0 + 1),
-        ..from.config.clone()
-    };
-    match store.compare_and_set(Some(version), &farm_cm::codec::encode(&restart)) {
-        Ok(CasOutcome::Written(_)) => {}
-        Ok(CasOutcome::Conflict) => {
-            return Err(NodeError::Store(
-                "the stored configuration changed during the restart: is the cluster running?"
-                    .into(),
-            ))
-        }
-        Err(e) => return Err(store_err("storing the restart configuration")(e)),
-    }
-    tracing::info!(config = restart.id.0, from = from.config.id.0, members = ?restart.members,
-        "restart decided");
+    let plan = farm_txn::machine::plan_restart(store, &persisted, config.machines).map_err(
+        |e| match e {
+            RestartError::Store(e) => NodeError::Store(e),
+            RestartError::Invalid(e) => NodeError::Invalid(e),
+        },
+    )?;
+    tracing::info!(config = plan.config.id.0, from = plan.from.config.id.0,
+        members = ?plan.config.members, "restart decided");
     let msg = ControlMsg::Restart {
-        restart: restart.id,
-        from: from.clone(),
+        restart: plan.config.id,
+        from: plan.from.clone(),
     }
     .datagrams(RESTART_MESSAGE_ID);
     for m in (1..config.machines).map(MachineId) {
         send_all(fabric, m, &msg);
     }
-    Ok(Restart {
-        config: restart,
-        from,
-    })
+    Ok(plan)
 }
 
 /// What every machine left, by machine id: this one's (`mine`), the others' as they send it
@@ -178,7 +141,7 @@ fn follow(
     fabric: &dyn ProcessFabric,
     store: &dyn CoordinationStore,
     mine: Option<Persisted>,
-) -> Result<Restart, NodeError> {
+) -> Result<RestartPlan, NodeError> {
     let mine = mine.map(|p| {
         ControlMsg::Persisted {
             view: p.view,
@@ -232,7 +195,7 @@ fn follow(
             restart.members
         )));
     }
-    Ok(Restart {
+    Ok(RestartPlan {
         config: restart,
         from,
     })
@@ -243,7 +206,7 @@ fn follow(
 pub(crate) fn resume_rings(
     fabric: &dyn ProcessFabric,
     workers: &mut [Worker],
-    restart: &Restart,
+    restart: &RestartPlan,
     timeout: Duration,
 ) -> Result<RingStarts, NodeError> {
     let me = fabric.me();
