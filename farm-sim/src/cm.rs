@@ -81,7 +81,6 @@ pub struct SimCm {
     pub committed: u64,
     /// Machines paused now (their planes neither drive nor answer).
     paused: BTreeSet<MachineId>,
-    buf: Vec<u8>,
     /// Print every reconfiguration step (`FARM_SIM_VERBOSE` set), to follow a failing seed.
     verbose: bool,
 }
@@ -136,7 +135,6 @@ impl SimCm {
             planes,
             committed: 0,
             paused: BTreeSet::new(),
-            buf: Vec::new(),
             verbose: std::env::var_os("FARM_SIM_VERBOSE").is_some(),
         }
     }
@@ -189,12 +187,8 @@ impl SimCm {
             if !fabric.is_alive(m) || self.paused.contains(&m) {
                 continue;
             }
-            while let Some(from) = fabric.recv_control(m, now, &mut self.buf) {
-                if let Some(msg) = p.receive(from, &self.buf) {
-                    p.on_message(from, msg, now);
-                }
-            }
-            p.tick(now);
+            // No restart exchange runs over datagrams here (`Sim::restart`).
+            p.step(now, &mut Vec::new());
             for (at, e) in p.take_events() {
                 if self.verbose {
                     println!("t{at} m{}: {e:?}", m.0);

@@ -33,6 +33,8 @@ pub struct MachineControl {
     pieces: Reassembly,
     /// The id of the next message sent (pieces of one message share it).
     next_message: u64,
+    /// Reused for received datagrams.
+    buf: Vec<u8>,
 }
 
 impl std::fmt::Debug for MachineControl {
@@ -84,6 +86,7 @@ impl MachineControl {
             events: Vec::new(),
             pieces: Reassembly::new(),
             next_message: 0,
+            buf: Vec::new(),
         }
     }
 
@@ -106,6 +109,28 @@ impl MachineControl {
     /// the restart exchange's, to handle itself.
     pub fn receive(&mut self, from: MachineId, datagram: &[u8]) -> Option<ControlMsg> {
         self.pieces.accept(from, datagram)
+    }
+
+    /// One step at `now`: the control datagrams that arrived, then a tick
+    /// ([`MachineControl::tick`]). Messages of a whole-cluster restart's exchange, which the
+    /// plane does not handle (`ControlMsg::RingStarts`, `Persisted`, `Restart`), go to
+    /// `restart` for a runtime that still answers them.
+    pub fn step(&mut self, now: u64, restart: &mut Vec<(MachineId, ControlMsg)>) {
+        let me = self.machine.id;
+        let mut buf = std::mem::take(&mut self.buf);
+        while let Some(from) = self.fabric.recv_control(me, now, &mut buf) {
+            match self.receive(from, &buf) {
+                Some(
+                    msg @ (ControlMsg::RingStarts { .. }
+                    | ControlMsg::Persisted { .. }
+                    | ControlMsg::Restart { .. }),
+                ) => restart.push((from, msg)),
+                Some(msg) => self.on_message(from, msg, now),
+                None => {}
+            }
+        }
+        self.buf = buf;
+        self.tick(now);
     }
 
     /// A control message from `from`.

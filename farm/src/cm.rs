@@ -164,7 +164,6 @@ fn run(s: CmShared) {
     let mut joins: Vec<PendingJoin> = Vec::new();
     let mut lease = (s.lease.current(), s.lease.longest());
     let mut seen = 0;
-    let mut buf = Vec::new();
     while !s.stop.load(Ordering::Relaxed) {
         let requests: Vec<Request> = s.requests.lock().expect("poisoned").drain(..).collect();
         for r in requests {
@@ -227,12 +226,8 @@ fn run(s: CmShared) {
             if !active[i] || !s.fabric.is_alive(m) {
                 continue; // A killed machine's plane died with it.
             }
-            while let Some(from) = s.fabric.recv_control(m, now(), &mut buf) {
-                if let Some(msg) = p.receive(from, &buf) {
-                    p.on_message(from, msg, now());
-                }
-            }
-            p.tick(now());
+            // No restart exchange runs over datagrams in one process (`restore_machines`).
+            p.step(now(), &mut Vec::new());
             record(&s, p.take_events());
         }
         joins.retain(|j| {

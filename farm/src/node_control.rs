@@ -72,19 +72,8 @@ impl Control {
             self.store.clone(),
         );
         let mut seen = 0;
-        let mut buf = Vec::new();
+        let mut restart = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
-            while let Some(from) = self.fabric.recv_control(me, 0, &mut buf) {
-                match control.receive(from, &buf) {
-                    Some(ControlMsg::RingStarts {
-                        config,
-                        reply: false,
-                        ..
-                    }) => self.answer_ring_starts(from, config),
-                    Some(msg) => control.on_message(from, msg, self.now()),
-                    None => {}
-                }
-            }
             let fresh: Vec<Suspicion> = {
                 let all = self.suspicions.lock().expect("poisoned");
                 let fresh = all[seen..].to_vec();
@@ -94,7 +83,17 @@ impl Control {
             for s in fresh.iter().filter(|s| s.observer == me) {
                 control.on_suspect(s.suspect, self.now());
             }
-            control.tick(self.now());
+            control.step(self.now(), &mut restart);
+            for (from, msg) in restart.drain(..) {
+                if let ControlMsg::RingStarts {
+                    config,
+                    reply: false,
+                    ..
+                } = msg
+                {
+                    self.answer_ring_starts(from, config);
+                }
+            }
             for (_, e) in control.take_events() {
                 if let Event::Committed(c) = e {
                     self.committed.lock().expect("poisoned").push(c.id);
