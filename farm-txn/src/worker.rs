@@ -596,12 +596,11 @@ impl Worker {
             "{:?} beyond the layout",
             self.thread
         );
-        for (m, out) in self.outbound.iter().enumerate() {
-            let waiting = self
-                .backlog
-                .iter()
-                .filter(|(d, _)| d.0 as usize == m)
-                .count();
+        let mut waiting_for = vec![0usize; peers];
+        for (d, _) in &self.backlog {
+            waiting_for[d.0 as usize] += 1;
+        }
+        for (m, (out, &waiting)) in self.outbound.iter().zip(&waiting_for).enumerate() {
             assert_eq!(out.backlogged, waiting, "backlog count of m{m}");
             // Messages to this machine itself wait only until its next poll frees its queue.
             assert!(
