@@ -23,4 +23,7 @@ pub mod remap;
 pub mod store;
 
 pub use lease::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, LeaseRole, MemberLease};
-pub use store::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
+pub use store::{
+    CasOutcome, ConfigurationStore, CoordinationStore, EmbeddedStore, ReadConfigError, StoreError,
+    StoreVersion,
+};

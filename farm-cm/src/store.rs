@@ -14,9 +14,13 @@
 //!
 //! Implementations: [`EmbeddedStore`] (in-process, the default of the in-process cluster) and the
 //! ZooKeeper store of the runtime crate (`farm::zk`), which keeps the bytes in a znode and uses
-//! the znode version.
+//! the znode version. What they keep is a [`Configuration`] in one encoding
+//! (`farm_core::codec`), read and written through [`ConfigurationStore`] by every caller.
 
 use std::sync::Mutex;
+
+use farm_core::codec::{self, CodecError};
+use farm_core::config::Configuration;
 
 /// Version of the stored value (the znode version for ZooKeeper).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
@@ -87,5 +91,71 @@ impl CoordinationStore for EmbeddedStore {
         let next = StoreVersion(current.map_or(0, |v| v.0 + 1));
         *value = Some((next, data.to_vec()));
         Ok(CasOutcome::Written(next))
+    }
+}
+
+/// Why the stored configuration could not be read.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum ReadConfigError {
+    /// The store failed ([`StoreError`]).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The stored bytes are no configuration this build reads.
+    #[error("the stored configuration does not decode: {0}")]
+    Undecodable(#[from] CodecError),
+}
+
+/// The configuration in a [`CoordinationStore`], typed: the one place its bytes are encoded
+/// and decoded. Every store has it.
+pub trait ConfigurationStore {
+    /// The stored configuration and its version, if any.
+    fn read_config(&self) -> Result<Option<(StoreVersion, Configuration)>, ReadConfigError>;
+
+    /// Stores `config` if the version is still `expected` (`None`: only if nothing is stored).
+    fn cas_config(
+        &self,
+        expected: Option<StoreVersion>,
+        config: &Configuration,
+    ) -> Result<CasOutcome, StoreError>;
+}
+
+impl<S: CoordinationStore + ?Sized> ConfigurationStore for S {
+    fn read_config(&self) -> Result<Option<(StoreVersion, Configuration)>, ReadConfigError> {
+        match self.read()? {
+            Some((v, bytes)) => Ok(Some((v, codec::decode(&bytes)?))),
+            None => Ok(None),
+        }
+    }
+
+    fn cas_config(
+        &self,
+        expected: Option<StoreVersion>,
+        config: &Configuration,
+    ) -> Result<CasOutcome, StoreError> {
+        self.compare_and_set(expected, &codec::encode(config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configuration_round_trips_and_other_bytes_are_refused() {
+        let store = EmbeddedStore::new();
+        assert_eq!(store.read_config(), Ok(None));
+        let config = Configuration::initial(3);
+        let Ok(CasOutcome::Written(v)) = store.cas_config(None, &config) else {
+            panic!("the first write wins");
+        };
+        assert_eq!(store.read_config(), Ok(Some((v, config.clone()))));
+        assert_eq!(store.cas_config(None, &config), Ok(CasOutcome::Conflict));
+        store
+            .compare_and_set(Some(v), b"not a configuration")
+            .unwrap();
+        assert!(matches!(
+            store.read_config(),
+            Err(ReadConfigError::Undecodable(_))
+        ));
     }
 }

@@ -10,7 +10,9 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
-use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
+use farm_cm::{
+    CasOutcome, ConfigurationStore, CoordinationStore, EmbeddedStore, StoreError, StoreVersion,
+};
 use farm_core::fabric::Fabric;
 use farm_core::rng::Rng;
 use farm_core::MachineId;
@@ -103,10 +105,7 @@ impl SimCm {
             .map(|m| m.view().config.clone())
             .max_by_key(|c| c.id)
             .expect("machines");
-        match store
-            .inner
-            .compare_and_set(None, &farm_cm::codec::encode(&config))
-        {
+        match store.inner.cas_config(None, &config) {
             Ok(CasOutcome::Written(_)) => {}
             other => panic!("storing the first configuration: {other:?}"),
         }

@@ -14,7 +14,7 @@ use crate::machine::View;
 use crate::MachineState;
 use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
-use farm_cm::CoordinationStore;
+use farm_cm::{ConfigurationStore, CoordinationStore, ReadConfigError};
 use farm_core::fabric::{Fabric, MemKey};
 use farm_core::{MachineId, RegionId};
 
@@ -211,16 +211,14 @@ impl MachineControl {
                         self.feed(|p, l| p.on_probe(m, answer, now, l));
                     }
                     Effect::ReadStore => {
-                        let stored = match self.store.read() {
-                            Ok(Some((v, bytes))) => match farm_cm::codec::decode(&bytes) {
-                                Ok(c) => Some((v, c)),
-                                Err(e) => {
-                                    tracing::error!(error = %e, "the stored configuration does not decode");
-                                    None
-                                }
-                            },
+                        let stored = match self.store.read_config() {
+                            Ok(Some(stored)) => Some(stored),
                             Ok(None) => {
                                 tracing::error!("no configuration in the coordination store");
+                                None
+                            }
+                            Err(e @ ReadConfigError::Undecodable(_)) => {
+                                tracing::error!(error = %e, "reading the coordination store");
                                 None
                             }
                             Err(e) => {

@@ -1401,16 +1401,15 @@ pub fn plan_restart(
         let what = what.to_string();
         move |e: farm_cm::StoreError| RestartError::Store(format!("{what}: {e}"))
     };
-    let (version, bytes) = store
-        .read()
-        .map_err(store_err("reading the stored configuration"))?
+    use farm_cm::ConfigurationStore;
+    let (version, stored) = store
+        .read_config()
+        .map_err(|e| RestartError::Store(format!("reading the stored configuration: {e}")))?
         .ok_or_else(|| {
             RestartError::Store(
                 "the coordination store holds no configuration: nothing to restart".into(),
             )
         })?;
-    let stored = farm_cm::codec::decode(&bytes)
-        .map_err(|e| RestartError::Store(format!("the stored configuration: {e}")))?;
     let from = restart_view(stored.id, persisted).map_err(RestartError::Invalid)?;
     if let Some(m) = from.config.members.iter().find(|m| m.0 >= machines) {
         return Err(RestartError::Invalid(format!(
@@ -1423,7 +1422,7 @@ pub fn plan_restart(
         id: ConfigId(stored.id.0 + 1),
         ..from.config.clone()
     };
-    match store.compare_and_set(Some(version), &farm_cm::codec::encode(&config)) {
+    match store.cas_config(Some(version), &config) {
         Ok(farm_cm::CasOutcome::Written(_)) => Ok(RestartPlan { config, from }),
         Ok(farm_cm::CasOutcome::Conflict) => Err(RestartError::Store(
             "the stored configuration changed during the restart: is the cluster running?".into(),

@@ -380,7 +380,7 @@ impl ClusterBuilder {
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            match store.compare_and_set(None, &farm_cm::codec::encode(&config)) {
+            match farm_cm::ConfigurationStore::cas_config(&*store, None, &config) {
                 Ok(CasOutcome::Written(_)) => {}
                 Ok(CasOutcome::Conflict) => return Err(BuildError::Invalid(
                     "the coordination store already holds a configuration: restart that cluster \

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use farm_cm::ConfigurationStore;
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
 use farm_core::ring::RingLayout;
@@ -579,9 +580,11 @@ fn removed_from(
     let me = config.machine;
     let started = Instant::now();
     loop {
-        let stored = match store.read().map_err(|e| NodeError::Store(e.to_string()))? {
-            Some((_, bytes)) => farm_cm::codec::decode(&bytes)
-                .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?,
+        let stored = match store
+            .read_config()
+            .map_err(|e| NodeError::Store(e.to_string()))?
+        {
+            Some((_, stored)) => stored,
             None => {
                 return Err(NodeError::Store(
                     "ZooKeeper holds no configuration: there is no cluster to join".into(),
@@ -611,24 +614,22 @@ fn store_initial(
 ) -> Result<(), NodeError> {
     use farm_cm::CasOutcome;
     let initial = Configuration::initial(machines);
-    let stored = match store.read().map_err(|e| NodeError::Store(e.to_string()))? {
-        Some((_, bytes)) => bytes,
-        None => {
-            let bytes = farm_cm::codec::encode(&initial);
-            match store.compare_and_set(None, &bytes) {
-                Ok(CasOutcome::Written(_)) => bytes,
-                Ok(CasOutcome::Conflict) => {
-                    match store.read().map_err(|e| NodeError::Store(e.to_string()))? {
-                        Some((_, b)) => b,
-                        None => return Err(NodeError::Store("the configuration vanished".into())),
-                    }
-                }
-                Err(e) => return Err(NodeError::Store(e.to_string())),
-            }
-        }
+    let read = || {
+        store
+            .read_config()
+            .map_err(|e| NodeError::Store(e.to_string()))
     };
-    let config = farm_cm::codec::decode(&stored)
-        .map_err(|e| NodeError::Store(format!("the stored configuration: {e}")))?;
+    let config = match read()? {
+        Some((_, stored)) => stored,
+        None => match store.cas_config(None, &initial) {
+            Ok(CasOutcome::Written(_)) => initial.clone(),
+            Ok(CasOutcome::Conflict) => match read()? {
+                Some((_, stored)) => stored,
+                None => return Err(NodeError::Store("the configuration vanished".into())),
+            },
+            Err(e) => return Err(NodeError::Store(e.to_string())),
+        },
+    };
     if config != initial {
         return Err(NodeError::Store(format!(
             "{root} holds configuration {} with members {:?}, not the first configuration of \

@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use farm_cm::control::{ControlMsg, Reassembly};
-use farm_cm::CoordinationStore;
+use farm_cm::{ConfigurationStore, CoordinationStore};
 use farm_core::config::Configuration;
 use farm_core::{ConfigId, MachineId};
 use farm_fabric::process::ProcessFabric;
@@ -66,10 +66,6 @@ pub(crate) fn decide(
         )));
     }
     Ok(restart)
-}
-
-fn store_err(what: &str) -> impl Fn(farm_cm::StoreError) -> NodeError + '_ {
-    move |e| NodeError::Store(format!("{what}: {e}"))
 }
 
 /// Machine 0's part of step 2.
@@ -183,9 +179,9 @@ fn follow(
         ..from.config.clone()
     };
     let stored = store
-        .read()
-        .map_err(store_err("reading the stored configuration"))?
-        .and_then(|(_, bytes)| farm_cm::codec::decode(&bytes).ok());
+        .read_config()
+        .map_err(|e| NodeError::Store(format!("reading the stored configuration: {e}")))?
+        .map(|(_, c)| c);
     if stored.as_ref() != Some(&restart) {
         return Err(NodeError::Store(format!(
             "ZooKeeper holds {:?}, not restart configuration {} (members {:?}) that machine 0 \

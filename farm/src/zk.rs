@@ -137,11 +137,11 @@ impl ZkStore {
 
     /// The configuration stored, decoded, if there is one.
     pub fn configuration(&self) -> Result<Option<farm_core::config::Configuration>, StoreError> {
-        match self.read()? {
-            Some((_, bytes)) => farm_cm::codec::decode(&bytes)
-                .map(Some)
-                .map_err(|e| StoreError::Unavailable(format!("the stored configuration: {e}"))),
-            None => Ok(None),
+        use farm_cm::{ConfigurationStore, ReadConfigError};
+        match self.read_config() {
+            Ok(stored) => Ok(stored.map(|(_, c)| c)),
+            Err(ReadConfigError::Store(e)) => Err(e),
+            Err(e @ ReadConfigError::Undecodable(_)) => Err(StoreError::Unavailable(e.to_string())),
         }
     }
 
