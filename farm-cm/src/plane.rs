@@ -315,6 +315,57 @@ impl ControlPlane {
         self.params.lease_longest_ticks = lease_longest_ticks;
     }
 
+    /// Checks the plane's state against the invariants it keeps between calls, panicking with
+    /// the one broken. Cheap: bounded sets only. The runtime's `MachineControl` runs it after
+    /// every call in debug builds, and the simulator in every build.
+    pub fn invariants(&self) {
+        let max = self.params.machines_max;
+        let ids = [
+            ("suspects", &self.suspects),
+            ("regions active", &self.cm.regions_active),
+            ("joins", &self.cm.joins),
+            ("unreachable", &self.cm.unreachable),
+        ];
+        for (name, set) in ids {
+            assert!(
+                set.iter().all(|m| m.0 < max),
+                "{name} {set:?} beyond machines_max {max}"
+            );
+        }
+        assert!(
+            self.reported
+                .keys()
+                .chain(self.join_backoff.keys())
+                .all(|m| m.0 < max),
+            "a machine beyond machines_max {max} reported or backing off"
+        );
+        // A machine never removes itself: it stops when it learns it was removed.
+        assert!(
+            !self.suspects.contains(&self.me),
+            "{} suspects itself",
+            self.me
+        );
+        assert!(
+            self.unacknowledged.is_subset(&self.suspects),
+            "unacknowledged {:?} not among suspects {:?}",
+            self.unacknowledged,
+            self.suspects
+        );
+        assert!(
+            self.cm_suspicion.is_none_or(|s| s.cm != self.me),
+            "{} suspects itself as CM",
+            self.me
+        );
+        if let Some(a) = &self.attempt {
+            // The plane hands its own messages to itself (`send`); only others' are repeated.
+            assert!(
+                !a.pending.contains_key(&self.me) && a.pending.keys().all(|m| m.0 < max),
+                "NEW-CONFIG pending for {:?}",
+                a.pending.keys().collect::<Vec<_>>()
+            );
+        }
+    }
+
     /// Effects to carry out, in order.
     pub fn take_effects(&mut self) -> Vec<Effect> {
         std::mem::take(&mut self.effects)
@@ -971,5 +1022,54 @@ impl ControlPlane {
             self.effects
                 .push(Effect::Send(c.cm, ControlMsg::RegionsActive(c.id)));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plane() -> ControlPlane {
+        ControlPlane::new(
+            MachineId(1),
+            PlaneParams {
+                replicas: 2,
+                regions_max: 16,
+                machines_max: 4,
+                lease_ticks: 10,
+                lease_longest_ticks: 10,
+                ack_timeout_ticks: 100,
+                repeat_ticks: 1,
+            },
+        )
+    }
+
+    #[test]
+    fn a_fresh_plane_keeps_its_invariants() {
+        plane().invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "suspects itself")]
+    fn a_plane_suspecting_itself_breaks_an_invariant() {
+        let mut p = plane();
+        p.suspects.insert(MachineId(1));
+        p.invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "not among suspects")]
+    fn an_unacknowledged_member_that_is_no_suspect_breaks_an_invariant() {
+        let mut p = plane();
+        p.unacknowledged.insert(MachineId(2));
+        p.invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond machines_max")]
+    fn a_machine_beyond_the_layout_breaks_an_invariant() {
+        let mut p = plane();
+        p.cm.joins.insert(MachineId(9));
+        p.invariants();
     }
 }

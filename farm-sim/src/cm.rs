@@ -121,12 +121,14 @@ impl SimCm {
         let planes = machines
             .iter()
             .map(|m| {
-                MachineControl::new(
+                let mut plane = MachineControl::new(
                     m.clone(),
                     params,
                     fabric.clone() as Arc<dyn Fabric>,
                     store.clone() as Arc<dyn CoordinationStore>,
-                )
+                );
+                plane.set_check_invariants(true);
+                plane
             })
             .collect();
         Self {

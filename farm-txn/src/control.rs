@@ -35,6 +35,8 @@ pub struct MachineControl {
     next_message: u64,
     /// Reused for received datagrams.
     buf: Vec<u8>,
+    /// See [`MachineControl::set_check_invariants`].
+    check_invariants: bool,
 }
 
 impl std::fmt::Debug for MachineControl {
@@ -87,6 +89,7 @@ impl MachineControl {
             pieces: Reassembly::new(),
             next_message: 0,
             buf: Vec::new(),
+            check_invariants: cfg!(debug_assertions),
         }
     }
 
@@ -95,6 +98,15 @@ impl MachineControl {
     fn with_plane(&mut self, now: u64, f: impl FnOnce(&mut ControlPlane, &Local<'_>)) {
         self.feed(f);
         self.execute(now);
+        if self.check_invariants {
+            self.plane.invariants();
+        }
+    }
+
+    /// Whether every call ends with `ControlPlane::invariants` (on in debug builds; the
+    /// simulator turns it on in every build).
+    pub fn set_check_invariants(&mut self, on: bool) {
+        self.check_invariants = on;
     }
 
     /// Calls `f` with the plane and what the machine has installed now.
