@@ -237,6 +237,15 @@ impl Slabs {
         self.free[class].push(offset);
     }
 
+    /// Whether the slot at `offset` of `slot_bytes` is on a free list (a linear scan of its
+    /// class: for checks of input from other machines, not the allocation path).
+    pub fn is_free(&self, offset: u32, slot_bytes: u32) -> bool {
+        SLOT_BYTES
+            .iter()
+            .position(|s| *s == slot_bytes)
+            .is_some_and(|class| self.free[class].contains(&offset))
+    }
+
     /// Free slots of every class.
     pub fn free_slots(&self) -> usize {
         self.free.iter().map(Vec::len).sum()

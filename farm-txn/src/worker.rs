@@ -796,6 +796,10 @@ impl Worker {
                     if crate::coordinator::primary_changed_since(&self.view, addr.region, config) {
                         continue;
                     }
+                    if let Some(why) = self.unreleasable(addr, slot_bytes) {
+                        self.malformed(sender, RingKind::Queue, pos, &why);
+                        continue;
+                    }
                     match self.slabs.get_mut(&addr.region) {
                         Some(slabs) => slabs.free(addr.offset, slot_bytes),
                         // A promoted primary's scan will find it (§5.5); elsewhere the slot
@@ -1063,6 +1067,41 @@ impl Worker {
                 None
             }
         })
+    }
+
+    /// Why the RELEASE of the slot at `addr` of `slot_bytes` names no slot that a primary of its
+    /// region handed out and that is still out, if it does not: a size no slot has, an offset
+    /// no slot of that size starts at (beyond the region, in block 0 of the headers, or off the
+    /// block's carving), an object allocated, or a slot already free. Checked here only where
+    /// the region's memory is (its primary frees the slot).
+    fn unreleasable(&self, addr: farm_core::Addr, slot_bytes: u32) -> Option<String> {
+        let mem = self.view.region(addr.region)?;
+        let offset = addr.offset as usize;
+        let why = if !farm_alloc::SLOT_BYTES.contains(&slot_bytes) {
+            "a size no slot has"
+        } else if offset + slot_bytes as usize > self.machine.params.region_bytes
+            || block_of(addr.offset) == 0
+            || !(offset % farm_alloc::BLOCK_BYTES).is_multiple_of(slot_bytes as usize)
+        {
+            "an offset no slot of that size starts at"
+        } else if slot_bytes_of(mem.load_u64(
+            block_header_offset(block_of(addr.offset)),
+            Ordering::Acquire,
+        )) != Some(slot_bytes)
+        {
+            "a block carved for another size"
+        } else if object::read_header(&**mem, addr.offset as u64).is_ok_and(|h| h.allocated()) {
+            "an allocated object"
+        } else if self
+            .slabs
+            .get(&addr.region)
+            .is_some_and(|s| s.is_free(addr.offset, slot_bytes))
+        {
+            "a slot already free"
+        } else {
+            return None;
+        };
+        Some(format!("RELEASE of {addr:?} ({slot_bytes} bytes): {why}"))
     }
 
     /// §4 step 1 at the primary: CAS every written object's header at the version read. On the

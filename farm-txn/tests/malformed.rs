@@ -9,7 +9,7 @@ mod common;
 use common::{drive, start};
 use farm_core::fabric::{Endpoint, Fabric, MemKey};
 use farm_core::ring::{frame, RingKind};
-use farm_core::wire::{LogBody, LogRecord};
+use farm_core::wire::{LogBody, LogRecord, Message};
 use farm_core::{Addr, ConfigId, MachineId, ThreadId, TxnId};
 use farm_txn::{Replication, Tx, Worker};
 
@@ -191,4 +191,61 @@ fn writes_no_coordinator_sends_are_skipped() {
         locks_before + 1,
         "only the first LOCK of transaction 4 taken"
     );
+}
+
+/// RELEASE messages for no slot handed out (a size no slot has, an offset no slot starts at, a
+/// slot of block 0, an allocated object, a slot already free) are skipped like records that
+/// do not decode: the free lists stay as they were.
+#[test]
+fn releases_of_no_slot_handed_out_are_skipped() {
+    let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
+    let mut now = 0;
+    let mut a = None;
+    start(&mut w, 0, |tx| {
+        let x = tx.alloc(8, None)?;
+        tx.write(x, &5u64.to_le_bytes())?;
+        a = Some(x);
+        Ok(())
+    });
+    drive(&mut w, 0, &[0, 1, 2], &mut now, 1000)
+        .expect("the allocation ends")
+        .unwrap();
+    let a = a.unwrap();
+    let slot = 16;
+    let release = |addr: Addr, slot_bytes| Message::Release {
+        addr,
+        slot_bytes,
+        config: ConfigId(1),
+    };
+    let at = |offset| Addr { offset, ..a };
+    let messages = [
+        release(a, 24),
+        release(at(a.offset + 8), slot),
+        release(at(64), slot),
+        release(a, slot),
+        // A slot of a's block that is on the free list (never handed out).
+        release(at(a.offset + 4 * slot), slot),
+    ];
+    let layout = w[0].machine().params.layout;
+    let src = Endpoint {
+        machine: MachineId(2),
+        thread: ThreadId(0),
+    };
+    let mut offset = layout.ring_offset(MachineId(2), ThreadId(0), RingKind::Queue);
+    for m in &messages {
+        let mut payload = Vec::new();
+        m.encode(&mut payload);
+        let mut framed = Vec::new();
+        frame(&payload, &mut framed);
+        fabric
+            .write(src, MachineId(0), MemKey::Rings, offset as u64, &framed)
+            .unwrap();
+        offset += framed.len();
+    }
+    for _ in 0..10 {
+        now += 1;
+        w[0].poll(now);
+    }
+    assert_eq!(w[0].stats().malformed, 5, "every release skipped");
+    assert_eq!(read(&mut w, 1, a), 5, "a is still allocated");
 }
