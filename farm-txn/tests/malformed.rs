@@ -21,38 +21,31 @@ fn read(w: &mut [Worker], m: usize, a: Addr) -> u64 {
     u64::from_le_bytes(v[..8].try_into().unwrap())
 }
 
-#[test]
-fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
-    let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
-    let mut now = 0;
+/// An object holding 5 whose primary is machine 0.
+fn object_at_0(w: &mut [Worker], now: &mut u64) -> Addr {
     let mut a = None;
-    start(&mut w, 0, |tx| {
+    start(w, 0, |tx| {
         let x = tx.alloc(8, None)?;
         tx.write(x, &5u64.to_le_bytes())?;
         a = Some(x);
         Ok(())
     });
-    drive(&mut w, 0, &[0, 1, 2], &mut now, 1000)
+    drive(w, 0, &[0, 1, 2], now, 1000)
         .expect("the allocation ends")
         .unwrap();
-    let a = a.unwrap();
+    a.unwrap()
+}
+
+#[test]
+fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
+    let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
+    let mut now = 0;
+    let a = object_at_0(&mut w, &mut now);
     // Machine 2, which never wrote to machine 0, appends to both of its rings there a record
-    // framed and checksummed like any other, of a record version this build does not speak.
-    let layout = w[0].machine().params.layout;
-    let src = Endpoint {
-        machine: MachineId(2),
-        thread: ThreadId(0),
-    };
-    let mut framed = Vec::new();
-    frame(&[0xee; 40], &mut framed);
-    for kind in [RingKind::Log, RingKind::Queue] {
-        let at = layout.ring_offset(MachineId(2), ThreadId(0), kind) as u64;
-        fabric
-            .write(src, MachineId(0), MemKey::Rings, at, &framed)
-            .unwrap();
-    }
-    // Then, after the first in its log, a record that decodes but that no coordinator sends
-    // in this state: COMMIT-PRIMARY for a transaction whose LOCK never came.
+    // framed and checksummed like any other, of a record version this build does not speak;
+    // then, in its log, a record that decodes but that no coordinator sends in this state:
+    // COMMIT-PRIMARY for a transaction whose LOCK never came.
+    let garbage = vec![0xee; 40];
     let commit = LogRecord {
         txn: TxnId {
             config: ConfigId(1),
@@ -64,14 +57,9 @@ fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
         truncated: Vec::new(),
         body: LogBody::CommitPrimary,
     };
-    let mut payload = Vec::new();
-    commit.encode(&mut payload);
-    let mut second = Vec::new();
-    frame(&payload, &mut second);
-    let at = layout.ring_offset(MachineId(2), ThreadId(0), RingKind::Log) + framed.len();
-    fabric
-        .write(src, MachineId(0), MemKey::Rings, at as u64, &second)
-        .unwrap();
+    let commit = encoded(|b| commit.encode(b));
+    append(&w, &fabric, RingKind::Log, [garbage.clone(), commit]);
+    append(&w, &fabric, RingKind::Queue, [garbage]);
     for _ in 0..10 {
         now += 1;
         w[0].poll(now);
@@ -93,17 +81,20 @@ fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
     assert_eq!(read(&mut w, 2, a), 6);
 }
 
-/// Machine 2 appends `records` to its log at machine 0, framed one after the other.
-fn append_log(w: &[Worker], fabric: &farm_fabric::mem::MemFabric, records: &[LogRecord]) {
+/// Machine 2 appends `payloads` to its ring of `kind` at machine 0, framed one after the other.
+fn append(
+    w: &[Worker],
+    fabric: &farm_fabric::mem::MemFabric,
+    kind: RingKind,
+    payloads: impl IntoIterator<Item = Vec<u8>>,
+) {
     let layout = w[0].machine().params.layout;
     let src = Endpoint {
         machine: MachineId(2),
         thread: ThreadId(0),
     };
-    let mut at = layout.ring_offset(MachineId(2), ThreadId(0), RingKind::Log);
-    for rec in records {
-        let mut payload = Vec::new();
-        rec.encode(&mut payload);
+    let mut at = layout.ring_offset(MachineId(2), ThreadId(0), kind);
+    for payload in payloads {
         let mut framed = Vec::new();
         frame(&payload, &mut framed);
         fabric
@@ -113,6 +104,12 @@ fn append_log(w: &[Worker], fabric: &farm_fabric::mem::MemFabric, records: &[Log
     }
 }
 
+fn encoded(encode: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut payload = Vec::new();
+    encode(&mut payload);
+    payload
+}
+
 /// LOCK and COMMIT-BACKUP records whose writes no coordinator sends (beyond the region, at an
 /// offset no object starts at, at a header read locked) and a second LOCK under one
 /// transaction's id are skipped like records that do not decode: nothing is locked or applied.
@@ -120,17 +117,7 @@ fn append_log(w: &[Worker], fabric: &farm_fabric::mem::MemFabric, records: &[Log
 fn writes_no_coordinator_sends_are_skipped() {
     let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
     let mut now = 0;
-    let mut a = None;
-    start(&mut w, 0, |tx| {
-        let x = tx.alloc(8, None)?;
-        tx.write(x, &5u64.to_le_bytes())?;
-        a = Some(x);
-        Ok(())
-    });
-    drive(&mut w, 0, &[0, 1, 2], &mut now, 1000)
-        .expect("the allocation ends")
-        .unwrap();
-    let a = a.unwrap();
+    let a = object_at_0(&mut w, &mut now);
     let (header, _) = w[0].read_object(a, 8).unwrap();
     let region_bytes = w[0].machine().params.region_bytes as u32;
     let txn = |local| TxnId {
@@ -180,7 +167,12 @@ fn writes_no_coordinator_sends_are_skipped() {
         },
     ];
     let locks_before = w[0].stats().locks_processed;
-    append_log(&w, &fabric, &records);
+    append(
+        &w,
+        &fabric,
+        RingKind::Log,
+        records.iter().map(|r| encoded(|b| r.encode(b))),
+    );
     for _ in 0..10 {
         now += 1;
         w[0].poll(now);
@@ -200,17 +192,7 @@ fn writes_no_coordinator_sends_are_skipped() {
 fn releases_of_no_slot_handed_out_are_skipped() {
     let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
     let mut now = 0;
-    let mut a = None;
-    start(&mut w, 0, |tx| {
-        let x = tx.alloc(8, None)?;
-        tx.write(x, &5u64.to_le_bytes())?;
-        a = Some(x);
-        Ok(())
-    });
-    drive(&mut w, 0, &[0, 1, 2], &mut now, 1000)
-        .expect("the allocation ends")
-        .unwrap();
-    let a = a.unwrap();
+    let a = object_at_0(&mut w, &mut now);
     let slot = 16;
     let release = |addr: Addr, slot_bytes| Message::Release {
         addr,
@@ -226,22 +208,12 @@ fn releases_of_no_slot_handed_out_are_skipped() {
         // A slot of a's block that is on the free list (never handed out).
         release(at(a.offset + 4 * slot), slot),
     ];
-    let layout = w[0].machine().params.layout;
-    let src = Endpoint {
-        machine: MachineId(2),
-        thread: ThreadId(0),
-    };
-    let mut offset = layout.ring_offset(MachineId(2), ThreadId(0), RingKind::Queue);
-    for m in &messages {
-        let mut payload = Vec::new();
-        m.encode(&mut payload);
-        let mut framed = Vec::new();
-        frame(&payload, &mut framed);
-        fabric
-            .write(src, MachineId(0), MemKey::Rings, offset as u64, &framed)
-            .unwrap();
-        offset += framed.len();
-    }
+    append(
+        &w,
+        &fabric,
+        RingKind::Queue,
+        messages.iter().map(|m| encoded(|b| m.encode(b))),
+    );
     for _ in 0..10 {
         now += 1;
         w[0].poll(now);

@@ -26,6 +26,18 @@ fn start_write(w: &mut [Worker], coordinator: usize, addr: Addr, value: u8) {
     w[coordinator].start_commit(state);
 }
 
+/// An object allocated by machine `m` in a region it is primary of.
+fn allocated(w: &mut [Worker], m: usize, now: &mut u64) -> Addr {
+    let mut tx = Tx::new(&mut w[m]);
+    let a = tx.alloc(8, None).unwrap();
+    let state = tx.into_state();
+    w[m].start_commit(state);
+    while w[m].poll_commit(*now).is_none() {
+        poll_all(w, now);
+    }
+    a
+}
+
 #[test]
 fn records_from_a_removed_machine_are_ignored() {
     let mut w = cluster();
@@ -100,17 +112,10 @@ fn records_from_a_removed_machine_are_ignored() {
 fn a_transaction_reads_from_one_view() {
     let mut w = cluster();
     let mut now = 0;
-    let mut objects = Vec::new();
-    for m in [0, 1] {
-        let mut tx = Tx::new(&mut w[m]);
-        objects.push(tx.alloc(8, None).unwrap());
-        let state = tx.into_state();
-        w[m].start_commit(state);
-        while w[m].poll_commit(now).is_none() {
-            poll_all(&mut w, &mut now);
-        }
-    }
-    let (x, y) = (objects[0], objects[1]);
+    let (x, y) = (
+        allocated(&mut w, 0, &mut now),
+        allocated(&mut w, 1, &mut now),
+    );
     let machine = w[0].machine().clone();
     let map = w[0].view().map.clone();
     let mut tx = Tx::new(&mut w[0]);
@@ -131,17 +136,10 @@ fn a_transaction_reads_from_one_view() {
 fn a_commit_started_in_a_newer_view_than_its_reads_aborts() {
     let mut w = cluster();
     let mut now = 0;
-    let mut objects = Vec::new();
-    for m in [0, 1] {
-        let mut tx = Tx::new(&mut w[m]);
-        objects.push(tx.alloc(8, None).unwrap());
-        let state = tx.into_state();
-        w[m].start_commit(state);
-        while w[m].poll_commit(now).is_none() {
-            poll_all(&mut w, &mut now);
-        }
-    }
-    let (x, y) = (objects[0], objects[1]);
+    let (x, y) = (
+        allocated(&mut w, 0, &mut now),
+        allocated(&mut w, 1, &mut now),
+    );
     let machine = w[2].machine().clone();
     let map = w[2].view().map.clone();
     let mut tx = Tx::new(&mut w[2]);
