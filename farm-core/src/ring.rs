@@ -17,7 +17,11 @@
 //! before the freed bytes are zeroed, and a sender never fills the last word of a ring. A
 //! restarted receiver ([`RingReader::resume`]) therefore finds its live records from the head
 //! word to the first incomplete one, and everything after them up to the head word's lap is
-//! garbage to zero (a torn append, or a batch whose zeroing the stop interrupted).
+//! garbage to zero (a torn append, or a batch whose zeroing the stop interrupted). Space is
+//! freed in order, so a record released while an older one is still held stays readable until
+//! that one goes; a reader that must not see such a record again after a restart marks it
+//! released ([`RingReader::mark_released`]: its first word becomes `len` with
+//! [`RELEASED_FLAG`] and a trailer, which a resumed reader skips).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -27,6 +31,9 @@ use crate::nvram::{round_up, Nvram};
 
 /// Set in the length word of a skip marker.
 pub const SKIP_FLAG: u32 = 1 << 31;
+/// Set in the length word of a record released while an older one was held
+/// ([`RingReader::mark_released`]).
+pub const RELEASED_FLAG: u32 = 1 << 30;
 /// Framing overhead: length word and trailer.
 pub const FRAME_BYTES: usize = 8;
 /// A skip marker is one framing word pair.
@@ -302,6 +309,8 @@ pub struct RingReader {
     head_word: Option<HeadWord>,
     /// Polled records not yet fully freed: (start, end, released). Bounded by capacity / 8.
     live: VecDeque<(u64, u64, bool)>,
+    /// See [`RingReader::mark_released`].
+    mark_released: bool,
 }
 
 impl RingReader {
@@ -309,7 +318,10 @@ impl RingReader {
     /// no head word.
     pub fn new(mem: Arc<Nvram>, base: usize, capacity: usize) -> Self {
         assert!(
-            base.is_multiple_of(8) && capacity.is_multiple_of(8) && base + capacity <= mem.len()
+            base.is_multiple_of(8)
+                && capacity.is_multiple_of(8)
+                && capacity < RELEASED_FLAG as usize
+                && base + capacity <= mem.len()
         );
         Self {
             mem,
@@ -319,7 +331,18 @@ impl RingReader {
             freed: 0,
             head_word: None,
             live: VecDeque::new(),
+            mark_released: false,
         }
+    }
+
+    /// From now on, a record released while an older one is still held is marked released in
+    /// the ring, so that a restarted reader ([`RingReader::resume`]) skips it instead of
+    /// reading it again as live. For rings whose records must not count twice across a
+    /// restart once processed (message queues whose slots may be held, see
+    /// `farm_txn::recovery_log`).
+    pub fn mark_released(mut self) -> Self {
+        self.mark_released = true;
+        self
     }
 
     /// Keeps the head in `head` from now on (a reader of a fresh ring: the word is zero).
@@ -381,6 +404,15 @@ impl RingReader {
                 && len == self.capacity - at;
             return ok.then_some(Framed::Skip(len));
         }
+        if len_word & RELEASED_FLAG != 0 {
+            // A record released out of order: skipped like padding.
+            let len = (len_word & !RELEASED_FLAG) as usize;
+            let ok = (first >> 32) as u32 == trailer(&len_word.to_le_bytes())
+                && len.is_multiple_of(8)
+                && len >= FRAME_BYTES
+                && at + len <= self.capacity;
+            return ok.then_some(Framed::Skip(len));
+        }
         let len = len_word as usize;
         if !len.is_multiple_of(8) || len < FRAME_BYTES || at + len > self.capacity {
             return None;
@@ -430,6 +462,17 @@ impl RingReader {
             .unwrap_or_else(|_| panic!("releasing record {} that is not live", pos.0));
         assert!(!self.live[idx].2, "record {} released twice", pos.0);
         self.live[idx].2 = true;
+        if idx > 0 && self.mark_released {
+            // Not freed (zeroed) until the older records go: mark it, trailer included, so
+            // that a restart skips it.
+            let (start, end, _) = self.live[idx];
+            let word = ((end - start) as u32) | RELEASED_FLAG;
+            let marker = u64::from(word) | u64::from(trailer(&word.to_le_bytes())) << 32;
+            let at = (start % self.capacity as u64) as usize;
+            // One aligned word: a stop leaves the record or the marker, never half of each.
+            self.mem
+                .store_u64(self.base + at, marker, std::sync::atomic::Ordering::Release);
+        }
         self.advance_freed();
     }
 
@@ -624,6 +667,47 @@ mod tests {
         assert!(append(&mem, 0, &mut w2, &[8; 8]));
         assert!(r2.poll(&mut buf).is_some());
         assert_eq!(buf[0], 8);
+    }
+
+    /// A reader that marks released records: one released while an older one is held is
+    /// skipped after a restart, and the held one and those after it are read as before.
+    #[test]
+    fn a_record_released_out_of_order_and_marked_is_not_read_after_a_restart() {
+        let cap = 256;
+        let mem = Arc::new(Nvram::anonymous(cap + 8).unwrap());
+        let head = HeadWord {
+            mem: mem.clone(),
+            offset: cap,
+        };
+        let mut r = RingReader::new(mem.clone(), 0, cap)
+            .with_head_word(head.clone())
+            .mark_released();
+        let mut w = RingWriter::new(cap);
+        let mut buf = Vec::new();
+        let mut pos = Vec::new();
+        for i in 1..=4u8 {
+            assert!(append(&mem, 0, &mut w, &[i; 20]));
+            pos.push(r.poll(&mut buf).expect("record"));
+        }
+        r.release(pos[0]); // In order: freed.
+        r.release(pos[2]); // Behind the held second: marked.
+        let (mut r2, tail) = RingReader::resume(mem.clone(), 0, cap, head);
+        assert_eq!(
+            tail,
+            w.tail(),
+            "the marked record does not end the live ones"
+        );
+        let mut seen = Vec::new();
+        while let Some(p) = r2.poll(&mut buf) {
+            seen.push(buf[0]);
+            r2.release(p);
+        }
+        assert_eq!(seen, vec![2, 4]);
+        assert_eq!(
+            r2.freed(),
+            w.tail(),
+            "all freed, the marked record included"
+        );
     }
 
     #[test]

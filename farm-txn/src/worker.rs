@@ -96,10 +96,17 @@ impl Inbound {
                 layout.ring_offset(sender, thread, kind),
                 layout.ring_bytes(kind),
             );
-            if restart {
+            let (reader, tail) = if restart {
                 RingReader::resume(mem, base, bytes, head)
             } else {
                 (RingReader::new(mem, base, bytes).with_head_word(head), 0)
+            };
+            // A queue slot held for a recovery message (`recovery::Kept::Queue`) is freed
+            // only when its transaction is forgotten: the messages after it are released out
+            // of order, and a restart must not read them again as unprocessed.
+            match kind {
+                RingKind::Queue => (reader.mark_released(), tail),
+                RingKind::Log => (reader, tail),
             }
         };
         let (log, log_tail) = ring(RingKind::Log);
