@@ -90,28 +90,11 @@ fn commit(w: &mut [Worker], now: &mut u64, a: Addr, value: u64) {
         .unwrap();
 }
 
-/// An object whose primary is machine 0.
-fn object_at_0(w: &mut [Worker], now: &mut u64) -> Addr {
-    let mut a = None;
-    start(w, 0, |tx| {
-        let x = tx.alloc(8, None)?;
-        tx.write(x, &1u64.to_le_bytes())?;
-        a = Some(x);
-        Ok(())
-    });
-    drive(w, 0, &[0, 1, 2], now, 1000)
-        .expect("the allocation ends")
-        .unwrap();
-    let a = a.unwrap();
-    assert_eq!(w[0].view().map.get(a.region).unwrap().primary, MachineId(0));
-    a
-}
-
 #[test]
 fn a_peer_that_never_reads_its_replies_is_cut_off_and_reported() {
     let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
     let mut now = 0;
-    let a = object_at_0(&mut w, &mut now);
+    let a = common::object_at_0(&mut w, &mut now, 1);
     // Machine 2 asks machine 0 to validate, over and over, and never reads a reply: the replies
     // fill its queue from machine 0, then wait at machine 0 for space that never comes.
     let mut flood = Flooder::new(&w);
@@ -142,7 +125,7 @@ fn a_peer_that_never_reads_its_replies_is_cut_off_and_reported() {
 fn a_full_recovery_log_keeps_recovery_messages_in_their_queue() {
     let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
     let mut now = 0;
-    let a = object_at_0(&mut w, &mut now);
+    let a = common::object_at_0(&mut w, &mut now, 1);
     // Machine 2 sends decisions of transactions nobody recovers, which machine 0 keeps for a
     // restart until they are forgotten: more than its recovery log holds, until the queue from
     // machine 2 is full as well.

@@ -21,26 +21,11 @@ fn read(w: &mut [Worker], m: usize, a: Addr) -> u64 {
     u64::from_le_bytes(v[..8].try_into().unwrap())
 }
 
-/// An object holding 5 whose primary is machine 0.
-fn object_at_0(w: &mut [Worker], now: &mut u64) -> Addr {
-    let mut a = None;
-    start(w, 0, |tx| {
-        let x = tx.alloc(8, None)?;
-        tx.write(x, &5u64.to_le_bytes())?;
-        a = Some(x);
-        Ok(())
-    });
-    drive(w, 0, &[0, 1, 2], now, 1000)
-        .expect("the allocation ends")
-        .unwrap();
-    a.unwrap()
-}
-
 #[test]
 fn a_record_that_does_not_decode_is_skipped_and_changes_nothing() {
     let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
     let mut now = 0;
-    let a = object_at_0(&mut w, &mut now);
+    let a = common::object_at_0(&mut w, &mut now, 5);
     // Machine 2, which never wrote to machine 0, appends to both of its rings there a record
     // framed and checksummed like any other, of a record version this build does not speak;
     // then, in its log, a record that decodes but that no coordinator sends in this state:
@@ -117,7 +102,7 @@ fn encoded(encode: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
 fn writes_no_coordinator_sends_are_skipped() {
     let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
     let mut now = 0;
-    let a = object_at_0(&mut w, &mut now);
+    let a = common::object_at_0(&mut w, &mut now, 5);
     let (header, _) = w[0].read_object(a, 8).unwrap();
     let region_bytes = w[0].machine().params.region_bytes as u32;
     let txn = |local| TxnId {
@@ -192,7 +177,7 @@ fn writes_no_coordinator_sends_are_skipped() {
 fn releases_of_no_slot_handed_out_are_skipped() {
     let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
     let mut now = 0;
-    let a = object_at_0(&mut w, &mut now);
+    let a = common::object_at_0(&mut w, &mut now, 5);
     let slot = 16;
     let release = |addr: Addr, slot_bytes| Message::Release {
         addr,

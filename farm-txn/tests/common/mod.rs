@@ -98,3 +98,24 @@ pub fn start(workers: &mut [Worker], c: usize, f: impl FnOnce(&mut Tx<'_>) -> Re
     let state = tx.into_state();
     workers[c].start_commit(state);
 }
+
+#[allow(dead_code)]
+/// An object holding `value`, allocated by machine 0 in a region it is primary of.
+pub fn object_at_0(workers: &mut [Worker], now: &mut u64, value: u64) -> farm_core::Addr {
+    let mut a = None;
+    start(workers, 0, |tx| {
+        let x = tx.alloc(8, None)?;
+        tx.write(x, &value.to_le_bytes())?;
+        a = Some(x);
+        Ok(())
+    });
+    drive(workers, 0, &[0, 1, 2], now, 1000)
+        .expect("the allocation ends")
+        .unwrap();
+    let a = a.expect("allocated");
+    assert_eq!(
+        workers[0].view().map.get(a.region).unwrap().primary,
+        MachineId(0)
+    );
+    a
+}
