@@ -344,6 +344,25 @@ fn large_clusters_reconfigure_and_recover() {
     });
 }
 
+/// A cluster of 4,096 regions (16 machines, each primary of 256): its views travel as many
+/// datagrams each, and after a machine crashes a new configuration commits, the regions it
+/// held get new replicas and every backup ends equal to its primary.
+#[test]
+fn a_cluster_of_4096_regions_reconfigures_after_a_crash() {
+    let shape = |seed| SimConfig {
+        machines: 16,
+        regions_per_machine: 256,
+        crashes: 1,
+        ..scale_config(seed)
+    };
+    let seed = replay_seed().unwrap_or(1);
+    let config = shape(seed);
+    assert_eq!(config.machines as u32 * config.regions_per_machine, 4096);
+    let out = check(seed, config);
+    assert_eq!(out.crashed.len(), 1, "seed {seed}: no machine crashed");
+    assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
+}
+
 #[test]
 fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
     let (mut unknown, mut unknown_committed, mut recovered, mut restarts) = (0, 0, 0, 0);
