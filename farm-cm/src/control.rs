@@ -1,11 +1,10 @@
-//! The CM's control messages between processes (§5.2, §5.4): NEW-CONFIG, its ack,
-//! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE, a machine's request to join, and
-//! those of a whole-cluster restart (what each machine left, the restart decision, and where
-//! each ring resumes). In one process the CM's driver
-//! calls into the members instead; with one process per machine these travel as datagrams
-//! beside the leases, so they may be lost or repeated: each is idempotent (installing or
-//! committing a configuration twice does nothing the second time) and the sender repeats it
-//! until the answer it waits for arrives.
+//! The CM's control messages between machines (§3, §5.2, §5.4): NEW-CONFIG, its ack,
+//! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE, a machine's request to join, region
+//! allocation (the request, PREPARE and its answer, ABORT, the CM's answer), and those of a
+//! whole-cluster restart (what each machine left, the restart decision, and where each ring
+//! resumes). They travel as fabric datagrams beside the leases in every deployment, so they may
+//! be lost or repeated: each is idempotent (installing or committing a configuration twice does
+//! nothing the second time) and the sender repeats it until the answer it waits for arrives.
 //!
 //! A control datagram starts with [`CONTROL_TAG`], which no lease message starts with, so one
 //! socket carries both.
@@ -75,6 +74,79 @@ pub enum ControlMsg {
         /// The machine this member cannot reach.
         machine: MachineId,
     },
+    /// A member to its CM: allocate `count` regions, near region `near` if given (§3).
+    /// Repeated until [`ControlMsg::Allocated`] or [`ControlMsg::AllocationRefused`] answers
+    /// `request`, an id unique at the sender.
+    Allocate {
+        /// The sender's id of the request.
+        request: u64,
+        /// Regions wanted.
+        count: u32,
+        /// A region whose replicas the new ones should share (locality).
+        near: Option<RegionId>,
+    },
+    /// The CM to a chosen replica: PREPARE these new regions of configuration `config` (map and
+    /// register their NVRAM). Repeated until [`ControlMsg::RegionsPrepared`] answers.
+    PrepareRegions {
+        /// The CM's configuration.
+        config: ConfigId,
+        /// The regions, none of them in the replica's map yet.
+        regions: Vec<RegionId>,
+    },
+    /// A replica to its CM: PREPARE of `regions` done (`ok`) or refused.
+    RegionsPrepared {
+        /// The configuration of the PREPARE.
+        config: ConfigId,
+        /// The regions of the PREPARE.
+        regions: Vec<RegionId>,
+        /// Whether the replica holds them ready.
+        ok: bool,
+    },
+    /// The CM to a replica: the allocation of `regions` failed; release what was prepared.
+    AbortRegions {
+        /// The configuration of the PREPARE.
+        config: ConfigId,
+        /// The regions.
+        regions: Vec<RegionId>,
+    },
+    /// The CM to the member that asked: `regions` are allocated, in a configuration that every
+    /// member installed and the CM committed.
+    Allocated {
+        /// The member's id of the request.
+        request: u64,
+        /// The new regions.
+        regions: Vec<RegionId>,
+    },
+    /// The CM to the member that asked: the allocation failed, and why.
+    AllocationRefused {
+        /// The member's id of the request.
+        request: u64,
+        /// Why, for the member's caller.
+        reason: String,
+    },
+}
+
+/// The longest reason an [`ControlMsg::AllocationRefused`] carries, in bytes (longer ones are
+/// cut).
+pub const REFUSAL_BYTES_MAX: usize = 512;
+
+fn encode_regions(out: &mut Vec<u8>, regions: &[RegionId]) {
+    for r in regions {
+        out.extend_from_slice(&r.0.to_le_bytes());
+    }
+}
+
+/// A non-empty list of regions, each once.
+fn decode_regions(bytes: &[u8]) -> Option<Vec<RegionId>> {
+    if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
+        return None;
+    }
+    let regions: Vec<RegionId> = bytes
+        .chunks(4)
+        .map(|c| RegionId(u32::from_le_bytes(c.try_into().expect("4 bytes"))))
+        .collect();
+    let distinct: std::collections::BTreeSet<RegionId> = regions.iter().copied().collect();
+    (distinct.len() == regions.len()).then_some(regions)
 }
 
 impl ControlMsg {
@@ -104,6 +176,12 @@ impl ControlMsg {
             ControlMsg::Join(c) => (10, *c),
             ControlMsg::Persisted { view, .. } => (11, view.config.id),
             ControlMsg::Unreachable { config, .. } => (12, *config),
+            ControlMsg::Allocate { request, .. } => (13, ConfigId(*request)),
+            ControlMsg::PrepareRegions { config, .. } => (14, *config),
+            ControlMsg::RegionsPrepared { config, ok, .. } => (15 + !*ok as u8, *config),
+            ControlMsg::AbortRegions { config, .. } => (17, *config),
+            ControlMsg::Allocated { request, .. } => (18, ConfigId(*request)),
+            ControlMsg::AllocationRefused { request, .. } => (19, ConfigId(*request)),
         };
         let mut out = vec![CONTROL_TAG, kind];
         out.extend_from_slice(&id.0.to_le_bytes());
@@ -126,6 +204,22 @@ impl ControlMsg {
             }
             ControlMsg::Unreachable { machine, .. } => {
                 out.extend_from_slice(&machine.0.to_le_bytes())
+            }
+            ControlMsg::Allocate { count, near, .. } => {
+                out.extend_from_slice(&count.to_le_bytes());
+                out.push(near.is_some() as u8);
+                out.extend_from_slice(&near.map_or(0, |r| r.0).to_le_bytes());
+            }
+            ControlMsg::PrepareRegions { regions, .. }
+            | ControlMsg::RegionsPrepared { regions, .. }
+            | ControlMsg::AbortRegions { regions, .. }
+            | ControlMsg::Allocated { regions, .. } => encode_regions(&mut out, regions),
+            ControlMsg::AllocationRefused { reason, .. } => {
+                let mut end = reason.len().min(REFUSAL_BYTES_MAX);
+                while !reason.is_char_boundary(end) {
+                    end -= 1;
+                }
+                out.extend_from_slice(&reason.as_bytes()[..end]);
             }
             _ => {}
         }
@@ -194,6 +288,36 @@ impl ControlMsg {
             (12, false) if rest.len() == 2 => ControlMsg::Unreachable {
                 config: id,
                 machine: MachineId(u16::from_le_bytes([rest[0], rest[1]])),
+            },
+            (13, false) if rest.len() == 9 => ControlMsg::Allocate {
+                request: id.0,
+                count: u32::from_le_bytes(rest[..4].try_into().ok()?),
+                near: match rest[4] {
+                    0 if rest[5..] == [0; 4] => None,
+                    1 => Some(RegionId(u32::from_le_bytes(rest[5..].try_into().ok()?))),
+                    _ => return None,
+                },
+            },
+            (14, false) => ControlMsg::PrepareRegions {
+                config: id,
+                regions: decode_regions(rest)?,
+            },
+            (15 | 16, false) => ControlMsg::RegionsPrepared {
+                config: id,
+                regions: decode_regions(rest)?,
+                ok: bytes[1] == 15,
+            },
+            (17, false) => ControlMsg::AbortRegions {
+                config: id,
+                regions: decode_regions(rest)?,
+            },
+            (18, false) => ControlMsg::Allocated {
+                request: id.0,
+                regions: decode_regions(rest)?,
+            },
+            (19, false) if rest.len() <= REFUSAL_BYTES_MAX => ControlMsg::AllocationRefused {
+                request: id.0,
+                reason: String::from_utf8(rest.to_vec()).ok()?,
             },
             _ => return None,
         };
@@ -397,6 +521,42 @@ mod tests {
                 config: ConfigId(5),
                 machine: MachineId(2),
             },
+            ControlMsg::Allocate {
+                request: 3,
+                count: 2,
+                near: None,
+            },
+            ControlMsg::Allocate {
+                request: u64::MAX,
+                count: 1,
+                near: Some(RegionId(7)),
+            },
+            ControlMsg::PrepareRegions {
+                config: ConfigId(2),
+                regions: vec![RegionId(4), RegionId(5)],
+            },
+            ControlMsg::RegionsPrepared {
+                config: ConfigId(2),
+                regions: vec![RegionId(4)],
+                ok: true,
+            },
+            ControlMsg::RegionsPrepared {
+                config: ConfigId(2),
+                regions: vec![RegionId(u32::MAX)],
+                ok: false,
+            },
+            ControlMsg::AbortRegions {
+                config: ConfigId(2),
+                regions: vec![RegionId(4)],
+            },
+            ControlMsg::Allocated {
+                request: 3,
+                regions: vec![RegionId(9), RegionId(8)],
+            },
+            ControlMsg::AllocationRefused {
+                request: 3,
+                reason: "no capacity".into(),
+            },
         ];
         for m in &all {
             assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));
@@ -425,6 +585,27 @@ mod tests {
         assert_eq!(ControlMsg::decode(&restart), None);
         let starts = all[6].encode();
         assert_eq!(ControlMsg::decode(&starts[..starts.len() - 8]), None);
+        // A region listed twice, a list cut mid-id, a locality flag that is neither.
+        let mut twice = all[13].encode();
+        twice.truncate(twice.len() - 4);
+        twice.extend_from_slice(&4u32.to_le_bytes());
+        assert_eq!(ControlMsg::decode(&twice), None);
+        let prepared = all[14].encode();
+        assert_eq!(ControlMsg::decode(&prepared[..prepared.len() - 1]), None);
+        let mut near = all[12].encode();
+        near[14] = 2;
+        assert_eq!(ControlMsg::decode(&near), None);
+        // A refusal's reason is cut at a character boundary.
+        let long = ControlMsg::AllocationRefused {
+            request: 1,
+            reason: "é".repeat(REFUSAL_BYTES_MAX),
+        };
+        let ControlMsg::AllocationRefused { reason, .. } =
+            ControlMsg::decode(&long.encode()).unwrap()
+        else {
+            panic!("not a refusal");
+        };
+        assert_eq!(reason, "é".repeat(REFUSAL_BYTES_MAX / 2));
         // Lease datagrams are not control messages.
         let lease = crate::LeaseMsg::Grant {
             config: ConfigId(1),

@@ -1,13 +1,16 @@
 //! Region allocation (FaRM §3): the CM assigns the next region id from its counter, chooses
 //! replicas — enough capacity, each in a different failure domain, co-located with a target
 //! region when the application asks for locality, otherwise balancing regions per machine — and
-//! runs a two-phase protocol with them (prepare, then commit) so that a mapping is valid and
-//! replicated at every replica before anyone uses it.
+//! runs a two-phase protocol with them (PREPARE at every replica, [`Preparing`], then the commit)
+//! so that a mapping is valid and replicated at every replica before anyone uses it. The commit
+//! is a configuration change with the same members (`crate::plane`): the map with the new
+//! regions is installed at every member and committed as NEW-CONFIG is, so that whichever
+//! machine is CM next knows the regions.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use farm_core::config::{Configuration, Placement, RegionMap};
-use farm_core::{MachineId, RegionId};
+use farm_core::{ConfigId, MachineId, RegionId};
 
 /// Why no region could be allocated.
 #[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
@@ -109,80 +112,144 @@ pub fn choose_replicas(
     })
 }
 
-/// Something the driver does for a [`RegionAlloc`].
+/// Regions one request may allocate at most.
+pub const ALLOCATION_REGIONS_MAX: u32 = 1024;
+
+/// A member's request to allocate regions (§3), as the CM holds it.
 #[derive(Clone, PartialEq, Eq, Debug)]
-pub enum AllocEffect {
-    /// PREPARE: the machine reserves NVRAM for the region; answer with `on_prepared`.
-    Prepare(MachineId, RegionId),
-    /// COMMIT: the mapping is valid; the machine adds it to its region map.
-    Commit(MachineId, RegionId, Placement),
-    /// ABORT: the machine releases what it prepared.
-    Abort(MachineId, RegionId),
+pub struct AllocRequest {
+    /// The member that asked.
+    pub from: MachineId,
+    /// Its id of the request.
+    pub request: u64,
+    /// Regions wanted (1 to [`ALLOCATION_REGIONS_MAX`]).
+    pub count: u32,
+    /// A region whose replicas the new ones should share.
+    pub near: Option<RegionId>,
 }
 
-/// The two-phase region allocation at the CM.
-#[derive(Debug)]
-pub struct RegionAlloc {
-    region: RegionId,
-    replicas: Vec<MachineId>,
+/// Why an allocation failed after its regions were placed.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// A replica refused to prepare (out of NVRAM, or the region is already in its map).
+    #[error("machine {0} refused to prepare the regions")]
+    Refused(MachineId),
+    /// Replicas did not answer PREPARE in time.
+    #[error("machines {0:?} did not answer PREPARE in time")]
+    Silent(Vec<MachineId>),
+}
+
+/// The first phase of a region allocation at the CM (§3): the regions are placed against the
+/// map (each against the map with the ones before it), and every chosen replica is asked to
+/// PREPARE the new regions it holds, one request per replica. The allocation commits (the
+/// driver installs the map with the new regions in a new configuration, §5.2 steps 3-7) only
+/// once every replica prepared; a refusal or a replica silent past the deadline fails it, and
+/// every replica releases what it prepared ([`Preparing::replicas`]).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Preparing {
+    /// The request.
+    pub request: AllocRequest,
+    /// The configuration the regions were placed in.
+    pub config: ConfigId,
+    /// The map with the new regions.
+    pub map: RegionMap,
+    /// The new regions, in allocation order.
+    pub regions: Vec<RegionId>,
+    /// Per chosen replica, the new regions it holds.
+    replicas: BTreeMap<MachineId, Vec<RegionId>>,
+    /// Replicas that have not prepared yet.
     awaiting: BTreeSet<MachineId>,
-    effects: Vec<AllocEffect>,
-    outcome: Option<Result<Placement, PlacementError>>,
+    refused: Option<MachineId>,
+    deadline: u64,
 }
 
-impl RegionAlloc {
-    /// Starts allocating `region` on `replicas` (the first is the primary).
-    pub fn start(region: RegionId, replicas: Vec<MachineId>) -> Self {
-        assert!(!replicas.is_empty(), "a region needs a replica");
-        let effects = replicas
-            .iter()
-            .map(|m| AllocEffect::Prepare(*m, region))
-            .collect();
-        Self {
-            region,
-            awaiting: replicas.iter().copied().collect(),
-            replicas,
-            effects,
-            outcome: None,
-        }
-    }
-
-    /// Effects to carry out, in order.
-    pub fn take_effects(&mut self) -> Vec<AllocEffect> {
-        std::mem::take(&mut self.effects)
-    }
-
-    /// A replica's answer to PREPARE.
-    pub fn on_prepared(&mut self, m: MachineId, ok: bool) {
-        if self.outcome.is_some() || !self.awaiting.remove(&m) {
-            return;
-        }
-        if !ok {
-            self.effects.extend(
-                self.replicas
-                    .iter()
-                    .map(|r| AllocEffect::Abort(*r, self.region)),
+impl Preparing {
+    /// Places `request.count` regions in `config` over `map`, with `replicas` per region and
+    /// at most `regions_max` per machine; PREPARE is answered by `deadline`.
+    pub fn start(
+        request: AllocRequest,
+        config: &Configuration,
+        map: &RegionMap,
+        replicas: usize,
+        regions_max: usize,
+        deadline: u64,
+    ) -> Result<Self, PlacementError> {
+        assert!(
+            (1..=ALLOCATION_REGIONS_MAX).contains(&request.count),
+            "allocating {} regions",
+            request.count
+        );
+        let mut map = map.clone();
+        let mut regions = Vec::with_capacity(request.count as usize);
+        let mut held: BTreeMap<MachineId, Vec<RegionId>> = BTreeMap::new();
+        for _ in 0..request.count {
+            let region = next_region_id(&map);
+            let chosen = choose_replicas(config, &map, replicas, regions_max, request.near)?;
+            for m in &chosen {
+                held.entry(*m).or_default().push(region);
+            }
+            map.insert(
+                region,
+                Placement {
+                    primary: chosen[0],
+                    backups: chosen[1..].to_vec(),
+                },
             );
-            self.outcome = Some(Err(PlacementError::Refused(m)));
+            regions.push(region);
+        }
+        Ok(Self {
+            request,
+            config: config.id,
+            map,
+            regions,
+            awaiting: held.keys().copied().collect(),
+            replicas: held,
+            refused: None,
+            deadline,
+        })
+    }
+
+    /// PREPARE for every replica that has not answered (sent at the start and repeated).
+    pub fn prepares(&self) -> impl Iterator<Item = (MachineId, &[RegionId])> + '_ {
+        self.awaiting
+            .iter()
+            .map(|m| (*m, self.replicas[m].as_slice()))
+    }
+
+    /// Every chosen replica with its new regions (for ABORT).
+    pub fn replicas(&self) -> impl Iterator<Item = (MachineId, &[RegionId])> + '_ {
+        self.replicas.iter().map(|(m, r)| (*m, r.as_slice()))
+    }
+
+    /// `m`'s answer to PREPARE of `regions` (answers to another PREPARE are ignored).
+    pub fn on_prepared(&mut self, m: MachineId, regions: &[RegionId], ok: bool) {
+        if self
+            .replicas
+            .get(&m)
+            .is_none_or(|r| r.as_slice() != regions)
+        {
             return;
+        }
+        if !ok && self.refused.is_none() {
+            self.refused = Some(m);
+        }
+        self.awaiting.remove(&m);
+    }
+
+    /// The outcome at `now`: `Some(Ok)` once every replica prepared, an error once one refused
+    /// or the deadline passed with replicas silent, `None` while waiting.
+    pub fn outcome(&self, now: u64) -> Option<Result<(), PrepareError>> {
+        if let Some(m) = self.refused {
+            return Some(Err(PrepareError::Refused(m)));
         }
         if self.awaiting.is_empty() {
-            let placement = Placement {
-                primary: self.replicas[0],
-                backups: self.replicas[1..].to_vec(),
-            };
-            self.effects.extend(
-                self.replicas
-                    .iter()
-                    .map(|r| AllocEffect::Commit(*r, self.region, placement.clone())),
-            );
-            self.outcome = Some(Ok(placement));
+            return Some(Ok(()));
         }
-    }
-
-    /// The outcome once decided (commit or abort effects are then pending).
-    pub fn outcome(&self) -> Option<&Result<Placement, PlacementError>> {
-        self.outcome.as_ref()
+        (now >= self.deadline).then(|| {
+            Err(PrepareError::Silent(
+                self.awaiting.iter().copied().collect(),
+            ))
+        })
     }
 }
 
@@ -242,33 +309,53 @@ mod tests {
         }
     }
 
+    fn request(count: u32, near: Option<RegionId>) -> AllocRequest {
+        AllocRequest {
+            from: MachineId(1),
+            request: 1,
+            count,
+            near,
+        }
+    }
+
+    /// §3: an allocation commits only after every replica prepared; one refusal, or one
+    /// replica silent past the deadline, fails it.
     #[test]
-    fn two_phase_allocation_commits_only_when_all_prepared() {
-        let replicas = vec![MachineId(2), MachineId(0), MachineId(1)];
-        let mut a = RegionAlloc::start(RegionId(7), replicas.clone());
-        assert_eq!(a.take_effects().len(), 3);
-        a.on_prepared(MachineId(2), true);
-        a.on_prepared(MachineId(0), true);
-        assert!(
-            a.outcome().is_none() && a.take_effects().is_empty(),
-            "no commit before every prepare"
-        );
-        a.on_prepared(MachineId(1), true);
-        let commits = a.take_effects();
-        assert_eq!(commits.len(), 3);
-        assert!(commits.iter().all(
-            |e| matches!(e, AllocEffect::Commit(_, RegionId(7), p) if p.primary == MachineId(2))
-        ));
-        let mut b = RegionAlloc::start(RegionId(8), replicas);
-        b.take_effects();
-        b.on_prepared(MachineId(0), false);
+    fn an_allocation_is_ready_only_when_every_replica_prepared() {
+        let config = Configuration::initial(4);
+        let map = RegionMap::striped(4, 1, 1);
+        let mut p = Preparing::start(request(2, None), &config, &map, 3, 8, 100).unwrap();
+        assert_eq!(p.regions, vec![RegionId(4), RegionId(5)]);
+        assert!(p.regions.iter().all(|r| p.map.get(*r).is_some()));
+        let asked: Vec<(MachineId, Vec<RegionId>)> =
+            p.prepares().map(|(m, r)| (m, r.to_vec())).collect();
+        let held: usize = asked.iter().map(|(_, r)| r.len()).sum();
+        assert_eq!(held, 6, "two regions, three replicas each: {asked:?}");
+        for (m, regions) in &asked[..asked.len() - 1] {
+            p.on_prepared(*m, regions, true);
+            assert_eq!(p.outcome(99), None, "ready before every replica prepared");
+        }
+        // An answer to another PREPARE changes nothing.
+        let (last, regions) = asked.last().unwrap().clone();
+        p.on_prepared(last, &[RegionId(9)], true);
+        assert_eq!(p.outcome(99), None);
+        p.on_prepared(last, &regions, true);
+        assert_eq!(p.outcome(99), Some(Ok(())));
+
+        let mut refused = Preparing::start(request(1, None), &config, &map, 3, 8, 100).unwrap();
+        let (m, regions) = refused
+            .prepares()
+            .map(|(m, r)| (m, r.to_vec()))
+            .next()
+            .unwrap();
+        refused.on_prepared(m, &regions, false);
+        assert_eq!(refused.outcome(0), Some(Err(PrepareError::Refused(m))));
+
+        let silent =
+            Preparing::start(request(1, Some(RegionId(0))), &config, &map, 2, 8, 100).unwrap();
         assert_eq!(
-            b.outcome(),
-            Some(&Err(PlacementError::Refused(MachineId(0))))
+            silent.outcome(100),
+            Some(Err(PrepareError::Silent(vec![MachineId(0), MachineId(1)])))
         );
-        assert!(b
-            .take_effects()
-            .iter()
-            .all(|e| matches!(e, AllocEffect::Abort(..))));
     }
 }

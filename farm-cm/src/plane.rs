@@ -28,14 +28,25 @@
 //!   (nobody sends NEW-CONFIG to a removed machine), and [`Effect::Evicted`] says so.
 //! - The CM adds one joiner at a time, once its configuration is settled (every region active:
 //!   recovery of the joiner's earlier life is over), backing off from joiners whose join failed.
+//!
+//! # Region allocation (§3)
+//!
+//! A member asks its CM for regions ([`ControlPlane::allocate`], repeated until answered). The
+//! CM serves one request at a time, once its configuration is settled: it places the regions
+//! and sends PREPARE to their replicas ([`Preparing`]); once all prepared, it commits the map
+//! with the new regions as a configuration change with the same members (stored, NEW-CONFIG,
+//! every member's ack, NEW-CONFIG-COMMIT), and answers. A refusal, a silent replica or a failed
+//! attempt ends the request with ABORT to the replicas and the reason to the member. A request
+//! the CM dropped (it stopped being CM) is asked again of the next one.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use farm_core::codec::StoredView;
 use farm_core::config::{Configuration, RegionChanges, RegionMap};
 use farm_core::{ConfigId, MachineId, RegionId};
 
 use crate::control::ControlMsg;
+use crate::placement::{AllocRequest, Preparing, ALLOCATION_REGIONS_MAX};
 use crate::reconfig::{
     attempt_base, backup_cms, Effect as ReconfigEffect, NewConfig, Reconfig, ReconfigError,
     ReconfigParams,
@@ -69,6 +80,14 @@ const JOIN_BACKOFF_LEASES_MAX: u64 = 300;
 
 /// Joiners the CM remembers at most (further requests are dropped until one joined).
 pub const JOINERS_MAX: usize = 64;
+
+/// Allocation requests the CM queues at most (further ones are dropped; members ask again),
+/// and requests a member may have outstanding.
+pub const ALLOCATIONS_MAX: usize = 64;
+
+/// Answers to allocation requests the CM remembers, for members that ask again because an
+/// answer was lost.
+pub const ANSWERS_MAX: usize = 64;
 
 /// Timing and sizing of a control plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,6 +202,26 @@ pub enum Effect {
     AllRegionsActive(ConfigId),
     /// This machine was removed: the store holds this newer configuration without it.
     Evicted(ConfigId),
+    /// PREPARE of region allocation at this machine (§3): map and register NVRAM for
+    /// `regions`; report with [`ControlPlane::on_regions_prepared`].
+    PrepareRegions {
+        /// The CM that asked.
+        cm: MachineId,
+        /// Its configuration.
+        config: ConfigId,
+        /// The new regions.
+        regions: Vec<RegionId>,
+    },
+    /// ABORT of region allocation at this machine: release what PREPARE mapped for `regions`
+    /// (none of them in the installed map).
+    AbortRegions(Vec<RegionId>),
+    /// The answer to this machine's allocation request ([`ControlPlane::allocate`]).
+    Allocated {
+        /// The request's id.
+        request: u64,
+        /// The new regions, or why there are none.
+        result: Result<Vec<RegionId>, String>,
+    },
     /// A reconfiguration step, to record.
     Event(Event),
 }
@@ -194,6 +233,8 @@ enum Change {
     Remove(BTreeSet<MachineId>),
     /// Add a machine that asked to join.
     Join(MachineId),
+    /// Commit the map with the regions every replica prepared.
+    Allocate(Box<Preparing>),
 }
 
 /// A reconfiguration this machine drives.
@@ -275,6 +316,17 @@ pub struct ControlPlane {
     join_backoff: BTreeMap<MachineId, (u64, u64)>,
     /// When this member last told its CM of each member it cannot write to.
     reported: BTreeMap<MachineId, u64>,
+    // Region allocation, at the CM.
+    /// Members' requests, served in order.
+    allocations: VecDeque<AllocRequest>,
+    /// The request being prepared, or prepared and waiting for its attempt.
+    preparing: Option<Preparing>,
+    /// Answers sent lately: (member, request, answer).
+    answers: VecDeque<(MachineId, u64, ControlMsg)>,
+    // Region allocation, at the member.
+    /// This machine's requests not answered yet: count and locality.
+    requested: BTreeMap<u64, (u32, Option<RegionId>)>,
+    last_request: u64,
 }
 
 impl ControlPlane {
@@ -300,6 +352,11 @@ impl ControlPlane {
             reading: Reading::default(),
             join_backoff: BTreeMap::new(),
             reported: BTreeMap::new(),
+            allocations: VecDeque::new(),
+            preparing: None,
+            answers: VecDeque::new(),
+            requested: BTreeMap::new(),
+            last_request: 0,
         }
     }
 
@@ -356,6 +413,15 @@ impl ControlPlane {
             "{} suspects itself as CM",
             self.me
         );
+        assert!(
+            self.allocations.len() <= ALLOCATIONS_MAX
+                && self.answers.len() <= ANSWERS_MAX
+                && self.requested.len() <= ALLOCATIONS_MAX,
+            "allocation state beyond its bounds: {} queued, {} answers, {} requested",
+            self.allocations.len(),
+            self.answers.len(),
+            self.requested.len()
+        );
         if let Some(a) = &self.attempt {
             // The plane hands its own messages to itself (`send`); only others' are repeated.
             assert!(
@@ -385,6 +451,11 @@ impl ControlPlane {
         self.attempt.is_some()
     }
 
+    /// Whether a region allocation is under way here: requested, or served as CM.
+    pub fn allocating(&self) -> bool {
+        !self.requested.is_empty() || !self.allocations.is_empty() || self.preparing.is_some()
+    }
+
     fn send(&mut self, to: MachineId, msg: ControlMsg, now: u64, local: &Local<'_>) {
         if to == self.me {
             self.on_message(self.me, msg, now, local);
@@ -400,6 +471,16 @@ impl ControlPlane {
     /// Resets what the CM heard when the configuration changed.
     fn follow(&mut self, local: &Local<'_>) {
         if self.cm.config != local.config.id {
+            if local.config.cm != self.me {
+                // Requests go to the new CM (members ask again); what was prepared is released.
+                self.allocations.clear();
+                self.answers.clear();
+                if let Some(p) = self.preparing.take() {
+                    self.abort_regions(&p);
+                }
+            }
+            // A removed machine's answers go: a later incarnation numbers its requests anew.
+            self.answers.retain(|(m, _, _)| local.config.contains(*m));
             self.cm = CmState {
                 config: local.config.id,
                 ..CmState::default()
@@ -488,10 +569,276 @@ impl ControlPlane {
                     self.cm.joins.insert(from);
                 }
             }
+            ControlMsg::Allocate {
+                request,
+                count,
+                near,
+            } => {
+                let c = local.config;
+                if c.cm != me || !c.contains(from) {
+                    return; // The member asks its CM again once it learns who that is.
+                }
+                let answered = self
+                    .answers
+                    .iter()
+                    .find(|(m, r, _)| *m == from && *r == request)
+                    .map(|(_, _, answer)| answer.clone());
+                if let Some(answer) = answered {
+                    self.send(from, answer, now, local);
+                    return;
+                }
+                let same = |a: &AllocRequest| a.from == from && a.request == request;
+                let committing = self
+                    .attempt
+                    .as_ref()
+                    .is_some_and(|a| matches!(&a.change, Change::Allocate(p) if same(&p.request)));
+                if committing
+                    || self.preparing.as_ref().is_some_and(|p| same(&p.request))
+                    || self.allocations.iter().any(same)
+                {
+                    return;
+                }
+                if !(1..=ALLOCATION_REGIONS_MAX).contains(&count) {
+                    let why = format!(
+                        "{count} regions: a request asks for 1 to {ALLOCATION_REGIONS_MAX}"
+                    );
+                    self.answer(from, request, Err(why), now, local);
+                } else if self.allocations.len() < ALLOCATIONS_MAX {
+                    self.allocations.push_back(AllocRequest {
+                        from,
+                        request,
+                        count,
+                        near,
+                    });
+                }
+            }
+            ControlMsg::PrepareRegions { config, regions } => {
+                let c = local.config;
+                if c.id != config || c.cm != from || !c.contains(me) {
+                    return;
+                }
+                if regions.iter().any(|r| local.map.get(*r).is_some()) {
+                    // Not new here: a CM whose map is behind this machine's (it would reuse ids).
+                    let refused = ControlMsg::RegionsPrepared {
+                        config,
+                        regions,
+                        ok: false,
+                    };
+                    self.send(from, refused, now, local);
+                } else {
+                    self.effects.push(Effect::PrepareRegions {
+                        cm: from,
+                        config,
+                        regions,
+                    });
+                }
+            }
+            ControlMsg::RegionsPrepared {
+                config,
+                regions,
+                ok,
+            } => {
+                if let Some(p) = self.preparing.as_mut().filter(|p| p.config == config) {
+                    p.on_prepared(from, &regions, ok);
+                }
+            }
+            ControlMsg::AbortRegions { regions, .. } => {
+                if local.config.contains(from) {
+                    // A region the map holds is in use: only a prepared one is released.
+                    let regions: Vec<RegionId> = regions
+                        .into_iter()
+                        .filter(|r| local.map.get(*r).is_none())
+                        .collect();
+                    if !regions.is_empty() {
+                        self.effects.push(Effect::AbortRegions(regions));
+                    }
+                }
+            }
+            ControlMsg::Allocated { request, regions } => {
+                if self.requested.remove(&request).is_some() {
+                    self.effects.push(Effect::Allocated {
+                        request,
+                        result: Ok(regions),
+                    });
+                }
+            }
+            ControlMsg::AllocationRefused { request, reason } => {
+                if self.requested.remove(&request).is_some() {
+                    self.effects.push(Effect::Allocated {
+                        request,
+                        result: Err(reason),
+                    });
+                }
+            }
             // The restart exchange is the runtime's (before the plane runs).
             ControlMsg::Restart { .. }
             | ControlMsg::RingStarts { .. }
             | ControlMsg::Persisted { .. } => {}
+        }
+    }
+
+    /// Asks the CM to allocate `count` regions (§3), near region `near` if given, as request
+    /// `request` (an id unique at this machine); the answer comes as [`Effect::Allocated`]. A
+    /// request beyond [`ALLOCATIONS_MAX`] outstanding is refused at once.
+    pub fn allocate(
+        &mut self,
+        request: u64,
+        count: u32,
+        near: Option<RegionId>,
+        now: u64,
+        local: &Local<'_>,
+    ) {
+        self.follow(local);
+        if self.requested.len() >= ALLOCATIONS_MAX || self.requested.contains_key(&request) {
+            self.effects.push(Effect::Allocated {
+                request,
+                result: Err(format!(
+                    "{} allocation requests outstanding here, or request {request} twice",
+                    self.requested.len()
+                )),
+            });
+            return;
+        }
+        self.requested.insert(request, (count, near));
+        self.ask(request, now, local);
+    }
+
+    fn ask(&mut self, request: u64, now: u64, local: &Local<'_>) {
+        let c = local.config;
+        if self.evicted || local.evicted || !c.contains(self.me) {
+            return;
+        }
+        self.last_request = now;
+        let (count, near) = self.requested[&request];
+        let msg = ControlMsg::Allocate {
+            request,
+            count,
+            near,
+        };
+        self.send(c.cm, msg, now, local);
+    }
+
+    /// The result of [`Effect::PrepareRegions`]: whether this machine holds `regions` ready.
+    pub fn on_regions_prepared(
+        &mut self,
+        cm: MachineId,
+        config: ConfigId,
+        regions: Vec<RegionId>,
+        ok: bool,
+        now: u64,
+        local: &Local<'_>,
+    ) {
+        let msg = ControlMsg::RegionsPrepared {
+            config,
+            regions,
+            ok,
+        };
+        self.send(cm, msg, now, local);
+    }
+
+    /// The CM's answer to `from`'s request, remembered for a member that asks again.
+    fn answer(
+        &mut self,
+        from: MachineId,
+        request: u64,
+        result: Result<Vec<RegionId>, String>,
+        now: u64,
+        local: &Local<'_>,
+    ) {
+        let msg = match result {
+            Ok(regions) => ControlMsg::Allocated { request, regions },
+            Err(reason) => ControlMsg::AllocationRefused { request, reason },
+        };
+        if self.answers.len() == ANSWERS_MAX {
+            self.answers.pop_front();
+        }
+        self.answers.push_back((from, request, msg.clone()));
+        self.send(from, msg, now, local);
+    }
+
+    /// ABORT to every replica of a failed allocation (sent once: a lost ABORT leaves a
+    /// prepared mapping that a later PREPARE or NEW-CONFIG of the same region reuses).
+    fn abort_regions(&mut self, p: &Preparing) {
+        let config = p.config;
+        let aborts: Vec<(MachineId, Vec<RegionId>)> =
+            p.replicas().map(|(m, r)| (m, r.to_vec())).collect();
+        for (m, regions) in aborts {
+            if m == self.me {
+                self.effects.push(Effect::AbortRegions(regions));
+            } else {
+                let msg = ControlMsg::AbortRegions { config, regions };
+                self.effects.push(Effect::Send(m, msg));
+            }
+        }
+    }
+
+    /// Ends a request that failed: ABORT to its replicas, the reason to the member.
+    fn refuse(&mut self, p: Preparing, why: String, now: u64, local: &Local<'_>) {
+        self.abort_regions(&p);
+        self.event(Event::Failed(format!(
+            "allocating {} regions for {}: {why}",
+            p.request.count, p.request.from
+        )));
+        self.answer(p.request.from, p.request.request, Err(why), now, local);
+    }
+
+    /// The CM's side of allocation at a tick: a request placed in an older configuration is
+    /// placed again, a failed one is answered, and the next one starts once the configuration
+    /// is settled and nothing else is.
+    fn allocation_tick(&mut self, settled: bool, now: u64, local: &Local<'_>) {
+        let c = local.config;
+        if let Some(p) = self.preparing.take() {
+            if p.config != c.id {
+                self.abort_regions(&p);
+                self.allocations.push_front(p.request);
+            } else if let Some(Err(e)) = p.outcome(now) {
+                self.refuse(p, e.to_string(), now, local);
+            } else {
+                self.preparing = Some(p);
+            }
+        }
+        if self.preparing.is_some() || !settled {
+            return;
+        }
+        let Some(request) = self.allocations.pop_front() else {
+            return;
+        };
+        let deadline = now + self.params.ack_timeout_ticks;
+        let placed = Preparing::start(
+            request.clone(),
+            c,
+            local.map,
+            self.params.replicas,
+            self.params.regions_max,
+            deadline,
+        );
+        match placed {
+            Ok(p) => {
+                self.preparing = Some(p);
+                self.send_prepares(now, local);
+            }
+            Err(e) => {
+                let why = e.to_string();
+                self.answer(request.from, request.request, Err(why), now, local);
+            }
+        }
+    }
+
+    /// PREPARE to every replica of the request being prepared that has not answered.
+    fn send_prepares(&mut self, now: u64, local: &Local<'_>) {
+        let Some(p) = &self.preparing else {
+            return;
+        };
+        let config = p.config;
+        let prepares: Vec<(MachineId, Vec<RegionId>)> =
+            p.prepares().map(|(m, r)| (m, r.to_vec())).collect();
+        for (m, regions) in prepares {
+            self.send(
+                m,
+                ControlMsg::PrepareRegions { config, regions },
+                now,
+                local,
+            );
         }
     }
 
@@ -518,7 +865,7 @@ impl ControlPlane {
         if c.cm == self.me {
             self.suspects.insert(suspect);
             self.unacknowledged.remove(&suspect);
-            self.abandon_awaiting(suspect, now);
+            self.abandon_awaiting(suspect, now, local);
         } else if suspect == c.cm && self.cm_suspicion.is_none() {
             self.cm_suspicion = Some(CmSuspicion {
                 config: c.id,
@@ -536,7 +883,7 @@ impl ControlPlane {
     /// lease expired has failed, and waiting out the ack timeout for it (ten leases) would
     /// leave the new configuration uncommitted, and every transaction blocked, that long. The
     /// next attempt, at once, drives the stored configuration again without it.
-    fn abandon_awaiting(&mut self, suspect: MachineId, now: u64) {
+    fn abandon_awaiting(&mut self, suspect: MachineId, now: u64, local: &Local<'_>) {
         let awaited = self
             .attempt
             .as_ref()
@@ -547,8 +894,13 @@ impl ControlPlane {
         }
         let a = self.attempt.take().expect("awaited");
         self.leases_end = self.leases_end.max(a.reconfig.leases_end());
-        if let Change::Remove(earlier) = a.change {
-            self.suspects.extend(earlier);
+        match a.change {
+            Change::Remove(earlier) => self.suspects.extend(earlier),
+            Change::Allocate(p) => {
+                let why = format!("{suspect} failed before the regions were committed");
+                self.refuse(*p, why, now, local);
+            }
+            Change::Join(_) => {}
         }
         self.retry_at = now;
         self.event(Event::Failed(format!(
@@ -679,6 +1031,11 @@ impl ControlPlane {
                 // compare-and-set whose answer was lost: it took effect, the attempt failed):
                 // driven again, from the stored one.
                 Change::Remove(suspects)
+            } else if self.prepared(now, local) {
+                if stored.id != c.id {
+                    return; // Placed in the configuration the CM is in; the tick sees to it.
+                }
+                Change::Allocate(Box::new(self.preparing.take().expect("prepared")))
             } else if let Some(j) = self.next_joiner(now) {
                 if stored.id != c.id {
                     // A join starts from the configuration the CM is in; the joiner asks again.
@@ -723,6 +1080,18 @@ impl ControlPlane {
                     now,
                 )
             }
+            Change::Allocate(p) => Reconfig::start(
+                me,
+                base,
+                version,
+                p.map.clone(),
+                local.changes.clone(),
+                local.copying.clone(),
+                BTreeSet::new(),
+                self.params.reconfig(),
+                self.leases_end.max(now),
+                now,
+            ),
             Change::Join(j) => Reconfig::start_join(
                 me,
                 base,
@@ -743,6 +1112,16 @@ impl ControlPlane {
             stored: false,
         });
         self.pump(now, local);
+    }
+
+    /// Whether the request being prepared is ready to commit: every replica prepared, in the
+    /// configuration installed here, which is settled.
+    fn prepared(&self, now: u64, local: &Local<'_>) -> bool {
+        local.all_active >= local.config.id
+            && self
+                .preparing
+                .as_ref()
+                .is_some_and(|p| p.config == local.config.id && p.outcome(now) == Some(Ok(())))
     }
 
     fn next_joiner(&mut self, now: u64) -> Option<MachineId> {
@@ -837,14 +1216,27 @@ impl ControlPlane {
                     new.config.id.0,
                     local.config.id.0
                 );
-                if let Change::Join(j) = change {
-                    self.join_backoff.remove(&j);
+                match change {
+                    Change::Join(j) => {
+                        self.join_backoff.remove(&j);
+                    }
+                    Change::Allocate(p) => {
+                        assert!(
+                            p.regions.iter().all(|r| new.map.get(*r).is_some()),
+                            "configuration {} committed without the regions it allocates",
+                            new.config.id.0
+                        );
+                        let (from, request) = (p.request.from, p.request.request);
+                        self.answer(from, request, Ok(p.regions.clone()), now, local);
+                    }
+                    Change::Remove(_) => {}
                 }
                 self.suspects.retain(|m| new.config.contains(*m));
                 self.unacknowledged.retain(|m| self.suspects.contains(m));
                 self.cm_suspicion = None;
                 self.event(Event::Committed(new.config));
             }
+            (Err(e), Change::Allocate(p)) => self.refuse(*p, e.to_string(), now, local),
             (Err(e), Change::Join(j)) => {
                 let lease = self.params.lease_ticks;
                 let wait = self
@@ -925,7 +1317,7 @@ impl ControlPlane {
         }
         if now >= self.last_report.saturating_add(self.params.repeat_ticks) {
             self.last_report = now;
-            self.repeat(local);
+            self.repeat(now, local);
         }
         if let Some(a) = self.attempt.as_mut() {
             if now >= a.last_repeat.saturating_add(self.params.repeat_ticks) {
@@ -948,13 +1340,15 @@ impl ControlPlane {
             let due = (!self.suspects.is_empty() || !self.cm.unreachable.is_empty() || uncommitted)
                 && now >= self.retry_at;
             let settled = local.all_active >= c.id && self.suspects.is_empty();
+            self.allocation_tick(settled && !due, now, local);
+            let prepared = settled && !due && self.prepared(now, local);
             let joiner = settled
                 && self.cm.joins.iter().any(|j| {
                     self.join_backoff
                         .get(j)
                         .is_none_or(|(until, _)| now >= *until)
                 });
-            if due || joiner {
+            if due || joiner || prepared {
                 self.read_store(|r| r.attempt = true);
             }
             return;
@@ -993,9 +1387,19 @@ impl ControlPlane {
 
     /// A member's REGIONS-ACTIVE until ALL-REGIONS-ACTIVE; the CM's NEW-CONFIG-COMMIT to
     /// members that have not reported, and its ALL-REGIONS-ACTIVE once all have (§5.4).
-    fn repeat(&mut self, local: &Local<'_>) {
+    fn repeat(&mut self, now: u64, local: &Local<'_>) {
         let me = self.me;
         let c = local.config;
+        if self.preparing.is_some() {
+            self.send_prepares(now, local);
+        }
+        let every = JOIN_REPEATS * self.params.repeat_ticks;
+        if now >= self.last_request.saturating_add(every) {
+            let requests: Vec<u64> = self.requested.keys().copied().collect();
+            for r in requests {
+                self.ask(r, now, local);
+            }
+        }
         let committed = local.committed >= c.id;
         let all_active = local.all_active >= c.id;
         if c.cm == me {

@@ -42,6 +42,12 @@ struct Machine {
     ready: bool,
     /// Replicas still being copied: none (recovery is instant here).
     copying: BTreeSet<RegionId>,
+    /// Regions prepared here for an allocation (§3), not yet in the map.
+    prepared: BTreeSet<RegionId>,
+    /// Whether this machine refuses PREPARE (out of NVRAM).
+    refuses: bool,
+    /// Answers to this machine's allocation requests.
+    allocated: Vec<(u64, Result<Vec<RegionId>, String>)>,
 }
 
 impl Machine {
@@ -106,6 +112,9 @@ impl Cluster {
                 alive: true,
                 ready: true,
                 copying: BTreeSet::new(),
+                prepared: BTreeSet::new(),
+                refuses: false,
+                allocated: Vec::new(),
             })
             .collect();
         Self {
@@ -176,6 +185,7 @@ impl Cluster {
                     Effect::Install(v) => {
                         let mach = &mut self.machines[i];
                         assert!(v.config.id > mach.config.id, "install of an older view");
+                        mach.prepared.retain(|r| v.map.get(*r).is_none());
                         mach.config = v.config;
                         mach.map = v.map;
                         mach.changes = v.changes;
@@ -187,6 +197,28 @@ impl Cluster {
                     }
                     Effect::AllRegionsActive(id) => self.machines[i].all_active = id,
                     Effect::Evicted(_) => self.machines[i].evicted = true,
+                    Effect::PrepareRegions {
+                        cm,
+                        config,
+                        regions,
+                    } => {
+                        let mach = &mut self.machines[i];
+                        let ok = !mach.refuses;
+                        if ok {
+                            mach.prepared.extend(regions.iter().copied());
+                        }
+                        self.with_plane(m, |plane, local| {
+                            plane.on_regions_prepared(cm, config, regions, ok, now, local)
+                        });
+                    }
+                    Effect::AbortRegions(regions) => {
+                        let mach = &mut self.machines[i];
+                        assert!(regions.iter().all(|r| mach.map.get(*r).is_none()));
+                        mach.prepared.retain(|r| !regions.contains(r));
+                    }
+                    Effect::Allocated { request, result } => {
+                        self.machines[i].allocated.push((request, result))
+                    }
                     Effect::Event(e) => self.events.push((now, m, e)),
                 }
             }
@@ -239,6 +271,13 @@ impl Cluster {
             self.step();
         }
         done(self)
+    }
+
+    /// Machine `m` asks for `count` regions as request `request`.
+    fn allocate(&mut self, m: MachineId, request: u64, count: u32) {
+        let now = self.now;
+        self.with_plane(m, |p, l| p.allocate(request, count, None, now, l));
+        self.run_effects(m);
     }
 
     fn kill(&mut self, m: MachineId) {
@@ -557,4 +596,95 @@ fn a_machine_driving_over_a_stored_configuration_becomes_its_cm() {
         c.events
     );
     assert_eq!(c.machines[order[1].0 as usize].config.cm, order[1]);
+}
+
+/// Region allocation (§3): a member asks its CM, the CM places the regions and every chosen
+/// replica prepares them, and the map with them is committed everywhere as a configuration
+/// with the same members before the member hears back, over datagrams that get lost.
+#[test]
+fn a_member_allocates_regions_through_its_cm() {
+    for lose_one_in in [0, 3] {
+        let mut c = Cluster::new(4);
+        c.lose_one_in = lose_one_in;
+        c.allocate(MachineId(2), 7, 2);
+        let done = c.run_until(40 * LEASE, |c| !c.machines[2].allocated.is_empty());
+        assert!(
+            done,
+            "losing one in {lose_one_in}: no answer: {:?}",
+            c.events
+        );
+        let (request, result) = c.machines[2].allocated[0].clone();
+        assert_eq!(request, 7);
+        let regions = result.expect("allocated");
+        assert_eq!(regions, vec![RegionId(4), RegionId(5)], "the next ids");
+        assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3]))));
+        for m in &c.machines {
+            assert!(
+                m.config.id >= ConfigId(2),
+                "no configuration committed the regions"
+            );
+            for r in &regions {
+                let p = m.map.get(*r).expect("every member maps the new region");
+                assert_eq!(p.backups.len(), 2);
+            }
+            assert!(
+                m.prepared.is_empty(),
+                "prepared regions left: {:?}",
+                m.prepared
+            );
+        }
+        // A request with no room: 64 replicas per machine at most.
+        c.allocate(MachineId(1), 8, 200);
+        assert!(c.run_until(40 * LEASE, |c| !c.machines[1].allocated.is_empty()));
+        let (_, result) = &c.machines[1].allocated[0];
+        assert!(
+            result.as_ref().is_err_and(|e| e.contains("capacity")),
+            "{result:?}"
+        );
+    }
+}
+
+/// One replica refusing PREPARE fails the allocation: the member hears why, the others release
+/// what they prepared, and no configuration maps the regions.
+#[test]
+fn a_refused_prepare_fails_the_allocation_and_releases_what_was_prepared() {
+    let mut c = Cluster::new(3);
+    c.machines[1].refuses = true;
+    c.allocate(MachineId(0), 1, 1);
+    assert!(c.run_until(20 * LEASE, |c| !c.machines[0].allocated.is_empty()));
+    let (_, result) = &c.machines[0].allocated[0];
+    assert!(
+        result.as_ref().is_err_and(|e| e.contains("refused")),
+        "{result:?}"
+    );
+    c.run_until(2 * LEASE, |_| false);
+    for m in &c.machines {
+        assert_eq!(m.config.id, ConfigId(1));
+        assert!(
+            m.prepared.is_empty(),
+            "{:?} kept {:?}",
+            m.plane.me(),
+            m.prepared
+        );
+    }
+}
+
+/// The CM fails while the replicas prepare: the request goes to the next CM, which allocates.
+#[test]
+fn a_request_outlives_the_cm_that_was_serving_it() {
+    let mut c = Cluster::new(5);
+    c.allocate(MachineId(3), 1, 1);
+    c.step();
+    c.kill(MachineId(0));
+    for m in 1..5 {
+        c.suspect(MachineId(m), MachineId(0));
+    }
+    assert!(c.run_until(60 * LEASE, |c| !c.machines[3].allocated.is_empty()));
+    let (_, result) = &c.machines[3].allocated[0];
+    let regions = result.clone().expect("allocated by the next CM");
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[1, 2, 3, 4]))));
+    for m in &c.machines[1..] {
+        assert!(regions.iter().all(|r| m.map.get(*r).is_some()));
+        assert!(m.map.iter().all(|(_, p)| !p.holds(MachineId(0))));
+    }
 }

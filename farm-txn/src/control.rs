@@ -37,6 +37,10 @@ pub struct MachineControl {
     buf: Vec<u8>,
     /// See [`MachineControl::set_check_invariants`].
     check_invariants: bool,
+    /// Answers to this machine's allocation requests, for the caller to drain.
+    allocated: Vec<(u64, Result<Vec<RegionId>, String>)>,
+    /// The id of this machine's next allocation request.
+    next_request: u64,
 }
 
 impl std::fmt::Debug for MachineControl {
@@ -90,6 +94,8 @@ impl MachineControl {
             next_message: 0,
             buf: Vec::new(),
             check_invariants: cfg!(debug_assertions),
+            allocated: Vec::new(),
+            next_request: 0,
         }
     }
 
@@ -168,6 +174,27 @@ impl MachineControl {
             self.on_unreachable(m, now);
         }
         self.with_plane(now, |p, l| p.tick(now, l));
+    }
+
+    /// Asks the CM for `count` regions (§3), sharing region `near`'s replicas if given and
+    /// possible. Returns the request's id; its answer comes from
+    /// [`MachineControl::take_allocated`] once the regions are committed in a configuration
+    /// that every member installed, or the CM refused.
+    pub fn allocate(&mut self, count: u32, near: Option<RegionId>, now: u64) -> u64 {
+        let request = self.next_request;
+        self.next_request += 1;
+        self.with_plane(now, |p, l| p.allocate(request, count, near, now, l));
+        request
+    }
+
+    /// Answers to allocation requests that arrived since the last call.
+    pub fn take_allocated(&mut self) -> Vec<(u64, Result<Vec<RegionId>, String>)> {
+        std::mem::take(&mut self.allocated)
+    }
+
+    /// Whether a region allocation is under way here (requested, or served as CM).
+    pub fn allocating(&self) -> bool {
+        self.plane.allocating()
     }
 
     /// Changes the lease length the plane times with (and the longest ever in force).
@@ -266,6 +293,30 @@ impl MachineControl {
                             "removed from the configuration"
                         );
                         self.machine.set_evicted();
+                    }
+                    Effect::PrepareRegions {
+                        cm,
+                        config,
+                        regions,
+                    } => {
+                        let ok = regions
+                            .iter()
+                            .all(|r| match self.machine.prepare_region(*r) {
+                                Ok(()) => true,
+                                Err(e) => {
+                                    tracing::warn!(region = r.0, error = %e, "PREPARE of a region");
+                                    false
+                                }
+                            });
+                        self.feed(|p, l| p.on_regions_prepared(cm, config, regions, ok, now, l));
+                    }
+                    Effect::AbortRegions(regions) => {
+                        for r in regions {
+                            self.machine.abort_region(r);
+                        }
+                    }
+                    Effect::Allocated { request, result } => {
+                        self.allocated.push((request, result));
                     }
                     Effect::Event(e) => {
                         log(me, &e);

@@ -366,15 +366,23 @@ impl ClusterBuilder {
                 }
             }
             let config = Configuration::initial(self.machines);
-            // Regions are allocated through the CM once it runs (below); machines start empty.
-            let map = RegionMap::default();
+            // The first configuration's regions, striped over its members as in every
+            // deployment; spares, outside it, hold none. Later ones are allocated through the
+            // CM (`Cluster::allocate_region`, §3).
+            let map =
+                RegionMap::striped(self.machines, self.regions_per_machine, self.replicas - 1);
             let machines = (0..all)
                 .map(|m| {
+                    let spare = m >= self.machines;
                     MachineState::new(
                         MachineId(m),
                         params,
                         config.clone(),
-                        map.clone(),
+                        if spare {
+                            RegionMap::default()
+                        } else {
+                            map.clone()
+                        },
                         fabric.clone() as Arc<dyn Fabric>,
                         self.nvram_dir.as_deref(),
                     )
@@ -474,22 +482,6 @@ impl ClusterBuilder {
             lease_length,
             cm,
         };
-        // The initial regions, allocated by the CM like any later one (§3), committed in one
-        // view.
-        if !self.restart {
-            let count = self.machines as usize * self.regions_per_machine as usize;
-            let (tx, rx) = std::sync::mpsc::channel();
-            cluster
-                .inner
-                .requests
-                .lock()
-                .expect("requests poisoned")
-                .push(Request::AllocateRegions(count, tx));
-            rx.recv_timeout(Duration::from_secs(600))
-                .map_err(|_| AdminError::NoAnswer)
-                .and_then(|r| r.map_err(AdminError::Refused))
-                .map_err(|e| BuildError::Invalid(format!("allocating the initial regions: {e}")))?;
-        }
         Ok(cluster)
     }
 }
@@ -908,10 +900,11 @@ impl Cluster {
             .map_err(AdminError::Refused)
     }
 
-    /// Allocates a new region through the CM (§3): the next region id, replicas chosen for
-    /// capacity, distinct failure domains and locality (`near`: the same replicas as that
-    /// region), prepared at every replica before the mapping is committed everywhere. Its
-    /// primary then allocates objects in it.
+    /// Allocates a new region through the CM (§3): a running member asks its CM, which takes
+    /// the next region id, chooses replicas for capacity, distinct failure domains and locality
+    /// (`near`: the same replicas as that region), has every replica prepare it, and commits
+    /// the map with it in a new configuration with the same members, installed everywhere
+    /// before this returns. Its primary then allocates objects in it.
     pub fn allocate_region(&self, near: Option<RegionId>) -> Result<RegionId, AdminError> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.inner

@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use farm_cm::placement::{choose_replicas, next_region_id, AllocEffect, RegionAlloc};
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::Fabric;
@@ -162,6 +161,8 @@ fn run(s: CmShared) {
         .map(|m| m.view().config.contains(m.id))
         .collect();
     let mut joins: Vec<PendingJoin> = Vec::new();
+    // Allocation requests under way: the machine that asked, its request and the caller.
+    let mut allocations: Vec<(usize, u64, RegionReply)> = Vec::new();
     let mut lease = (s.lease.current(), s.lease.longest());
     let mut seen = 0;
     while !s.stop.load(Ordering::Relaxed) {
@@ -185,10 +186,20 @@ fn run(s: CmShared) {
                     }
                 }
                 Request::AllocateRegion(near, reply) => {
-                    let _ = reply.send(allocate_region(&s, near));
-                }
-                Request::AllocateRegions(count, reply) => {
-                    let _ = reply.send(allocate_regions(&s, count, None));
+                    // Any running member asks (the cluster's client is no machine in
+                    // particular): the first one that runs and is in its configuration.
+                    let asker = planes.iter_mut().enumerate().find(|(i, p)| {
+                        let m = &s.machines[*i];
+                        active[*i]
+                            && s.fabric.is_alive(p.machine())
+                            && m.view().config.contains(m.id)
+                    });
+                    match asker {
+                        Some((i, p)) => allocations.push((i, p.allocate(1, near, now()), reply)),
+                        None => {
+                            let _ = reply.send(Err("no machine runs to ask the CM".into()));
+                        }
+                    }
                 }
             }
         }
@@ -229,6 +240,15 @@ fn run(s: CmShared) {
             // No restart exchange runs over datagrams in one process (`restore_machines`).
             p.step(now(), &mut Vec::new());
             record(&s, p.take_events());
+            for (request, result) in p.take_allocated() {
+                if let Some(k) = allocations
+                    .iter()
+                    .position(|(asker, r, _)| *asker == i && *r == request)
+                {
+                    let (_, _, reply) = allocations.swap_remove(k);
+                    let _ = reply.send(result.map(|regions| regions[0]));
+                }
+            }
         }
         joins.retain(|j| {
             let (m, reply, deadline) = (&j.machine, &j.reply, &j.deadline);
@@ -247,7 +267,7 @@ fn run(s: CmShared) {
                 true
             }
         });
-        let driving = planes.iter().any(|p| p.reconfiguring());
+        let driving = planes.iter().any(|p| p.reconfiguring() || p.allocating());
         std::thread::sleep(if driving || !joins.is_empty() {
             DRIVING_SLEEP
         } else {
@@ -278,98 +298,14 @@ fn record(s: &CmShared, events: Vec<(u64, Event)>) {
     }
 }
 
-/// The newest view of a live member (a partitioned minority may lag behind; spare machines,
-/// outside every configuration, know nothing).
-fn newest_view(s: &CmShared) -> Option<Arc<farm_txn::machine::View>> {
-    s.machines
-        .iter()
-        .filter(|m| s.fabric.is_alive(m.id))
-        .map(|m| (m.id, m.view()))
-        .filter(|(id, v)| v.config.contains(*id))
-        .map(|(_, v)| v)
-        .max_by_key(|v| v.config.id)
-}
+/// Where the answer to a region allocation goes.
+type RegionReply = std::sync::mpsc::Sender<Result<RegionId, String>>;
 
 /// An administrative request for the CM.
 #[derive(Debug)]
 pub(crate) enum Request {
     /// Add a machine to the configuration.
     Join(MachineId, std::sync::mpsc::Sender<Result<ConfigId, String>>),
-    /// Allocate `count` regions (the cluster's initial ones) in one new view.
-    AllocateRegions(
-        usize,
-        std::sync::mpsc::Sender<Result<Vec<RegionId>, String>>,
-    ),
-    /// Allocate a region, near another one if given.
-    AllocateRegion(
-        Option<RegionId>,
-        std::sync::mpsc::Sender<Result<RegionId, String>>,
-    ),
-}
-
-/// Region allocation (§3): the next id, replicas chosen for capacity, failure domains and
-/// locality, PREPARE at every replica, then the mapping committed everywhere.
-fn allocate_region(s: &CmShared, near: Option<RegionId>) -> Result<RegionId, String> {
-    allocate_regions(s, 1, near).map(|r| r[0])
-}
-
-/// Region allocation of `count` regions at once (the cluster's initial ones): each is chosen
-/// and prepared as one allocation is, against the map with the ones before it, and the
-/// mapping is committed everywhere once, in one new view, instead of once per region.
-fn allocate_regions(
-    s: &CmShared,
-    count: usize,
-    near: Option<RegionId>,
-) -> Result<Vec<RegionId>, String> {
-    let view = newest_view(s).ok_or("no live member")?;
-    let mut map = view.map.clone();
-    let mut regions = Vec::with_capacity(count);
-    for _ in 0..count {
-        let region = next_region_id(&map);
-        let replicas = choose_replicas(
-            &view.config,
-            &map,
-            s.replicas,
-            REGIONS_PER_MACHINE_MAX,
-            near,
-        )
-        .map_err(|e| e.to_string())?;
-        let mut alloc = RegionAlloc::start(region, replicas);
-        let mut placement = None;
-        while alloc.outcome().is_none() || placement.is_none() {
-            let effects = alloc.take_effects();
-            if effects.is_empty() {
-                break;
-            }
-            for e in effects {
-                match e {
-                    AllocEffect::Prepare(m, r) => {
-                        let ok = s.fabric.is_alive(m)
-                            && s.machines[m.0 as usize].prepare_region(r).is_ok();
-                        alloc.on_prepared(m, ok);
-                    }
-                    AllocEffect::Commit(_, _, p) => placement = Some(p),
-                    AllocEffect::Abort(m, r) => s.machines[m.0 as usize].abort_region(r),
-                }
-            }
-        }
-        match alloc.outcome() {
-            Some(Ok(_)) => map.insert(region, placement.expect("committed")),
-            Some(Err(e)) => return Err(e.to_string()),
-            None => return Err("region allocation did not finish".into()),
-        }
-        regions.push(region);
-    }
-    // COMMIT: every member learns the mapping; replicas use their prepared NVRAM.
-    for m in &view.config.members {
-        if s.fabric.reachable(view.config.cm, *m) {
-            let target = &s.machines[m.0 as usize];
-            let current = target.view();
-            target
-                .install(current.config.clone(), map.clone(), current.changes.clone())
-                .map_err(|e| format!("installing regions {regions:?} at {m}: {e}"))?;
-        }
-    }
-    tracing::info!(regions = regions.len(), "regions allocated");
-    Ok(regions)
+    /// Allocate a region, near another one if given: a member asks its CM (§3).
+    AllocateRegion(Option<RegionId>, RegionReply),
 }

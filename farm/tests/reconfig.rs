@@ -240,6 +240,12 @@ fn a_machine_joins_and_receives_regions() {
     assert_eq!(r, RegionId(3), "ids come from the CM's counter");
     let p = c.view(MachineId(0)).map.get(r).cloned().unwrap();
     assert_eq!(p.primary, spare);
+    // Committed as a configuration with the same members, installed everywhere.
+    for m in 0..4 {
+        let v = c.view(MachineId(m));
+        assert_eq!((v.config.id, v.config.members.len()), (ConfigId(3), 4));
+        assert!(v.map.get(r).is_some(), "machine {m} does not map {r:?}");
+    }
     assert_eq!(p.backups.len(), 2);
     // Co-located with region 0.
     let near = c.allocate_region(Some(RegionId(0))).unwrap();
