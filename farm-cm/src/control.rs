@@ -176,12 +176,12 @@ impl ControlMsg {
             ControlMsg::Join(c) => (10, *c),
             ControlMsg::Persisted { view, .. } => (11, view.config.id),
             ControlMsg::Unreachable { config, .. } => (12, *config),
-            ControlMsg::Allocate { request, .. } => (13, ConfigId(*request)),
-            ControlMsg::PrepareRegions { config, .. } => (14, *config),
-            ControlMsg::RegionsPrepared { config, ok, .. } => (15 + !*ok as u8, *config),
-            ControlMsg::AbortRegions { config, .. } => (17, *config),
-            ControlMsg::Allocated { request, .. } => (18, ConfigId(*request)),
-            ControlMsg::AllocationRefused { request, .. } => (19, ConfigId(*request)),
+            ControlMsg::Allocate { request, .. } => (20, ConfigId(*request)),
+            ControlMsg::PrepareRegions { config, .. } => (21, *config),
+            ControlMsg::RegionsPrepared { config, ok, .. } => (22 + !*ok as u8, *config),
+            ControlMsg::AbortRegions { config, .. } => (24, *config),
+            ControlMsg::Allocated { request, .. } => (25, ConfigId(*request)),
+            ControlMsg::AllocationRefused { request, .. } => (26, ConfigId(*request)),
         };
         let mut out = vec![CONTROL_TAG, kind];
         out.extend_from_slice(&id.0.to_le_bytes());
@@ -289,7 +289,7 @@ impl ControlMsg {
                 config: id,
                 machine: MachineId(u16::from_le_bytes([rest[0], rest[1]])),
             },
-            (13, false) if rest.len() == 9 => ControlMsg::Allocate {
+            (20, false) if rest.len() == 9 => ControlMsg::Allocate {
                 request: id.0,
                 count: u32::from_le_bytes(rest[..4].try_into().ok()?),
                 near: match rest[4] {
@@ -298,24 +298,24 @@ impl ControlMsg {
                     _ => return None,
                 },
             },
-            (14, false) => ControlMsg::PrepareRegions {
+            (21, false) => ControlMsg::PrepareRegions {
                 config: id,
                 regions: decode_regions(rest)?,
             },
-            (15 | 16, false) => ControlMsg::RegionsPrepared {
+            (22 | 23, false) => ControlMsg::RegionsPrepared {
                 config: id,
                 regions: decode_regions(rest)?,
-                ok: bytes[1] == 15,
+                ok: bytes[1] == 22,
             },
-            (17, false) => ControlMsg::AbortRegions {
+            (24, false) => ControlMsg::AbortRegions {
                 config: id,
                 regions: decode_regions(rest)?,
             },
-            (18, false) => ControlMsg::Allocated {
+            (25, false) => ControlMsg::Allocated {
                 request: id.0,
                 regions: decode_regions(rest)?,
             },
-            (19, false) if rest.len() <= REFUSAL_BYTES_MAX => ControlMsg::AllocationRefused {
+            (26, false) if rest.len() <= REFUSAL_BYTES_MAX => ControlMsg::AllocationRefused {
                 request: id.0,
                 reason: String::from_utf8(rest.to_vec()).ok()?,
             },
@@ -337,7 +337,7 @@ pub const MESSAGE_BYTES_MAX: usize = 16 << 20;
 /// message whose piece was lost is sent again whole, under a new id).
 pub const PARTIAL_PER_SENDER_MAX: usize = 4;
 
-/// The kind of a piece of a longer message.
+/// The kind of a piece of a longer message (no message has this kind).
 const PIECE: u8 = 13;
 
 /// Tag, kind, message id, index, count, total length.
@@ -560,6 +560,11 @@ mod tests {
         ];
         for m in &all {
             assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));
+            // As a receiver takes it: no kind is taken for a piece of a long message.
+            let mut r = Reassembly::new();
+            let d = m.datagrams(1);
+            assert_eq!(d.len(), 1);
+            assert_eq!(r.accept(MachineId(1), &d[0]).as_ref(), Some(m));
         }
         let new_config = all[0].encode();
         // Truncated, retagged, an unknown kind, a view whose id disagrees, trailing bytes.

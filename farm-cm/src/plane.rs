@@ -1406,7 +1406,9 @@ impl ControlPlane {
             if committed && local.regions_active {
                 self.cm.regions_active.insert(me);
             }
-            if committed {
+            // Once every member reported, every member committed: nothing to repeat (the
+            // first configuration starts so, committed everywhere).
+            if committed && !all_active {
                 let silent: Vec<MachineId> = c
                     .members
                     .iter()

@@ -688,3 +688,24 @@ fn a_request_outlives_the_cm_that_was_serving_it() {
         assert!(m.map.iter().all(|(_, p)| !p.holds(MachineId(0))));
     }
 }
+
+/// A settled configuration is quiet: every member committed it and reported its regions
+/// active, so nothing is repeated (the CM used to repeat NEW-CONFIG-COMMIT of the first
+/// configuration to every member forever, every repeat period).
+#[test]
+fn a_settled_configuration_sends_no_control_messages() {
+    let mut c = Cluster::new(3);
+    for _ in 0..10 * LEASE {
+        c.step();
+        assert!(c.in_flight.is_empty(), "at {}: {:?}", c.now, c.in_flight);
+    }
+    // After a reconfiguration too, once settled.
+    c.kill(MachineId(2));
+    c.suspect(MachineId(0), MachineId(2));
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1]))));
+    c.run_until(LEASE, |_| false);
+    for _ in 0..10 * LEASE {
+        c.step();
+        assert!(c.in_flight.is_empty(), "at {}: {:?}", c.now, c.in_flight);
+    }
+}
