@@ -6,8 +6,7 @@
 //! retry loop, reads and pollers as a node's, over other workers).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -18,9 +17,9 @@ use farm_core::{Addr, MachineId, RegionId, ThreadId};
 use farm_fabric::mem::{MemFabric, MemFabricConfig};
 use farm_txn::{MachineState, Params, Replication, Stats, TxError, Worker};
 
-use crate::cm::{CmDriver, CmShared, ReconfigEvent, Request};
 use crate::hosts::{Host, HostGuard, Hosts, IdleWait};
-use crate::lease_thread::{LeaseLength, LeaseThreads, Suspicion};
+use crate::lease_thread::{LeaseLength, Suspicion};
+use crate::machine::{ReconfigEvent, Request, Runtime, RuntimeConfig, Shared};
 use crate::txn::Txn;
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 
@@ -422,41 +421,31 @@ impl ClusterBuilder {
             IdleWait::Backoff,
             epoch,
         ));
-        let suspicions = Arc::new(Mutex::new(Vec::new()));
-        let lease_stop = Arc::new(AtomicBool::new(false));
         let lease_length = Arc::new(LeaseLength::new(self.lease));
-        let leases = LeaseThreads::start(
-            &machines,
-            lease_length.clone(),
-            fabric.clone() as Arc<dyn farm_core::fabric::Fabric>,
-            epoch,
-            // One process: every lease thread starts together.
-            Duration::ZERO,
-            lease_stop.clone(),
-            suspicions.clone(),
+        let shared = Shared::default();
+        // One control thread steps every machine's plane, as host thread `t` polls worker `t`
+        // of every machine; spares stay quiet until asked to join.
+        let runtime = Runtime::start(
+            RuntimeConfig {
+                spare: machines.iter().map(|m| m.id.0 >= self.machines).collect(),
+                machines: machines.clone(),
+                fabric: fabric.clone() as Arc<dyn Fabric>,
+                store: Some(store),
+                lease: lease_length.clone(),
+                // One process: every lease thread starts together.
+                start_grace: Duration::ZERO,
+                epoch,
+                replicas: self.replicas as usize,
+                reconfigure: self.reconfigure,
+                ring_starts: None,
+            },
+            &shared,
         );
-        let reconfig_events = Arc::new(Mutex::new(Vec::new()));
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let cm = CmDriver::start(CmShared {
-            reconfigure: self.reconfigure,
-            machines: machines.clone(),
-            fabric: fabric.clone(),
-            store,
-            suspicions: suspicions.clone(),
-            events: reconfig_events.clone(),
-            epoch,
-            lease: lease_length.clone(),
-            replicas: self.replicas as usize,
-            stop: lease_stop.clone(),
-            requests: requests.clone(),
-        });
         let inner = Arc::new(Inner {
             fabric,
             machines,
             hosts: hosts.clone(),
-            suspicions,
-            reconfig_events,
-            requests,
+            shared,
         });
         let cores = if self.pin {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -477,10 +466,8 @@ impl ClusterBuilder {
         let cluster = Cluster {
             inner,
             pollers,
-            leases,
-            lease_stop,
+            runtime,
             lease_length,
-            cm,
         };
         Ok(cluster)
     }
@@ -567,9 +554,7 @@ struct Inner {
     fabric: Arc<MemFabric>,
     machines: Vec<Arc<MachineState>>,
     hosts: Arc<Hosts>,
-    suspicions: Arc<Mutex<Vec<Suspicion>>>,
-    reconfig_events: Arc<Mutex<Vec<ReconfigEvent>>>,
-    requests: Arc<Mutex<Vec<Request>>>,
+    shared: Shared,
 }
 
 /// A thread's hold on one host across transactions ([`Cluster::session`]).
@@ -709,10 +694,8 @@ impl Client for Session<'_> {
 pub struct Cluster {
     inner: Arc<Inner>,
     pollers: Vec<JoinHandle<()>>,
-    leases: LeaseThreads,
-    lease_stop: Arc<AtomicBool>,
+    runtime: Runtime,
     lease_length: Arc<LeaseLength>,
-    cm: CmDriver,
 }
 
 /// Lock-free reads of objects up to this size use a stack buffer.
@@ -889,15 +872,7 @@ impl Cluster {
             (machine.0 as usize) < self.inner.machines.len(),
             "no machine {machine}"
         );
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.inner
-            .requests
-            .lock()
-            .expect("requests poisoned")
-            .push(Request::Join(machine, tx));
-        rx.recv_timeout(Duration::from_secs(60))
-            .map_err(|_| AdminError::NoAnswer)?
-            .map_err(AdminError::Refused)
+        crate::machine::ask(&self.inner.shared, |tx| Request::Join(machine, tx))
     }
 
     /// Allocates a new region through the CM (§3): a running member asks its CM, which takes
@@ -906,21 +881,14 @@ impl Cluster {
     /// the map with it in a new configuration with the same members, installed everywhere
     /// before this returns. Its primary then allocates objects in it.
     pub fn allocate_region(&self, near: Option<RegionId>) -> Result<RegionId, AdminError> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.inner
-            .requests
-            .lock()
-            .expect("requests poisoned")
-            .push(Request::AllocateRegion(near, tx));
-        rx.recv_timeout(Duration::from_secs(60))
-            .map_err(|_| AdminError::NoAnswer)?
-            .map_err(AdminError::Refused)
+        crate::machine::ask(&self.inner.shared, |tx| Request::AllocateRegion(near, tx))
     }
 
     /// Reconfiguration steps so far, in order.
     pub fn reconfig_events(&self) -> Vec<ReconfigEvent> {
         self.inner
-            .reconfig_events
+            .shared
+            .events
             .lock()
             .expect("events poisoned")
             .clone()
@@ -976,6 +944,7 @@ impl Cluster {
     /// Every lease expiry noticed so far, in order.
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.inner
+            .shared
             .suspicions
             .lock()
             .expect("suspicions poisoned")
@@ -990,9 +959,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        self.lease_stop.store(true, Ordering::Relaxed);
-        self.leases.join();
-        self.cm.join();
+        self.runtime.stop();
         self.inner.hosts.stop();
         for p in self.pollers.drain(..) {
             let _ = p.join();

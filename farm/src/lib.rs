@@ -21,21 +21,20 @@
 
 mod backoff;
 mod cluster;
-mod cm;
 mod hosts;
 mod lease_thread;
+mod machine;
 pub mod node;
-mod node_control;
 mod node_restart;
 mod txn;
 pub mod zk;
 
 pub use cluster::{AdminError, BuildError, Client, Cluster, ClusterBuilder, Session, Timeline};
-pub use cm::ReconfigEvent;
 pub use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore, StoreError, StoreVersion};
 pub use farm_core::config::Configuration;
 pub use farm_core::{Addr, ConfigId, MachineId, RegionId};
 pub use farm_txn::{Conflict, RecoveryEvent, Replication, Stats, TxError};
 pub use hosts::TXN_ATTEMPTS_MAX;
 pub use lease_thread::Suspicion;
+pub use machine::ReconfigEvent;
 pub use txn::Txn;

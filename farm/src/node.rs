@@ -11,15 +11,15 @@
 //!
 //! The cluster's first configuration has the regions of [`RegionMap::striped`] (every machine
 //! computes the same map). With ZooKeeper ([`NodeConfig::zookeeper`]) the configuration lives
-//! there and a control thread (`node_control`) reconfigures when a machine fails (§5.2-5.4);
-//! without it, a suspicion is only recorded ([`Node::suspicions`]). With
-//! [`NodeConfig::restart`], every machine of a stopped cluster restarts from its NVRAM
-//! (`node_restart`), and with [`NodeConfig::join`] a new incarnation of a removed machine joins
-//! the running cluster. Not yet: region allocation beyond the first map.
+//! there and the machine's control thread (`crate::machine`, the runtime the in-process cluster
+//! runs too) reconfigures when a machine fails (§5.2-5.4) and allocates regions
+//! ([`Node::allocate_region`], §3); without it, a suspicion is only recorded
+//! ([`Node::suspicions`]). With [`NodeConfig::restart`], every machine of a stopped cluster
+//! restarts from its NVRAM (`node_restart`), and with [`NodeConfig::join`] a new incarnation
+//! of a removed machine joins the running cluster.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,9 @@ use farm_fabric::tcp::TcpFabric;
 use farm_txn::{MachineState, Params, Replication, TxError, Worker};
 
 use crate::hosts::{Host, Hosts, IdleWait};
-use crate::lease_thread::{LeaseLength, LeaseThreads, Suspicion};
+use crate::lease_thread::{LeaseLength, Suspicion};
+use crate::machine::{Request, Runtime, RuntimeConfig, Shared};
+use crate::ReconfigEvent;
 use crate::Txn;
 
 /// How to run one machine of a multi-process cluster.
@@ -137,14 +139,12 @@ pub enum NodeError {
 pub struct Node {
     machine: Arc<MachineState>,
     fabric: Arc<dyn ProcessFabric>,
-    leases: LeaseThreads,
-    stop: Arc<AtomicBool>,
-    suspicions: Arc<Mutex<Vec<Suspicion>>>,
+    /// The machine's lease thread and control thread.
+    runtime: Runtime,
+    shared: Shared,
     /// Host `t` is this machine's worker `t`.
     hosts: Arc<Hosts>,
     pollers: Vec<JoinHandle<()>>,
-    control: Option<JoinHandle<()>>,
-    committed: Arc<Mutex<Vec<farm_core::ConfigId>>>,
 }
 
 impl Node {
@@ -331,22 +331,28 @@ impl Node {
             }
             None => None,
         };
-        let stop = Arc::new(AtomicBool::new(false));
-        let suspicions = Arc::new(Mutex::new(Vec::new()));
-        // One clock for the lease thread and the polls: the polls compare their time with
-        // the lease's bound (`MachineState::serves_at`).
+        // One clock for the lease thread, the control thread and the polls: the polls compare
+        // their time with the lease's bound (`MachineState::serves_at`).
         let epoch = Instant::now();
-        let leases = LeaseThreads::start(
-            std::slice::from_ref(&machine),
-            Arc::new(LeaseLength::new(config.lease)),
-            fabric.clone() as Arc<dyn Fabric>,
-            epoch,
-            // Past the start barrier, processes start their lease threads within a poll of
-            // each other, unless one stalls (two cores, three processes faulting in their
-            // regions: tens of milliseconds, seen over tcp) or its last probe is slow.
-            START_GRACE_LEASES * config.lease,
-            stop.clone(),
-            suspicions.clone(),
+        let shared = Shared::default();
+        let runtime = Runtime::start(
+            RuntimeConfig {
+                machines: vec![machine.clone()],
+                // A joiner asks to join by itself.
+                spare: vec![false],
+                fabric: fabric.clone() as Arc<dyn Fabric>,
+                store,
+                lease: Arc::new(LeaseLength::new(config.lease)),
+                // Past the start barrier, processes start their lease threads within a poll of
+                // each other, unless one stalls (two cores, three processes faulting in their
+                // regions: tens of milliseconds, seen over tcp) or its last probe is slow.
+                start_grace: START_GRACE_LEASES * config.lease,
+                epoch,
+                replicas: config.replicas as usize,
+                reconfigure: true,
+                ring_starts,
+            },
+            &shared,
         );
         let hosts = Arc::new(Hosts::new(
             workers.into_iter().map(|w| Host::new(vec![w])).collect(),
@@ -355,35 +361,13 @@ impl Node {
             epoch,
         ));
         let pollers = hosts.start_pollers(&[]);
-        let committed = Arc::new(Mutex::new(Vec::new()));
-        let control = store.map(|store| {
-            let c = crate::node_control::Control {
-                machine: machine.clone(),
-                fabric: fabric.clone(),
-                store,
-                suspicions: suspicions.clone(),
-                lease: config.lease,
-                replicas: config.replicas as usize,
-                epoch,
-                stop: stop.clone(),
-                committed: committed.clone(),
-                ring_starts,
-            };
-            std::thread::Builder::new()
-                .name("farm-control".into())
-                .spawn(move || c.run())
-                .expect("spawn control thread")
-        });
         Ok(Self {
             machine,
             fabric,
-            leases,
-            stop,
-            suspicions,
+            runtime,
+            shared,
             hosts,
             pollers,
-            control,
-            committed,
         })
     }
 
@@ -417,7 +401,30 @@ impl Node {
 
     /// Configurations this node committed as the driver of a reconfiguration.
     pub fn committed_configurations(&self) -> Vec<farm_core::ConfigId> {
-        self.committed.lock().expect("poisoned").clone()
+        self.reconfig_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                ReconfigEvent::Committed { config, .. } => Some(config),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// This machine's reconfiguration steps so far, in order (µs since the node started):
+    /// suspicions it acted on, and what it drove.
+    pub fn reconfig_events(&self) -> Vec<ReconfigEvent> {
+        self.shared.events.lock().expect("poisoned").clone()
+    }
+
+    /// Allocates a new region (§3): this machine asks its CM, which places it (with the
+    /// replicas of `near` if given and possible), has every replica prepare it and commits
+    /// the map with it as a configuration with the same members, installed here before this
+    /// returns. Needs the cluster's ZooKeeper store ([`NodeConfig::zookeeper`]).
+    pub fn allocate_region(
+        &self,
+        near: Option<farm_core::RegionId>,
+    ) -> Result<farm_core::RegionId, crate::AdminError> {
+        crate::machine::ask(&self.shared, |tx| Request::AllocateRegion(near, tx))
     }
 
     /// Runs `f` as a transaction coordinated by this machine, retrying it on conflicts, and
@@ -495,7 +502,11 @@ impl Node {
 
     /// Machines this node's lease thread suspected, in order (time in µs since it started).
     pub fn suspicions(&self) -> Vec<Suspicion> {
-        self.suspicions.lock().expect("suspicions poisoned").clone()
+        self.shared
+            .suspicions
+            .lock()
+            .expect("suspicions poisoned")
+            .clone()
     }
 }
 
@@ -531,11 +542,7 @@ impl Drop for Node {
         for p in self.pollers.drain(..) {
             let _ = p.join();
         }
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(c) = self.control.take() {
-            let _ = c.join();
-        }
-        self.leases.join();
+        self.runtime.stop();
     }
 }
 

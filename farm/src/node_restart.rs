@@ -271,7 +271,7 @@ pub(crate) fn resume_rings(
                 )));
             }
             if !reply {
-                send_starts(fabric, from, id, true, answer);
+                send_starts(fabric, fabric.me(), from, id, true, answer);
             }
             if got.insert(from) {
                 for (w, s) in workers.iter_mut().zip(&starts) {
@@ -285,7 +285,7 @@ pub(crate) fn resume_rings(
                 if let Some(d) = &decision {
                     send_all(fabric, *p, d);
                 }
-                send_starts(fabric, *p, id, false, &mine[p]);
+                send_starts(fabric, fabric.me(), *p, id, false, &mine[p]);
             }
         }
         std::thread::sleep(Duration::from_micros(200));
@@ -308,7 +308,8 @@ fn send_all(fabric: &dyn ProcessFabric, to: MachineId, datagrams: &[Vec<u8>]) {
 
 /// Sends where this machine found `to`'s rings to it.
 pub(crate) fn send_starts(
-    fabric: &dyn ProcessFabric,
+    fabric: &dyn farm_core::fabric::Fabric,
+    me: MachineId,
     to: MachineId,
     config: ConfigId,
     reply: bool,
@@ -319,5 +320,5 @@ pub(crate) fn send_starts(
         reply,
         starts: starts.to_vec(),
     };
-    fabric.send_datagram(fabric.me(), to, &msg.encode(), 0);
+    fabric.send_datagram(me, to, &msg.encode(), 0);
 }

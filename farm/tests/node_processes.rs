@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
 mod nodes;
 
 use nodes::{Machines, ACCOUNTS, BALANCE, LEASE, MACHINES};
@@ -81,4 +82,44 @@ fn transfers_between_processes_keep_the_total() {
         sums.values().all(|s| *s == total),
         "sums {sums:?}, expected {total} everywhere"
     );
+}
+
+/// Region allocation across processes (§3), with the configuration in ZooKeeper: machine 2
+/// asks its CM, the replicas prepare, the map with the region is committed as a configuration
+/// with the same members at every machine, and the region's primary allocates in it.
+#[test]
+fn a_member_allocates_a_region_through_its_cm_across_processes() {
+    let Some(zookeeper) = common::zookeeper("node-allocate") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let machines = Machines::start("allocate", 2, dir.path(), Some(zookeeper));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (mut allocated, mut object) = (None, None);
+    let mut regions = std::collections::BTreeMap::new();
+    while regions.len() < MACHINES as usize || allocated.is_none() || object.is_none() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (m, line) = machines
+            .lines
+            .recv_timeout(left)
+            .unwrap_or_else(|e| panic!("{regions:?} {allocated:?} {object:?}: {e}"));
+        assert!(!line.starts_with("suspect"), "machine {m}: {line}");
+        let words: Vec<&str> = line.split(' ').collect();
+        match words[..] {
+            ["allocated", r] => allocated = Some(r.parse::<u32>().unwrap()),
+            ["regions", n, "config", c] => {
+                regions.insert(m, (n.parse::<usize>().unwrap(), c.parse::<u64>().unwrap()));
+            }
+            ["object", r, v] => object = Some((r.parse::<u32>().unwrap(), v.to_string())),
+            _ => {}
+        }
+    }
+    let r = allocated.unwrap();
+    // Each machine started with the striped map (one region per machine) and gained one.
+    for (m, (n, config)) in &regions {
+        assert_eq!(*n, MACHINES as usize + 1, "machine {m}");
+        assert_eq!(*config, 2, "machine {m}: not committed as configuration 2");
+    }
+    assert_eq!(r, MACHINES as u32, "the next id from the CM's counter");
+    assert_eq!(object, Some((r, "4242".to_string())));
 }

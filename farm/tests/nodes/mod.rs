@@ -88,7 +88,7 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         workers: 2,
         base_port: port,
         lease: match mode {
-            "bank" => BANK_LEASE,
+            "bank" | "allocate" => BANK_LEASE,
             "kill" | "append" | "stale" | "run" | "restarted" | "rejoin" | "failover" => KILL_LEASE,
             _ => LEASE,
         },
@@ -153,6 +153,7 @@ pub fn child_main() {
         "stale" => append_until_stopped(&node, dir, 3),
         "run" => run_until_killed(&node, dir),
         "restarted" => restarted(&node, dir),
+        "allocate" => allocate(&node),
         _ => {}
     }
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -201,6 +202,41 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
     }
     wait_until_removed(node, &stop);
     quiesce_and_report(node, &all, done);
+}
+
+/// Region allocation across processes (§3): machine 2 asks its CM for a region and prints
+/// `allocated <region>`; every machine waits until its view maps one more region than it
+/// started with and prints `regions <count> config <id>`; the new region's primary allocates an
+/// object in it, reads it back and prints `object <region> <value>`.
+fn allocate(node: &Node) {
+    let before = node.view().map.iter().count();
+    if node.id().0 == 2 {
+        let r = node.allocate_region(None).unwrap();
+        println!("allocated {}", r.0);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node.view().map.iter().count() == before {
+        assert!(
+            Instant::now() < deadline,
+            "machine {}: no new region",
+            node.id()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let view = node.view();
+    println!(
+        "regions {} config {}",
+        view.map.iter().count(),
+        view.config.id.0
+    );
+    let (r, _) = view.map.iter().last().unwrap();
+    if view.map.get(r).unwrap().primary == node.id() {
+        let a = node
+            .txn(|tx| tx.alloc(&4242u64, Some(Addr::new(r, 0))))
+            .unwrap();
+        let v: u64 = node.txn(|tx| tx.read(a)).unwrap();
+        println!("object {} {v}", a.region.0);
+    }
 }
 
 /// Tells the machines of `dir` to stop (the file `<dir>/stop`), the survivors once they are in
