@@ -299,6 +299,16 @@ impl MachineControl {
                         config,
                         regions,
                     } => {
+                        // §3: PREPARE comes from the CM of the installed view, for regions
+                        // its map does not hold yet (the plane checked both).
+                        let view = self.machine.view();
+                        assert!(
+                            view.config.cm == cm
+                                && regions.iter().all(|r| view.map.get(*r).is_none()),
+                            "PREPARE of {regions:?} from {cm}: not the CM of configuration {}, \
+                             or regions mapped already",
+                            view.config.id.0
+                        );
                         let ok = regions
                             .iter()
                             .all(|r| match self.machine.prepare_region(*r) {
@@ -316,6 +326,18 @@ impl MachineControl {
                         }
                     }
                     Effect::Allocated { request, result } => {
+                        // §3: the CM answers after the commit, which every member acknowledged
+                        // once installed: the regions are in this machine's view.
+                        if let Ok(regions) = &result {
+                            let view = self.machine.view();
+                            assert!(
+                                !regions.is_empty()
+                                    && regions.iter().all(|r| view.map.get(*r).is_some()),
+                                "regions {regions:?} allocated but not in the view of \
+                                 configuration {}",
+                                view.config.id.0
+                            );
+                        }
                         self.allocated.push((request, result));
                     }
                     Effect::Event(e) => {

@@ -1082,6 +1082,15 @@ impl Worker {
                     {
                         return None;
                     }
+                    // Invariant 4: COMMIT-PRIMARY goes out only once every backup of every
+                    // written region acknowledged its COMMIT-BACKUP: one ticket per backup, and
+                    // all of them done (checked above).
+                    assert_eq!(
+                        tickets.len(),
+                        c.backups.len(),
+                        "{}: COMMIT-PRIMARY with a backup not sent COMMIT-BACKUP",
+                        c.txn
+                    );
                     let mut tickets = Vec::new();
                     for p in c.primaries.keys().copied().collect::<Vec<_>>() {
                         // A primary the write failed to keeps its ticket, as lost: nothing

@@ -839,6 +839,17 @@ impl MachineState {
                 };
             }
         }
+        // Every replica the view places here is mapped: a backup without memory would drop
+        // COMMIT-BACKUP writes, a primary could not serve (§3: a mapping is valid only with
+        // its replicas).
+        assert!(
+            map.iter()
+                .filter(|(_, p)| p.holds(self.id))
+                .all(|(r, _)| regions.get(r.0 as usize).is_some_and(Option::is_some)),
+            "configuration {} places a replica at {} without memory",
+            config.id.0,
+            self.id
+        );
         // Region allocation installs a new map in the same configuration: its recovery keeps
         // covering the regions of the configuration's NEW-CONFIG.
         let recovery_regions =

@@ -1300,6 +1300,19 @@ impl Worker {
             "{t} finished as {:?}, now decided {d:?}",
             self.recovery.finished.get(&t)
         );
+        // §5.3 step 6: a commit rests on a region's vote that a replica holds the writes
+        // (COMMIT-PRIMARY, or COMMIT-BACKUP with every other region locked or truncated),
+        // unless an earlier round decided it and this one repeats it.
+        assert!(
+            d == Decision::Abort
+                || self.recovery.finished.contains_key(&t)
+                || round
+                    .votes
+                    .values()
+                    .any(|v| matches!(v, Vote::CommitPrimary | Vote::CommitBackup)),
+            "{t} committed by recovery without a vote of a replica holding its writes: {:?}",
+            round.votes
+        );
         round.decision = Some(d);
         let mut to: BTreeSet<MachineId> = BTreeSet::new();
         for r in &round.regions {
@@ -1475,6 +1488,11 @@ impl Worker {
         if tx.applied || (d == Decision::Commit && !tx.has_data()) {
             return; // A commit waits for REPLICATE-TX-STATE.
         }
+        // §5.3 step 7: a decision is carried out once, and a commit only with its writes.
+        assert!(
+            d == Decision::Abort || tx.has_data(),
+            "{t}: a commit applied without its writes"
+        );
         tx.applied = true;
         let held = std::mem::replace(&mut tx.locks_held, false);
         assert!(
