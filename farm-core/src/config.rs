@@ -125,6 +125,15 @@ impl RegionMap {
         self.regions[idx] = Some(placement);
     }
 
+    /// Removes a region (one whose allocation never committed), returning its placement.
+    pub fn remove(&mut self, region: RegionId) -> Option<Placement> {
+        let removed = self.regions.get_mut(region.0 as usize)?.take();
+        while self.regions.last().is_some_and(Option::is_none) {
+            self.regions.pop();
+        }
+        removed
+    }
+
     /// The placement of `region`, if it exists.
     pub fn get(&self, region: RegionId) -> Option<&Placement> {
         self.regions.get(region.0 as usize).and_then(Option::as_ref)

@@ -4,7 +4,9 @@
 //! datagrams, lost and delayed as the run asks; suspicions come from leases
 //! ([`crate::leases`]); the coordination store is an embedded one, the stand-in for ZooKeeper,
 //! which may time out as ZooKeeper's operations do ([`crate::SimConfig::store_timeouts`]).
-//! A paused machine's plane does not run, and a crashed one's is gone.
+//! A paused machine's plane does not run, and a crashed one's is gone. Members ask for regions
+//! at seeded steps ([`crate::SimConfig::allocations`]), which the CM allocates as in every
+//! deployment (§3).
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -15,7 +17,7 @@ use farm_cm::{
 };
 use farm_core::fabric::Fabric;
 use farm_core::rng::Rng;
-use farm_core::MachineId;
+use farm_core::{MachineId, RegionId};
 use farm_fabric::mem::MemFabric;
 use farm_txn::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
 use farm_txn::MachineState;
@@ -81,6 +83,8 @@ pub struct SimCm {
     planes: Vec<MachineControl>,
     /// Configurations committed.
     pub committed: u64,
+    /// Regions allocated (§3) and allocation requests refused.
+    pub allocated: (u64, u64),
     /// Machines paused now (their planes neither drive nor answer).
     paused: BTreeSet<MachineId>,
     /// Print every reconfiguration step (`FARM_SIM_VERBOSE` set), to follow a failing seed.
@@ -135,6 +139,7 @@ impl SimCm {
             store,
             planes,
             committed: 0,
+            allocated: (0, 0),
             paused: BTreeSet::new(),
             verbose: std::env::var_os("FARM_SIM_VERBOSE").is_some(),
         }
@@ -159,6 +164,17 @@ impl SimCm {
     /// `observer`'s lease of `machine` expired at `now`.
     pub fn suspect(&mut self, machine: MachineId, observer: MachineId, now: u64) {
         self.planes[observer.0 as usize].on_suspect(machine, now);
+    }
+
+    /// `machine` asks its CM for `count` regions (§3), sharing `near`'s replicas if given.
+    pub fn allocate(&mut self, machine: MachineId, count: u32, near: Option<RegionId>, now: u64) {
+        let request = self.planes[machine.0 as usize].allocate(count, near, now);
+        if self.verbose {
+            println!(
+                "t{now} m{}: allocation request {request} for {count} regions",
+                machine.0
+            );
+        }
     }
 
     /// Whether a reconfiguration is under way at a running machine.
@@ -196,6 +212,15 @@ impl SimCm {
                 }
                 if let Event::Committed(_) = e {
                     self.committed += 1;
+                }
+            }
+            for (request, result) in p.take_allocated() {
+                if self.verbose {
+                    println!("t{now} m{}: allocation request {request}: {result:?}", m.0);
+                }
+                match result {
+                    Ok(regions) => self.allocated.0 += regions.len() as u64,
+                    Err(_) => self.allocated.1 += 1,
                 }
             }
             if p.evicted() {

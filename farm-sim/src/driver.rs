@@ -82,6 +82,10 @@ pub struct SimConfig {
     /// The coordination store times out now and then, as ZooKeeper's operations may: a read, or
     /// a compare-and-set before or after it took effect (its caller cannot tell which).
     pub store_timeouts: bool,
+    /// Region allocation requests at seeded steps, each from a running member for one or two
+    /// regions, half of them near an existing region (§3): placed, prepared and committed as
+    /// a configuration with the same members, amid whatever else the run does.
+    pub allocations: u16,
 }
 
 impl Default for SimConfig {
@@ -103,6 +107,7 @@ impl Default for SimConfig {
             cm_failover: false,
             paused_memory_reachable: false,
             store_timeouts: false,
+            allocations: 0,
         }
     }
 }
@@ -142,6 +147,8 @@ pub struct SimOutcome {
     pub stalls: u64,
     /// With `cm_failover`: the CM and the first backup CM that crashed together.
     pub cm_failover: Option<(MachineId, MachineId)>,
+    /// Regions allocated, and allocation requests refused (§3).
+    pub allocated: (u64, u64),
 }
 
 #[derive(Debug)]
@@ -195,6 +202,9 @@ pub struct Sim {
     pause_at: Vec<u64>,
     /// Steps at which the whole cluster stalls, earliest last.
     stall_at: Vec<u64>,
+    /// Steps at which a member asks for regions, latest first, and the stream they draw from.
+    alloc_at: Vec<u64>,
+    alloc_rng: Rng,
     stalls_done: u64,
     /// Paused machines, with the tick they run again.
     paused: BTreeMap<MachineId, u64>,
@@ -305,6 +315,13 @@ impl Sim {
             .map(|_| config.steps / 5 + rng.below(config.steps * 3 / 5))
             .collect();
         stall_at.sort_unstable_by(|a, b| b.cmp(a));
+        // Allocations draw from a stream of their own, so that runs without them replay as
+        // before.
+        let mut alloc_rng = Rng::new(config.seed ^ 0xa110_c8ed_5eed);
+        let mut alloc_at: Vec<u64> = (0..config.allocations)
+            .map(|_| config.steps / 10 + alloc_rng.below(config.steps * 4 / 5))
+            .collect();
+        alloc_at.sort_unstable_by(|a, b| b.cmp(a));
         let leases = SimLeases::new(&machines, LEASE_TICKS, 0);
         let cm = SimCm::new(
             &machines,
@@ -335,6 +352,8 @@ impl Sim {
             past_stats: Stats::default(),
             pause_at,
             stall_at,
+            alloc_at,
+            alloc_rng,
             stalls_done: 0,
             paused: BTreeMap::new(),
             grace: BTreeMap::new(),
@@ -491,6 +510,23 @@ impl Sim {
 
     fn alive_worker(&self, w: usize) -> bool {
         self.running(self.workers[w].machine().id)
+    }
+
+    /// A running member asks its CM for one or two regions, half the time near one of its own.
+    fn allocate_one(&mut self) {
+        let members: Vec<MachineId> = (self.machines.iter())
+            .filter(|m| self.running(m.id) && m.view().config.contains(m.id) && !m.is_evicted())
+            .map(|m| m.id)
+            .collect();
+        if members.is_empty() {
+            return;
+        }
+        let m = members[self.alloc_rng.below(members.len() as u64) as usize];
+        let count = 1 + self.alloc_rng.below(2) as u32;
+        let near = (self.alloc_rng.below(2) == 0)
+            .then(|| self.machines[m.0 as usize].view().map.primary_of(m).next())
+            .flatten();
+        self.cm.allocate(m, count, near, self.now);
     }
 
     /// Crashes a random running machine (the CM included); its lease expiry tells the CM.
@@ -708,6 +744,10 @@ impl Sim {
             // Nothing runs while the cluster stalls: time simply moves on.
             self.now += LEASE_TICKS * (2 + self.rng.below(4));
             self.stalls_done += 1;
+        }
+        while self.alloc_at.last() == Some(&self.step_no) {
+            self.alloc_at.pop();
+            self.allocate_one();
         }
         self.resume_due();
         self.lease_step();
@@ -1054,6 +1094,7 @@ impl Sim {
             evicted: self.evicted,
             stalls: self.stalls_done,
             cm_failover: self.cm_failover,
+            allocated: self.cm.allocated,
         }
     }
 

@@ -18,8 +18,9 @@
 //! A campaign pauses a machine of clusters of three or four, half the time with its memory
 //! still reachable (as a stopped process's over `shm`). Further campaigns lose the CM and its
 //! first backup CM together (five to seven machines, one to three threads), and crash machines
-//! of clusters of 20 to 90 machines with over a thousand regions. The last draws the shape
-//! itself from the seed (machines, threads, replicas, keys, length, and every fault kind).
+//! of clusters of 20 to 90 machines with over a thousand regions, and have members allocate
+//! regions (§3) while machines crash, pause and lose power. The last draws the shape itself
+//! from the seed (machines, threads, replicas, keys, length, allocations and every fault kind).
 //! A fifth of the seeds replicate with RPCs (backups' CPUs acknowledge COMMIT-BACKUP) instead of
 //! one-sided writes, and a quarter of the crash campaign's have a coordination store whose
 //! operations time out now and then (a compare-and-set before or after it took effect).
@@ -54,6 +55,7 @@ fn config(seed: u64) -> SimConfig {
         cm_failover: false,
         paused_memory_reachable: seed.is_multiple_of(4),
         store_timeouts: seed % 8 >= 6,
+        allocations: 0,
     }
 }
 
@@ -107,6 +109,24 @@ fn scale_config(seed: u64) -> SimConfig {
     }
 }
 
+/// Region allocation (§3) amid failures: three requests from running members, one or two
+/// crashes, a pause in a third of the seeds, a power loss in a quarter, lossy datagrams and
+/// store timeouts as [`config`] draws them.
+fn allocation_config(seed: u64) -> SimConfig {
+    let power_losses = seed.is_multiple_of(4) as u16;
+    SimConfig {
+        allocations: 3,
+        power_losses,
+        // A power loss restarts every machine: no crash besides it (as `power_config`).
+        crashes: if power_losses > 0 {
+            0
+        } else {
+            config(seed).crashes
+        },
+        ..config(seed)
+    }
+}
+
 /// Power losses: one or two, a third of the seeds with a machine crashed (and recovered) before.
 fn power_config(seed: u64) -> SimConfig {
     SimConfig {
@@ -153,6 +173,7 @@ fn varied_config(seed: u64) -> SimConfig {
         cm_failover: false,
         paused_memory_reachable: r.below(2) == 0,
         store_timeouts: r.below(3) == 0,
+        allocations: r.below(3) as u16,
     }
 }
 
@@ -361,6 +382,26 @@ fn a_cluster_of_4096_regions_reconfigures_after_a_crash() {
     let out = check(seed, config);
     assert_eq!(out.crashed.len(), 1, "seed {seed}: no machine crashed");
     assert!(out.configurations >= 1, "seed {seed}: nobody reconfigured");
+}
+
+/// Members ask for regions while machines crash, pause and lose power: each allocation is
+/// placed, prepared at its replicas and committed as a configuration with the same members,
+/// or refused and its prepared regions released; histories stay strictly serializable and
+/// replicas equal, new regions included.
+#[test]
+fn regions_are_allocated_amid_failures() {
+    let (mut allocated, mut refused) = (0, 0);
+    let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 200, allocation_config, |_, out| {
+        allocated += out.allocated.0;
+        refused += out.allocated.1;
+    }) else {
+        return;
+    };
+    println!("{seeds} seeds: {allocated} regions allocated, {refused} requests refused");
+    assert!(
+        allocated >= seeds,
+        "{allocated} regions allocated in {seeds} seeds of three requests"
+    );
 }
 
 #[test]

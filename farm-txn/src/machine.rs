@@ -1449,8 +1449,11 @@ pub fn plan_restart(
 /// recovery included: members that had not installed the newest view take it from there, and
 /// the replicas they did not hold, or were still copying, are copied again after the restart
 /// (§5.4). A region whose primary in that view holds no complete replica gets a complete backup
-/// as its primary. Refused, with the reason, when no machine left a view, when the store is
-/// behind the NVRAM (another store?), or when a region has no complete replica left.
+/// as its primary. A region that none of its replicas ever installed is left out: a view that
+/// allocated it (§3) never committed, since every member acknowledges before the commit, so
+/// nothing was written there and its allocation was never answered. Refused, with the reason,
+/// when no machine left a view, when the store is behind the NVRAM (another store?), or when a
+/// region has no complete replica left.
 pub fn restart_view(
     stored: ConfigId,
     persisted: &[Option<Persisted>],
@@ -1477,8 +1480,21 @@ pub fn restart_view(
     };
     let regions: Vec<(RegionId, farm_core::config::Placement)> =
         view.map.iter().map(|(r, p)| (r, p.clone())).collect();
+    let installed = |m: MachineId, r: RegionId| {
+        persisted
+            .get(m.0 as usize)
+            .and_then(Option::as_ref)
+            .is_some_and(|p| p.view.map.get(r).is_some_and(|q| q.holds(m)))
+    };
     for (region, placement) in regions {
         if complete(placement.primary, region) {
+            continue;
+        }
+        if placement.replicas().all(|m| !installed(m, region)) {
+            // A region in use has a replica that installed a view holding it: its replicas
+            // did when it was allocated, and every remap keeps one that held it (§5.2).
+            view.map.remove(region);
+            view.changes.remove(&region);
             continue;
         }
         let Some(b) = placement

@@ -106,6 +106,31 @@ fn an_incomplete_primary_gives_way_to_a_complete_backup() {
     assert!(e.contains("region 0 has no complete replica"), "{e}");
 }
 
+/// The power went while the CM committed an allocation (§3): configuration 5 adds region 3 on
+/// machines 1 and 2, and only machine 0 installed it. No replica of region 3 ever held it, so
+/// the allocation never committed (every member acknowledges first) and nothing can be in
+/// it: the restart goes on without it. A region that one replica installed is kept.
+#[test]
+fn regions_of_an_allocation_that_no_replica_installed_are_left_out() {
+    let mut five = view(5, &[0, 1, 2], 1);
+    let placement = Placement {
+        primary: MachineId(1),
+        backups: vec![MachineId(2)],
+    };
+    five.map.insert(RegionId(3), placement);
+    let four = view(4, &[0, 1, 2], 1);
+    let persisted = [left(five.clone()), left(four.clone()), left(four.clone())];
+    let v = restart_view(ConfigId(5), &persisted).unwrap();
+    assert_eq!(v.config.id, ConfigId(5));
+    assert_eq!(v.map.get(RegionId(3)), None, "{:?}", v.map);
+    assert_eq!(v.map.iter().count(), 3);
+    // Machine 2 installed it too: its replica (empty, never copied) is complete.
+    let persisted = [left(five.clone()), left(four), left(five)];
+    let v = restart_view(ConfigId(5), &persisted).unwrap();
+    let p = v.map.get(RegionId(3)).expect("kept");
+    assert_eq!(p.primary, MachineId(2), "the replica that holds it serves");
+}
+
 #[test]
 fn refuses_what_cannot_be_restarted() {
     // Machines installed a configuration the store never held: another store.
