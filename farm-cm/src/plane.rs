@@ -194,8 +194,12 @@ pub enum Effect {
         /// The encoded new configuration.
         data: Vec<u8>,
     },
-    /// NEW-CONFIG at this machine: install the view (persist it first), map new replicas.
-    Install(StoredView),
+    /// NEW-CONFIG at this machine, first half: write the view to NVRAM (with the regions it
+    /// newly holds without their data); report with [`ControlPlane::on_persisted`].
+    Persist(StoredView),
+    /// NEW-CONFIG at this machine, second half: put the view persisted for this configuration
+    /// in force (map new replicas). NEW-CONFIG-ACK follows, once its workers are ready.
+    Install(ConfigId),
     /// NEW-CONFIG-COMMIT at this machine: transaction recovery starts (§5.3).
     Commit(ConfigId),
     /// ALL-REGIONS-ACTIVE at this machine: data and allocator recovery start (§5.4-5.5).
@@ -512,7 +516,9 @@ impl ControlPlane {
                 }
                 if local.config.id < id {
                     assert!(v.config.members.len() <= self.params.machines_max as usize);
-                    self.effects.push(Effect::Install(v));
+                    // Persisted, confirmed (`on_persisted`), installed, then acknowledged: an
+                    // acknowledged view is durable (a restart resumes from it).
+                    self.effects.push(Effect::Persist(v));
                 }
                 if local.config.id <= id {
                     // Acknowledged once installed and its workers ready (`tick`).
@@ -716,6 +722,15 @@ impl ControlPlane {
             near,
         };
         self.send(c.cm, msg, now, local);
+    }
+
+    /// The result of [`Effect::Persist`]: whether the view of `config` is in NVRAM. A view
+    /// not persisted is neither installed nor acknowledged; the CM's repeated NEW-CONFIG tries
+    /// again, and a member that never manages is removed for not acknowledging.
+    pub fn on_persisted(&mut self, config: ConfigId, ok: bool, _now: u64, local: &Local<'_>) {
+        if ok && local.config.id < config {
+            self.effects.push(Effect::Install(config));
+        }
     }
 
     /// The result of [`Effect::PrepareRegions`]: whether this machine holds `regions` ready.

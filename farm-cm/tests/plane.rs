@@ -48,6 +48,10 @@ struct Machine {
     refuses: bool,
     /// Answers to this machine's allocation requests.
     allocated: Vec<(u64, Result<Vec<RegionId>, String>)>,
+    /// A view persisted and not yet installed.
+    persisted: Option<farm_core::codec::StoredView>,
+    /// Whether writing a view to NVRAM fails here (a full or broken disk).
+    persist_fails: bool,
 }
 
 impl Machine {
@@ -115,6 +119,8 @@ impl Cluster {
                 prepared: BTreeSet::new(),
                 refuses: false,
                 allocated: Vec::new(),
+                persisted: None,
+                persist_fails: false,
             })
             .collect();
         Self {
@@ -182,8 +188,19 @@ impl Cluster {
                         }
                         self.with_plane(m, |plane, local| plane.on_cas(r, now, local));
                     }
-                    Effect::Install(v) => {
+                    Effect::Persist(v) => {
+                        let id = v.config.id;
                         let mach = &mut self.machines[i];
+                        let ok = !mach.persist_fails;
+                        if ok {
+                            mach.persisted = Some(v);
+                        }
+                        self.with_plane(m, |plane, local| plane.on_persisted(id, ok, now, local));
+                    }
+                    Effect::Install(id) => {
+                        let mach = &mut self.machines[i];
+                        let v = mach.persisted.take().expect("persisted before installed");
+                        assert_eq!(v.config.id, id, "install of a view not persisted");
                         assert!(v.config.id > mach.config.id, "install of an older view");
                         mach.prepared.retain(|r| v.map.get(*r).is_none());
                         mach.config = v.config;
@@ -708,4 +725,33 @@ fn a_settled_configuration_sends_no_control_messages() {
         c.step();
         assert!(c.in_flight.is_empty(), "at {}: {:?}", c.now, c.in_flight);
     }
+}
+
+/// A member that cannot write a view to NVRAM neither installs nor acknowledges it (an
+/// acknowledged view is durable): the CM removes it for not acknowledging, and the others
+/// commit without it.
+#[test]
+fn a_member_that_cannot_persist_a_view_never_acknowledges_it() {
+    let mut c = Cluster::new(4);
+    c.machines[3].persist_fails = true;
+    c.kill(MachineId(2));
+    c.suspect(MachineId(0), MachineId(2));
+    let settled = |c: &Cluster| {
+        c.machines[..2].iter().all(|m| {
+            m.config.members == ids(&[0, 1])
+                && m.committed == m.config.id
+                && m.all_active == m.config.id
+        })
+    };
+    assert!(c.run_until(60 * LEASE, settled), "{:?}", c.events);
+    let three = &c.machines[3];
+    assert_eq!(
+        three.config.id,
+        ConfigId(1),
+        "installed a view it could not persist"
+    );
+    assert!(
+        c.machines[0].config.id >= ConfigId(3),
+        "removed in a second attempt"
+    );
 }

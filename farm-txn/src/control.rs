@@ -10,7 +10,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use crate::machine::View;
+use crate::machine::{PersistedView, View};
 use crate::MachineState;
 use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
@@ -41,6 +41,8 @@ pub struct MachineControl {
     allocated: Vec<(u64, Result<Vec<RegionId>, String>)>,
     /// The id of this machine's next allocation request.
     next_request: u64,
+    /// A NEW-CONFIG persisted and not yet installed (`Effect::Persist`, then `Install`).
+    persisted: Option<PersistedView>,
 }
 
 impl std::fmt::Debug for MachineControl {
@@ -96,6 +98,7 @@ impl MachineControl {
             check_invariants: cfg!(debug_assertions),
             allocated: Vec::new(),
             next_request: 0,
+            persisted: None,
         }
     }
 
@@ -271,9 +274,26 @@ impl MachineControl {
                         let result = self.store.compare_and_set(Some(expected), &data);
                         self.feed(|p, l| p.on_cas(result, now, l));
                     }
-                    Effect::Install(v) => {
+                    Effect::Persist(v) => {
                         let id = v.config.id;
-                        match self.machine.install(v.config, v.map, v.changes) {
+                        let ok = match self.machine.persist_view(v) {
+                            Ok(p) => {
+                                self.persisted = Some(p);
+                                true
+                            }
+                            Err(e) => {
+                                tracing::error!(error = %e, config = id.0, "persisting NEW-CONFIG");
+                                false
+                            }
+                        };
+                        self.feed(|p, l| p.on_persisted(id, ok, now, l));
+                    }
+                    Effect::Install(id) => {
+                        let persisted = self.persisted.take();
+                        let persisted = persisted.filter(|p| p.config() == id);
+                        let persisted =
+                            persisted.expect("Install of a configuration not persisted just now");
+                        match self.machine.publish_view(persisted) {
                             Ok(()) => assert!(
                                 self.machine.view().config.id >= id,
                                 "NEW-CONFIG {} installed but not in force",

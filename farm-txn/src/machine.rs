@@ -150,11 +150,6 @@ pub struct View {
     /// and 4), which may be a later configuration than the change when recovery was
     /// interrupted by another failure.
     pub blocked: BTreeSet<RegionId>,
-    /// The regions of this configuration's NEW-CONFIG, which its transaction recovery covers
-    /// (§5.3 steps 3-4). A region allocated later in the same configuration holds no
-    /// transaction to recover, and machines that ran their recovery round before it existed
-    /// sent no NEED-RECOVERY for it: its primary must not wait for one.
-    pub recovery_regions: Arc<BTreeSet<RegionId>>,
     regions: Vec<Option<Arc<Nvram>>>,
     pools: Vec<Option<Arc<BlockPool>>>,
 }
@@ -520,7 +515,6 @@ impl MachineState {
             map: RegionMap::default(),
             changes: BTreeMap::new(),
             blocked: BTreeSet::new(),
-            recovery_regions: Arc::default(),
             regions: Vec::new(),
             pools: Vec::new(),
         };
@@ -740,11 +734,8 @@ impl MachineState {
         self.view_generation.load(Ordering::Acquire)
     }
 
-    /// Installs a new configuration and region map (NEW-CONFIG, §5.2 step 5): maps and registers
-    /// the replicas this machine newly holds (new backups start empty; data recovery fills them,
-    /// §5.4), keeps the ones it still holds, and keeps block pools only for regions it was
-    /// already primary for (a promoted primary's free lists are rebuilt by allocator recovery,
-    /// §5.5, and it stays blocked until then).
+    /// Installs a new configuration and region map (NEW-CONFIG, §5.2 step 5): persists it
+    /// ([`MachineState::persist_view`]) and puts it in force ([`MachineState::publish_view`]).
     pub fn install(
         &self,
         config: Configuration,
@@ -763,25 +754,84 @@ impl MachineState {
         changes: BTreeMap<RegionId, RegionChanges>,
         new_pools: bool,
     ) -> io::Result<()> {
-        // One installer at a time; the view's own lock is taken only to publish, so that
-        // workers and readers never wait for the fsyncs below.
+        let view = farm_core::codec::StoredView {
+            config,
+            map,
+            changes,
+        };
+        let persisted = self.persist_pooled(view, new_pools)?;
+        self.publish_view(persisted)
+    }
+
+    /// The first half of NEW-CONFIG (§5.2 step 5): lists the regions this machine newly holds
+    /// without their data (a new backup's, copied by data recovery, §5.4), then writes that
+    /// list and the view to NVRAM. Nothing changes in what workers, readers and probes see
+    /// until [`MachineState::publish_view`] puts the view in force; the control plane
+    /// acknowledges NEW-CONFIG only after both, so an acknowledged view is always durable.
+    pub fn persist_view(&self, view: farm_core::codec::StoredView) -> io::Result<PersistedView> {
+        self.persist_pooled(view, true)
+    }
+
+    fn persist_pooled(
+        &self,
+        view: farm_core::codec::StoredView,
+        new_pools: bool,
+    ) -> io::Result<PersistedView> {
         let _installing = self.installing.lock().expect("poisoned");
         let old = self.view();
+        // Views only move forward (a region allocation commits a new configuration).
+        assert!(
+            view.config.id >= old.config.id,
+            "view of configuration {} persisted over {}",
+            view.config.id.0,
+            old.config.id.0
+        );
+        let joining = view.config.contains(self.id) && self.joining.swap(false, Ordering::AcqRel);
+        let first = old.map.iter().next().is_none() && new_pools && !joining;
+        self.note_copies(&old, &view.map, joining, first);
+        // Regions still to copy first: a view naming a replica whose copy is not listed would
+        // pass for complete after a restart.
+        self.persist_copying()?;
+        self.persist_stored_view(&view.config, &view.map, &view.changes)?;
+        Ok(PersistedView {
+            view,
+            old_config: old.config.id,
+            first,
+            new_pools,
+        })
+    }
+
+    /// The second half of NEW-CONFIG: puts a view [`MachineState::persist_view`] wrote in
+    /// force. Maps and registers the replicas this machine newly holds (new backups start
+    /// empty; data recovery fills them, §5.4), keeps the ones it still holds, and keeps block
+    /// pools only for regions it was already primary for (a promoted primary's free lists are
+    /// rebuilt by allocator recovery, §5.5, and it stays blocked until then). The view's own
+    /// lock is held only for the swap, so workers and readers never wait for the mappings.
+    pub fn publish_view(&self, persisted: PersistedView) -> io::Result<()> {
+        let _installing = self.installing.lock().expect("poisoned");
+        let PersistedView {
+            view:
+                farm_core::codec::StoredView {
+                    config,
+                    map,
+                    changes,
+                },
+            old_config,
+            first,
+            new_pools,
+        } = persisted;
+        let old = self.view();
+        assert_eq!(
+            old.config.id, old_config,
+            "another view was installed between persisting and publishing configuration {}",
+            config.id.0
+        );
         let joined: Vec<MachineId> = config
             .members
             .iter()
             .copied()
             .filter(|m| *m != self.id && !old.config.contains(*m))
             .collect();
-        let joining = config.contains(self.id) && self.joining.swap(false, Ordering::AcqRel);
-        let first = old.map.iter().next().is_none() && new_pools && !joining;
-        self.note_copies(&old, &map, joining, first);
-        // Regions still to copy first: a view naming a replica whose copy is not listed would
-        // pass for complete after a restart. The view is in NVRAM before anyone can see it
-        // here, so that a NEW-CONFIG-ACK (sent once the workers picked it up) always follows
-        // its persistence.
-        self.persist_copying()?;
-        self.persist_view(&config, &map, &changes)?;
         let blocked = changes
             .iter()
             .filter(|(_, c)| c.last_replica_change > ConfigId(0))
@@ -797,7 +847,8 @@ impl MachineState {
             current.config.id, old.config.id,
             "the view changed under its installer"
         );
-        // Views only move forward (a region allocation installs a new map in the same one).
+        // Views only move forward (a machine's first view replaces the empty one it opened
+        // with, under the same configuration).
         assert!(
             config.id >= current.config.id,
             "view of configuration {} installed over {}",
@@ -850,20 +901,11 @@ impl MachineState {
             config.id.0,
             self.id
         );
-        // Region allocation installs a new map in the same configuration: its recovery keeps
-        // covering the regions of the configuration's NEW-CONFIG.
-        let recovery_regions =
-            if current.config.id == config.id && current.map.iter().next().is_some() {
-                current.recovery_regions.clone()
-            } else {
-                Arc::new(map.iter().map(|(r, _)| r).collect())
-            };
         *guard = Arc::new(View {
             config,
             map,
             changes,
             blocked,
-            recovery_regions,
             regions,
             pools,
         });
@@ -935,7 +977,7 @@ impl MachineState {
 
     /// Keeps the view of `config` (in a file of its own when this machine has an NVRAM
     /// directory), and forgets older views no drain mark names.
-    fn persist_view(
+    fn persist_stored_view(
         &self,
         config: &Configuration,
         map: &RegionMap,
@@ -1159,7 +1201,6 @@ impl MachineState {
             map: old.map.clone(),
             changes: old.changes.clone(),
             blocked: old.blocked.clone(),
-            recovery_regions: old.recovery_regions.clone(),
             regions: old.regions.clone(),
             pools,
         });
@@ -1345,6 +1386,25 @@ impl MachineState {
             .lock()
             .expect("prepared poisoned")
             .remove(&region);
+    }
+}
+
+/// A view written to NVRAM and not yet in force ([`MachineState::persist_view`], then
+/// [`MachineState::publish_view`]).
+#[derive(Debug)]
+pub struct PersistedView {
+    view: farm_core::codec::StoredView,
+    /// The configuration in force when it was persisted: nothing may be installed between.
+    old_config: ConfigId,
+    /// The machine's first view (its regions start with empty block pools).
+    first: bool,
+    new_pools: bool,
+}
+
+impl PersistedView {
+    /// The configuration of the view.
+    pub fn config(&self) -> ConfigId {
+        self.view.config.id
     }
 }
 

@@ -614,7 +614,7 @@ impl Worker {
         }
         // NEED-RECOVERY from backups (step 3), for every region this machine backs up.
         for (region, placement) in view.map.iter() {
-            if !placement.backups.contains(&me) || !view.recovery_regions.contains(&region) {
+            if !placement.backups.contains(&me) {
                 continue;
             }
             let txns: Vec<TxnId> = self
@@ -632,11 +632,7 @@ impl Worker {
             );
         }
         // Lock recovery at primaries (step 4) starts once every backup has reported.
-        let primary_of: Vec<RegionId> = view
-            .map
-            .primary_of(me)
-            .filter(|r| view.recovery_regions.contains(r))
-            .collect();
+        let primary_of: Vec<RegionId> = view.map.primary_of(me).collect();
         for region in primary_of {
             let placement = view.map.get(region).expect("mapped");
             let listed = self
