@@ -363,10 +363,11 @@ impl ControlThread {
                 }
             }
             self.answer_joins();
-            let driving = self
-                .planes
-                .iter()
-                .any(|p| p.control.reconfiguring() || p.control.allocating());
+            self.drop_stopped_allocations();
+            let driving = (0..self.planes.len()).any(|i| {
+                let c = &self.planes[i].control;
+                self.runs(i) && !c.evicted() && (c.reconfiguring() || c.allocating())
+            });
             std::thread::sleep(if driving || !self.joins.is_empty() {
                 DRIVING_SLEEP
             } else {
@@ -417,6 +418,24 @@ impl ControlThread {
                 });
             }
         }
+    }
+
+    /// Answers the allocations whose asking machine stopped or was removed: nobody will.
+    fn drop_stopped_allocations(&mut self) {
+        let stopped: Vec<usize> = (0..self.planes.len())
+            .filter(|i| !self.runs(*i) || self.planes[*i].control.evicted())
+            .collect();
+        let machines = &self.machines;
+        self.allocations.retain(|a| {
+            if !stopped.contains(&a.machine) {
+                return true;
+            }
+            let _ = a.reply.send(Err(format!(
+                "machine {} stopped, or was removed, before its request was answered",
+                machines[a.machine].id
+            )));
+            false
+        });
     }
 
     /// A lease expiry: recorded, and handed to the observer's plane (which ignores one about

@@ -470,3 +470,51 @@ fn a_long_closure_does_not_hold_up_reconfiguration() {
         c.reconfig_events()
     );
 }
+
+/// A region asked for while the CM is dead (§3, §5.2): the member asks the configuration's CM
+/// until a backup CM takes over and becomes CM, which allocates it; every survivor maps it.
+#[test]
+fn a_region_asked_for_while_the_cm_is_dead_is_allocated_by_the_next_cm() {
+    let c = cluster();
+    c.kill(MachineId(0));
+    // Machine 1, the first that runs, asks; its CM is machine 0 until a new one commits.
+    let r = c.allocate_region(None).unwrap();
+    for m in 1..4 {
+        let v = c.view(MachineId(m));
+        assert!(
+            !v.config.contains(MachineId(0)),
+            "machine {m}: {:?}",
+            v.config
+        );
+        assert!(v.map.get(r).is_some(), "machine {m} does not map {r:?}");
+        assert!(!v.map.get(r).unwrap().holds(MachineId(0)));
+    }
+}
+
+/// A machine that stops while its request waits gets an answer at once, not after the minute
+/// the caller would otherwise wait.
+#[test]
+fn a_request_of_a_machine_that_stopped_is_answered() {
+    let c = Cluster::builder()
+        .machines(3)
+        .workers(1)
+        .replicas(2)
+        .region_bytes(4 << 20)
+        .lease(LEASE)
+        .reconfigure(false)
+        .build()
+        .unwrap();
+    // Nobody replaces the dead CM: machine 1's request waits.
+    c.kill(MachineId(0));
+    let c = std::sync::Arc::new(c);
+    let asking = {
+        let c = c.clone();
+        std::thread::spawn(move || c.allocate_region(None))
+    };
+    std::thread::sleep(LEASE * 4);
+    assert!(!asking.is_finished(), "answered with the CM dead");
+    c.kill(MachineId(1));
+    let e = asking.join().unwrap().unwrap_err();
+    // Not `AdminError::NoAnswer`, which the caller gets after a minute.
+    assert!(e.to_string().contains("stopped"), "{e}");
+}
