@@ -545,6 +545,9 @@ impl ControlPlane {
                 if local.config.id == id && local.config.cm == me && local.config.contains(from) {
                     self.cm.regions_active.insert(from);
                     if from != me && self.all_reported(local.config) {
+                        // Applied and recorded here first: the event marks when
+                        // ALL-REGIONS-ACTIVE first went out.
+                        self.all_active_here(local);
                         self.send(from, ControlMsg::AllRegionsActive(id), now, local);
                     }
                 }
@@ -854,6 +857,16 @@ impl ControlPlane {
                 now,
                 local,
             );
+        }
+    }
+
+    /// ALL-REGIONS-ACTIVE at the CM itself, once (every member reported).
+    fn all_active_here(&mut self, local: &Local<'_>) {
+        let id = local.config.id;
+        let done = self.effects.contains(&Effect::AllRegionsActive(id));
+        if local.all_active < id && !done {
+            self.effects.push(Effect::AllRegionsActive(id));
+            self.event(Event::AllActive(id));
         }
     }
 
@@ -1435,9 +1448,8 @@ impl ControlPlane {
                         .push(Effect::Send(m, ControlMsg::NewConfigCommit(c.id)));
                 }
             }
-            if !all_active && self.all_reported(c) {
-                self.effects.push(Effect::AllRegionsActive(c.id));
-                self.event(Event::AllActive(c.id));
+            if self.all_reported(c) {
+                self.all_active_here(local);
             }
         } else if committed && !all_active && local.regions_active {
             self.effects

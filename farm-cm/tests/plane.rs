@@ -87,6 +87,8 @@ struct Cluster {
     lose_one_in: u64,
     /// Compare-and-sets that take effect but whose answer is lost (a timeout), still to come.
     cas_answers_lost: u32,
+    /// When each ALL-REGIONS-ACTIVE was sent, with its configuration.
+    all_active_sent: Vec<(u64, ConfigId)>,
     rng: u64,
 }
 
@@ -133,6 +135,7 @@ impl Cluster {
             events: Vec::new(),
             lose_one_in: 0,
             cas_answers_lost: 0,
+            all_active_sent: Vec::new(),
             rng: 0x9e37_79b9_7f4a_7c15,
         }
     }
@@ -155,6 +158,9 @@ impl Cluster {
                 let now = self.now;
                 match e {
                     Effect::Send(to, msg) => {
+                        if let ControlMsg::AllRegionsActive(id) = msg {
+                            self.all_active_sent.push((now, id));
+                        }
                         // xorshift64: every choice flows from the seed.
                         self.rng ^= self.rng << 13;
                         self.rng ^= self.rng >> 7;
@@ -753,5 +759,34 @@ fn a_member_that_cannot_persist_a_view_never_acknowledges_it() {
     assert!(
         c.machines[0].config.id >= ConfigId(3),
         "removed in a second attempt"
+    );
+}
+
+/// The CM's AllActive event marks when ALL-REGIONS-ACTIVE first went out (§5.4): data recovery
+/// at a member starts on it, and timelines order the two. The CM used to answer the last
+/// member's REGIONS-ACTIVE at once but record (and apply) its own at its next repeat.
+#[test]
+fn the_cm_records_all_active_when_it_first_sends_it() {
+    let mut c = Cluster::new(4);
+    c.kill(MachineId(3));
+    c.suspect(MachineId(0), MachineId(3));
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2]))));
+    let config = c.machines[0].config.id;
+    let first_sent = c
+        .all_active_sent
+        .iter()
+        .filter(|(_, id)| *id == config)
+        .map(|(at, _)| *at)
+        .min()
+        .expect("ALL-REGIONS-ACTIVE sent");
+    let recorded = c
+        .events
+        .iter()
+        .find(|(_, m, e)| *m == MachineId(0) && *e == Event::AllActive(config))
+        .map(|(at, _, _)| *at)
+        .expect("AllActive recorded");
+    assert!(
+        recorded <= first_sent,
+        "recorded at {recorded}, first sent at {first_sent}"
     );
 }

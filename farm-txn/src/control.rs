@@ -305,7 +305,7 @@ impl MachineControl {
                         }
                     }
                     Effect::Commit(id) => self.machine.commit_config(id),
-                    Effect::AllRegionsActive(id) => self.machine.all_regions_active(id),
+                    Effect::AllRegionsActive(id) => self.machine.all_regions_active(id, now),
                     Effect::Evicted(id) => {
                         tracing::warn!(
                             machine = me.0,

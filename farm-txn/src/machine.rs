@@ -215,6 +215,8 @@ pub struct MachineState {
     recovery_locks: Mutex<BTreeMap<(RegionId, u32), u32>>,
     /// ALL-REGIONS-ACTIVE (§5.4): the newest configuration in which every region was active.
     all_active: AtomicU64,
+    /// See [`MachineState::all_active_at`].
+    all_active_at: AtomicU64,
     /// Removed from the configuration while alive (a false suspicion or a partition): its
     /// coordinators can no longer commit, since members ignore its logs (§5.2).
     evicted: std::sync::atomic::AtomicBool,
@@ -531,6 +533,7 @@ impl MachineState {
             committed: AtomicU64::new(config.id.0),
             drained: Mutex::new((config.id, BTreeSet::new())),
             all_active: AtomicU64::new(config.id.0),
+            all_active_at: AtomicU64::new(0),
             evicted: std::sync::atomic::AtomicBool::new(false),
             serves_until: AtomicU64::new(0),
             copying_persisted: Mutex::new(to_copy.clone()),
@@ -1116,8 +1119,9 @@ impl MachineState {
         now <= self.serves_until.load(Ordering::Acquire)
     }
 
-    /// ALL-REGIONS-ACTIVE from the CM (§5.4): data and allocator recovery may start.
-    pub fn all_regions_active(&self, config: ConfigId) {
+    /// ALL-REGIONS-ACTIVE from the CM (§5.4), taken up at `at`: data and allocator recovery
+    /// may start.
+    pub fn all_regions_active(&self, config: ConfigId, at: u64) {
         // §5.4: ALL-REGIONS-ACTIVE follows every member's REGIONS-ACTIVE, which follows its
         // NEW-CONFIG-COMMIT.
         assert!(
@@ -1125,7 +1129,15 @@ impl MachineState {
             "ALL-REGIONS-ACTIVE for configuration {} before its commit",
             config.0
         );
+        // Before the configuration, so that a worker that sees it sees the time too.
+        self.all_active_at.fetch_max(at, Ordering::AcqRel);
         self.all_active.fetch_max(config.0, Ordering::AcqRel);
+    }
+
+    /// When the newest ALL-REGIONS-ACTIVE was taken up here: the earliest time data recovery
+    /// can say it started (a poll's own time may be older than what it sees).
+    pub fn all_active_at(&self) -> u64 {
+        self.all_active_at.load(Ordering::Acquire)
     }
 
     /// The newest configuration announced with ALL-REGIONS-ACTIVE.

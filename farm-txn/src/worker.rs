@@ -481,7 +481,10 @@ impl Worker {
             return false;
         }
         let me = self.machine.id;
-        let now = self.now;
+        // No earlier than ALL-REGIONS-ACTIVE was taken up: this poll's time may predate it
+        // (a threaded runtime reads the clock once per round), and recovery's timeline
+        // events follow it.
+        let now = self.now.max(self.machine.all_active_at());
         let interval = self.machine.params.recovery_interval_ticks;
         let region_bytes = self.machine.params.region_bytes;
         for (region, aggressive) in self.machine.regions_to_copy() {
