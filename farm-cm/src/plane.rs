@@ -1254,8 +1254,12 @@ impl ControlPlane {
                             "configuration {} committed without the regions it allocates",
                             new.config.id.0
                         );
+                        // A requester removed meanwhile hears nothing: it learns from the
+                        // store that it was removed, and its caller from that.
                         let (from, request) = (p.request.from, p.request.request);
-                        self.answer(from, request, Ok(p.regions.clone()), now, local);
+                        if new.config.contains(from) {
+                            self.answer(from, request, Ok(p.regions.clone()), now, local);
+                        }
                     }
                     Change::Remove(_) => {}
                 }

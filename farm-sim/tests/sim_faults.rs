@@ -304,6 +304,15 @@ fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
     }
 }
 
+/// Machine 3 asked for regions, was removed (paused past its lease) before the CM committed
+/// them, and still got the answer: seed 3918 of the varied shapes stopped at "regions [5, 6]
+/// allocated but not in the view of configuration 1". The CM answers members only; a machine
+/// removed meanwhile learns from the store that it was removed.
+#[test]
+fn a_machine_removed_while_it_waits_for_regions_is_not_answered() {
+    check(3918, varied_config(3918));
+}
+
 /// A write that fails between two live machines (here: to a machine paused, cut off, for less
 /// than its removal takes) leaves a hole in the target's ring, which it waits at forever: seed
 /// 1616's clients never finished and seed 2320 never quiesced
