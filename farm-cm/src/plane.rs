@@ -1089,37 +1089,31 @@ impl ControlPlane {
         if !base.contains(me) {
             return; // Handled above as an eviction when the store says so.
         }
+        let (params, leases_end) = (self.params.reconfig(), self.leases_end.max(now));
+        let removing = |map: &RegionMap, suspects: &BTreeSet<MachineId>| {
+            Reconfig::start(
+                me,
+                base.clone(),
+                version,
+                map.clone(),
+                local.changes.clone(),
+                local.copying.clone(),
+                suspects.clone(),
+                params,
+                leases_end,
+                now,
+            )
+        };
         let r = match &change {
             Change::Remove(suspects) => {
                 self.event(Event::Attempt {
                     config: base.id,
                     suspects: suspects.iter().copied().collect(),
                 });
-                Reconfig::start(
-                    me,
-                    base,
-                    version,
-                    local.map.clone(),
-                    local.changes.clone(),
-                    local.copying.clone(),
-                    suspects.clone(),
-                    self.params.reconfig(),
-                    self.leases_end.max(now),
-                    now,
-                )
+                removing(local.map, suspects)
             }
-            Change::Allocate(p) => Reconfig::start(
-                me,
-                base,
-                version,
-                p.map.clone(),
-                local.changes.clone(),
-                local.copying.clone(),
-                BTreeSet::new(),
-                self.params.reconfig(),
-                self.leases_end.max(now),
-                now,
-            ),
+            // The same steps with the map that holds the prepared regions, nobody removed.
+            Change::Allocate(p) => removing(&p.map, &BTreeSet::new()),
             Change::Join(j) => Reconfig::start_join(
                 me,
                 base,
