@@ -1,8 +1,8 @@
 //! The CM's control messages between machines (§3, §5.2, §5.4): NEW-CONFIG, its ack,
 //! NEW-CONFIG-COMMIT, REGIONS-ACTIVE and ALL-REGIONS-ACTIVE, a machine's request to join, region
 //! allocation (the request, PREPARE and its answer, ABORT, the CM's answer), and those of a
-//! whole-cluster restart (what each machine left, the restart decision, and where each ring
-//! resumes). They travel as fabric datagrams beside the leases in every deployment, so they may
+//! whole-cluster restart (what each machine left, the restart decision and its acknowledgement,
+//! and where each ring resumes: [`crate::restart`]). They travel as fabric datagrams beside the leases in every deployment, so they may
 //! be lost or repeated: each is idempotent (installing or committing a configuration twice does
 //! nothing the second time) and the sender repeats it until the answer it waits for arrives.
 //!
@@ -41,6 +41,9 @@ pub enum ControlMsg {
         /// The view restarted from.
         from: StoredView,
     },
+    /// Any machine to machine 0 of a whole-cluster restart: it learnt restart configuration
+    /// `0` ([`ControlMsg::Restart`]), which machine 0 then stops repeating to it.
+    RestartAck(ConfigId),
     /// After a restart, where the receiver found the sender's rings to it: per worker thread,
     /// `[log head, log tail, queue head, queue tail]`, so that the sender continues each at its
     /// tail. A request (`reply == false`) asks for the peer's in return.
@@ -172,6 +175,7 @@ impl ControlMsg {
             ControlMsg::RegionsActive(c) => (4, *c),
             ControlMsg::AllRegionsActive(c) => (5, *c),
             ControlMsg::Restart { restart, .. } => (6, *restart),
+            ControlMsg::RestartAck(c) => (7, *c),
             ControlMsg::RingStarts { config, reply, .. } => (8 + *reply as u8, *config),
             ControlMsg::Join(c) => (10, *c),
             ControlMsg::Persisted { view, .. } => (11, view.config.id),
@@ -253,6 +257,7 @@ impl ControlMsg {
                 }
                 ControlMsg::Restart { restart: id, from }
             }
+            (7, true) => ControlMsg::RestartAck(id),
             (8 | 9, false) if rest.len().is_multiple_of(32) => ControlMsg::RingStarts {
                 config: id,
                 reply: bytes[1] == 9,
@@ -557,6 +562,7 @@ mod tests {
                 request: 3,
                 reason: "no capacity".into(),
             },
+            ControlMsg::RestartAck(ConfigId(9)),
         ];
         for m in &all {
             assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));

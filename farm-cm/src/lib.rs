@@ -11,6 +11,8 @@
 //! - [`placement`]: region allocation (§3): ids, replica choice, two-phase prepare/commit.
 //! - [`reconfig`]: reconfiguration steps 2-7 as a state machine, and backup CMs.
 //! - [`remap`]: region remapping at reconfiguration (promotion, re-replication, change history).
+//! - [`restart`]: a whole-cluster restart from NVRAM: the decision and the exchange between
+//!   machines, as a state machine.
 #![deny(missing_docs)]
 
 pub use farm_core::codec;
@@ -20,6 +22,7 @@ pub mod placement;
 pub mod plane;
 pub mod reconfig;
 pub mod remap;
+pub mod restart;
 pub mod store;
 
 pub use lease::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, LeaseRole, MemberLease};

@@ -679,8 +679,9 @@ impl ControlPlane {
                     });
                 }
             }
-            // The restart exchange is the runtime's (before the plane runs).
+            // The restart exchange's (`crate::restart`), which runs before the plane.
             ControlMsg::Restart { .. }
+            | ControlMsg::RestartAck(_)
             | ControlMsg::RingStarts { .. }
             | ControlMsg::Persisted { .. } => {}
         }

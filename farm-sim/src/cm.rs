@@ -27,7 +27,7 @@ use farm_txn::MachineState;
 pub const LEASE_TICKS: u64 = 50;
 
 /// How often unanswered control messages are repeated, in ticks (a tenth of a lease).
-const REPEAT_TICKS: u64 = LEASE_TICKS / 10;
+pub const REPEAT_TICKS: u64 = LEASE_TICKS / 10;
 
 /// One store operation in this many times out, when the run asks for timeouts.
 const STORE_TIMEOUT_ONE_IN: u64 = 8;
@@ -152,6 +152,14 @@ impl SimCm {
         &self.store.inner
     }
 
+    /// Gives each restarted machine's plane its finished restart exchange, which answers
+    /// peers that missed an answer.
+    pub fn keep_restarts(&mut self, exchanges: Vec<farm_cm::restart::RestartExchange>) {
+        for e in exchanges {
+            self.planes[e.machine().0 as usize].set_restart(e);
+        }
+    }
+
     /// Marks `machine` paused or running again.
     pub fn set_paused(&mut self, machine: MachineId, paused: bool) {
         if paused {
@@ -204,8 +212,7 @@ impl SimCm {
             if !fabric.is_alive(m) || self.paused.contains(&m) {
                 continue;
             }
-            // No restart exchange runs over datagrams here (`Sim::restart`).
-            p.step(now, &mut Vec::new());
+            p.step(now);
             for (at, e) in p.take_events() {
                 if self.verbose {
                     println!("t{at} m{}: {e:?}", m.0);

@@ -6,15 +6,18 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use farm_cm::restart::{ExchangeParams, Outcome, Persisted};
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
 use farm_core::ring::RingLayout;
 use farm_core::rng::Rng;
 use farm_core::{Addr, MachineId, ThreadId};
 use farm_fabric::mem::{DatagramPolicy, MemFabric, MemFabricConfig};
+use farm_txn::machine::Reopen;
+use farm_txn::restart::{Finished, MachineRestart};
 use farm_txn::{MachineState, Params, Replication, Stats, Tx, TxError, Worker};
 
-use crate::cm::{SimCm, LEASE_TICKS};
+use crate::cm::{SimCm, LEASE_TICKS, REPEAT_TICKS};
 use crate::history::{check, Anomaly, Op, TxnRecord};
 use crate::leases::SimLeases;
 use crate::replicas::{check_replicas, ReplicaReport};
@@ -22,6 +25,10 @@ use farm_cm::reconfig::backup_cms;
 
 /// Polls a setup or final-check transaction may take, with every write landing at once.
 const SETUP_POLLS_MAX: u64 = 100_000;
+
+/// Ticks a whole-cluster restart's exchange may take: with one datagram in a hundred lost, it
+/// takes tens.
+const RESTART_TICKS_MAX: u64 = 1_000 * LEASE_TICKS;
 
 /// Values a list object can hold.
 pub const LIST_CAPACITY: usize = 48;
@@ -643,71 +650,94 @@ impl Sim {
             self.commit_unknown(c);
         }
         let seed = self.config.seed;
-        let persisted: Vec<_> = self
-            .machines
-            .iter()
-            .map(|m| {
-                let v = m.view();
-                let view = farm_core::codec::StoredView {
-                    config: v.config.clone(),
-                    map: v.map.clone(),
-                    changes: v.changes.clone(),
-                };
-                let copying = m.regions_to_copy();
-                Some(farm_txn::machine::Persisted { view, copying })
-            })
-            .collect();
-        let plan = farm_txn::machine::plan_restart(
-            self.cm.restart_store(),
-            &persisted,
-            self.config.machines,
-        )
-        .unwrap_or_else(|e| panic!("seed {seed}: restart refused: {e}"));
-        let (view, config) = (plan.from, plan.config);
-        let restart = config.id;
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
             machines_max: self.config.machines,
             threads_max: self.config.threads,
             seed: self.rng.below(u64::MAX),
             datagrams_queued_max: 64 * self.config.machines as usize,
         }));
-        let machines: Vec<Arc<MachineState>> = self
-            .machines
+        // The restart's datagrams are as lossy as any.
+        fabric.set_datagram_policy(self.datagram_policy());
+        let old = std::mem::take(&mut self.machines);
+        let exchange = ExchangeParams {
+            machines: self.config.machines,
+            repeat: REPEAT_TICKS,
+        };
+        let mut restarts: Vec<MachineRestart<'_>> = old
             .iter()
-            .map(|old| {
-                let f = fabric.clone() as Arc<dyn Fabric>;
-                if config.contains(old.id) {
-                    let from = farm_txn::machine::Reopen::Memory(old);
-                    MachineState::restore(old.id, self.params, view.clone(), restart, f, from)
-                } else {
-                    fabric.kill(old.id);
-                    MachineState::new(
-                        old.id,
+            .map(|m| {
+                let v = m.view();
+                let persisted = Persisted {
+                    view: farm_core::codec::StoredView {
+                        config: v.config.clone(),
+                        map: v.map.clone(),
+                        changes: v.changes.clone(),
+                    },
+                    copying: m.regions_to_copy(),
+                };
+                MachineRestart::new(
+                    m.id,
+                    exchange,
+                    persisted,
+                    self.params,
+                    fabric.clone() as Arc<dyn Fabric>,
+                    self.cm.restart_store(),
+                    Reopen::Memory(m),
+                )
+            })
+            .collect();
+        // Every machine's process starts again and takes part, in an order that turns.
+        let deadline = self.now + RESTART_TICKS_MAX;
+        while restarts.iter().any(|r| r.outcome().is_none()) {
+            if self.now > deadline {
+                let waiting: Vec<_> = restarts.iter().map(|r| r.waiting_for()).collect();
+                panic!("seed {seed}: the restart did not finish: machines wait for {waiting:?}");
+            }
+            self.now += 1;
+            let n = restarts.len();
+            for k in 0..n {
+                let r = &mut restarts[(self.now as usize + k) % n];
+                r.step(self.now);
+                if let Some(Outcome::Failed(e)) = r.outcome() {
+                    panic!("seed {seed}: restart refused at {}: {e}", r.machine());
+                }
+            }
+        }
+        let threads = self.config.threads;
+        let mut machines = Vec::new();
+        let mut workers = Vec::new();
+        let mut exchanges = Vec::new();
+        for r in restarts {
+            match r.finish() {
+                Finished::Restarted(r) => {
+                    machines.push(r.machine);
+                    workers.extend(r.workers.into_iter().map(|mut w| {
+                        w.set_check_invariants(true);
+                        w
+                    }));
+                    exchanges.push(r.exchange);
+                }
+                Finished::Removed(plan) => {
+                    // Removed before the power went: it stays down.
+                    let id = MachineId(machines.len() as u16);
+                    fabric.kill(id);
+                    let f = fabric.clone() as Arc<dyn Fabric>;
+                    let m = MachineState::new(
+                        id,
                         self.params,
-                        config.clone(),
+                        plan.config,
                         RegionMap::default(),
                         f,
                         None,
                     )
+                    .expect("anonymous NVRAM");
+                    workers.extend((0..threads).map(|t| sim_worker(&m, ThreadId(t))));
+                    machines.push(m);
                 }
-                .expect("anonymous NVRAM")
-            })
-            .collect();
-        for m in machines.iter().filter(|m| config.contains(m.id)) {
-            m.commit_config(restart);
+                Finished::Failed(e) => panic!("seed {seed}: restart refused: {e}"),
+            }
         }
-        let threads = self.config.threads as usize;
-        let mut workers: Vec<Worker> = machines
-            .iter()
-            .flat_map(|m| (0..threads).map(move |t| sim_worker(m, ThreadId(t as u16))))
-            .collect();
-        for t in 0..threads {
-            let mut peers: Vec<&mut Worker> = workers
-                .iter_mut()
-                .filter(|w| w.thread().0 as usize == t)
-                .collect();
-            Worker::resume_rings(&mut peers);
-        }
+        drop(old);
         fabric.set_hold_writes(true);
         self.paused.clear();
         self.grace.clear();
@@ -716,8 +746,8 @@ impl Sim {
         let faults = store_faults(&self.config, self.restarts);
         self.cm = SimCm::new(&machines, &fabric, self.config.replicas as usize, faults);
         self.cm.committed = committed;
+        self.cm.keep_restarts(exchanges);
         self.fabric = fabric;
-        self.fabric.set_datagram_policy(self.datagram_policy());
         self.machines = machines;
         for w in &self.workers {
             self.past_stats.add(w.stats());

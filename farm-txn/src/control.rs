@@ -14,6 +14,7 @@ use crate::machine::{PersistedView, View};
 use crate::MachineState;
 use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
+use farm_cm::restart::{Effect as RestartEffect, RestartExchange};
 use farm_cm::{ConfigurationStore, CoordinationStore, ReadConfigError};
 use farm_core::fabric::{Fabric, MemKey};
 use farm_core::{MachineId, RegionId};
@@ -43,6 +44,8 @@ pub struct MachineControl {
     next_request: u64,
     /// A NEW-CONFIG persisted and not yet installed (`Effect::Persist`, then `Install`).
     persisted: Option<PersistedView>,
+    /// The whole-cluster restart this machine took part in, which answers peers that ask late.
+    restart: Option<RestartExchange>,
 }
 
 impl std::fmt::Debug for MachineControl {
@@ -99,7 +102,19 @@ impl MachineControl {
             allocated: Vec::new(),
             next_request: 0,
             persisted: None,
+            restart: None,
         }
+    }
+
+    /// Keeps the finished exchange of the restart this machine came from
+    /// ([`crate::restart::Restarted`]), to answer the restart's messages of peers that missed
+    /// an answer: the plane does not handle them.
+    pub fn set_restart(&mut self, exchange: RestartExchange) {
+        assert!(
+            exchange.outcome().is_some() && exchange.machine() == self.machine.id,
+            "a restart exchange still under way, or another machine's"
+        );
+        self.restart = Some(exchange);
     }
 
     /// Calls `f` with the plane and what the machine has installed now, then carries out the
@@ -133,10 +148,9 @@ impl MachineControl {
     }
 
     /// One step at `now`: the control datagrams that arrived, then a tick
-    /// ([`MachineControl::tick`]). Messages of a whole-cluster restart's exchange, which the
-    /// plane does not handle (`ControlMsg::RingStarts`, `Persisted`, `Restart`), go to
-    /// `restart` for a runtime that still answers them.
-    pub fn step(&mut self, now: u64, restart: &mut Vec<(MachineId, ControlMsg)>) {
+    /// ([`MachineControl::tick`]). Messages of a whole-cluster restart's exchange go to the
+    /// exchange kept for them ([`MachineControl::set_restart`]), if any.
+    pub fn step(&mut self, now: u64) {
         let me = self.machine.id;
         let mut buf = std::mem::take(&mut self.buf);
         while let Some(from) = self.fabric.recv_control(me, now, &mut buf) {
@@ -144,14 +158,31 @@ impl MachineControl {
                 Some(
                     msg @ (ControlMsg::RingStarts { .. }
                     | ControlMsg::Persisted { .. }
-                    | ControlMsg::Restart { .. }),
-                ) => restart.push((from, msg)),
+                    | ControlMsg::Restart { .. }
+                    | ControlMsg::RestartAck(_)),
+                ) => self.answer_restart(from, msg, now),
                 Some(msg) => self.on_message(from, msg, now),
                 None => {}
             }
         }
         self.buf = buf;
         self.tick(now);
+    }
+
+    /// A restart message of a peer that missed an answer: the kept exchange answers it.
+    fn answer_restart(&mut self, from: MachineId, msg: ControlMsg, now: u64) {
+        let Some(exchange) = self.restart.as_mut() else {
+            return;
+        };
+        exchange.on_message(from, msg);
+        for e in exchange.take_effects() {
+            match e {
+                RestartEffect::Send { to, msg, id } => {
+                    crate::restart::send(&*self.fabric, self.machine.id, to, &msg, id, now)
+                }
+                e => panic!("a finished restart exchange asked for {e:?}"),
+            }
+        }
     }
 
     /// A control message from `from`.

@@ -8,7 +8,8 @@
 //! [`Worker::poll_commit`] with the current tick. Transaction state recovery (§5.3) runs in the
 //! same workers ([`recovery`]). A machine's control plane (`farm_cm::plane`) acts on its
 //! [`MachineState`] through [`control::MachineControl`], and its lease manager through
-//! [`lease::MachineLease`], in every deployment and the simulator.
+//! [`lease::MachineLease`], in every deployment and the simulator; a whole-cluster restart
+//! (`farm_cm::restart`) through [`restart::MachineRestart`].
 #![deny(missing_docs)]
 
 pub mod control;
@@ -18,6 +19,7 @@ pub mod lease;
 pub mod machine;
 pub mod recovery;
 mod recovery_log;
+pub mod restart;
 pub mod stats;
 pub mod worker;
 

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use farm_alloc::BlockPool;
+use farm_cm::restart::Persisted;
 use farm_core::config::{Configuration, RegionChanges, RegionMap};
 use farm_core::fabric::{Fabric, MemKey};
 use farm_core::nvram::{files, Nvram};
@@ -336,7 +337,7 @@ impl MachineState {
     }
 
     /// Reopens the NVRAM a machine left when the whole cluster stopped (`from`), with the view
-    /// the cluster restarts from (`stored`, see [`read_persisted`] and [`restart_view`]), and
+    /// the cluster restarts from (`stored`, see [`read_persisted`] and `farm_cm::restart`), and
     /// installs `restart`: the same members and regions in a new configuration in which every
     /// region changed primary and replicas, so that transaction recovery recovers every
     /// transaction in the logs (§5.3) and allocator recovery rebuilds every free list (§5.5).
@@ -1428,182 +1429,6 @@ pub enum Reopen<'a> {
     /// The memory of the machine state that stopped (the simulator: anonymous memory outlives
     /// the state that used it, as NVRAM outlives a power loss).
     Memory(&'a MachineState),
-}
-
-/// What a machine left in NVRAM that a whole-cluster restart decides from ([`read_persisted`]).
-#[derive(Clone, Debug)]
-pub struct Persisted {
-    /// The newest view it installed.
-    pub view: farm_core::codec::StoredView,
-    /// The regions it was still copying as a new backup (with whether aggressively): its
-    /// replicas of these are incomplete.
-    pub copying: BTreeMap<RegionId, bool>,
-}
-
-impl Persisted {
-    /// Whether this machine, `id`, holds a complete replica of `region`: its own view has it
-    /// and it was not still copying it.
-    pub fn complete(&self, id: MachineId, region: RegionId) -> bool {
-        self.view.map.get(region).is_some_and(|p| p.holds(id))
-            && !self.copying.contains_key(&region)
-    }
-}
-
-/// A whole-cluster restart, decided ([`plan_restart`]).
-#[derive(Clone, Debug)]
-pub struct RestartPlan {
-    /// The restart configuration, stored: the newest view's configuration under the next id.
-    pub config: Configuration,
-    /// The newest view the machines left, which the members reopen their NVRAM with.
-    pub from: farm_core::codec::StoredView,
-}
-
-/// Why a whole-cluster restart was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum RestartError {
-    /// The coordination store failed, or holds nothing to restart.
-    #[error("{0}")]
-    Store(String),
-    /// What the machines left cannot be restarted from.
-    #[error("{0}")]
-    Invalid(String),
-}
-
-/// Decides a whole-cluster restart of a cluster of `machines` (ids below it) from what each
-/// left in NVRAM (`persisted`, by id): reads the stored configuration, takes the view to
-/// resume from ([`restart_view`]), and stores the restart configuration, the next id, with a
-/// compare-and-set at the version read, so that a cluster still reconfiguring makes it fail.
-/// Every deployment's restart decides through it once: the in-process builder, a node
-/// process's machine 0, and the simulator's power losses.
-pub fn plan_restart(
-    store: &dyn farm_cm::CoordinationStore,
-    persisted: &[Option<Persisted>],
-    machines: u16,
-) -> Result<RestartPlan, RestartError> {
-    let store_err = |what: &str| {
-        let what = what.to_string();
-        move |e: farm_cm::StoreError| RestartError::Store(format!("{what}: {e}"))
-    };
-    use farm_cm::ConfigurationStore;
-    let (version, stored) = store
-        .read_config()
-        .map_err(|e| RestartError::Store(format!("reading the stored configuration: {e}")))?
-        .ok_or_else(|| {
-            RestartError::Store(
-                "the coordination store holds no configuration: nothing to restart".into(),
-            )
-        })?;
-    let from = restart_view(stored.id, persisted).map_err(RestartError::Invalid)?;
-    if let Some(m) = from.config.members.iter().find(|m| m.0 >= machines) {
-        return Err(RestartError::Invalid(format!(
-            "machine {m} is a member of configuration {} but the cluster runs {machines} \
-             machines",
-            from.config.id.0
-        )));
-    }
-    let config = Configuration {
-        id: ConfigId(stored.id.0 + 1),
-        ..from.config.clone()
-    };
-    match store.cas_config(Some(version), &config) {
-        Ok(farm_cm::CasOutcome::Written(_)) => Ok(RestartPlan { config, from }),
-        Ok(farm_cm::CasOutcome::Conflict) => Err(RestartError::Store(
-            "the stored configuration changed during the restart: is the cluster running?".into(),
-        )),
-        Err(e) => Err(store_err("storing the restart configuration")(e)),
-    }
-}
-
-/// The view a whole-cluster restart resumes from, given the configuration in the coordination
-/// store (`stored`) and what each machine left (`persisted`, by machine id; see
-/// [`read_persisted`]): the newest view any machine installed (most regions among equals).
-/// The cluster may have stopped at any point, in the middle of a reconfiguration or of
-/// recovery included: members that had not installed the newest view take it from there, and
-/// the replicas they did not hold, or were still copying, are copied again after the restart
-/// (§5.4). A region whose primary in that view holds no complete replica gets a complete backup
-/// as its primary. A region that none of its replicas ever installed is left out: a view that
-/// allocated it (§3) never committed, since every member acknowledges before the commit, so
-/// nothing was written there and its allocation was never answered. Refused, with the reason,
-/// when no machine left a view, when the store is behind the NVRAM (another store?), or when a
-/// region has no complete replica left.
-pub fn restart_view(
-    stored: ConfigId,
-    persisted: &[Option<Persisted>],
-) -> Result<farm_core::codec::StoredView, String> {
-    let newest = persisted
-        .iter()
-        .flatten()
-        .map(|p| &p.view)
-        .max_by_key(|v| (v.config.id, v.map.iter().count()))
-        .ok_or("no machine left a view: nothing to restart")?;
-    if newest.config.id > stored {
-        return Err(format!(
-            "the coordination store holds configuration {} but machines installed {}: is this \
-             the store the cluster ran with?",
-            stored.0, newest.config.id.0
-        ));
-    }
-    let mut view = newest.clone();
-    let complete = |m: MachineId, r: RegionId| {
-        persisted
-            .get(m.0 as usize)
-            .and_then(Option::as_ref)
-            .is_some_and(|p| p.complete(m, r))
-    };
-    let regions: Vec<(RegionId, farm_core::config::Placement)> =
-        view.map.iter().map(|(r, p)| (r, p.clone())).collect();
-    let installed = |m: MachineId, r: RegionId| {
-        persisted
-            .get(m.0 as usize)
-            .and_then(Option::as_ref)
-            .is_some_and(|p| p.view.map.get(r).is_some_and(|q| q.holds(m)))
-    };
-    for (region, placement) in regions {
-        if complete(placement.primary, region) {
-            continue;
-        }
-        if placement.replicas().all(|m| !installed(m, region)) {
-            // A region in use has a replica that installed a view holding it: its replicas
-            // did when it was allocated, and every remap keeps one that held it (§5.2).
-            view.map.remove(region);
-            view.changes.remove(&region);
-            continue;
-        }
-        let Some(b) = placement
-            .backups
-            .iter()
-            .copied()
-            .find(|b| complete(*b, region))
-        else {
-            return Err(format!(
-                "region {} has no complete replica among {:?} (primary {}): its data is lost",
-                region.0,
-                placement.replicas().collect::<Vec<_>>(),
-                placement.primary
-            ));
-        };
-        let mut backups: Vec<MachineId> = placement
-            .backups
-            .iter()
-            .copied()
-            .filter(|m| *m != b)
-            .collect();
-        backups.insert(0, placement.primary);
-        // The new primary never was one: its change is the restart's (`stored` + 1).
-        let change = view.changes.entry(region).or_insert(RegionChanges {
-            last_primary_change: ConfigId(0),
-            last_replica_change: ConfigId(0),
-        });
-        change.last_primary_change = ConfigId(stored.0 + 1);
-        view.map.insert(
-            region,
-            farm_core::config::Placement {
-                primary: b,
-                backups,
-            },
-        );
-    }
-    Ok(view)
 }
 
 /// Recovery locks one object may hold at once: one per recovering transaction that wrote it,

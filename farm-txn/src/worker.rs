@@ -73,7 +73,8 @@ pub(crate) struct Inbound {
     /// transactions from before the restart, whose local counters the new life's bounds pass.
     pub(crate) restart_truncated_below: u64,
     /// Where the sender's log and queue tails were when this worker started (after a restart,
-    /// past the records kept; the sender resumes there: [`Worker::resume_rings`]).
+    /// past the records kept; the sender resumes there, told by the restart exchange,
+    /// `farm_cm::restart`).
     started_tails: [u64; 2],
 }
 
@@ -302,21 +303,9 @@ impl Worker {
         worker
     }
 
-    /// After a whole-cluster restart, before anything is sent: every sender among `peers` (the
-    /// workers of one thread on every machine, indexed by machine id) continues its log and
-    /// queue to every receiver where the receiver found them when it started.
-    pub fn resume_rings(peers: &mut [&mut Worker]) {
-        for receiver in 0..peers.len() {
-            for sender in 0..peers.len() {
-                let start = peers[receiver].inbound_start(MachineId(sender as u16));
-                peers[sender].resume_outbound(MachineId(receiver as u16), start);
-            }
-        }
-    }
-
     /// Where the sender's log and queue to this worker stood when it started: `(head, tail)` of
-    /// each. With one process per machine the sender is elsewhere: this travels to it in a
-    /// message, and it calls [`Worker::resume_outbound`].
+    /// each. The sender may be elsewhere: this travels to it in a message of the restart
+    /// exchange (`farm_cm::restart`), and it calls [`Worker::resume_outbound`].
     pub fn inbound_start(&self, sender: MachineId) -> [(u64, u64); 2] {
         let i = &self.inbound[sender.0 as usize];
         [

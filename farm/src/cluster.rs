@@ -15,12 +15,15 @@ use farm_core::fabric::Fabric;
 use farm_core::ring::RingLayout;
 use farm_core::{Addr, MachineId, RegionId, ThreadId};
 use farm_fabric::mem::{MemFabric, MemFabricConfig};
+use farm_txn::machine::Reopen;
+use farm_txn::restart::{Finished, MachineRestart};
 use farm_txn::{MachineState, Params, Replication, Stats, TxError, Worker};
 
 use crate::hosts::{Host, HostGuard, Hosts, IdleWait};
 use crate::lease_thread::{LeaseLength, Suspicion};
 use crate::machine::{ReconfigEvent, Request, Runtime, RuntimeConfig, Shared};
 use crate::txn::Txn;
+use farm_cm::restart::{ExchangeParams, Outcome, RestartExchange};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 
 /// Errors building a cluster: bad parameters or NVRAM that cannot be mapped.
@@ -347,7 +350,7 @@ impl ClusterBuilder {
             .clone()
             .unwrap_or_else(|| Arc::new(EmbeddedStore::new()));
         let all = self.machines + self.spare_machines;
-        let machines = if self.restart {
+        let (machines, mut restarted, restarts) = if self.restart {
             self.restore_machines(params, &fabric, &*store)?
         } else {
             if let Some(dir) = &self.nvram_dir {
@@ -400,17 +403,25 @@ impl ClusterBuilder {
                     )))
                 }
             }
-            machines
+            (machines, Vec::new(), Vec::new())
         };
         let hosts: Vec<Host> = (0..self.workers)
             .map(|t| {
-                let mut workers: Vec<Worker> = machines
+                // A restarted machine's workers continue its rings (`restore_machines`).
+                let workers: Vec<Worker> = machines
                     .iter()
-                    .map(|m| Worker::new(m.clone(), ThreadId(t)))
+                    .enumerate()
+                    .map(
+                        |(i, m)| match restarted.get_mut(i).and_then(Option::as_mut) {
+                            Some(w) => {
+                                let w = w.remove(0);
+                                assert_eq!(w.thread(), ThreadId(t), "workers by thread");
+                                w
+                            }
+                            None => Worker::new(m.clone(), ThreadId(t)),
+                        },
+                    )
                     .collect();
-                if self.restart {
-                    Worker::resume_rings(&mut workers.iter_mut().collect::<Vec<_>>());
-                }
                 Host::new(workers)
             })
             .collect();
@@ -437,7 +448,7 @@ impl ClusterBuilder {
                 epoch,
                 replicas: self.replicas as usize,
                 reconfigure: self.reconfigure,
-                ring_starts: None,
+                restarts,
             },
             &shared,
         );
@@ -474,16 +485,27 @@ impl ClusterBuilder {
 }
 
 impl ClusterBuilder {
-    /// The machines of a restart ([`ClusterBuilder::restart`]): checks that the stored
-    /// configuration is the newest view in NVRAM and that every member settled in it, stores
-    /// the restart configuration, reopens the members' NVRAM and commits it there. Machines
-    /// outside the configuration start empty (their NVRAM is stale: they were removed).
+    /// The machines of a restart ([`ClusterBuilder::restart`]), each restarted by the restart
+    /// exchange every deployment runs (`farm_cm::restart`), here over the in-process fabric's
+    /// datagrams: machine 0 decides from what every machine left and stores the restart
+    /// configuration, the members reopen their NVRAM, continue their rings where the receivers
+    /// found them and commit it. Machines outside the configuration start empty (their NVRAM is
+    /// stale: they were removed). Returns the machines, the members' workers by thread, and
+    /// their finished exchanges.
+    #[allow(clippy::type_complexity)]
     fn restore_machines(
         &self,
         params: Params,
         fabric: &Arc<MemFabric>,
         store: &dyn CoordinationStore,
-    ) -> Result<Vec<Arc<MachineState>>, BuildError> {
+    ) -> Result<
+        (
+            Vec<Arc<MachineState>>,
+            Vec<Option<Vec<Worker>>>,
+            Vec<RestartExchange>,
+        ),
+        BuildError,
+    > {
         let Some(dir) = &self.nvram_dir else {
             return Err(BuildError::Invalid(
                 "a restart needs the NVRAM directory the cluster ran on".into(),
@@ -491,61 +513,92 @@ impl ClusterBuilder {
         };
         let invalid = BuildError::Invalid;
         let all = self.machines + self.spare_machines;
-        let mut persisted = Vec::new();
-        for m in 0..all {
-            let p = farm_txn::machine::read_persisted(dir, MachineId(m))
-                .map_err(|e| invalid(format!("reading machine {}'s NVRAM: {e}", MachineId(m))))?;
-            persisted.push(p);
-        }
-        let plan = farm_txn::machine::plan_restart(store, &persisted, all)
-            .map_err(|e| invalid(format!("restarting from {}: {e}", dir.display())))?;
-        let (config, newest) = (plan.config, plan.from);
-        let restart = config.id;
-        let mut machines = Vec::new();
+        let exchange = ExchangeParams {
+            machines: all,
+            repeat: crate::node_restart::REPEAT.as_micros() as u64,
+        };
+        let mut restarts = Vec::new();
         for m in (0..all).map(MachineId) {
-            let fabric = fabric.clone() as Arc<dyn Fabric>;
-            let state = if config.contains(m) {
-                MachineState::restore(
-                    m,
-                    params,
-                    newest.clone(),
-                    restart,
-                    fabric,
-                    farm_txn::machine::Reopen::Dir(dir),
-                )
-            } else {
-                let stale = farm_txn::machine::machine_dir(dir, m);
-                if stale.exists() {
-                    std::fs::remove_dir_all(&stale)?;
-                }
-                MachineState::new(
-                    m,
-                    params,
-                    config.clone(),
-                    RegionMap::default(),
-                    fabric,
-                    Some(dir),
-                )
-            };
-            machines.push(state.map_err(|e| {
-                invalid(format!(
-                    "reopening machine {m}'s NVRAM in {}: {e}",
-                    dir.display()
-                ))
-            })?);
+            let persisted = farm_txn::machine::read_persisted(dir, m)
+                .map_err(|e| invalid(format!("reading machine {m}'s NVRAM: {e}")))?
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "{} holds no state of machine {m}: a restart runs the machines that ran",
+                        dir.display()
+                    ))
+                })?;
+            restarts.push(MachineRestart::new(
+                m,
+                exchange,
+                persisted,
+                params,
+                fabric.clone() as Arc<dyn Fabric>,
+                store,
+                Reopen::Dir(dir),
+            ));
         }
-        // NEW-CONFIG-COMMIT: recovery starts at the first poll of each worker.
-        for m in &machines {
-            if config.contains(m.id) {
-                m.commit_config(restart);
+        let started = Instant::now();
+        let failed = |r: &MachineRestart<'_>| matches!(r.outcome(), Some(Outcome::Failed(_)));
+        while restarts.iter().any(|r| r.outcome().is_none()) && !restarts.iter().any(failed) {
+            if started.elapsed() > RESTART_TIMEOUT {
+                let waiting: Vec<(MachineId, Vec<MachineId>)> = (0..all)
+                    .map(MachineId)
+                    .zip(restarts.iter().map(|r| r.waiting_for()))
+                    .filter(|(_, w)| !w.is_empty())
+                    .collect();
+                return Err(invalid(format!(
+                    "the restart did not finish within {RESTART_TIMEOUT:?}: machines wait for \
+                     {waiting:?}"
+                )));
+            }
+            let now = started.elapsed().as_micros() as u64;
+            for r in &mut restarts {
+                r.step(now);
+            }
+            std::thread::sleep(RESTART_POLL);
+        }
+        if let Some(Outcome::Failed(e)) = restarts
+            .iter()
+            .find(|r| failed(r))
+            .and_then(|r| r.outcome())
+        {
+            return Err(invalid(format!("restarting from {}: {e}", dir.display())));
+        }
+        let (mut machines, mut workers, mut exchanges) = (Vec::new(), Vec::new(), Vec::new());
+        for (m, r) in (0..all).map(MachineId).zip(restarts) {
+            match r.finish() {
+                Finished::Restarted(r) => {
+                    machines.push(r.machine);
+                    workers.push(Some(r.workers));
+                    exchanges.push(r.exchange);
+                }
+                Finished::Removed(plan) => {
+                    let stale = farm_txn::machine::machine_dir(dir, m);
+                    if stale.exists() {
+                        std::fs::remove_dir_all(&stale)?;
+                    }
+                    let state = MachineState::new(
+                        m,
+                        params,
+                        plan.config.clone(),
+                        RegionMap::default(),
+                        fabric.clone() as Arc<dyn Fabric>,
+                        Some(dir),
+                    )
+                    .map_err(|e| invalid(format!("machine {m}'s NVRAM: {e}")))?;
+                    machines.push(state);
+                    workers.push(None);
+                }
+                Finished::Failed(e) => unreachable!("failures returned above: {e}"),
             }
         }
+        let config = machines[0].view().config.clone();
         tracing::info!(
-            config = restart.0,
+            config = config.id.0,
             members = ?config.members,
-            "cluster restarting from NVRAM"
+            "cluster restarted from NVRAM"
         );
-        Ok(machines)
+        Ok((machines, workers, exchanges))
     }
 }
 
@@ -700,6 +753,13 @@ pub struct Cluster {
 
 /// Lock-free reads of objects up to this size use a stack buffer.
 const LOCK_FREE_STACK_BYTES: usize = 256;
+
+/// How long a restart of the in-process cluster may take: reopening every machine's NVRAM
+/// (seconds for thousands of regions) and the exchange, which takes a few rounds.
+const RESTART_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How often the restart steps its machines' exchanges.
+const RESTART_POLL: Duration = Duration::from_micros(50);
 
 impl Cluster {
     /// A builder with the defaults (3 machines, 2 workers each, 3-way replication).

@@ -15,9 +15,9 @@
 //!
 //! The control thread also serves the process's administrative requests: a spare machine
 //! asking to join ([`Request::Join`]: its plane then asks the CM, §5.2) and a member asking its
-//! CM for a region ([`Request::AllocateRegion`], §3). After a whole-cluster restart of machine
-//! processes it answers peers that still ask where this machine found their rings
-//! (`crate::node_restart`).
+//! CM for a region ([`Request::AllocateRegion`], §3). After a whole-cluster restart, each
+//! machine's plane keeps its finished restart exchange (`farm_cm::restart`) to answer peers that
+//! missed an answer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use farm_cm::control::ControlMsg;
 use farm_cm::plane::{Event, PlaneParams, ACK_TIMEOUT_LEASES};
+use farm_cm::restart::RestartExchange;
 use farm_cm::CoordinationStore;
 use farm_core::fabric::Fabric;
 use farm_core::{ConfigId, MachineId, RegionId};
@@ -34,7 +34,6 @@ use farm_txn::control::{MachineControl, REGIONS_PER_MACHINE_MAX};
 use farm_txn::MachineState;
 
 use crate::lease_thread::{LeaseLength, LeaseThreads, Suspicion};
-use crate::node_restart::RingStarts;
 
 /// A step of a reconfiguration, with its time (µs since the runtime started), for timelines.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -155,9 +154,9 @@ pub(crate) struct RuntimeConfig {
     pub(crate) replicas: usize,
     /// Whether suspicions start reconfiguration (requests are always served).
     pub(crate) reconfigure: bool,
-    /// After a restart of machine processes: where the (single) machine found each peer's
-    /// rings, for peers that still ask.
-    pub(crate) ring_starts: Option<(ConfigId, RingStarts)>,
+    /// After a whole-cluster restart: the machines' finished exchanges (any order), which
+    /// answer peers that missed an answer.
+    pub(crate) restarts: Vec<RestartExchange>,
 }
 
 /// The lease threads and the control thread of a set of machines. See the module docs.
@@ -261,7 +260,6 @@ struct ControlThread {
     lease: Arc<LeaseLength>,
     epoch: Instant,
     reconfigure: bool,
-    ring_starts: Option<(ConfigId, RingStarts)>,
     stop: Arc<AtomicBool>,
     joins: Vec<PendingJoin>,
     allocations: Vec<PendingAllocation>,
@@ -274,7 +272,7 @@ impl ControlThread {
         shared: &Shared,
         stop: Arc<AtomicBool>,
     ) -> Self {
-        let planes = config
+        let mut planes = config
             .machines
             .iter()
             .zip(&config.spare)
@@ -287,7 +285,15 @@ impl ControlThread {
                 ),
                 active: !spare,
             })
-            .collect();
+            .collect::<Vec<_>>();
+        for exchange in config.restarts {
+            let i = config
+                .machines
+                .iter()
+                .position(|m| m.id == exchange.machine())
+                .expect("a restart exchange of a machine of this runtime");
+            planes[i].control.set_restart(exchange);
+        }
         Self {
             machines: config.machines,
             planes,
@@ -298,7 +304,6 @@ impl ControlThread {
             lease: config.lease,
             epoch: config.epoch,
             reconfigure: config.reconfigure,
-            ring_starts: config.ring_starts,
             stop,
             joins: Vec::new(),
             allocations: Vec::new(),
@@ -317,7 +322,6 @@ impl ControlThread {
     fn run(mut self) {
         let mut lease = (self.lease.current(), self.lease.longest());
         let mut seen = 0;
-        let mut restart = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
             let requests: Vec<Request> =
                 self.requests.lock().expect("poisoned").drain(..).collect();
@@ -345,10 +349,7 @@ impl ControlThread {
                     continue;
                 }
                 let now = self.now();
-                self.planes[i].control.step(now, &mut restart);
-                for (from, msg) in restart.drain(..) {
-                    self.answer_ring_starts(i, from, msg);
-                }
+                self.planes[i].control.step(now);
                 let events = self.planes[i].control.take_events();
                 self.record(events);
                 for (request, result) in self.planes[i].control.take_allocated() {
@@ -481,27 +482,6 @@ impl ControlThread {
                 true
             }
         });
-    }
-
-    /// A peer of a restart that still asks where machine `i` found its rings.
-    fn answer_ring_starts(&self, i: usize, from: MachineId, msg: ControlMsg) {
-        let ControlMsg::RingStarts {
-            config,
-            reply: false,
-            ..
-        } = msg
-        else {
-            return;
-        };
-        if let Some(starts) = self
-            .ring_starts
-            .as_ref()
-            .filter(|(id, _)| *id == config)
-            .and_then(|(_, s)| s.get(&from))
-        {
-            let me = self.machines[i].id;
-            crate::node_restart::send_starts(&*self.fabric, me, from, config, true, starts);
-        }
     }
 
     /// Records a plane's reconfiguration steps in the timeline.

@@ -258,19 +258,11 @@ impl Node {
             lease_ticks: config.lease.as_micros() as u64,
         };
         params.validate().map_err(NodeError::Invalid)?;
-        let (machine, restart) = match &store {
+        let (machine, restarted) = match &store {
             Some(store) if config.restart => {
-                let restart = crate::node_restart::decide(config, &*fabric, &**store, persisted)?;
-                let machine = MachineState::restore(
-                    me,
-                    params,
-                    restart.from.clone(),
-                    restart.config.id,
-                    fabric.clone() as Arc<dyn Fabric>,
-                    farm_txn::machine::Reopen::Dir(&config.dir),
-                )
-                .map_err(nvram_err)?;
-                (machine, Some(restart))
+                let persisted = persisted.expect("checked above");
+                let r = crate::node_restart::restart(config, params, &fabric, &**store, persisted)?;
+                (r.machine.clone(), Some(r))
             }
             Some(store) if config.join => {
                 let current = removed_from(config, &**store)?;
@@ -301,9 +293,22 @@ impl Node {
                 (machine, None)
             }
         };
-        let mut workers: Vec<Worker> = (0..config.workers)
-            .map(|t| Worker::new(machine.clone(), ThreadId(t)))
-            .collect();
+        // A restarted machine's workers continue every ring where its receiver found it, and
+        // it committed the restart configuration: transaction recovery of everything the logs
+        // hold starts at each worker's first poll (§5.3).
+        let (workers, restarts) = match restarted {
+            Some(r) => {
+                tracing::info!(machine = me.0, config = machine.view().config.id.0,
+                    members = ?machine.view().config.members, "restarted from NVRAM");
+                (r.workers, vec![r.exchange])
+            }
+            None => {
+                let workers = (0..config.workers)
+                    .map(|t| Worker::new(machine.clone(), ThreadId(t)))
+                    .collect();
+                (workers, Vec::new())
+            }
+        };
         // Commits write into every replica's logs: the configuration starts once all of its
         // machines run it (a write to a machine not yet up would count as a failure).
         // A joiner is outside the configuration: nobody writes to it, nor it to anybody, before
@@ -314,23 +319,6 @@ impl Node {
             machine.view().config.members.clone()
         };
         wait_for_machines(&members, |m| fabric.ready(m), config.start_timeout)?;
-        let ring_starts = match &restart {
-            Some(r) => {
-                let starts = crate::node_restart::resume_rings(
-                    &*fabric,
-                    &mut workers,
-                    r,
-                    config.start_timeout,
-                )?;
-                // NEW-CONFIG-COMMIT of the restart: transaction recovery of everything the
-                // logs hold starts at each worker's first poll (§5.3).
-                machine.commit_config(r.config.id);
-                tracing::info!(machine = me.0, config = r.config.id.0,
-                    members = ?r.config.members, "restarted from NVRAM");
-                Some((r.config.id, starts))
-            }
-            None => None,
-        };
         // One clock for the lease thread, the control thread and the polls: the polls compare
         // their time with the lease's bound (`MachineState::serves_at`).
         let epoch = Instant::now();
@@ -350,7 +338,7 @@ impl Node {
                 epoch,
                 replicas: config.replicas as usize,
                 reconfigure: true,
-                ring_starts,
+                restarts,
             },
             &shared,
         );

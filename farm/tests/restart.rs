@@ -317,7 +317,10 @@ fn a_restart_is_refused_with_the_reason() {
         .restart()
         .build()
         .unwrap_err();
-    assert!(e.to_string().contains("holds no configuration"), "{e}");
+    assert!(
+        e.to_string().contains("holds no state of machine m0"),
+        "{e}"
+    );
     let c = builder(dir.path(), store.clone()).build().unwrap();
     // A new cluster on a used directory is refused.
     let e = builder(dir.path(), Arc::new(EmbeddedStore::new()))
@@ -326,6 +329,12 @@ fn a_restart_is_refused_with_the_reason() {
     assert!(e.to_string().contains("ClusterBuilder::restart"), "{e}");
     c.power_off();
     drop(c);
+    // A restart with an empty coordination store.
+    let e = builder(dir.path(), Arc::new(EmbeddedStore::new()))
+        .restart()
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("holds no configuration"), "{e}");
     // A restart with another coordination store, which holds an older configuration.
     let other: Arc<dyn CoordinationStore> = Arc::new(EmbeddedStore::new());
     let initial = farm_core::config::Configuration::initial(3);

@@ -1,12 +1,12 @@
-//! The restart decision (`farm_txn::machine::restart_view`): which view a whole-cluster restart
+//! The restart decision (`farm_cm::restart::restart_view`): which view a whole-cluster restart
 //! resumes from, which replicas it treats as incomplete, and when it must refuse.
 
 use std::collections::BTreeMap;
 
+use farm_cm::restart::{restart_view, Persisted};
 use farm_core::codec::StoredView;
 use farm_core::config::{Configuration, Placement, RegionMap};
 use farm_core::{ConfigId, MachineId, RegionId};
-use farm_txn::machine::{restart_view, Persisted};
 
 fn view(id: u64, members: &[u16], regions: u32) -> StoredView {
     let mut config = Configuration::initial(5);

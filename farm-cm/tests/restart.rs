@@ -1,0 +1,536 @@
+//! The whole-cluster restart exchange (`farm_cm::restart`) of every machine of a cluster,
+//! driven by a small deterministic harness: datagrams delivered after a seeded delay, lost or
+//! repeated where a test says, an embedded coordination store, and NVRAM that reopens at once
+//! with made-up ring positions that name who found what (so a test can check that every
+//! sender continues each ring where its receiver found it).
+
+use std::collections::BTreeMap;
+
+use farm_cm::control::{ControlMsg, Reassembly};
+use farm_cm::restart::{
+    Effect, ExchangeParams, Outcome, Persisted, RestartError, RestartExchange, RestartPlan,
+};
+use farm_cm::{CasOutcome, ConfigurationStore, EmbeddedStore};
+use farm_core::codec::StoredView;
+use farm_core::config::{Configuration, RegionMap};
+use farm_core::{ConfigId, MachineId};
+
+/// A view of configuration `id` with `members`, three regions per member.
+fn view(id: u64, members: &[u16]) -> StoredView {
+    let mut config = Configuration::initial(members.iter().max().map_or(1, |m| m + 1));
+    config.id = ConfigId(id);
+    config.members = members.iter().map(|m| MachineId(*m)).collect();
+    config.failure_domains.retain(|m, _| members.contains(&m.0));
+    config.cm = config.members[0];
+    let mut map = RegionMap::default();
+    let striped = RegionMap::striped(members.len() as u16, 3, 1);
+    for (r, p) in striped.iter() {
+        let mut p = p.clone();
+        p.primary = config.members[p.primary.0 as usize];
+        for b in &mut p.backups {
+            *b = config.members[b.0 as usize];
+        }
+        map.insert(r, p);
+    }
+    StoredView {
+        config,
+        map,
+        changes: BTreeMap::new(),
+    }
+}
+
+fn left(view: &StoredView) -> Persisted {
+    Persisted {
+        view: view.clone(),
+        copying: BTreeMap::new(),
+    }
+}
+
+/// Where machine `receiver` found `sender`'s ring of worker `t`: a value that names all three.
+fn found(receiver: MachineId, sender: MachineId, t: usize) -> [u64; 4] {
+    let k = receiver.0 as u64 * 10_000 + sender.0 as u64 * 100 + t as u64;
+    [k, k + 1, k + 2, k + 3]
+}
+
+/// A datagram network: a seeded delay per datagram, a loss rate, and duplicates.
+struct Net {
+    rng: u64,
+    /// Datagrams lost per 100.
+    loss: u64,
+    /// Datagrams repeated per 100.
+    duplicates: u64,
+    /// (due, from, to, datagram)
+    queue: Vec<(u64, MachineId, MachineId, Vec<u8>)>,
+}
+
+impl Net {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn send(&mut self, now: u64, from: MachineId, to: MachineId, datagram: Vec<u8>) {
+        let copies = 1 + (self.next() % 100 < self.duplicates) as u64;
+        for _ in 0..copies {
+            if self.next() % 100 < self.loss {
+                continue;
+            }
+            let due = now + 1 + self.next() % 4;
+            self.queue.push((due, from, to, datagram.clone()));
+        }
+    }
+}
+
+/// One machine and what its exchange made it do.
+struct Machine {
+    exchange: RestartExchange,
+    pieces: Reassembly,
+    next_message: u64,
+    restored: Option<RestartPlan>,
+    /// Ring starts this machine continued its outbound rings with, per receiver.
+    resumed: BTreeMap<MachineId, Vec<[u64; 4]>>,
+    committed: Vec<ConfigId>,
+    /// Whether this machine's NVRAM fails to reopen.
+    broken: bool,
+}
+
+struct Cluster {
+    machines: Vec<Machine>,
+    store: EmbeddedStore,
+    net: Net,
+    now: u64,
+    /// Worker threads per machine, by machine.
+    threads: Vec<usize>,
+}
+
+impl Cluster {
+    /// A cluster whose machines left `persisted` (by id), with `stored` in its store.
+    fn new(persisted: &[Persisted], stored: &Configuration, seed: u64) -> Self {
+        let store = EmbeddedStore::new();
+        assert_eq!(
+            store.cas_config(None, stored),
+            Ok(CasOutcome::Written(farm_cm::StoreVersion(0)))
+        );
+        let params = ExchangeParams {
+            machines: persisted.len() as u16,
+            repeat: 3,
+        };
+        let machines = persisted
+            .iter()
+            .enumerate()
+            .map(|(m, p)| Machine {
+                exchange: RestartExchange::new(MachineId(m as u16), params, p.clone()),
+                pieces: Reassembly::new(),
+                next_message: 0,
+                restored: None,
+                resumed: BTreeMap::new(),
+                committed: Vec::new(),
+                broken: false,
+            })
+            .collect();
+        Self {
+            machines,
+            store,
+            net: Net {
+                rng: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
+                loss: 0,
+                duplicates: 0,
+                queue: Vec::new(),
+            },
+            now: 0,
+            threads: vec![2; persisted.len()],
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.machines.iter().all(|m| m.exchange.outcome().is_some())
+    }
+
+    /// Runs until every machine has an outcome (or `steps` pass), then `after` more steps.
+    fn run(&mut self, steps: u64, after: u64) {
+        let mut left = None;
+        for _ in 0..steps {
+            self.step();
+            if self.done() {
+                left = Some(after);
+            }
+            match &mut left {
+                Some(0) => return,
+                Some(n) => *n -= 1,
+                None => {}
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        self.now += 1;
+        let now = self.now;
+        let mut due = Vec::new();
+        self.net.queue.retain(|d| {
+            if d.0 <= now {
+                due.push(d.clone());
+                false
+            } else {
+                true
+            }
+        });
+        for (_, from, to, datagram) in due {
+            let m = &mut self.machines[to.0 as usize];
+            if let Some(msg) = m.pieces.accept(from, &datagram) {
+                m.exchange.on_message(from, msg);
+            }
+            self.execute(to);
+        }
+        for i in 0..self.machines.len() {
+            self.machines[i].exchange.tick(now);
+            self.execute(MachineId(i as u16));
+        }
+    }
+
+    fn execute(&mut self, me: MachineId) {
+        let i = me.0 as usize;
+        loop {
+            let effects = self.machines[i].exchange.take_effects();
+            if effects.is_empty() {
+                self.machines[i].exchange.invariants();
+                return;
+            }
+            for e in effects {
+                let m = &mut self.machines[i];
+                match e {
+                    Effect::Send { to, msg, id } => {
+                        assert_ne!(to, me, "a restart message to itself: {msg:?}");
+                        let datagrams = msg.datagrams(id);
+                        m.next_message += 1;
+                        for d in datagrams {
+                            self.net.send(self.now, me, to, d);
+                        }
+                    }
+                    Effect::ReadStore => {
+                        let read = self.store.read_config().map_err(|e| e.to_string());
+                        m.exchange.on_store_read(read);
+                    }
+                    Effect::CompareAndSet { expected, config } => {
+                        let r = self.store.cas_config(Some(expected), &config);
+                        m.exchange.on_cas(r.map_err(|e| e.to_string()));
+                    }
+                    Effect::Restore(plan) => {
+                        assert!(m.restored.is_none(), "{me} restored twice");
+                        let threads = self.threads[i];
+                        let starts = plan
+                            .config
+                            .members
+                            .iter()
+                            .map(|s| (*s, (0..threads).map(|t| found(me, *s, t)).collect()))
+                            .collect();
+                        m.restored = Some(plan);
+                        let r = if m.broken {
+                            Err("disk gone".to_string())
+                        } else {
+                            Ok(starts)
+                        };
+                        m.exchange.on_restored(r);
+                    }
+                    Effect::ResumeOutbound { receiver, starts } => {
+                        assert!(m.restored.is_some(), "{me} resumed rings before reopening");
+                        assert!(
+                            m.committed.is_empty(),
+                            "{me} resumed rings after committing"
+                        );
+                        let old = m.resumed.insert(receiver, starts);
+                        assert!(old.is_none(), "{me} resumed its rings to {receiver} twice");
+                    }
+                    Effect::Commit(id) => m.committed.push(id),
+                }
+            }
+        }
+    }
+
+    fn outcome(&self, m: u16) -> &Outcome {
+        self.machines[m as usize]
+            .exchange
+            .outcome()
+            .expect("an outcome")
+    }
+
+    /// Checks what every member did: it reopened with the plan, continued its rings to every
+    /// member (itself included) where the receiver found them, and committed once.
+    fn check_restarted(&self, plan: &RestartPlan) {
+        for me in &plan.config.members {
+            let m = &self.machines[me.0 as usize];
+            assert_eq!(self.outcome(me.0), &Outcome::Restarted(plan.clone()));
+            assert_eq!(m.restored.as_ref(), Some(plan));
+            assert_eq!(m.committed, vec![plan.config.id], "{me} commits once");
+            let expected: BTreeMap<MachineId, Vec<[u64; 4]>> = plan
+                .config
+                .members
+                .iter()
+                .map(|r| (*r, (0..2).map(|t| found(*r, *me, t)).collect()))
+                .collect();
+            assert_eq!(m.resumed, expected, "{me}'s rings");
+        }
+    }
+}
+
+#[test]
+fn every_member_restarts_with_the_stored_plan() {
+    let v = view(4, &[0, 1, 2]);
+    let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 1);
+    c.run(1_000, 0);
+    assert!(
+        c.done(),
+        "waiting for {:?}",
+        c.machines[0].exchange.waiting_for()
+    );
+    let plan = RestartPlan {
+        config: Configuration {
+            id: ConfigId(5),
+            ..v.config.clone()
+        },
+        from: v.clone(),
+    };
+    c.check_restarted(&plan);
+    assert_eq!(
+        c.store.read_config().unwrap().map(|(_, c)| c),
+        Some(plan.config.clone()),
+        "machine 0 stored the restart configuration"
+    );
+}
+
+/// Lost, repeated and reordered datagrams, over many seeds: every member still restarts with
+/// the same plan, each ring continued exactly once where its receiver found it.
+#[test]
+fn lost_and_repeated_datagrams_delay_the_restart_but_change_nothing() {
+    let v = view(7, &[0, 1, 2, 3, 4]);
+    let persisted: Vec<Persisted> = (0..5).map(|_| left(&v)).collect();
+    for seed in 0..200 {
+        let mut c = Cluster::new(&persisted, &v.config, seed);
+        c.net.loss = 30;
+        c.net.duplicates = 20;
+        c.run(20_000, 200);
+        assert!(c.done(), "seed {seed}: waiting");
+        let Outcome::Restarted(plan) = c.outcome(0).clone() else {
+            panic!("seed {seed}: {:?}", c.outcome(0));
+        };
+        assert_eq!(plan.config.id, ConfigId(8));
+        c.check_restarted(&plan);
+    }
+}
+
+/// Machine 3 was removed in configuration 5, before the power went: it learns it stays out,
+/// and the members restart from the newest view without it. Likewise when machine 0, which
+/// decides, was the one removed: it decides, and returns once every machine learnt the plan.
+#[test]
+fn a_machine_removed_before_the_stop_stays_out() {
+    for (removed, members) in [(3u16, [0u16, 1, 2]), (0, [1, 2, 3])] {
+        let old = view(4, &[0, 1, 2, 3]);
+        let new = view(5, &members);
+        let persisted: Vec<Persisted> = (0..4)
+            .map(|m| if m == removed { left(&old) } else { left(&new) })
+            .collect();
+        for seed in 0..50 {
+            let mut c = Cluster::new(&persisted, &new.config, seed);
+            c.net.loss = 20;
+            c.run(20_000, 100);
+            assert!(c.done(), "seed {seed}");
+            let plan = RestartPlan {
+                config: Configuration {
+                    id: ConfigId(6),
+                    ..new.config.clone()
+                },
+                from: new.clone(),
+            };
+            assert_eq!(c.outcome(removed), &Outcome::Removed(plan.clone()));
+            let out = &c.machines[removed as usize];
+            assert!(out.restored.is_none() && out.resumed.is_empty() && out.committed.is_empty());
+            c.check_restarted(&plan);
+        }
+    }
+}
+
+/// A restart of a cluster that still runs (or another restart got there first): the store
+/// changed between machine 0's read and its compare-and-set. Machine 0 fails with the reason,
+/// and nobody reopens anything.
+#[test]
+fn a_store_that_changes_under_the_restart_fails_it() {
+    let v = view(4, &[0, 1, 2]);
+    let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 3);
+    // Machine 0 reads the store once it heard from everyone; then the store moves on.
+    while c.store.read_config().unwrap().unwrap().0 .0 == 0 && c.now < 1_000 {
+        c.now += 1;
+        let now = c.now;
+        for i in 1..3 {
+            c.machines[i].exchange.tick(now);
+            c.execute(MachineId(i as u16));
+        }
+        let mut due = Vec::new();
+        c.net.queue.retain(|d| {
+            let take = d.0 <= now && d.2 == MachineId(0);
+            if take {
+                due.push(d.clone());
+            }
+            !take
+        });
+        for (_, from, _, d) in due {
+            if let Some(msg) = c.machines[0].pieces.accept(from, &d) {
+                c.machines[0].exchange.on_message(from, msg);
+            }
+            let effects = c.machines[0].exchange.take_effects();
+            if effects.contains(&Effect::ReadStore) {
+                let read = c.store.read_config().map_err(|e| e.to_string());
+                let Ok(Some((version, config))) = read.clone() else {
+                    panic!("stored");
+                };
+                let moved = Configuration {
+                    id: ConfigId(5),
+                    ..config
+                };
+                c.store.cas_config(Some(version), &moved).unwrap();
+                c.machines[0].exchange.on_store_read(read);
+                c.execute(MachineId(0));
+            }
+        }
+    }
+    let Outcome::Failed(RestartError::Store(e)) = c.outcome(0) else {
+        panic!("{:?}", c.machines[0].exchange.outcome());
+    };
+    assert!(e.contains("changed during the restart"), "{e}");
+    c.run(300, 0);
+    assert!(c.machines.iter().all(|m| m.restored.is_none()));
+    assert_eq!(c.machines[1].exchange.waiting_for(), vec![MachineId(0)]);
+}
+
+/// Machine 0's announcement disagrees with the store (an operator pointed a machine at another
+/// store): that machine refuses it. And a member whose NVRAM does not reopen fails with why.
+#[test]
+fn a_machine_refuses_a_plan_the_store_does_not_hold_and_fails_without_its_nvram() {
+    let v = view(4, &[0, 1, 2]);
+    let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 4);
+    // Machine 2 reads another store, one that moved on.
+    let other = EmbeddedStore::new();
+    other
+        .cas_config(
+            None,
+            &Configuration {
+                id: ConfigId(9),
+                ..v.config.clone()
+            },
+        )
+        .unwrap();
+    c.machines[1].broken = true;
+    for _ in 0..200 {
+        c.now += 1;
+        let now = c.now;
+        let mut due = Vec::new();
+        c.net.queue.retain(|d| {
+            let take = d.0 <= now;
+            if take {
+                due.push(d.clone());
+            }
+            !take
+        });
+        for (_, from, to, d) in due {
+            let m = &mut c.machines[to.0 as usize];
+            if let Some(msg) = m.pieces.accept(from, &d) {
+                m.exchange.on_message(from, msg);
+            }
+            if to == MachineId(2) {
+                for e in c.machines[2].exchange.take_effects() {
+                    if e == Effect::ReadStore {
+                        let read = other.read_config().map_err(|e| e.to_string());
+                        c.machines[2].exchange.on_store_read(read);
+                    }
+                }
+            }
+            c.execute(to);
+        }
+        for i in 0..3 {
+            c.machines[i].exchange.tick(now);
+            c.execute(MachineId(i as u16));
+        }
+    }
+    let Outcome::Failed(RestartError::Store(e)) = c.outcome(2) else {
+        panic!("{:?}", c.machines[2].exchange.outcome());
+    };
+    assert!(e.contains("not restart configuration 5"), "{e}");
+    let Outcome::Failed(RestartError::Invalid(e)) = c.outcome(1) else {
+        panic!("{:?}", c.machines[1].exchange.outcome());
+    };
+    assert!(e.contains("disk gone"), "{e}");
+    assert!(
+        c.machines[0].exchange.outcome().is_none(),
+        "machine 0 waits"
+    );
+    assert!(c.machines.iter().all(|m| m.committed.is_empty()));
+}
+
+/// Machines that run different numbers of worker threads cannot continue each other's rings.
+#[test]
+fn machines_with_different_worker_counts_refuse_each_other() {
+    let v = view(4, &[0, 1]);
+    let mut c = Cluster::new(&[left(&v), left(&v)], &v.config, 5);
+    c.threads[1] = 3;
+    c.run(1_000, 0);
+    let Outcome::Failed(RestartError::Invalid(e)) = c.outcome(0) else {
+        panic!("{:?}", c.machines[0].exchange.outcome());
+    };
+    assert!(e.contains("every machine of a cluster runs as many"), "{e}");
+    assert!(c.machines.iter().all(|m| m.committed.is_empty()));
+}
+
+/// A machine that finished still answers: machine 0 announces the plan to a machine that asks
+/// late, and a member gives its ring starts again to a peer that lost the answer.
+#[test]
+fn a_finished_machine_answers_late_requests() {
+    let v = view(4, &[0, 1, 2]);
+    let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 6);
+    c.run(1_000, 20);
+    assert!(c.done());
+    let Outcome::Restarted(plan) = c.outcome(0).clone() else {
+        panic!()
+    };
+    let p = left(&v);
+    c.machines[0].exchange.on_message(
+        MachineId(2),
+        ControlMsg::Persisted {
+            view: p.view,
+            copying: p.copying,
+        },
+    );
+    let effects = c.machines[0].exchange.take_effects();
+    assert!(
+        matches!(&effects[..], [Effect::Send { to: MachineId(2), msg: ControlMsg::Restart { restart, .. }, .. }] if *restart == plan.config.id),
+        "{effects:?}"
+    );
+    c.machines[1].exchange.on_message(
+        MachineId(2),
+        ControlMsg::RingStarts {
+            config: plan.config.id,
+            reply: false,
+            starts: vec![[0; 4]; 2],
+        },
+    );
+    let effects = c.machines[1].exchange.take_effects();
+    let answer: Vec<[u64; 4]> = (0..2)
+        .map(|t| found(MachineId(1), MachineId(2), t))
+        .collect();
+    assert_eq!(
+        effects,
+        vec![Effect::Send {
+            to: MachineId(2),
+            msg: ControlMsg::RingStarts {
+                config: plan.config.id,
+                reply: true,
+                starts: answer,
+            },
+            id: match &effects[0] {
+                Effect::Send { id, .. } => *id,
+                e => panic!("{e:?}"),
+            },
+        }]
+    );
+    c.check_restarted(&plan);
+}

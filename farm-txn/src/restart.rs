@@ -1,0 +1,239 @@
+//! A machine's part of a whole-cluster restart at work: `farm_cm::restart::RestartExchange`
+//! wired to the fabric, the coordination store, the machine's NVRAM and its workers. The
+//! exchange decides; this carries its effects out (a datagram, a store read or
+//! compare-and-set, reopening NVRAM, continuing rings, committing) and feeds the results back,
+//! so that a node process, the in-process cluster and the simulator restart by the same rules.
+//! It reads no clock and starts no thread: the caller steps it with its own time until it has
+//! an outcome, and gives up when it chooses (naming [`MachineRestart::waiting_for`]).
+
+use std::sync::Arc;
+
+use farm_cm::control::{ControlMsg, Reassembly};
+use farm_cm::restart::{Effect, ExchangeParams, Outcome, Persisted, RestartExchange, RingStarts};
+use farm_cm::restart::{RestartError, RestartPlan};
+use farm_cm::{ConfigurationStore, CoordinationStore};
+use farm_core::fabric::Fabric;
+use farm_core::{MachineId, ThreadId};
+
+use crate::machine::Reopen;
+use crate::{MachineState, Params, Worker};
+
+/// A machine that restarted as a member: its state, its workers (every ring continued where
+/// its receiver found it, the restart configuration committed) and its exchange, which keeps
+/// answering peers that ask late ([`crate::control::MachineControl::set_restart`]).
+pub struct Restarted {
+    /// The machine, reopened from its NVRAM.
+    pub machine: Arc<MachineState>,
+    /// Its workers, by thread.
+    pub workers: Vec<Worker>,
+    /// The finished exchange.
+    pub exchange: RestartExchange,
+}
+
+impl std::fmt::Debug for Restarted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Restarted")
+            .field("machine", &self.machine.id)
+            .field("exchange", &self.exchange)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a machine's restart ended ([`MachineRestart::finish`]).
+#[derive(Debug)]
+pub enum Finished {
+    /// It restarted as a member.
+    Restarted(Box<Restarted>),
+    /// It is not a member of the restart configuration (it was removed before the cluster
+    /// stopped: its NVRAM is stale).
+    Removed(RestartPlan),
+    /// The restart failed here.
+    Failed(RestartError),
+}
+
+/// One machine's restart: the exchange and what it acts on.
+pub struct MachineRestart<'a> {
+    exchange: RestartExchange,
+    params: Params,
+    fabric: Arc<dyn Fabric>,
+    store: &'a dyn CoordinationStore,
+    nvram: Reopen<'a>,
+    /// Joins the pieces of long messages from peers.
+    pieces: Reassembly,
+    buf: Vec<u8>,
+    /// Once reopened: the machine and its workers.
+    restored: Option<(Arc<MachineState>, Vec<Worker>)>,
+}
+
+impl std::fmt::Debug for MachineRestart<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MachineRestart")
+            .field("exchange", &self.exchange)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> MachineRestart<'a> {
+    /// The restart of machine `me`, which left `persisted` in `nvram`, in a cluster of
+    /// `exchange.machines` machines that each run `params.layout.threads` workers.
+    pub fn new(
+        me: MachineId,
+        exchange: ExchangeParams,
+        persisted: Persisted,
+        params: Params,
+        fabric: Arc<dyn Fabric>,
+        store: &'a dyn CoordinationStore,
+        nvram: Reopen<'a>,
+    ) -> Self {
+        Self {
+            exchange: RestartExchange::new(me, exchange, persisted),
+            params,
+            fabric,
+            store,
+            nvram,
+            pieces: Reassembly::new(),
+            buf: Vec::new(),
+            restored: None,
+        }
+    }
+
+    /// One step at `now`: the restart's control datagrams that arrived, then a tick. Other
+    /// control messages (a peer's plane, already running) are dropped: they are repeated.
+    pub fn step(&mut self, now: u64) {
+        let me = self.exchange.machine();
+        let mut buf = std::mem::take(&mut self.buf);
+        while let Some(from) = self.fabric.recv_control(me, now, &mut buf) {
+            if let Some(msg) = self.pieces.accept(from, &buf) {
+                self.exchange.on_message(from, msg);
+                self.execute(now);
+            }
+        }
+        self.buf = buf;
+        self.exchange.tick(now);
+        self.execute(now);
+    }
+
+    /// The machine.
+    pub fn machine(&self) -> MachineId {
+        self.exchange.machine()
+    }
+
+    /// How the restart ended here, once it did.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        self.exchange.outcome()
+    }
+
+    /// The machines this one waits for.
+    pub fn waiting_for(&self) -> Vec<MachineId> {
+        self.exchange.waiting_for()
+    }
+
+    /// The end of the restart, once [`MachineRestart::outcome`] has one.
+    pub fn finish(self) -> Finished {
+        match self.exchange.outcome().cloned() {
+            Some(Outcome::Restarted(_)) => {
+                let (machine, workers) = self.restored.expect("restarted members reopened");
+                Finished::Restarted(Box::new(Restarted {
+                    machine,
+                    workers,
+                    exchange: self.exchange,
+                }))
+            }
+            Some(Outcome::Removed(plan)) => Finished::Removed(plan),
+            Some(Outcome::Failed(e)) => Finished::Failed(e),
+            None => panic!("finishing a restart that is still under way"),
+        }
+    }
+
+    /// Carries out the exchange's effects, feeding results back, until it has none.
+    fn execute(&mut self, now: u64) {
+        let me = self.exchange.machine();
+        loop {
+            let effects = self.exchange.take_effects();
+            if effects.is_empty() {
+                if cfg!(debug_assertions) {
+                    self.exchange.invariants();
+                }
+                return;
+            }
+            for e in effects {
+                match e {
+                    Effect::Send { to, msg, id } => send(&*self.fabric, me, to, &msg, id, now),
+                    Effect::ReadStore => {
+                        let read = self.store.read_config().map_err(|e| e.to_string());
+                        self.exchange.on_store_read(read);
+                    }
+                    Effect::CompareAndSet { expected, config } => {
+                        let r = self.store.cas_config(Some(expected), &config);
+                        self.exchange.on_cas(r.map_err(|e| e.to_string()));
+                    }
+                    Effect::Restore(plan) => {
+                        let starts = self.restore(&plan);
+                        self.exchange.on_restored(starts);
+                    }
+                    Effect::ResumeOutbound { receiver, starts } => {
+                        let (_, workers) = self.restored.as_mut().expect("reopened");
+                        for (w, s) in workers.iter_mut().zip(&starts) {
+                            w.resume_outbound(receiver, [(s[0], s[1]), (s[2], s[3])]);
+                        }
+                    }
+                    Effect::Commit(id) => {
+                        // NEW-CONFIG-COMMIT of the restart: transaction recovery of everything
+                        // the logs hold starts at each worker's first poll (§5.3).
+                        let (machine, _) = self.restored.as_ref().expect("reopened");
+                        machine.commit_config(id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reopens this machine's NVRAM with the plan and starts its workers: where each found
+    /// every member's rings to it.
+    fn restore(&mut self, plan: &RestartPlan) -> Result<RingStarts, String> {
+        let me = self.exchange.machine();
+        let machine = MachineState::restore(
+            me,
+            self.params,
+            plan.from.clone(),
+            plan.config.id,
+            self.fabric.clone(),
+            self.nvram,
+        )
+        .map_err(|e| e.to_string())?;
+        let workers: Vec<Worker> = (0..self.params.layout.threads)
+            .map(|t| Worker::new(machine.clone(), ThreadId(t)))
+            .collect();
+        let starts = plan
+            .config
+            .members
+            .iter()
+            .map(|sender| {
+                let s = workers
+                    .iter()
+                    .map(|w| {
+                        let [(lh, lt), (qh, qt)] = w.inbound_start(*sender);
+                        [lh, lt, qh, qt]
+                    })
+                    .collect();
+                (*sender, s)
+            })
+            .collect();
+        self.restored = Some((machine, workers));
+        Ok(starts)
+    }
+}
+
+/// Sends every datagram of message `id` to `to`.
+pub(crate) fn send(
+    fabric: &dyn Fabric,
+    me: MachineId,
+    to: MachineId,
+    msg: &ControlMsg,
+    id: u64,
+    now: u64,
+) {
+    for d in msg.datagrams(id) {
+        fabric.send_datagram(me, to, &d, now);
+    }
+}
