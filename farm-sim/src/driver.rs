@@ -30,6 +30,9 @@ const SETUP_POLLS_MAX: u64 = 100_000;
 /// takes tens.
 const RESTART_TICKS_MAX: u64 = 1_000 * LEASE_TICKS;
 
+/// The latest tick of a restart's exchange at which the simulator cuts the power again.
+const RESTART_CUT_TICKS_MAX: u64 = 12;
+
 /// Values a list object can hold.
 pub const LIST_CAPACITY: usize = 48;
 const LIST_BYTES: usize = 8 * (LIST_CAPACITY + 1);
@@ -146,6 +149,9 @@ pub struct SimOutcome {
     /// its logs not drained for the newest configuration or a transaction still recovering),
     /// and of data or allocator recovery only.
     pub restarts_mid: (u64, u64, u64),
+    /// Restarts the power cut short, during the exchange, and of those, the ones after which
+    /// some machine had reopened its NVRAM.
+    pub restarts_cut: (u64, u64),
     /// Machines paused.
     pub paused: u64,
     /// Machines that stopped because their own lease told them they had been removed.
@@ -222,6 +228,7 @@ pub struct Sim {
     evicted: u64,
     restarts: u64,
     restarts_mid: (u64, u64, u64),
+    restarts_cut: (u64, u64),
     params: Params,
     step_no: u64,
 }
@@ -369,6 +376,7 @@ impl Sim {
             evicted: 0,
             restarts: 0,
             restarts_mid: (0, 0, 0),
+            restarts_cut: (0, 0),
             params,
             step_no: 0,
         };
@@ -650,65 +658,66 @@ impl Sim {
             self.commit_unknown(c);
         }
         let seed = self.config.seed;
-        let fabric = Arc::new(MemFabric::new(MemFabricConfig {
-            machines_max: self.config.machines,
-            threads_max: self.config.threads,
-            seed: self.rng.below(u64::MAX),
-            datagrams_queued_max: 64 * self.config.machines as usize,
-        }));
-        // The restart's datagrams are as lossy as any.
-        fabric.set_datagram_policy(self.datagram_policy());
-        let old = std::mem::take(&mut self.machines);
-        let exchange = ExchangeParams {
-            machines: self.config.machines,
-            repeat: REPEAT_TICKS,
-        };
-        let mut restarts: Vec<MachineRestart<'_>> = old
-            .iter()
-            .map(|m| {
-                let v = m.view();
-                let persisted = Persisted {
-                    view: farm_core::codec::StoredView {
-                        config: v.config.clone(),
-                        map: v.map.clone(),
-                        changes: v.changes.clone(),
-                    },
-                    copying: m.regions_to_copy(),
-                };
-                MachineRestart::new(
-                    m.id,
-                    exchange,
-                    persisted,
-                    self.params,
-                    fabric.clone() as Arc<dyn Fabric>,
-                    self.cm.restart_store(),
-                    Reopen::Memory(m),
-                )
-            })
-            .collect();
-        // Every machine's process starts again and takes part, in an order that turns.
-        let deadline = self.now + RESTART_TICKS_MAX;
-        while restarts.iter().any(|r| r.outcome().is_none()) {
-            if self.now > deadline {
-                let waiting: Vec<_> = restarts.iter().map(|r| r.waiting_for()).collect();
-                panic!("seed {seed}: the restart did not finish: machines wait for {waiting:?}");
-            }
-            self.now += 1;
-            let n = restarts.len();
-            for k in 0..n {
-                let r = &mut restarts[(self.now as usize + k) % n];
-                r.step(self.now);
-                if let Some(Outcome::Failed(e)) = r.outcome() {
-                    panic!("seed {seed}: restart refused at {}: {e}", r.machine());
+        // The power may go again during the restart (a third of the restarts), a few ticks
+        // into the exchange (which takes about ten without losses): some machines may have
+        // reopened their NVRAM by then.
+        let mut cut_after =
+            (self.rng.below(3) == 0).then(|| 1 + self.rng.below(RESTART_CUT_TICKS_MAX));
+        let mut stopped = std::mem::take(&mut self.machines);
+        let (fabric, restarts) = loop {
+            let fabric = Arc::new(MemFabric::new(MemFabricConfig {
+                machines_max: self.config.machines,
+                threads_max: self.config.threads,
+                seed: self.rng.below(u64::MAX),
+                datagrams_queued_max: 64 * self.config.machines as usize,
+            }));
+            // The restart's datagrams are as lossy as any.
+            fabric.set_datagram_policy(self.datagram_policy());
+            let store = self.cm.restart_store();
+            let mut restarts = restarts_of(&stopped, &fabric, store, self.params, &self.config);
+            let cut = cut_after.take().map(|t| self.now + t);
+            // Every machine's process starts again and takes part, in an order that turns.
+            let deadline = self.now + RESTART_TICKS_MAX;
+            while restarts.iter().any(|r| r.outcome().is_none()) && cut != Some(self.now) {
+                if self.now > deadline {
+                    let waiting: Vec<_> = restarts.iter().map(|r| r.waiting_for()).collect();
+                    panic!(
+                        "seed {seed}: the restart did not finish: machines wait for {waiting:?}"
+                    );
+                }
+                self.now += 1;
+                let n = restarts.len();
+                for k in 0..n {
+                    let r = &mut restarts[(self.now as usize + k) % n];
+                    r.step(self.now);
+                    if let Some(Outcome::Failed(e)) = r.outcome() {
+                        panic!("seed {seed}: restart refused at {}: {e}", r.machine());
+                    }
                 }
             }
-        }
+            if cut != Some(self.now) {
+                let finished: Vec<Finished> = restarts.into_iter().map(|r| r.finish()).collect();
+                break (fabric, finished);
+            }
+            // The power went: what each machine reopened is its NVRAM now.
+            self.restarts_cut.0 += 1;
+            let reopened: Vec<Option<Arc<MachineState>>> =
+                restarts.into_iter().map(|r| r.abandon()).collect();
+            if reopened.iter().any(Option::is_some) {
+                self.restarts_cut.1 += 1;
+            }
+            stopped = reopened
+                .into_iter()
+                .zip(stopped)
+                .map(|(r, old)| r.unwrap_or(old))
+                .collect();
+        };
         let threads = self.config.threads;
         let mut machines = Vec::new();
         let mut workers = Vec::new();
         let mut exchanges = Vec::new();
         for r in restarts {
-            match r.finish() {
+            match r {
                 Finished::Restarted(r) => {
                     machines.push(r.machine);
                     workers.extend(r.workers.into_iter().map(|mut w| {
@@ -737,7 +746,7 @@ impl Sim {
                 Finished::Failed(e) => panic!("seed {seed}: restart refused: {e}"),
             }
         }
-        drop(old);
+        drop(stopped);
         fabric.set_hold_writes(true);
         self.paused.clear();
         self.grace.clear();
@@ -1120,6 +1129,7 @@ impl Sim {
             configurations: self.cm.committed,
             restarts: self.restarts,
             restarts_mid: self.restarts_mid,
+            restarts_cut: self.restarts_cut,
             paused: self.pauses_done,
             evicted: self.evicted,
             stalls: self.stalls_done,
@@ -1347,6 +1357,46 @@ pub fn run_seed(config: SimConfig) -> SimOutcome {
 }
 
 /// Worker `thread` of `machine`, checking its invariants after every poll.
+/// The restart of each machine of `stopped` (by id), from what it left in its memory (as NVRAM
+/// outlives a power loss), over `fabric`.
+fn restarts_of<'a>(
+    stopped: &'a [Arc<MachineState>],
+    fabric: &Arc<MemFabric>,
+    store: &'a dyn farm_cm::CoordinationStore,
+    params: Params,
+    config: &SimConfig,
+) -> Vec<MachineRestart<'a>> {
+    let exchange = ExchangeParams {
+        machines: config.machines,
+        repeat: REPEAT_TICKS,
+    };
+    stopped
+        .iter()
+        .map(|m| {
+            let v = m.view();
+            let persisted = Persisted {
+                view: farm_core::codec::StoredView {
+                    config: v.config.clone(),
+                    map: v.map.clone(),
+                    changes: v.changes.clone(),
+                },
+                copying: m.regions_to_copy(),
+            };
+            let mut r = MachineRestart::new(
+                m.id,
+                exchange,
+                persisted,
+                params,
+                fabric.clone() as Arc<dyn Fabric>,
+                store,
+                Reopen::Memory(m),
+            );
+            r.set_check_invariants(true);
+            r
+        })
+        .collect()
+}
+
 fn sim_worker(machine: &Arc<MachineState>, thread: ThreadId) -> Worker {
     let mut w = Worker::new(machine.clone(), thread);
     w.set_check_invariants(true);

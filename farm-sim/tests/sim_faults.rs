@@ -9,7 +9,9 @@
 //! at once, landing any prefix of its writes) and restarts it from NVRAM, with and without a
 //! crash before (then the power often goes in the middle of the reconfiguration or of the
 //! recovery that follow, and half the time a link between two survivors stalls for a while, so
-//! that records land after the drain), checked the same way.
+//! that records land after the drain), checked the same way. A third of its restarts are cut
+//! short by the power again, during the restart exchange, often after some machines reopened
+//! their NVRAM.
 //! Leases detect the failures (FaRM §5.1), over datagrams that half of the seeds lose and delay;
 //! a third of the seeds pause a machine for longer than a lease: it is removed, runs again
 //! on its stale view, and stops once its own lease tells it it is out.
@@ -417,8 +419,10 @@ fn regions_are_allocated_amid_failures() {
 fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
     let (mut unknown, mut unknown_committed, mut recovered, mut restarts) = (0, 0, 0, 0);
     let (mut mid_reconfiguration, mut mid_txn_recovery, mut mid_data_recovery) = (0, 0, 0);
-    let mut late_rejected = 0;
+    let (mut late_rejected, mut cut, mut cut_after_reopening) = (0, 0, 0);
     let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 500, power_config, |_, out| {
+        cut += out.restarts_cut.0;
+        cut_after_reopening += out.restarts_cut.1;
         unknown += out.unknown.0;
         unknown_committed += out.unknown.1;
         recovered += out.stats.recovered_commits + out.stats.recovered_aborts;
@@ -435,7 +439,12 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
          reconfiguration, {mid_txn_recovery} of transaction recovery, {mid_data_recovery} of \
          data or allocator recovery), {recovered} transactions decided by recovery, {unknown} \
          in flight at a power loss or crash ({unknown_committed} committed); {late_rejected} \
-         records that landed after a drain rejected again at a restart"
+         records that landed after a drain rejected again at a restart; {cut} restarts cut short \
+         by the power ({cut_after_reopening} after a machine reopened its NVRAM)"
+    );
+    assert!(
+        cut_after_reopening > 0,
+        "the power never went during a restart after a machine reopened its NVRAM"
     );
     assert!(
         mid_reconfiguration > 0 && mid_txn_recovery > 0 && mid_data_recovery > 0,

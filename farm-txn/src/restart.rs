@@ -63,6 +63,8 @@ pub struct MachineRestart<'a> {
     buf: Vec<u8>,
     /// Once reopened: the machine and its workers.
     restored: Option<(Arc<MachineState>, Vec<Worker>)>,
+    /// See [`MachineRestart::set_check_invariants`].
+    check_invariants: bool,
 }
 
 impl std::fmt::Debug for MachineRestart<'_> {
@@ -94,7 +96,14 @@ impl<'a> MachineRestart<'a> {
             pieces: Reassembly::new(),
             buf: Vec::new(),
             restored: None,
+            check_invariants: cfg!(debug_assertions),
         }
+    }
+
+    /// Whether every step ends with `RestartExchange::invariants` (on in debug builds; the
+    /// simulator turns it on in every build).
+    pub fn set_check_invariants(&mut self, on: bool) {
+        self.check_invariants = on;
     }
 
     /// One step at `now`: the restart's control datagrams that arrived, then a tick. Other
@@ -145,13 +154,19 @@ impl<'a> MachineRestart<'a> {
         }
     }
 
+    /// Stops the restart where it is, as a power loss does: the machine if it reopened its
+    /// NVRAM (what a later restart reopens again), or `None`.
+    pub fn abandon(self) -> Option<Arc<MachineState>> {
+        self.restored.map(|(machine, _)| machine)
+    }
+
     /// Carries out the exchange's effects, feeding results back, until it has none.
     fn execute(&mut self, now: u64) {
         let me = self.exchange.machine();
         loop {
             let effects = self.exchange.take_effects();
             if effects.is_empty() {
-                if cfg!(debug_assertions) {
+                if self.check_invariants {
                     self.exchange.invariants();
                 }
                 return;

@@ -141,7 +141,12 @@ pub fn child_main() {
             .with_writer(std::io::stderr)
             .try_init();
     }
-    let node = Node::start(&node_config(&mode, machine, port, dir)).unwrap();
+    let node = match Node::start(&node_config(&mode, machine, port, dir)) {
+        Ok(node) => node,
+        // A restarted machine that the restart leaves out says why and stops.
+        Err(e) if mode == "restarted" => return println!("refused {e}"),
+        Err(e) => panic!("machine {machine}: {e}"),
+    };
     println!("up");
     if mode == "rejoin" {
         return rejoin_until_stopped(node, &node_config(&mode, machine, port, dir), dir);
@@ -363,7 +368,8 @@ pub const AFTER_RESTART: u64 = 50;
 
 /// The restart test's first life: allocates this machine's counter (its address in
 /// `<dir>/counter-<m>`), then transfers until killed, each transfer also incrementing the
-/// counter and printing `acked <count>` once committed.
+/// counter and printing `acked <count>` once committed, and `installed <id> members <list>`
+/// each time it installs a configuration.
 fn run_until_killed(node: &Node, dir: &Path) {
     let counter = node.txn(|tx| tx.alloc(&0u64, None)).unwrap();
     let file = dir.join(format!("counter-{}", node.id().0));
@@ -371,7 +377,14 @@ fn run_until_killed(node: &Node, dir: &Path) {
     let all = open_accounts(node, dir);
     let mut next = rng(node);
     let n = all.len() as u64;
+    let mut installed = node.configuration().id;
     loop {
+        let config = node.configuration();
+        if config.id != installed {
+            installed = config.id;
+            let members: Vec<String> = config.members.iter().map(|m| m.0.to_string()).collect();
+            println!("installed {} members {}", config.id.0, members.join(","));
+        }
         let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
         match counted_transfer(node, counter, from, to, amount) {
             Ok(count) => println!("acked {count}"),
