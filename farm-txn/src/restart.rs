@@ -188,6 +188,14 @@ impl<'a> MachineRestart<'a> {
                     }
                     Effect::ResumeOutbound { receiver, starts } => {
                         let (_, workers) = self.restored.as_mut().expect("reopened");
+                        // Every machine of a cluster runs as many workers: one start per ring.
+                        assert_eq!(
+                            starts.len(),
+                            workers.len(),
+                            "ring starts from {receiver} for {} threads, {} run here",
+                            starts.len(),
+                            workers.len()
+                        );
                         for (w, s) in workers.iter_mut().zip(&starts) {
                             w.resume_outbound(receiver, [(s[0], s[1]), (s[2], s[3])]);
                         }
@@ -196,6 +204,13 @@ impl<'a> MachineRestart<'a> {
                         // NEW-CONFIG-COMMIT of the restart: transaction recovery of everything
                         // the logs hold starts at each worker's first poll (§5.3).
                         let (machine, _) = self.restored.as_ref().expect("reopened");
+                        // The configuration committed is the one this machine reopened in.
+                        assert_eq!(
+                            machine.view().config.id,
+                            id,
+                            "restart configuration {} committed over another view",
+                            id.0
+                        );
                         machine.commit_config(id);
                     }
                 }
@@ -207,6 +222,13 @@ impl<'a> MachineRestart<'a> {
     /// every member's rings to it.
     fn restore(&mut self, plan: &RestartPlan) -> Result<RingStarts, String> {
         let me = self.exchange.machine();
+        // Only members reopen: a machine outside the plan's configuration holds stale NVRAM.
+        assert!(
+            plan.config.contains(me) && self.restored.is_none(),
+            "{me} reopened for configuration {} (members {:?}), or twice",
+            plan.config.id.0,
+            plan.config.members
+        );
         let machine = MachineState::restore(
             me,
             self.params,
