@@ -27,7 +27,8 @@
 //! one-sided writes, and a quarter of the crash campaign's have a coordination store whose
 //! operations time out now and then (a compare-and-set before or after it took effect).
 //! `FARM_SIM_SEED=N` replays one seed (in every campaign; name one test to run only it);
-//! `FARM_SIM_FAULT_SEEDS=N` runs more of each (`FARM_SIM_SCALE_SEEDS=N` of the large clusters).
+//! `FARM_SIM_FAULT_SEEDS=N` runs more of each (`FARM_SIM_SCALE_SEEDS=N` of the large clusters),
+//! and `FARM_SIM_FIRST_SEED=K` starts them at seed K instead of 0.
 
 use farm_sim::{run_seed, SimConfig, SimOutcome};
 use farm_txn::Replication;
@@ -186,16 +187,17 @@ fn replay_seed() -> Option<u64> {
         .map(|s| s.parse().expect("FARM_SIM_SEED is a number"))
 }
 
-/// How many seeds a campaign runs: `var` if set, else `default`.
-fn seed_count(var: &str, default: u64) -> u64 {
+/// A seed count or a first seed: `var` if set, else `default`.
+fn seed_var(var: &str, default: u64) -> u64 {
     std::env::var(var)
         .map(|s| s.parse().unwrap_or_else(|_| panic!("{var} is a number")))
         .unwrap_or(default)
 }
 
 /// Runs a campaign of `config`'s shapes: the seed `FARM_SIM_SEED` names alone, if any
-/// (`None`: one seed's totals say nothing), else seeds `0..n`, `n` from `var` if set or
-/// `default`, each checked and handed to `each`; returns `n`.
+/// (`None`: one seed's totals say nothing), else `n` seeds from `FARM_SIM_FIRST_SEED` (0 if
+/// unset, so that the suite always runs the same seeds and a search can run fresh ones), `n`
+/// from `var` if set or `default`, each checked and handed to `each`; returns `n`.
 fn campaign(
     var: &str,
     default: u64,
@@ -206,8 +208,9 @@ fn campaign(
         check(seed, config(seed));
         return None;
     }
-    let seeds = seed_count(var, default);
-    for seed in 0..seeds {
+    let seeds = seed_var(var, default);
+    let first = seed_var("FARM_SIM_FIRST_SEED", 0);
+    for seed in first..first + seeds {
         let out = check(seed, config(seed));
         each(seed, &out);
     }
