@@ -31,7 +31,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use farm_core::codec::StoredView;
-use farm_core::config::{Configuration, RegionChanges};
+use farm_core::config::Configuration;
 use farm_core::{ConfigId, MachineId, RegionId};
 
 use crate::control::ControlMsg;
@@ -104,6 +104,14 @@ pub fn decide(
     machines: u16,
 ) -> Result<RestartPlan, String> {
     let from = restart_view(stored, persisted)?;
+    // The view travels in every Restart message and each member persists it before the
+    // restart configuration: what the codec refuses would never be announced.
+    let encoded = farm_core::codec::encode_view(&from.config, &from.map, &from.changes);
+    assert!(
+        farm_core::codec::decode_view(&encoded).is_ok_and(|v| v == from),
+        "restart view of configuration {} does not survive its codec: {from:?}",
+        from.config.id.0
+    );
     if let Some(m) = from.config.members.iter().find(|m| m.0 >= machines) {
         return Err(format!(
             "machine {m} is a member of configuration {} but the cluster runs {machines} \
@@ -193,12 +201,9 @@ pub fn restart_view(
             .filter(|m| *m != b)
             .collect();
         backups.insert(0, placement.primary);
-        // The new primary never was one: its change is the restart's (`stored` + 1).
-        let change = view.changes.entry(region).or_insert(RegionChanges {
-            last_primary_change: ConfigId(0),
-            last_replica_change: ConfigId(0),
-        });
-        change.last_primary_change = ConfigId(stored.0 + 1);
+        // Its changes stay those of the view, which records none after its own
+        // configuration: the new primary's change is the restart's, as every region's is
+        // (the members reopen in the restart configuration with every primary changed).
         view.map.insert(
             region,
             farm_core::config::Placement {

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use farm_cm::control::ControlMsg;
 use farm_cm::restart::{restart_view, Persisted};
 use farm_core::codec::StoredView;
 use farm_core::config::{Configuration, Placement, RegionMap};
@@ -88,11 +89,15 @@ fn an_incomplete_primary_gives_way_to_a_complete_backup() {
         q.backups.contains(&primary),
         "the old primary stays a replica"
     );
-    assert_eq!(
-        out.changes.get(&r).unwrap().last_primary_change,
-        ConfigId(5),
-        "the new primary changed at the restart"
-    );
+    // The plan travels to every machine in a Restart message and is installed and persisted
+    // before the restart configuration: it is a view like any other, changed no later than
+    // its own configuration (every region's primary changes at the restart, which the
+    // reopening machines stamp in the restart configuration's view).
+    let msg = ControlMsg::Restart {
+        restart: ConfigId(5),
+        from: out.clone(),
+    };
+    assert_eq!(ControlMsg::decode(&msg.encode()), Some(msg));
     // No replica complete: the data is gone, and the restart says so.
     v.map.insert(
         r,
