@@ -313,6 +313,9 @@ pub struct RestartExchange {
     outcome: Option<Outcome>,
     /// When this machine last repeated its messages.
     last_repeat: Option<u64>,
+    /// Whether it sent announcements or ring-start requests since its last tick (on deciding
+    /// or reopening), which the next tick counts as its repeat.
+    sent_since_tick: bool,
     /// When this machine last told machine 0 what it left.
     last_told: Option<u64>,
     effects: Vec<Effect>,
@@ -344,6 +347,7 @@ impl RestartExchange {
             resumed: BTreeSet::new(),
             outcome: None,
             last_repeat: None,
+            sent_since_tick: false,
             last_told: None,
             effects: Vec::new(),
         };
@@ -412,27 +416,40 @@ impl RestartExchange {
             }
             return;
         }
-        if !matches!(self.phase, Phase::Decided)
-            || self
-                .last_repeat
-                .is_some_and(|at| now.saturating_sub(at) < repeat)
+        if !matches!(self.phase, Phase::Decided) {
+            return;
+        }
+        if std::mem::take(&mut self.sent_since_tick) {
+            self.last_repeat = Some(now);
+            return;
+        }
+        if self
+            .last_repeat
+            .is_some_and(|at| now.saturating_sub(at) < repeat)
         {
             return;
         }
         self.last_repeat = Some(now);
-        self.repeat_unanswered();
+        self.announce_unlearnt();
+        self.request_ring_starts();
     }
 
-    /// Sends every announcement and ring-start request not answered yet.
-    fn repeat_unanswered(&mut self) {
+    /// Machine 0: announces the plan to every machine that has not acknowledged it.
+    fn announce_unlearnt(&mut self) {
+        if self.me != LEADER {
+            return;
+        }
         let plan = self.plan.clone().expect("decided");
-        if self.me == LEADER {
-            for m in (0..self.params.machines).map(MachineId) {
-                if !self.learnt.contains(&m) {
-                    self.announce(m, &plan);
-                }
+        for m in (0..self.params.machines).map(MachineId) {
+            if !self.learnt.contains(&m) {
+                self.announce(m, &plan);
             }
         }
+    }
+
+    /// A reopened member: asks every member whose ring starts have not arrived for them.
+    fn request_ring_starts(&mut self) {
+        let plan = self.plan.clone().expect("decided");
         if let Some(mine) = &self.mine {
             let requests: Vec<(MachineId, Vec<[u64; 4]>)> = mine
                 .iter()
@@ -592,12 +609,11 @@ impl RestartExchange {
         };
         match result {
             Ok(CasOutcome::Written(_)) => {
+                // Announced before this machine reopens its own NVRAM.
                 self.learnt.insert(self.me);
-                for m in (0..self.params.machines).map(MachineId) {
-                    if m != self.me {
-                        self.announce(m, &plan);
-                    }
-                }
+                self.plan = Some(plan.clone());
+                self.announce_unlearnt();
+                self.sent_since_tick = true;
                 self.decided(plan);
             }
             Ok(CasOutcome::Conflict) => self.fail(RestartError::Store(
@@ -641,7 +657,8 @@ impl RestartExchange {
         });
         self.resumed.insert(self.me);
         self.mine = Some(starts);
-        self.repeat_unanswered();
+        self.request_ring_starts();
+        self.sent_since_tick = true;
         self.finish_if_done();
     }
 

@@ -88,7 +88,8 @@ impl Net {
 struct Machine {
     exchange: RestartExchange,
     pieces: Reassembly,
-    next_message: u64,
+    /// Every message this machine sent: (when, to, what).
+    sent: Vec<(u64, MachineId, ControlMsg)>,
     restored: Option<RestartPlan>,
     /// Ring starts this machine continued its outbound rings with, per receiver.
     resumed: BTreeMap<MachineId, Vec<[u64; 4]>>,
@@ -124,7 +125,7 @@ impl Cluster {
             .map(|(m, p)| Machine {
                 exchange: RestartExchange::new(MachineId(m as u16), params, p.clone()),
                 pieces: Reassembly::new(),
-                next_message: 0,
+                sent: Vec::new(),
                 restored: None,
                 resumed: BTreeMap::new(),
                 committed: Vec::new(),
@@ -203,11 +204,10 @@ impl Cluster {
                 match e {
                     Effect::Send { to, msg, id } => {
                         assert_ne!(to, me, "a restart message to itself: {msg:?}");
-                        let datagrams = msg.datagrams(id);
-                        m.next_message += 1;
-                        for d in datagrams {
+                        for d in msg.datagrams(id) {
                             self.net.send(self.now, me, to, d);
                         }
+                        m.sent.push((self.now, to, msg));
                     }
                     Effect::ReadStore => {
                         let read = self.store.read_config().map_err(|e| e.to_string());
@@ -298,6 +298,35 @@ fn every_member_restarts_with_the_stored_plan() {
         Some(plan.config.clone()),
         "machine 0 stored the restart configuration"
     );
+}
+
+/// What a machine repeats until answered (machine 0's announcement of the plan, a member's
+/// request for ring starts) goes out once per peer when the machine decides or reopens, and
+/// again only a repeat interval later: a plan of thousands of regions is many datagrams.
+#[test]
+fn announcements_and_requests_go_once_per_repeat() {
+    let v = view(4, &[0, 1, 2, 3]);
+    let persisted: Vec<Persisted> = (0..4).map(|_| left(&v)).collect();
+    let mut c = Cluster::new(&persisted, &v.config, 3);
+    c.run(1_000, 20);
+    assert!(c.done());
+    for m in &c.machines {
+        let mut last: BTreeMap<(MachineId, bool), u64> = BTreeMap::new();
+        for (at, to, msg) in &m.sent {
+            let restart = match msg {
+                ControlMsg::Restart { .. } => true,
+                ControlMsg::RingStarts { reply: false, .. } => false,
+                _ => continue,
+            };
+            if let Some(before) = last.insert((*to, restart), *at) {
+                assert!(
+                    at - before >= 3,
+                    "{} sent {msg:?} to {to} at {before} and again at {at}",
+                    m.exchange.machine()
+                );
+            }
+        }
+    }
 }
 
 /// Lost, repeated and reordered datagrams, over many seeds: every member still restarts with
