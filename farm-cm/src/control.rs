@@ -44,6 +44,16 @@ pub enum ControlMsg {
     /// Any machine to machine 0 of a whole-cluster restart: it learnt restart configuration
     /// `0` ([`ControlMsg::Restart`]), which machine 0 then stops repeating to it.
     RestartAck(ConfigId),
+    /// A machine whose part of a whole-cluster restart failed, to every other machine (and
+    /// again to one that asks it anything of the restart): why. `restart` is the restart
+    /// configuration it failed in, or 0 if it knew none. Peers whose restart cannot finish
+    /// without it fail at once, naming it, instead of waiting until they give up.
+    RestartRefused {
+        /// The restart configuration, or 0.
+        restart: ConfigId,
+        /// Why (at most [`REFUSAL_BYTES_MAX`] bytes; never empty).
+        reason: String,
+    },
     /// After a restart, where the receiver found the sender's rings to it: per worker thread,
     /// `[log head, log tail, queue head, queue tail]`, so that the sender continues each at its
     /// tail. A request (`reply == false`) asks for the peer's in return.
@@ -176,6 +186,7 @@ impl ControlMsg {
             ControlMsg::AllRegionsActive(c) => (5, *c),
             ControlMsg::Restart { restart, .. } => (6, *restart),
             ControlMsg::RestartAck(c) => (7, *c),
+            ControlMsg::RestartRefused { restart, .. } => (14, *restart),
             ControlMsg::RingStarts { config, reply, .. } => (8 + *reply as u8, *config),
             ControlMsg::Join(c) => (10, *c),
             ControlMsg::Persisted { view, .. } => (11, view.config.id),
@@ -218,7 +229,8 @@ impl ControlMsg {
             | ControlMsg::RegionsPrepared { regions, .. }
             | ControlMsg::AbortRegions { regions, .. }
             | ControlMsg::Allocated { regions, .. } => encode_regions(&mut out, regions),
-            ControlMsg::AllocationRefused { reason, .. } => {
+            ControlMsg::AllocationRefused { reason, .. }
+            | ControlMsg::RestartRefused { reason, .. } => {
                 let mut end = reason.len().min(REFUSAL_BYTES_MAX);
                 while !reason.is_char_boundary(end) {
                     end -= 1;
@@ -322,6 +334,10 @@ impl ControlMsg {
             },
             (26, false) if rest.len() <= REFUSAL_BYTES_MAX => ControlMsg::AllocationRefused {
                 request: id.0,
+                reason: String::from_utf8(rest.to_vec()).ok()?,
+            },
+            (14, false) if rest.len() <= REFUSAL_BYTES_MAX => ControlMsg::RestartRefused {
+                restart: id,
                 reason: String::from_utf8(rest.to_vec()).ok()?,
             },
             _ => return None,
@@ -563,6 +579,10 @@ mod tests {
                 reason: "no capacity".into(),
             },
             ControlMsg::RestartAck(ConfigId(9)),
+            ControlMsg::RestartRefused {
+                restart: ConfigId(0),
+                reason: "reopening machine 1's NVRAM: disk gone".into(),
+            },
         ];
         for m in &all {
             assert_eq!(ControlMsg::decode(&m.encode()).as_ref(), Some(m));

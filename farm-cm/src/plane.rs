@@ -682,6 +682,7 @@ impl ControlPlane {
             // The restart exchange's (`crate::restart`), which runs before the plane.
             ControlMsg::Restart { .. }
             | ControlMsg::RestartAck(_)
+            | ControlMsg::RestartRefused { .. }
             | ControlMsg::RingStarts { .. }
             | ControlMsg::Persisted { .. } => {}
         }

@@ -24,6 +24,13 @@
 //! sender repeats until answered, and a machine that finished keeps its exchange to answer
 //! peers that missed an answer ([`RestartExchange::on_message`] after the outcome).
 //!
+//! A machine whose part fails (the store moved on or is another, its NVRAM does not reopen,
+//! peers run other worker counts) tells every other machine why
+//! ([`ControlMsg::RestartRefused`]) and answers anything they ask later with it. A machine
+//! whose restart cannot finish without it (it is machine 0, or a member of the plan) fails at
+//! once, naming it ([`RestartError::Refused`]); a refusal lost with every repeat leaves the
+//! caller's timeout to end the wait.
+//!
 //! The exchange reads no clock and does no IO: `now` comes from the caller, and the store
 //! reads, the compare-and-set and the reopening of NVRAM are effects the caller carries out and
 //! reports back.
@@ -47,6 +54,7 @@ const RESTART_MESSAGE_ID: u64 = 1 << 63;
 const PERSISTED_MESSAGE_ID: u64 = RESTART_MESSAGE_ID | 1;
 const ACK_MESSAGE_ID: u64 = RESTART_MESSAGE_ID | 2;
 const RING_STARTS_MESSAGE_ID: u64 = RESTART_MESSAGE_ID | 3;
+const REFUSED_MESSAGE_ID: u64 = RESTART_MESSAGE_ID | 4;
 
 /// How many repeats of a decision or of ring starts go by per repeat of what a machine left
 /// (a view is larger than a decision's acknowledgement or a ring start).
@@ -86,6 +94,15 @@ pub struct RestartPlan {
 /// Why a whole-cluster restart failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RestartError {
+    /// Another machine's part failed ([`ControlMsg::RestartRefused`]), and the restart cannot
+    /// finish without it: machine 0, or a member of the plan.
+    #[error("machine {machine} refused the restart: {reason}")]
+    Refused {
+        /// The machine that failed.
+        machine: MachineId,
+        /// Its reason.
+        reason: String,
+    },
     /// The coordination store failed, holds nothing to restart, or changed under the restart.
     #[error("{0}")]
     Store(String),
@@ -313,6 +330,9 @@ pub struct RestartExchange {
     outcome: Option<Outcome>,
     /// When this machine last repeated its messages.
     last_repeat: Option<u64>,
+    /// Refusals of peers whose part failed ([`ControlMsg::RestartRefused`]) that stop no
+    /// restart this machine knows of yet: the restart configuration each failed in.
+    refusals: BTreeMap<MachineId, (ConfigId, String)>,
     /// Whether it sent announcements or ring-start requests since its last tick (on deciding
     /// or reopening), which the next tick counts as its repeat.
     sent_since_tick: bool,
@@ -347,6 +367,7 @@ impl RestartExchange {
             resumed: BTreeSet::new(),
             outcome: None,
             last_repeat: None,
+            refusals: BTreeMap::new(),
             sent_since_tick: false,
             last_told: None,
             effects: Vec::new(),
@@ -469,10 +490,18 @@ impl RestartExchange {
         if from == self.me || from.0 >= self.params.machines {
             return;
         }
-        if matches!(self.outcome, Some(Outcome::Failed(_))) {
+        if let Some(Outcome::Failed(e)) = &self.outcome {
+            // Whatever a peer still asks of the restart, it learns why this machine is out.
+            if !matches!(msg, ControlMsg::RestartRefused { .. }) {
+                let refusal = self.refusal(e.to_string());
+                self.send(from, refusal, REFUSED_MESSAGE_ID);
+            }
             return;
         }
         match msg {
+            ControlMsg::RestartRefused { restart, reason } => {
+                self.on_refused(from, restart, reason)
+            }
             ControlMsg::Persisted { view, copying } if self.me == LEADER => {
                 if let Phase::Gathering(all) = &mut self.phase {
                     all[from.0 as usize].get_or_insert(Persisted { view, copying });
@@ -519,6 +548,58 @@ impl RestartExchange {
             } => self.on_ring_starts(from, config, reply, starts),
             _ => {}
         }
+    }
+
+    /// `from`'s part of the restart failed in restart configuration `restart` (0: before it
+    /// knew one). This machine fails too if its restart cannot finish without `from`:
+    /// `from` is machine 0 (no plan will come, or none will be announced again) or a member
+    /// of the plan (its rings will not resume). Machine 0 outside the plan counts the refusal
+    /// of a machine that knew the plan as its acknowledgement. Other refusals are kept for a
+    /// plan learnt later.
+    fn on_refused(&mut self, from: MachineId, restart: ConfigId, reason: String) {
+        if self.outcome.is_some() {
+            return;
+        }
+        self.refusals.insert(from, (restart, reason));
+        self.check_refusals();
+        if self.outcome.is_some() || self.me != LEADER {
+            return;
+        }
+        if self.plan.as_ref().is_some_and(|p| p.config.id == restart) {
+            self.learnt.insert(from);
+            self.finish_if_done();
+        }
+    }
+
+    /// Fails on a kept refusal that stops the restart this machine knows of.
+    fn check_refusals(&mut self) {
+        if self.outcome.is_some() {
+            return;
+        }
+        let plan = match &self.phase {
+            Phase::Checking(p) => Some(p),
+            _ => self.plan.as_ref(),
+        };
+        let blocking = self.refusals.iter().find(|(m, (restart, _))| {
+            **m == LEADER || plan.is_some_and(|p| p.config.id == *restart && p.config.contains(**m))
+        });
+        if let Some((machine, (_, reason))) = blocking {
+            let e = RestartError::Refused {
+                machine: *machine,
+                reason: reason.clone(),
+            };
+            self.phase = Phase::Decided;
+            self.outcome = Some(Outcome::Failed(e));
+        }
+    }
+
+    /// The refusal this machine sends, with the restart configuration it knew.
+    fn refusal(&self, reason: String) -> ControlMsg {
+        let restart = match &self.phase {
+            Phase::Checking(p) | Phase::Storing(p) => p.config.id,
+            _ => self.plan.as_ref().map_or(ConfigId(0), |p| p.config.id),
+        };
+        ControlMsg::RestartRefused { restart, reason }
     }
 
     fn on_ring_starts(
@@ -666,6 +747,10 @@ impl RestartExchange {
     fn decided(&mut self, plan: RestartPlan) {
         self.phase = Phase::Decided;
         self.plan = Some(plan.clone());
+        self.check_refusals();
+        if self.outcome.is_some() {
+            return;
+        }
         if plan.config.contains(self.me) {
             self.effects.push(Effect::Restore(plan));
         } else {
@@ -708,7 +793,15 @@ impl RestartExchange {
         }
     }
 
+    /// This machine's part failed: it tells every other machine why (once; it answers a peer
+    /// that asks later again).
     fn fail(&mut self, e: RestartError) {
+        let refusal = self.refusal(e.to_string());
+        for m in (0..self.params.machines).map(MachineId) {
+            if m != self.me {
+                self.send(m, refusal.clone(), REFUSED_MESSAGE_ID);
+            }
+        }
         self.phase = Phase::Decided;
         self.outcome = Some(Outcome::Failed(e));
     }

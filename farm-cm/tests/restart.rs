@@ -52,6 +52,17 @@ fn found(receiver: MachineId, sender: MachineId, t: usize) -> [u64; 4] {
     [k, k + 1, k + 2, k + 3]
 }
 
+/// A store holding `config` under id 9: one that moved on, as another cluster's would.
+fn moved_on(config: &Configuration) -> EmbeddedStore {
+    let other = EmbeddedStore::new();
+    let moved = Configuration {
+        id: ConfigId(9),
+        ..config.clone()
+    };
+    assert!(other.cas_config(None, &moved).is_ok());
+    other
+}
+
 /// A datagram network: a seeded delay per datagram, a loss rate, and duplicates.
 struct Net {
     rng: u64,
@@ -105,6 +116,8 @@ struct Cluster {
     now: u64,
     /// Worker threads per machine, by machine.
     threads: Vec<usize>,
+    /// A machine that reads another store than the cluster's (an operator's mistake).
+    misled: Option<(MachineId, EmbeddedStore)>,
 }
 
 impl Cluster {
@@ -143,6 +156,7 @@ impl Cluster {
             },
             now: 0,
             threads: vec![2; persisted.len()],
+            misled: None,
         }
     }
 
@@ -210,7 +224,11 @@ impl Cluster {
                         m.sent.push((self.now, to, msg));
                     }
                     Effect::ReadStore => {
-                        let read = self.store.read_config().map_err(|e| e.to_string());
+                        let store = match &self.misled {
+                            Some((who, other)) if *who == me => other,
+                            _ => &self.store,
+                        };
+                        let read = store.read_config().map_err(|e| e.to_string());
                         m.exchange.on_store_read(read);
                     }
                     Effect::CompareAndSet { expected, config } => {
@@ -382,7 +400,8 @@ fn a_machine_removed_before_the_stop_stays_out() {
 
 /// A restart of a cluster that still runs (or another restart got there first): the store
 /// changed between machine 0's read and its compare-and-set. Machine 0 fails with the reason,
-/// and nobody reopens anything.
+/// nobody reopens anything, and the others fail too, naming machine 0 and its reason, instead
+/// of waiting for a plan that will not come.
 #[test]
 fn a_store_that_changes_under_the_restart_fails_it() {
     let v = view(4, &[0, 1, 2]);
@@ -429,58 +448,27 @@ fn a_store_that_changes_under_the_restart_fails_it() {
     assert!(e.contains("changed during the restart"), "{e}");
     c.run(300, 0);
     assert!(c.machines.iter().all(|m| m.restored.is_none()));
-    assert_eq!(c.machines[1].exchange.waiting_for(), vec![MachineId(0)]);
+    for m in 1..3 {
+        let Outcome::Failed(RestartError::Refused { machine, reason }) = c.outcome(m) else {
+            panic!("{m}: {:?}", c.machines[m as usize].exchange.outcome());
+        };
+        assert_eq!(*machine, MachineId(0));
+        assert!(reason.contains("changed during the restart"), "{reason}");
+    }
 }
 
 /// Machine 0's announcement disagrees with the store (an operator pointed a machine at another
 /// store): that machine refuses it. And a member whose NVRAM does not reopen fails with why.
+/// Either failure leaves the restart without a member, so machine 0 fails too, naming the
+/// first it heard of; over lossy datagrams it still hears.
 #[test]
 fn a_machine_refuses_a_plan_the_store_does_not_hold_and_fails_without_its_nvram() {
     let v = view(4, &[0, 1, 2]);
     let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 4);
-    // Machine 2 reads another store, one that moved on.
-    let other = EmbeddedStore::new();
-    other
-        .cas_config(
-            None,
-            &Configuration {
-                id: ConfigId(9),
-                ..v.config.clone()
-            },
-        )
-        .unwrap();
+    c.net.loss = 30;
+    c.misled = Some((MachineId(2), moved_on(&v.config)));
     c.machines[1].broken = true;
-    for _ in 0..200 {
-        c.now += 1;
-        let now = c.now;
-        let mut due = Vec::new();
-        c.net.queue.retain(|d| {
-            let take = d.0 <= now;
-            if take {
-                due.push(d.clone());
-            }
-            !take
-        });
-        for (_, from, to, d) in due {
-            let m = &mut c.machines[to.0 as usize];
-            if let Some(msg) = m.pieces.accept(from, &d) {
-                m.exchange.on_message(from, msg);
-            }
-            if to == MachineId(2) {
-                for e in c.machines[2].exchange.take_effects() {
-                    if e == Effect::ReadStore {
-                        let read = other.read_config().map_err(|e| e.to_string());
-                        c.machines[2].exchange.on_store_read(read);
-                    }
-                }
-            }
-            c.execute(to);
-        }
-        for i in 0..3 {
-            c.machines[i].exchange.tick(now);
-            c.execute(MachineId(i as u16));
-        }
-    }
+    c.run(2_000, 0);
     let Outcome::Failed(RestartError::Store(e)) = c.outcome(2) else {
         panic!("{:?}", c.machines[2].exchange.outcome());
     };
@@ -489,11 +477,54 @@ fn a_machine_refuses_a_plan_the_store_does_not_hold_and_fails_without_its_nvram(
         panic!("{:?}", c.machines[1].exchange.outcome());
     };
     assert!(e.contains("disk gone"), "{e}");
+    let Outcome::Failed(RestartError::Refused { machine, reason }) = c.outcome(0) else {
+        panic!("{:?}", c.machines[0].exchange.outcome());
+    };
     assert!(
-        c.machines[0].exchange.outcome().is_none(),
-        "machine 0 waits"
+        (*machine == MachineId(1) && reason.contains("disk gone"))
+            || (*machine == MachineId(2) && reason.contains("not restart configuration 5")),
+        "{machine}: {reason}"
     );
     assert!(c.machines.iter().all(|m| m.committed.is_empty()));
+}
+
+/// A machine removed before the stop that refuses the plan (it reads another store) stops
+/// nobody: the members do not wait for it, and machine 0, outside the plan here, counts its
+/// refusal as learning the plan.
+#[test]
+fn a_machine_outside_the_plan_that_refuses_it_stops_nobody() {
+    let cases: [(&[u16], &[u16], u16); 2] = [
+        (&[0, 1, 2, 3], &[0, 1, 2], 3),
+        (&[0, 1, 2, 3, 4], &[1, 2, 3], 4),
+    ];
+    for (all, members, misled) in cases {
+        let old = view(4, all);
+        let new = view(5, members);
+        let persisted: Vec<Persisted> = all
+            .iter()
+            .map(|m| left(if members.contains(m) { &new } else { &old }))
+            .collect();
+        let mut c = Cluster::new(&persisted, &new.config, 8);
+        c.net.loss = 20;
+        c.misled = Some((MachineId(misled), moved_on(&new.config)));
+        c.run(5_000, 0);
+        assert!(c.done(), "members {members:?}: waiting");
+        let plan = RestartPlan {
+            config: Configuration {
+                id: ConfigId(6),
+                ..new.config.clone()
+            },
+            from: new.clone(),
+        };
+        c.check_restarted(&plan);
+        let Outcome::Failed(RestartError::Store(e)) = c.outcome(misled) else {
+            panic!("{:?}", c.machines[misled as usize].exchange.outcome());
+        };
+        assert!(e.contains("not restart configuration 6"), "{e}");
+        if !members.contains(&0) {
+            assert_eq!(c.outcome(0), &Outcome::Removed(plan.clone()));
+        }
+    }
 }
 
 /// Machines that run different numbers of worker threads cannot continue each other's rings.
@@ -503,10 +534,14 @@ fn machines_with_different_worker_counts_refuse_each_other() {
     let mut c = Cluster::new(&[left(&v), left(&v)], &v.config, 5);
     c.threads[1] = 3;
     c.run(1_000, 0);
-    let Outcome::Failed(RestartError::Invalid(e)) = c.outcome(0) else {
-        panic!("{:?}", c.machines[0].exchange.outcome());
-    };
-    assert!(e.contains("every machine of a cluster runs as many"), "{e}");
+    // Each sees it in the other's ring starts, or learns it from the other's refusal first.
+    for m in 0..2 {
+        let Outcome::Failed(e) = c.outcome(m) else {
+            panic!("{:?}", c.machines[m as usize].exchange.outcome());
+        };
+        let e = e.to_string();
+        assert!(e.contains("every machine of a cluster runs as many"), "{e}");
+    }
     assert!(c.machines.iter().all(|m| m.committed.is_empty()));
 }
 

@@ -159,7 +159,8 @@ impl MachineControl {
                     msg @ (ControlMsg::RingStarts { .. }
                     | ControlMsg::Persisted { .. }
                     | ControlMsg::Restart { .. }
-                    | ControlMsg::RestartAck(_)),
+                    | ControlMsg::RestartAck(_)
+                    | ControlMsg::RestartRefused { .. }),
                 ) => self.answer_restart(from, msg, now),
                 Some(msg) => self.on_message(from, msg, now),
                 None => {}

@@ -122,6 +122,15 @@ pub enum NodeError {
     /// The coordination store failed or holds something this node cannot start from.
     #[error("coordination store: {0}")]
     Store(String),
+    /// Another machine's part of a whole-cluster restart failed, one this machine cannot
+    /// restart without (machine 0, or a member of the restart configuration).
+    #[error("machine {machine} refused the restart: {reason}")]
+    PeerRefused {
+        /// The machine whose part failed.
+        machine: MachineId,
+        /// Its reason.
+        reason: String,
+    },
     /// Mapping the machine's NVRAM failed.
     #[error("mapping the NVRAM of machine {machine} under {dir}: {source}")]
     Nvram {

@@ -75,5 +75,8 @@ pub(crate) fn restart(
         ))),
         Finished::Failed(RestartError::Store(e)) => Err(NodeError::Store(e)),
         Finished::Failed(RestartError::Invalid(e)) => Err(NodeError::Invalid(e)),
+        Finished::Failed(RestartError::Refused { machine, reason }) => {
+            Err(NodeError::PeerRefused { machine, reason })
+        }
     }
 }
