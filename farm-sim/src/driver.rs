@@ -1369,6 +1369,7 @@ fn restarts_of<'a>(
     let exchange = ExchangeParams {
         machines: config.machines,
         repeat: REPEAT_TICKS,
+        leave_out: None,
     };
     stopped
         .iter()
