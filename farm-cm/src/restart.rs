@@ -193,6 +193,19 @@ pub fn restart_view(
             .and_then(Option::as_ref)
             .is_some_and(|p| p.complete(m, r))
     };
+    // A member of the newest configuration whose own newest view is older and maps regions
+    // (not a joiner that installed nothing) acknowledged every configuration from its view to
+    // the newest one's predecessor: a region its map lacks was allocated (§3) in a view that
+    // never committed, since this member did not acknowledge it. Its allocation was never
+    // answered and nothing is in it, whichever replicas installed it: it is left out, rather
+    // than kept with the replicas that did not install it to be copied (while its one
+    // complete replica is all that stands between it and a lost region).
+    let behind: Vec<&StoredView> = (newest.config.members.iter())
+        .filter_map(|m| persisted.get(m.0 as usize).and_then(Option::as_ref))
+        .map(|p| &p.view)
+        .filter(|v| v.config.id < newest.config.id && v.map.iter().next().is_some())
+        .collect();
+    let never_committed = |r: RegionId| behind.iter().any(|v| v.map.get(r).is_none());
     let regions: Vec<(RegionId, farm_core::config::Placement)> =
         view.map.iter().map(|(r, p)| (r, p.clone())).collect();
     let installed = |m: MachineId, r: RegionId| {
@@ -202,6 +215,11 @@ pub fn restart_view(
             .is_some_and(|p| p.view.map.get(r).is_some_and(|q| q.holds(m)))
     };
     for (region, placement) in regions {
+        if never_committed(region) {
+            view.map.remove(region);
+            view.changes.remove(&region);
+            continue;
+        }
         if complete(placement.primary, region) {
             continue;
         }

@@ -114,7 +114,9 @@ fn an_incomplete_primary_gives_way_to_a_complete_backup() {
 /// The power went while the CM committed an allocation (§3): configuration 5 adds region 3 on
 /// machines 1 and 2, and only machine 0 installed it. No replica of region 3 ever held it, so
 /// the allocation never committed (every member acknowledges first) and nothing can be in
-/// it: the restart goes on without it. A region that one replica installed is kept.
+/// it: the restart goes on without it. So it does when a replica installed it but another
+/// member did not (the configuration did not commit either); once every member installed
+/// configuration 5, the region is kept.
 #[test]
 fn regions_of_an_allocation_that_no_replica_installed_are_left_out() {
     let mut five = view(5, &[0, 1, 2], 1);
@@ -129,11 +131,23 @@ fn regions_of_an_allocation_that_no_replica_installed_are_left_out() {
     assert_eq!(v.config.id, ConfigId(5));
     assert_eq!(v.map.get(RegionId(3)), None, "{:?}", v.map);
     assert_eq!(v.map.iter().count(), 3);
-    // Machine 2 installed it too: its replica (empty, never copied) is complete.
-    let persisted = [left(five.clone()), left(four), left(five)];
+    // Machine 2, a replica, installed it too; machine 1 did not.
+    let persisted = [left(five.clone()), left(four.clone()), left(five.clone())];
     let v = restart_view(ConfigId(5), &persisted).unwrap();
-    let p = v.map.get(RegionId(3)).expect("kept");
-    assert_eq!(p.primary, MachineId(2), "the replica that holds it serves");
+    assert_eq!(v.map.get(RegionId(3)), None, "{:?}", v.map);
+    // Primary and backup installed it, and so did machine 0: configuration 5 committed.
+    let persisted = [left(five.clone()), left(five.clone()), left(five.clone())];
+    let v = restart_view(ConfigId(5), &persisted).unwrap();
+    assert_eq!(
+        v.map.get(RegionId(3)).map(|p| p.primary),
+        Some(MachineId(1))
+    );
+    // A joiner that installed nothing yet says nothing of what committed.
+    let mut joiner = four;
+    joiner.map = RegionMap::default();
+    let persisted = [left(five.clone()), left(five.clone()), left(joiner)];
+    let v = restart_view(ConfigId(5), &persisted).unwrap();
+    assert!(v.map.get(RegionId(3)).is_some());
 }
 
 #[test]

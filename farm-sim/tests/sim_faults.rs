@@ -377,6 +377,23 @@ fn a_restart_that_promotes_a_complete_backup_finishes() {
     );
 }
 
+/// The power went while machine 0 committed a region allocation that only machine 0, the
+/// region's primary, had installed. The restart kept the region (a replica installed it) with
+/// its two backups to be copied from machine 0; machine 0 crashed before the copies were done,
+/// and every reconfiguration failed with "regions [6] lost every complete replica": seed 33827
+/// of the varied shapes never finished its clients. The view that allocated the region never
+/// committed, so nothing was ever written in it: the restart leaves it out.
+#[test]
+fn a_restart_leaves_out_a_region_whose_allocation_never_committed() {
+    check(
+        33827,
+        SimConfig {
+            disk_losses: false,
+            ..varied_config(33827)
+        },
+    );
+}
+
 /// Losing the CM and its first backup CM at once still reconfigures: the next in line takes
 /// over at its turn, and the survivors recover and re-replicate with nothing lost.
 #[test]
