@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, Persisted};
+use farm_cm::restart::{ExchangeParams, Outcome, Persisted};
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
 use farm_core::ring::RingLayout;
@@ -96,11 +96,6 @@ pub struct SimConfig {
     /// regions, half of them near an existing region (§3): placed, prepared and committed as
     /// a configuration with the same members, amid whatever else the run does.
     pub allocations: u16,
-    /// At each power loss, one machine other than machine 0 (which decides the restart) loses
-    /// its NVRAM with the power and never comes back, when the failures so far leave room for
-    /// one more (fewer than `replicas - 1`): machine 0 restarts the others without it
-    /// ([`farm_cm::restart::LeaveOut`]).
-    pub disk_losses: bool,
 }
 
 impl Default for SimConfig {
@@ -123,7 +118,6 @@ impl Default for SimConfig {
             paused_memory_reachable: false,
             store_timeouts: false,
             allocations: 0,
-            disk_losses: false,
         }
     }
 }
@@ -158,8 +152,6 @@ pub struct SimOutcome {
     /// Restarts the power cut short, during the exchange, and of those, the ones after which
     /// some machine had reopened its NVRAM.
     pub restarts_cut: (u64, u64),
-    /// Machines whose NVRAM a power loss took ([`SimConfig::disk_losses`]).
-    pub disks_lost: u64,
     /// Machines paused.
     pub paused: u64,
     /// Machines that stopped because their own lease told them they had been removed.
@@ -237,7 +229,6 @@ pub struct Sim {
     restarts: u64,
     restarts_mid: (u64, u64, u64),
     restarts_cut: (u64, u64),
-    disks_lost: u64,
     params: Params,
     step_no: u64,
 }
@@ -386,7 +377,6 @@ impl Sim {
             restarts: 0,
             restarts_mid: (0, 0, 0),
             restarts_cut: (0, 0),
-            disks_lost: 0,
             params,
             step_no: 0,
         };
@@ -673,24 +663,6 @@ impl Sim {
         // reopened their NVRAM by then.
         let mut cut_after =
             (self.rng.below(3) == 0).then(|| 1 + self.rng.below(RESTART_CUT_TICKS_MAX));
-        // A disk that dies with the power: a member other than machine 0, if one more failure
-        // than the run plans (crashes, and pauses, which get machines removed) and the disks
-        // lost before leaves a complete replica of every region.
-        let failures =
-            (self.config.crashes + self.config.pauses) as usize + self.disks_lost as usize;
-        let lost = (self.config.disk_losses && failures + 1 < self.config.replicas as usize)
-            .then(|| {
-                let candidates: Vec<MachineId> = (members.iter().copied())
-                    .filter(|m| *m != MachineId(0))
-                    .collect();
-                (!candidates.is_empty())
-                    .then(|| candidates[self.rng.below(candidates.len() as u64) as usize])
-            })
-            .flatten();
-        if let Some(m) = lost {
-            self.disks_lost += 1;
-            self.crashed.push(m);
-        }
         let mut stopped = std::mem::take(&mut self.machines);
         let (fabric, restarts) = loop {
             let fabric = Arc::new(MemFabric::new(MemFabricConfig {
@@ -703,17 +675,10 @@ impl Sim {
             fabric.set_datagram_policy(self.datagram_policy());
             let store = self.cm.restart_store();
             let mut restarts = restarts_of(&stopped, &fabric, store, self.params, &self.config);
-            if let Some(m) = lost {
-                // It never runs again: nothing reaches it, and it sends nothing.
-                fabric.kill(m);
-            }
             let cut = cut_after.take().map(|t| self.now + t);
             // Every machine's process starts again and takes part, in an order that turns.
             let deadline = self.now + RESTART_TICKS_MAX;
-            let running = |r: &MachineRestart<'_>| Some(r.machine()) != lost;
-            while restarts.iter().any(|r| running(r) && r.outcome().is_none())
-                && cut != Some(self.now)
-            {
+            while restarts.iter().any(|r| r.outcome().is_none()) && cut != Some(self.now) {
                 if self.now > deadline {
                     let waiting: Vec<_> = restarts.iter().map(|r| r.waiting_for()).collect();
                     panic!(
@@ -724,9 +689,6 @@ impl Sim {
                 let n = restarts.len();
                 for k in 0..n {
                     let r = &mut restarts[(self.now as usize + k) % n];
-                    if !running(r) {
-                        continue;
-                    }
                     r.step(self.now);
                     if let Some(Outcome::Failed(e)) = r.outcome() {
                         panic!("seed {seed}: restart refused at {}: {e}", r.machine());
@@ -734,9 +696,7 @@ impl Sim {
                 }
             }
             if cut != Some(self.now) {
-                let finished: Vec<Option<Finished>> = (restarts.into_iter())
-                    .map(|r| running(&r).then(|| r.finish()))
-                    .collect();
+                let finished: Vec<Finished> = restarts.into_iter().map(|r| r.finish()).collect();
                 break (fabric, finished);
             }
             // The power went: what each machine reopened is its NVRAM now.
@@ -756,17 +716,9 @@ impl Sim {
         let mut machines = Vec::new();
         let mut workers = Vec::new();
         let mut exchanges = Vec::new();
-        let plan = restarts
-            .iter()
-            .flatten()
-            .find_map(|r| match r {
-                Finished::Restarted(r) => Some(r.machine.view().config.clone()),
-                _ => None,
-            })
-            .expect("a member restarted");
         for r in restarts {
             match r {
-                Some(Finished::Restarted(r)) => {
+                Finished::Restarted(r) => {
                     machines.push(r.machine);
                     workers.extend(r.workers.into_iter().map(|mut w| {
                         w.set_check_invariants(true);
@@ -774,15 +726,15 @@ impl Sim {
                     }));
                     exchanges.push(r.exchange);
                 }
-                // Removed before the power went, or its NVRAM is gone: it stays down.
-                Some(Finished::Removed(_)) | None => {
+                Finished::Removed(plan) => {
+                    // Removed before the power went: it stays down.
                     let id = MachineId(machines.len() as u16);
                     fabric.kill(id);
                     let f = fabric.clone() as Arc<dyn Fabric>;
                     let m = MachineState::new(
                         id,
                         self.params,
-                        plan.clone(),
+                        plan.config,
                         RegionMap::default(),
                         f,
                         None,
@@ -791,7 +743,7 @@ impl Sim {
                     workers.extend((0..threads).map(|t| sim_worker(&m, ThreadId(t))));
                     machines.push(m);
                 }
-                Some(Finished::Failed(e)) => panic!("seed {seed}: restart refused: {e}"),
+                Finished::Failed(e) => panic!("seed {seed}: restart refused: {e}"),
             }
         }
         drop(stopped);
@@ -1178,7 +1130,6 @@ impl Sim {
             restarts: self.restarts,
             restarts_mid: self.restarts_mid,
             restarts_cut: self.restarts_cut,
-            disks_lost: self.disks_lost,
             paused: self.pauses_done,
             evicted: self.evicted,
             stalls: self.stalls_done,
@@ -1415,16 +1366,10 @@ fn restarts_of<'a>(
     params: Params,
     config: &SimConfig,
 ) -> Vec<MachineRestart<'a>> {
-    // Machine 0 waits four leases for every machine (four repeats of what each left, so
-    // that lost datagrams leave out no machine that runs) when a disk may be gone.
     let exchange = ExchangeParams {
         machines: config.machines,
         repeat: REPEAT_TICKS,
-        leave_out: config.disk_losses.then_some(LeaveOut {
-            after: 4 * LEASE_TICKS,
-            replicas: config.replicas as usize,
-            regions_max: farm_txn::control::REGIONS_PER_MACHINE_MAX,
-        }),
+        leave_out: None,
     };
     stopped
         .iter()

@@ -59,7 +59,6 @@ fn config(seed: u64) -> SimConfig {
         paused_memory_reachable: seed.is_multiple_of(4),
         store_timeouts: seed % 8 >= 6,
         allocations: 0,
-        disk_losses: false,
     }
 }
 
@@ -131,13 +130,11 @@ fn allocation_config(seed: u64) -> SimConfig {
     }
 }
 
-/// Power losses: one or two, a third of the seeds with a machine crashed (and recovered) before,
-/// and a third with a disk that dies with the power (the cluster restarts without it).
+/// Power losses: one or two, a third of the seeds with a machine crashed (and recovered) before.
 fn power_config(seed: u64) -> SimConfig {
     SimConfig {
         crashes: seed.is_multiple_of(3) as u16,
         power_losses: 1 + (seed % 2) as u16,
-        disk_losses: (seed / 2).is_multiple_of(3),
         ..config(seed)
     }
 }
@@ -180,7 +177,6 @@ fn varied_config(seed: u64) -> SimConfig {
         paused_memory_reachable: r.below(2) == 0,
         store_timeouts: r.below(3) == 0,
         allocations: r.below(3) as u16,
-        disk_losses: r.below(3) == 0,
     }
 }
 
@@ -319,13 +315,7 @@ fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
 /// removed meanwhile learns from the store that it was removed.
 #[test]
 fn a_machine_removed_while_it_waits_for_regions_is_not_answered() {
-    check(
-        3918,
-        SimConfig {
-            disk_losses: false,
-            ..varied_config(3918)
-        },
-    );
+    check(3918, varied_config(3918));
 }
 
 /// A write that fails between two live machines (here: to a machine paused, cut off, for less
@@ -351,13 +341,7 @@ fn a_link_that_broke_to_a_live_member_gets_it_removed() {
 /// 0's copy of region 1 retried the locked object forever: seed 699 never quiesced.
 #[test]
 fn a_restart_leaves_no_lock_from_the_previous_life() {
-    check(
-        699,
-        SimConfig {
-            disk_losses: false,
-            ..varied_config(699)
-        },
-    );
+    check(699, varied_config(699));
 }
 
 /// A restart whose newest view names a primary that was still copying its region promotes a
@@ -368,13 +352,7 @@ fn a_restart_leaves_no_lock_from_the_previous_life() {
 /// finish: machines wait for [[1, 2, 3, 4, 5], [0], [0], [0], [0], [0]]".
 #[test]
 fn a_restart_that_promotes_a_complete_backup_finishes() {
-    check(
-        4553,
-        SimConfig {
-            disk_losses: false,
-            ..varied_config(4553)
-        },
-    );
+    check(4553, varied_config(4553));
 }
 
 /// The power went while machine 0 committed a region allocation that only machine 0, the
@@ -473,9 +451,7 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
     let (mut unknown, mut unknown_committed, mut recovered, mut restarts) = (0, 0, 0, 0);
     let (mut mid_reconfiguration, mut mid_txn_recovery, mut mid_data_recovery) = (0, 0, 0);
     let (mut late_rejected, mut cut, mut cut_after_reopening) = (0, 0, 0);
-    let mut disks_lost = 0;
     let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 500, power_config, |_, out| {
-        disks_lost += out.disks_lost;
         cut += out.restarts_cut.0;
         cut_after_reopening += out.restarts_cut.1;
         unknown += out.unknown.0;
@@ -495,10 +471,8 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
          data or allocator recovery), {recovered} transactions decided by recovery, {unknown} \
          in flight at a power loss or crash ({unknown_committed} committed); {late_rejected} \
          records that landed after a drain rejected again at a restart; {cut} restarts cut short \
-         by the power ({cut_after_reopening} after a machine reopened its NVRAM); {disks_lost} \
-         restarts without a machine whose NVRAM the power took"
+         by the power ({cut_after_reopening} after a machine reopened its NVRAM)"
     );
-    assert!(disks_lost > 0, "no restart went on without a machine");
     assert!(
         cut_after_reopening > 0,
         "the power never went during a restart after a machine reopened its NVRAM"
