@@ -8,8 +8,7 @@ use std::collections::BTreeMap;
 
 use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::restart::{
-    Effect, ExchangeParams, LeaveOut, Outcome, Persisted, RestartError, RestartExchange,
-    RestartPlan,
+    Effect, ExchangeParams, Outcome, Persisted, RestartError, RestartExchange, RestartPlan,
 };
 use farm_cm::{CasOutcome, ConfigurationStore, EmbeddedStore};
 use farm_core::codec::StoredView;
@@ -119,23 +118,11 @@ struct Cluster {
     threads: Vec<usize>,
     /// A machine that reads another store than the cluster's (an operator's mistake).
     misled: Option<(MachineId, EmbeddedStore)>,
-    /// Machines that do not run (did not come back): datagrams to them are lost.
-    silent: Vec<MachineId>,
 }
 
 impl Cluster {
     /// A cluster whose machines left `persisted` (by id), with `stored` in its store.
     fn new(persisted: &[Persisted], stored: &Configuration, seed: u64) -> Self {
-        Self::leaving_out(persisted, stored, seed, None)
-    }
-
-    /// The same, machine 0 restarting without silent machines as `leave_out` says.
-    fn leaving_out(
-        persisted: &[Persisted],
-        stored: &Configuration,
-        seed: u64,
-        leave_out: Option<LeaveOut>,
-    ) -> Self {
         let store = EmbeddedStore::new();
         assert_eq!(
             store.cas_config(None, stored),
@@ -144,7 +131,6 @@ impl Cluster {
         let params = ExchangeParams {
             machines: persisted.len() as u16,
             repeat: 3,
-            leave_out,
         };
         let machines = persisted
             .iter()
@@ -171,14 +157,11 @@ impl Cluster {
             now: 0,
             threads: vec![2; persisted.len()],
             misled: None,
-            silent: Vec::new(),
         }
     }
 
     fn done(&self) -> bool {
-        (self.machines.iter())
-            .filter(|m| !self.silent.contains(&m.exchange.machine()))
-            .all(|m| m.exchange.outcome().is_some())
+        self.machines.iter().all(|m| m.exchange.outcome().is_some())
     }
 
     /// Runs until every machine has an outcome (or `steps` pass), then `after` more steps.
@@ -210,9 +193,6 @@ impl Cluster {
             }
         });
         for (_, from, to, datagram) in due {
-            if self.silent.contains(&to) {
-                continue;
-            }
             let m = &mut self.machines[to.0 as usize];
             if let Some(msg) = m.pieces.accept(from, &datagram) {
                 m.exchange.on_message(from, msg);
@@ -220,9 +200,6 @@ impl Cluster {
             self.execute(to);
         }
         for i in 0..self.machines.len() {
-            if self.silent.contains(&MachineId(i as u16)) {
-                continue;
-            }
             self.machines[i].exchange.tick(now);
             self.execute(MachineId(i as u16));
         }
@@ -547,64 +524,6 @@ fn a_machine_outside_the_plan_that_refuses_it_stops_nobody() {
         if !members.contains(&0) {
             assert_eq!(c.outcome(0), &Outcome::Removed(plan.clone()));
         }
-    }
-}
-
-/// Machine 3 does not come back (its disk died with the power). Machine 0 waits for it as
-/// long as `LeaveOut::after` says, then restarts the others without it: its replicas are
-/// remapped onto them, two per region again, every region keeps a complete replica, and the
-/// restart configuration's CM is a machine that came back. When machine 3 runs again later, it
-/// learns it is out. Without `LeaveOut`, machine 0 waits.
-#[test]
-fn machines_that_do_not_come_back_are_left_out_after_a_while() {
-    let v = view(4, &[0, 1, 2, 3]);
-    let mut v3 = v.clone();
-    v3.config.cm = MachineId(3);
-    let persisted: Vec<Persisted> = (0..4).map(|_| left(&v3)).collect();
-    let mut waiting = Cluster::new(&persisted, &v3.config, 9);
-    waiting.silent = vec![MachineId(3)];
-    waiting.run(2_000, 0);
-    assert_eq!(waiting.machines[0].exchange.outcome(), None);
-    assert_eq!(
-        waiting.machines[0].exchange.waiting_for(),
-        vec![MachineId(3)]
-    );
-    let leave_out = LeaveOut {
-        after: 100,
-        replicas: 2,
-        regions_max: 64,
-    };
-    for seed in 0..20 {
-        let mut c = Cluster::leaving_out(&persisted, &v3.config, seed, Some(leave_out));
-        c.net.loss = 10;
-        c.silent = vec![MachineId(3)];
-        c.run(5_000, 50);
-        assert!(c.done(), "seed {seed}: waiting");
-        let Outcome::Restarted(plan) = c.outcome(0).clone() else {
-            panic!("seed {seed}: {:?}", c.outcome(0));
-        };
-        assert!(c.now > 100, "seed {seed}: decided before waiting");
-        assert_eq!(plan.config.id, ConfigId(5));
-        let three = [MachineId(0), MachineId(1), MachineId(2)];
-        assert_eq!(plan.config.members, three);
-        assert_eq!(plan.config.cm, MachineId(0));
-        for (r, p) in plan.from.map.iter() {
-            let replicas: Vec<MachineId> = p.replicas().collect();
-            assert_eq!(
-                replicas.len(),
-                2,
-                "seed {seed}: region {r:?} on {replicas:?}"
-            );
-            assert!(replicas.iter().all(|m| three.contains(m)));
-            // The primary held it complete before the stop.
-            assert!(v.map.get(r).unwrap().holds(p.primary), "seed {seed}: {r:?}");
-        }
-        assert_eq!(plan.from.map.iter().count(), v.map.iter().count());
-        c.check_restarted(&plan);
-        // Machine 3 comes back late: machine 0's finished exchange tells it it is out.
-        c.silent.clear();
-        c.run(5_000, 0);
-        assert_eq!(c.outcome(3), &Outcome::Removed(plan), "seed {seed}");
     }
 }
 

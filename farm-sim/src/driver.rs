@@ -1369,7 +1369,6 @@ fn restarts_of<'a>(
     let exchange = ExchangeParams {
         machines: config.machines,
         repeat: REPEAT_TICKS,
-        leave_out: None,
     };
     stopped
         .iter()

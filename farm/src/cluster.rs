@@ -516,7 +516,6 @@ impl ClusterBuilder {
         let exchange = ExchangeParams {
             machines: all,
             repeat: crate::node_restart::REPEAT.as_micros() as u64,
-            leave_out: None,
         };
         let mut restarts = Vec::new();
         for m in (0..all).map(MachineId) {

@@ -45,7 +45,6 @@ pub(crate) fn restart(
     let exchange = ExchangeParams {
         machines: config.machines,
         repeat: REPEAT.as_micros() as u64,
-        leave_out: None,
     };
     let mut restart = MachineRestart::new(
         me,
