@@ -363,13 +363,7 @@ fn a_restart_that_promotes_a_complete_backup_finishes() {
 /// committed, so nothing was ever written in it: the restart leaves it out.
 #[test]
 fn a_restart_leaves_out_a_region_whose_allocation_never_committed() {
-    check(
-        33827,
-        SimConfig {
-            disk_losses: false,
-            ..varied_config(33827)
-        },
-    );
+    check(33827, varied_config(33827));
 }
 
 /// Losing the CM and its first backup CM at once still reconfigures: the next in line takes
