@@ -358,10 +358,38 @@ impl MachineState {
             changes,
         } = stored;
         assert!(restart > config.id, "a restart needs a new configuration");
+        // What this machine's own newest view said before the stop. A region the restart view
+        // makes this machine the primary of, where its own view did not (the restart promoted
+        // a complete backup over an incomplete primary), or did with another last primary
+        // change (the primary moved in a view it did not install), changed primary at the
+        // restart: it may never have seen the LOCK of a transaction in its logs
+        // (`primary_before_restart_since`). The plan's view cannot say so itself: a view
+        // records no change after its own configuration.
+        let own_view = match &from {
+            Reopen::Memory(old) => old.views.lock().expect("poisoned").values().last().cloned(),
+            Reopen::Dir(d) => read_views(&machine_dir(d, id), id)?.into_values().last(),
+        };
+        let last_primary_change = |changes: &BTreeMap<RegionId, RegionChanges>, r: &RegionId| {
+            changes.get(r).map(|c| c.last_primary_change)
+        };
+        let mut restored_changes = changes.clone();
+        for (region, p) in map.iter() {
+            let kept = own_view.as_ref().is_some_and(|v| {
+                v.map.get(region).is_some_and(|q| q.primary == id)
+                    && last_primary_change(&v.changes, &region)
+                        == last_primary_change(&changes, &region)
+            });
+            if p.primary == id && !kept {
+                restored_changes
+                    .entry(region)
+                    .or_default()
+                    .last_primary_change = restart;
+            }
+        }
         let restored = farm_core::codec::StoredView {
             config: config.clone(),
             map: map.clone(),
-            changes: changes.clone(),
+            changes: restored_changes,
         };
         let state = Self::open(
             id,
@@ -1644,4 +1672,77 @@ fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvr
         Some(dir) => Nvram::file(&dir.join(name), len)?,
         None => Nvram::anonymous(len)?,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use farm_core::config::Placement;
+    use farm_fabric::mem::{MemFabric, MemFabricConfig};
+
+    /// A whole-cluster restart that promotes a complete backup over an incomplete primary
+    /// makes a machine the primary of a region whose LOCK records went to another machine: it
+    /// infers nothing from finding none (a transaction it has no records of is not taken for
+    /// truncated), while a region it was the primary of all along still allows the inference.
+    #[test]
+    fn a_backup_the_restart_promotes_infers_nothing_from_missing_locks() {
+        let params = Params {
+            layout: RingLayout {
+                machines_max: 3,
+                threads: 1,
+                log_bytes: 256 << 10,
+                queue_bytes: 256 << 10,
+            },
+            region_bytes: 2 << 20,
+            validate_rpc_threshold: 4,
+            recovery_interval_ticks: 2,
+            replication: crate::Replication::OneSided,
+            lease_ticks: 1_000,
+        };
+        let fabric: Arc<dyn Fabric> = Arc::new(MemFabric::new(MemFabricConfig {
+            machines_max: 3,
+            threads_max: 1,
+            seed: 0,
+            datagrams_queued_max: 8,
+        }));
+        let config = Configuration::initial(3);
+        let map = RegionMap::striped(3, 1, 1);
+        let (me, promoted, kept) = (MachineId(1), RegionId(0), RegionId(1));
+        assert_eq!(map.get(promoted).unwrap().backups, [me]);
+        assert_eq!(map.get(kept).unwrap().primary, me);
+        let old = MachineState::new(
+            me,
+            params,
+            config.clone(),
+            map.clone(),
+            fabric.clone(),
+            None,
+        )
+        .unwrap();
+        let mut plan_map = map.clone();
+        plan_map.insert(
+            promoted,
+            Placement {
+                primary: me,
+                backups: vec![MachineId(0)],
+            },
+        );
+        let stored = farm_core::codec::StoredView {
+            config: config.clone(),
+            map: plan_map,
+            changes: BTreeMap::new(),
+        };
+        let restart = ConfigId(config.id.0 + 1);
+        let state =
+            MachineState::restore(me, params, stored, restart, fabric, Reopen::Memory(&old))
+                .unwrap();
+        let t = farm_core::TxnId {
+            config: config.id,
+            machine: MachineId(2),
+            thread: ThreadId(0),
+            local: 1,
+        };
+        assert!(!state.primary_before_restart_since(promoted, t));
+        assert!(state.primary_before_restart_since(kept, t));
+    }
 }
