@@ -63,6 +63,17 @@ fn moved_on(config: &Configuration) -> EmbeddedStore {
     other
 }
 
+/// The plan that restarts from `view` as configuration `id`.
+fn plan_of(view: &StoredView, id: u64) -> RestartPlan {
+    RestartPlan {
+        config: Configuration {
+            id: ConfigId(id),
+            ..view.config.clone()
+        },
+        from: view.clone(),
+    }
+}
+
 /// A datagram network: a seeded delay per datagram, a loss rate, and duplicates.
 struct Net {
     rng: u64,
@@ -303,13 +314,7 @@ fn every_member_restarts_with_the_stored_plan() {
         "waiting for {:?}",
         c.machines[0].exchange.waiting_for()
     );
-    let plan = RestartPlan {
-        config: Configuration {
-            id: ConfigId(5),
-            ..v.config.clone()
-        },
-        from: v.clone(),
-    };
+    let plan = plan_of(&v, 5);
     c.check_restarted(&plan);
     assert_eq!(
         c.store.read_config().unwrap().map(|(_, c)| c),
@@ -383,13 +388,7 @@ fn a_machine_removed_before_the_stop_stays_out() {
             c.net.loss = 20;
             c.run(20_000, 100);
             assert!(c.done(), "seed {seed}");
-            let plan = RestartPlan {
-                config: Configuration {
-                    id: ConfigId(6),
-                    ..new.config.clone()
-                },
-                from: new.clone(),
-            };
+            let plan = plan_of(&new, 6);
             assert_eq!(c.outcome(removed), &Outcome::Removed(plan.clone()));
             let out = &c.machines[removed as usize];
             assert!(out.restored.is_none() && out.resumed.is_empty() && out.committed.is_empty());
@@ -509,13 +508,7 @@ fn a_machine_outside_the_plan_that_refuses_it_stops_nobody() {
         c.misled = Some((MachineId(misled), moved_on(&new.config)));
         c.run(5_000, 0);
         assert!(c.done(), "members {members:?}: waiting");
-        let plan = RestartPlan {
-            config: Configuration {
-                id: ConfigId(6),
-                ..new.config.clone()
-            },
-            from: new.clone(),
-        };
+        let plan = plan_of(&new, 6);
         c.check_restarted(&plan);
         let Outcome::Failed(RestartError::Store(e)) = c.outcome(misled) else {
             panic!("{:?}", c.machines[misled as usize].exchange.outcome());
