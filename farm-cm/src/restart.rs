@@ -594,10 +594,7 @@ impl RestartExchange {
         if self.outcome.is_some() {
             return;
         }
-        let plan = match &self.phase {
-            Phase::Checking(p) => Some(p),
-            _ => self.plan.as_ref(),
-        };
+        let plan = self.known_plan();
         let blocking = self.refusals.iter().find(|(m, (restart, _))| {
             **m == LEADER || plan.is_some_and(|p| p.config.id == *restart && p.config.contains(**m))
         });
@@ -611,12 +608,17 @@ impl RestartExchange {
         }
     }
 
+    /// The plan this machine knows: decided, or being checked or stored.
+    fn known_plan(&self) -> Option<&RestartPlan> {
+        match &self.phase {
+            Phase::Checking(p) | Phase::Storing(p) => Some(p),
+            _ => self.plan.as_ref(),
+        }
+    }
+
     /// The refusal this machine sends, with the restart configuration it knew.
     fn refusal(&self, reason: String) -> ControlMsg {
-        let restart = match &self.phase {
-            Phase::Checking(p) | Phase::Storing(p) => p.config.id,
-            _ => self.plan.as_ref().map_or(ConfigId(0), |p| p.config.id),
-        };
+        let restart = self.known_plan().map_or(ConfigId(0), |p| p.config.id);
         ControlMsg::RestartRefused { restart, reason }
     }
 

@@ -358,38 +358,10 @@ impl MachineState {
             changes,
         } = stored;
         assert!(restart > config.id, "a restart needs a new configuration");
-        // What this machine's own newest view said before the stop. A region the restart view
-        // makes this machine the primary of, where its own view did not (the restart promoted
-        // a complete backup over an incomplete primary), or did with another last primary
-        // change (the primary moved in a view it did not install), changed primary at the
-        // restart: it may never have seen the LOCK of a transaction in its logs
-        // (`primary_before_restart_since`). The plan's view cannot say so itself: a view
-        // records no change after its own configuration.
-        let own_view = match &from {
-            Reopen::Memory(old) => old.views.lock().expect("poisoned").values().last().cloned(),
-            Reopen::Dir(d) => read_views(&machine_dir(d, id), id)?.into_values().last(),
-        };
-        let last_primary_change = |changes: &BTreeMap<RegionId, RegionChanges>, r: &RegionId| {
-            changes.get(r).map(|c| c.last_primary_change)
-        };
-        let mut restored_changes = changes.clone();
-        for (region, p) in map.iter() {
-            let kept = own_view.as_ref().is_some_and(|v| {
-                v.map.get(region).is_some_and(|q| q.primary == id)
-                    && last_primary_change(&v.changes, &region)
-                        == last_primary_change(&changes, &region)
-            });
-            if p.primary == id && !kept {
-                restored_changes
-                    .entry(region)
-                    .or_default()
-                    .last_primary_change = restart;
-            }
-        }
         let restored = farm_core::codec::StoredView {
             config: config.clone(),
             map: map.clone(),
-            changes: restored_changes,
+            changes: changes.clone(),
         };
         let state = Self::open(
             id,
@@ -463,7 +435,7 @@ impl MachineState {
         from: Option<Reopen<'_>>,
         restart: Option<(ConfigId, farm_core::codec::StoredView)>,
     ) -> io::Result<Arc<Self>> {
-        let (restart, restored) = restart.unzip();
+        let (restart, plan_view) = restart.unzip();
         params
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
@@ -523,6 +495,9 @@ impl MachineState {
                 },
             ),
         };
+        let restored = plan_view
+            .zip(restart)
+            .map(|(v, r)| as_restored(v, id, r, views.values().last()));
         match state.load_u64(0, Ordering::Acquire) {
             0 => state.store_u64(0, STATE_MAGIC, Ordering::Release),
             STATE_MAGIC => {}
@@ -1665,6 +1640,39 @@ pub fn read_complete(
             .collect());
     }
     Ok(BTreeSet::new())
+}
+
+/// The restart plan's view `plan` as machine `id` keeps it after restarting into `restart`
+/// (`MachineState::restored`), given its own newest view before the stop (`own`). A region
+/// the plan makes it the primary of, where its own view did not (the restart promoted a
+/// complete backup over an incomplete primary), or did with another last primary change (the
+/// primary moved in a view it did not install), changed primary at the restart: it may never
+/// have seen the LOCK of a transaction in its logs (`primary_before_restart_since`). The
+/// plan's view cannot say so itself: a view records no change after its own configuration.
+fn as_restored(
+    mut plan: farm_core::codec::StoredView,
+    id: MachineId,
+    restart: ConfigId,
+    own: Option<&farm_core::codec::StoredView>,
+) -> farm_core::codec::StoredView {
+    let last_primary_change = |changes: &BTreeMap<RegionId, RegionChanges>, r: RegionId| {
+        changes.get(&r).map(|c| c.last_primary_change)
+    };
+    let moved: Vec<RegionId> = (plan.map.iter())
+        .filter(|(r, p)| {
+            p.primary == id
+                && !own.is_some_and(|v| {
+                    v.map.get(*r).is_some_and(|q| q.primary == id)
+                        && last_primary_change(&v.changes, *r)
+                            == last_primary_change(&plan.changes, *r)
+                })
+        })
+        .map(|(r, _)| r)
+        .collect();
+    for r in moved {
+        plan.changes.entry(r).or_default().last_primary_change = restart;
+    }
+    plan
 }
 
 fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvram>> {
