@@ -104,18 +104,41 @@ pub fn read_object<S: ObjectSource + ?Sized>(
         "object buffer smaller than a header"
     );
     src.read_bytes(offset, buf)?;
-    let before = Header(u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")));
-    if before.locked() {
-        return Ok(ReadOutcome::Locked(before));
+    if header_of(buf).locked() {
+        return Ok(judge_copy(buf, header_of(buf).0));
     }
     // Order the payload loads before the second header load (seqlock reader).
     fence(Ordering::Acquire);
     let mut again = [0u8; HEADER_BYTES];
     src.read_bytes(offset, &mut again)?;
-    if u64::from_le_bytes(again) != before.0 {
-        return Ok(ReadOutcome::Torn);
+    Ok(judge_copy(buf, u64::from_le_bytes(again)))
+}
+
+/// The header word at the start of an object copy.
+fn header_of(copy: &[u8]) -> Header {
+    Header(u64::from_le_bytes(
+        copy[..HEADER_BYTES].try_into().expect("8 bytes"),
+    ))
+}
+
+/// Judges a copy of an object (header, then payload) against its header word read again after
+/// the copy (`again`): the seqlock reader's rule, in one place for every way of reading (two
+/// local reads, or one fabric read whose NIC reads the header again after copying,
+/// [`crate::fabric::RemoteMemory::read_object`]). The copy must have been made with acquire
+/// loads in increasing address order, and `again` loaded after it.
+pub fn judge_copy(copy: &[u8], again: u64) -> ReadOutcome {
+    assert!(
+        copy.len() >= HEADER_BYTES,
+        "object copy smaller than a header"
+    );
+    let before = header_of(copy);
+    if before.locked() {
+        ReadOutcome::Locked(before)
+    } else if again != before.0 {
+        ReadOutcome::Torn
+    } else {
+        ReadOutcome::Consistent(before)
     }
-    Ok(ReadOutcome::Consistent(before))
 }
 
 /// Reads only the header at `offset`.

@@ -9,6 +9,11 @@
 //! - held writes: with [`MemFabric::set_hold_writes`], writes queue on their link until the driver
 //!   delivers them one by one ([`MemFabric::deliver_next`]), and a crash of the sender can land
 //!   any prefix of them ([`MemFabric::crash`]), the last one possibly cut at any byte;
+//! - held reads: with [`MemFabric::set_hold_reads`], posted object reads
+//!   ([`RemoteMemory::post_object_read`]) wait until the driver performs them
+//!   ([`MemFabric::complete_read`]), in any order, or until their poster waits for one (then it
+//!   is performed at once). Without it, posting buys nothing in one process and reads are not
+//!   posted;
 //! - partitions ([`MemFabric::partition`]): operations across the cut fail, and a write lost to
 //!   it breaks its link as a connection breaks: it stays down while the target is a member of
 //!   the writer's configuration ([`Fabric::broken_members`]), after the partition heals too.
@@ -18,10 +23,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use farm_core::fabric::{
-    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket, CONTROL_TAG,
+    Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, WriteStatus, WriteTicket,
+    CONTROL_TAG,
 };
 use farm_core::ids::{MachineId, ThreadId};
 use farm_core::nvram::Nvram;
+use farm_core::object::{judge_copy, ReadOutcome, HEADER_BYTES};
 use farm_core::rng::Rng;
 
 /// Limits of a [`MemFabric`].
@@ -90,6 +97,7 @@ pub struct MemFabric {
     machines: Vec<Machine>,
     links: Vec<Link>,
     hold_writes: AtomicBool,
+    reads: Arc<HeldReads>,
     /// Partition side of every machine: machines on different sides cannot reach each other.
     groups: Arc<[AtomicU32]>,
     /// Per (writer, target) machine pair: a write failed across a partition while both were
@@ -99,7 +107,7 @@ pub struct MemFabric {
     policy: Mutex<(DatagramPolicy, Rng)>,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct MemRemote {
     dst: MachineId,
     key: MemKey,
@@ -108,6 +116,7 @@ struct MemRemote {
     dst_alive: Arc<AtomicBool>,
     groups: Arc<[AtomicU32]>,
     src: MachineId,
+    reads: Arc<HeldReads>,
 }
 
 impl RemoteMemory for MemRemote {
@@ -129,6 +138,93 @@ impl RemoteMemory for MemRemote {
 
     fn prefetch(&self, offset: u64, len: usize) {
         self.mem.prefetch(offset as usize, len);
+    }
+
+    fn post_object_read(&self, offset: u64, len: usize) -> Option<Box<dyn PostedRead>> {
+        if !self.reads.hold.load(Ordering::SeqCst) {
+            self.prefetch(offset, len);
+            return None;
+        }
+        let read = Arc::new(HeldRead {
+            remote: self.clone(),
+            offset,
+            len,
+            result: Mutex::new(None),
+        });
+        self.reads
+            .queue
+            .lock()
+            .expect("poisoned")
+            .push_back(read.clone());
+        Some(Box::new(MemPostedRead(read)))
+    }
+}
+
+/// Posted object reads the driver has not performed yet.
+#[derive(Debug, Default)]
+struct HeldReads {
+    hold: AtomicBool,
+    queue: Mutex<VecDeque<Arc<HeldRead>>>,
+}
+
+/// An object read posted while reads are held: performed when the driver completes it, or
+/// when its poster waits for it, whichever comes first.
+#[derive(Debug)]
+struct HeldRead {
+    remote: MemRemote,
+    offset: u64,
+    len: usize,
+    /// The copy and the header word read after it, or the failure.
+    result: Mutex<Option<Result<Vec<u8>, FabricError>>>,
+}
+
+impl HeldRead {
+    /// Performs the read now, if it was not performed yet.
+    fn perform(&self) {
+        let mut result = self.result.lock().expect("poisoned");
+        if result.is_some() {
+            return;
+        }
+        let mut bytes = vec![0u8; self.len + HEADER_BYTES];
+        let (copy, again) = bytes.split_at_mut(self.len);
+        let read = self.remote.read(self.offset, copy).and_then(|()| {
+            // The seqlock's second load, after the copy.
+            std::sync::atomic::fence(Ordering::Acquire);
+            self.remote.read(self.offset, again)
+        });
+        *result = Some(read.map(|()| bytes));
+    }
+}
+
+#[derive(Debug)]
+struct MemPostedRead(Arc<HeldRead>);
+
+impl PostedRead for MemPostedRead {
+    fn is_done(&self) -> bool {
+        self.0.result.lock().expect("poisoned").is_some()
+    }
+
+    fn complete(self: Box<Self>, buf: &mut [u8]) -> Result<ReadOutcome, FabricError> {
+        assert_eq!(
+            buf.len(),
+            self.0.len,
+            "a posted read completed at another length"
+        );
+        // Waiting for a held read in one thread: it is performed now.
+        self.0.perform();
+        let bytes = self
+            .0
+            .result
+            .lock()
+            .expect("poisoned")
+            .take()
+            .expect("performed")?;
+        let (copy, again) = bytes.split_at(buf.len());
+        buf.copy_from_slice(copy);
+        Ok(judge_copy(
+            buf,
+            u64::from_le_bytes(again.try_into().expect("a header word")),
+        ))
     }
 }
 
@@ -158,6 +254,7 @@ impl MemFabric {
             machines,
             links: (0..n_links).map(|_| Link::default()).collect(),
             hold_writes: AtomicBool::new(false),
+            reads: Arc::new(HeldReads::default()),
             groups: (0..config.machines_max)
                 .map(|_| AtomicU32::new(0))
                 .collect(),
@@ -368,10 +465,44 @@ impl MemFabric {
         }
     }
 
-    /// Lands every held write, in order.
+    /// Lands every held write, in order, and performs every held read.
     pub fn deliver_all(&self) {
         for (src, dst, _) in self.held_links() {
             while self.deliver_next(src, dst) {}
+        }
+        while self.held_reads() > 0 {
+            self.complete_read(0);
+        }
+    }
+
+    /// Holds (or, with `false`, stops holding) both writes and posted reads: the simulator's
+    /// mode ([`MemFabric::set_hold_writes`], [`MemFabric::set_hold_reads`]).
+    pub fn set_hold(&self, hold: bool) {
+        self.set_hold_writes(hold);
+        self.set_hold_reads(hold);
+    }
+
+    /// Holds every later posted object read until [`MemFabric::complete_read`] performs it or
+    /// its poster waits for it (the simulator's mode); with `false`, reads are not posted (held
+    /// ones must be completed first).
+    pub fn set_hold_reads(&self, hold: bool) {
+        self.reads.hold.store(hold, Ordering::SeqCst);
+    }
+
+    /// How many posted reads wait to be performed, in the order they were posted. Reads whose
+    /// poster performed them by waiting, or gave them up, wait no longer.
+    pub fn held_reads(&self) -> usize {
+        let mut queue = self.reads.queue.lock().expect("poisoned");
+        queue.retain(|r| Arc::strong_count(r) > 1 && r.result.lock().expect("poisoned").is_none());
+        queue.len()
+    }
+
+    /// Performs the `i`th held read (of [`MemFabric::held_reads`]): it copies the target's
+    /// memory now, or fails as a read now would (a dead or partitioned target, a dead sender).
+    pub fn complete_read(&self, i: usize) {
+        let read = self.reads.queue.lock().expect("poisoned").remove(i);
+        if let Some(read) = read {
+            read.perform();
         }
     }
 
@@ -405,6 +536,7 @@ impl Fabric for MemFabric {
             dst_alive: self.machine(dst)?.alive.clone(),
             groups: self.groups.clone(),
             src,
+            reads: self.reads.clone(),
         }))
     }
 

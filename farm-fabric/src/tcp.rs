@@ -9,7 +9,10 @@
 //! `write` sends and returns a ticket at once, and the peer's NIC answers requests in the order
 //! they arrived, so a ticket is done once the answer to it or to a later request arrived; a
 //! read waits for its answer only. A reply thread per connection takes the answers. Writes from
-//! this process to one peer land in order, each in increasing address order.
+//! this process to one peer land in order, each in increasing address order. An object read
+//! (`RemoteMemory::read_object`) is one request: the NIC copies the object and reads its header
+//! word again after the copy, the seqlock's second load, and answers with both; posted object
+//! reads (`RemoteMemory::post_object_read`) go out at once and are waited for later.
 //!
 //! Failures: a connection that closes, or leaves a request unanswered for the fabric's
 //! timeout, breaks: its unanswered writes fail, reads wait no longer, and further operations to
@@ -33,17 +36,19 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::process::{claim_machine, io_err, Claim, Datagrams, Peers, ProcessFabric, StartError};
 use farm_core::fabric::{
-    check_bounds, Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+    check_bounds, Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, WriteStatus,
+    WriteTicket,
 };
 use farm_core::ids::{MachineId, RegionId};
 use farm_core::nvram::Nvram;
+use farm_core::object::{judge_copy, ReadOutcome, HEADER_BYTES};
 
 /// Machines the NIC's admitted set can name.
 pub const ADMIT_MACHINES_MAX: usize = 512;
@@ -52,10 +57,10 @@ pub const OP_BYTES_MAX: usize = 64 << 20;
 
 const MAGIC: u32 = 0xfa53_7c90;
 /// The version of this fabric's protocol (hellos, requests, replies), bumped with any change to
-/// them: 2 added the `Replicas` area. A hello also carries the version of the records and
+/// them: 2 added the `Replicas` area, 3 the object read. A hello also carries the version of the records and
 /// messages that travel inside ring writes (`farm_core::wire::WIRE_VERSION`); a peer that
 /// differs in either is refused at its hello, and both sides say which versions met.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 const RECORDS: u8 = farm_core::wire::WIRE_VERSION;
 const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;
@@ -65,6 +70,9 @@ const REPLY_BYTES: usize = 16;
 const OP_READ: u8 = 1;
 const OP_WRITE: u8 = 2;
 const OP_PROBE: u8 = 3;
+/// A read of an object: the bytes, then the object's header word read again after the copy
+/// (`RemoteMemory::read_object`: the torn-read check inside one operation).
+const OP_READ_OBJECT: u8 = 4;
 
 const OK: u8 = 0;
 const NOT_REGISTERED: u8 = 1;
@@ -457,10 +465,17 @@ fn serve(
                 }
                 OK
             }
-            OP_READ => match access(served, &req) {
+            OP_READ | OP_READ_OBJECT => match access(served, &req) {
                 Ok(mem) => {
                     scratch.resize(req.len, 0);
                     mem.read(req.offset as usize, &mut scratch);
+                    if req.op == OP_READ_OBJECT {
+                        // The seqlock reader's second header load, ordered after the copy's
+                        // loads (`object::judge_copy` judges the two at the reader).
+                        fence(Ordering::Acquire);
+                        let again = mem.load_u64(req.offset as usize, Ordering::Acquire);
+                        scratch.extend_from_slice(&again.to_le_bytes());
+                    }
                     OK
                 }
                 Err((status, area)) => {
@@ -510,7 +525,7 @@ fn serve(
         let size = size.map(|s| (s as u64).to_le_bytes());
         let body: &[u8] = match &size {
             Some(s) => s,
-            None if req.op == OP_READ && status == OK => &scratch,
+            None if matches!(req.op, OP_READ | OP_READ_OBJECT) && status == OK => &scratch,
             None => &[],
         };
         let mut head = [0u8; REPLY_BYTES];
@@ -591,7 +606,7 @@ impl Request {
 
     fn decode(b: &[u8]) -> Result<Self, String> {
         let op = b[0];
-        if !matches!(op, OP_READ | OP_WRITE | OP_PROBE) {
+        if !matches!(op, OP_READ | OP_WRITE | OP_PROBE | OP_READ_OBJECT) {
             return Err(format!("unknown operation {op}"));
         }
         let region = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
@@ -609,6 +624,11 @@ impl Request {
         if len > OP_BYTES_MAX {
             return Err(format!(
                 "an operation of {len} bytes (at most {OP_BYTES_MAX})"
+            ));
+        }
+        if op == OP_READ_OBJECT && len < HEADER_BYTES {
+            return Err(format!(
+                "an object read of {len} bytes, shorter than a header"
             ));
         }
         Ok(Self {
@@ -1067,26 +1087,28 @@ struct TcpRemote {
     key: MemKey,
 }
 
-impl RemoteMemory for TcpRemote {
-    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
+impl TcpRemote {
+    /// The bytes of the answer to a read of `len` bytes at `offset` (with `extra` bytes the
+    /// operation adds), or the error it reports.
+    fn answer(
+        &self,
+        offset: u64,
+        len: usize,
+        extra: usize,
+        reply: Reply,
+    ) -> Result<Vec<u8>, FabricError> {
         let dst = self.link.dst;
         let out_of_bounds = |size: usize| FabricError::OutOfBounds {
             machine: dst,
             key: self.key,
             offset,
-            len: buf.len(),
+            len,
             size,
         };
-        if buf.len() > OP_BYTES_MAX {
-            return Err(out_of_bounds(0));
-        }
-        match self.link.call(OP_READ, self.key, offset, buf.len()) {
+        match reply {
             Reply::Answer {
                 status: OK, data, ..
-            } if data.len() == buf.len() => {
-                buf.copy_from_slice(&data);
-                Ok(())
-            }
+            } if data.len() == len + extra => Ok(data),
             Reply::Answer {
                 status: NOT_REGISTERED,
                 ..
@@ -1106,8 +1128,119 @@ impl RemoteMemory for TcpRemote {
         }
     }
 
+    /// Judges the answer to an object read of `buf.len()` bytes: the copy and the header
+    /// word the peer's NIC read after it.
+    fn object_answer(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        reply: Reply,
+    ) -> Result<ReadOutcome, FabricError> {
+        let data = self.answer(offset, buf.len(), HEADER_BYTES, reply)?;
+        let (copy, again) = data.split_at(buf.len());
+        buf.copy_from_slice(copy);
+        Ok(judge_copy(
+            buf,
+            u64::from_le_bytes(again.try_into().expect("a header word")),
+        ))
+    }
+
+    /// An access the NIC would refuse before sending: too long for one operation.
+    fn too_long(&self, offset: u64, len: usize) -> Option<FabricError> {
+        (len > OP_BYTES_MAX).then_some(FabricError::OutOfBounds {
+            machine: self.link.dst,
+            key: self.key,
+            offset,
+            len,
+            size: 0,
+        })
+    }
+}
+
+impl RemoteMemory for TcpRemote {
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
+        if let Some(e) = self.too_long(offset, buf.len()) {
+            return Err(e);
+        }
+        let reply = self.link.call(OP_READ, self.key, offset, buf.len());
+        buf.copy_from_slice(&self.answer(offset, buf.len(), 0, reply)?);
+        Ok(())
+    }
+
     fn machine(&self) -> MachineId {
         self.link.dst
+    }
+
+    fn read_object(&self, offset: u64, buf: &mut [u8]) -> Result<ReadOutcome, FabricError> {
+        assert!(
+            buf.len() >= HEADER_BYTES,
+            "object buffer smaller than a header"
+        );
+        if let Some(e) = self.too_long(offset, buf.len()) {
+            return Err(e);
+        }
+        let reply = self.link.call(OP_READ_OBJECT, self.key, offset, buf.len());
+        self.object_answer(offset, buf, reply)
+    }
+
+    fn post_object_read(&self, offset: u64, len: usize) -> Option<Box<dyn PostedRead>> {
+        if len < HEADER_BYTES || self.too_long(offset, len).is_some() {
+            return None; // The read itself reports it.
+        }
+        let waiter = Arc::new(Waiter::default());
+        let sent = self
+            .link
+            .send(
+                OP_READ_OBJECT,
+                self.key,
+                offset,
+                len,
+                &[],
+                Some(waiter.clone()),
+            )
+            .is_ok();
+        Some(Box::new(TcpPostedRead {
+            remote: TcpRemote {
+                link: self.link.clone(),
+                key: self.key,
+            },
+            offset,
+            len,
+            waiter: sent.then_some(waiter),
+        }))
+    }
+}
+
+/// An object read on its way: the request went out (unless the link was down), and its
+/// answer comes to `waiter`.
+#[derive(Debug)]
+struct TcpPostedRead {
+    remote: TcpRemote,
+    offset: u64,
+    len: usize,
+    waiter: Option<Arc<Waiter>>,
+}
+
+impl PostedRead for TcpPostedRead {
+    fn is_done(&self) -> bool {
+        self.waiter
+            .as_ref()
+            .is_none_or(|w| w.reply.lock().expect("waiter poisoned").is_some())
+    }
+
+    fn complete(self: Box<Self>, buf: &mut [u8]) -> Result<ReadOutcome, FabricError> {
+        assert_eq!(
+            buf.len(),
+            self.len,
+            "a posted read completed at another length"
+        );
+        let reply = match &self.waiter {
+            // The reply thread closes the connection after the timeout; the margin covers its
+            // tick (as `Link::call`).
+            Some(w) => w.wait(self.remote.link.timeout * 2),
+            None => Reply::Lost,
+        };
+        self.remote.object_answer(self.offset, buf, reply)
     }
 }
 

@@ -409,3 +409,124 @@ fn a_machine_is_claimed_by_one_process_and_one_cluster() {
         other => panic!("a machine without an address started: {other:?}"),
     }
 }
+
+/// Reading an object is one operation (docs/ARCHITECTURE.md, Objects): the NIC copies it and
+/// reads its header word again after the copy, and the reader judges the two. A commit that
+/// applies while the NIC copies is caught as torn, never returned as data; posted reads
+/// overlap and each completes with its own object.
+#[test]
+fn an_object_read_is_one_operation_that_catches_a_commit_applying_during_it() {
+    use farm_core::object::{apply_locked, try_lock, Header, ReadOutcome};
+    use farm_core::Version;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    const PAYLOAD: usize = 4096;
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f0, _) = machine(root.path(), M0, &addrs);
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    f1.admit(M1, &[M0, M1]);
+    f0.admit(M0, &[M0, M1]);
+    mem1.store_u64(0, Header::new(Version(1), true).0, Ordering::Release);
+    mem1.write(8, &[1; PAYLOAD]);
+
+    // On the wire: the reply carries the bytes and then the header word read again.
+    let (mut s, status) = raw_hello(addrs[1], CLUSTER, 0, 1);
+    assert_eq!(status, 0);
+    s.write_all(&request(4, 0, 1, 0, 16)).unwrap();
+    let mut reply = [0u8; 16 + 16 + 8];
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(
+        (
+            reply[8],
+            u32::from_le_bytes(reply[12..16].try_into().unwrap())
+        ),
+        (0, 24)
+    );
+    assert_eq!(reply[16..24], reply[32..40], "the header word again");
+    // An object read shorter than a header is bad framing.
+    s.write_all(&request(4, 0, 2, 0, 4)).unwrap();
+    assert!(closed(&mut s));
+
+    // Commits apply in place (each payload byte is the version's low byte) while machine 0
+    // reads: every consistent read is one version's bytes.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (mem, stop) = (mem1.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut h = Header::new(Version(1), true);
+            while !stop.load(Ordering::Acquire) && h.version().0 < 1_000_000 {
+                try_lock(&mem, 0, h).unwrap();
+                let next = h.committed_successor(true);
+                apply_locked(&mem, 0, &[next.version().0 as u8; PAYLOAD], next);
+                h = next;
+                // Unlocked most of the time, so that copies start at an unlocked header and
+                // commits begin while they run.
+                for _ in 0..(h.version().0 % 7) * 500 {
+                    std::hint::spin_loop();
+                }
+            }
+        })
+    };
+    let remote = f0.remote(M0, M1, REGION).unwrap();
+    let mut buf = vec![0u8; 8 + PAYLOAD];
+    let (mut consistent, mut other) = (0, 0);
+    for _ in 0..2000 {
+        match remote.read_object(0, &mut buf).unwrap() {
+            ReadOutcome::Consistent(h) => {
+                consistent += 1;
+                let byte = h.version().0 as u8;
+                assert!(
+                    buf[8..].iter().all(|&b| b == byte),
+                    "a torn copy of version {:?} was judged consistent",
+                    h.version()
+                );
+            }
+            ReadOutcome::Locked(_) | ReadOutcome::Torn => other += 1,
+        }
+    }
+    stop.store(true, Ordering::Release);
+    writer.join().unwrap();
+    assert!(consistent > 0, "no consistent read among {other}");
+    eprintln!("object reads during commits: {consistent} consistent, {other} locked or torn");
+
+    // Posted reads: all go out before any is waited for, each completes with its object.
+    for k in 1..=16u64 {
+        let at = (k * 256) as usize;
+        mem1.store_u64(at, Header::new(Version(k), true).0, Ordering::Release);
+        mem1.write(at + 8, &k.to_le_bytes());
+    }
+    let posted: Vec<_> = (1..=16u64)
+        .map(|k| {
+            remote
+                .post_object_read(k * 256, 16)
+                .expect("tcp posts reads")
+        })
+        .collect();
+    for (k, p) in (1..=16u64).zip(posted) {
+        let mut b = [0u8; 16];
+        assert_eq!(
+            p.complete(&mut b).unwrap(),
+            ReadOutcome::Consistent(Header::new(Version(k), true))
+        );
+        assert_eq!(u64::from_le_bytes(b[8..].try_into().unwrap()), k);
+    }
+    // Outside the region: the error a read reports.
+    let mut b = [0u8; 16];
+    let p = remote
+        .post_object_read(REGION_BYTES as u64 - 8, 16)
+        .unwrap();
+    assert!(matches!(
+        p.complete(&mut b),
+        Err(FabricError::OutOfBounds { .. })
+    ));
+    // The target dies: a read posted to it fails, at once or after the timeout, never hangs.
+    drop(f1);
+    let started = Instant::now();
+    let failed = remote
+        .post_object_read(256, 16)
+        .expect("tcp posts reads")
+        .complete(&mut b);
+    assert_eq!(failed, Err(FabricError::Unreachable(M1)));
+    assert!(started.elapsed() < TIMEOUT * 3, "{:?}", started.elapsed());
+}

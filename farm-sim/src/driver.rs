@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use farm_cm::restart::{ExchangeParams, Outcome, Persisted};
 use farm_core::config::{Configuration, RegionMap};
-use farm_core::fabric::Fabric;
+use farm_core::fabric::{Endpoint, Fabric};
 use farm_core::ring::RingLayout;
 use farm_core::rng::Rng;
 use farm_core::{Addr, MachineId, ThreadId};
@@ -389,7 +389,7 @@ impl Sim {
             });
             sim.keys.push(addr);
         }
-        sim.fabric.set_hold_writes(true);
+        sim.fabric.set_hold(true);
         sim.fabric.set_datagram_policy(sim.datagram_policy());
         sim
     }
@@ -747,7 +747,7 @@ impl Sim {
             }
         }
         drop(stopped);
-        fabric.set_hold_writes(true);
+        fabric.set_hold(true);
         self.paused.clear();
         self.grace.clear();
         self.leases = SimLeases::new(&machines, LEASE_TICKS, self.now);
@@ -824,10 +824,7 @@ impl Sim {
                         held.retain(|(s, d, _)| !(s.machine == src && *d == dst));
                     }
                 }
-                if !held.is_empty() {
-                    let (src, dst, _) = held[self.rng.below(held.len() as u64) as usize];
-                    self.fabric.deliver_next(src, dst);
-                }
+                deliver_one(&self.fabric, &mut self.rng, &held);
             }
             _ => {
                 let c = self.rng.below(self.clients.len() as u64) as usize;
@@ -898,6 +895,10 @@ impl Sim {
         } else {
             None
         };
+        // Half the transactions post their reads first (`Tx::prefetch`): held, they may be
+        // performed before the transaction reads them (while an allocation polls), or when it
+        // waits for them.
+        let prefetch = self.rng.below(2) == 0;
         let keys = self.keys.clone();
         let (before, rest) = self.workers.split_at_mut(c);
         let (worker, after) = rest.split_first_mut().expect("client in range");
@@ -917,11 +918,7 @@ impl Sim {
                 fabric.crash(m, rng);
                 evicted.push(m);
             }
-            let held = fabric.held_links();
-            if !held.is_empty() {
-                let (src, dst, _) = held[rng.below(held.len() as u64) as usize];
-                fabric.deliver_next(src, dst);
-            }
+            deliver_one(fabric, rng, &fabric.held_links());
             for w in before.iter_mut().chain(after.iter_mut()) {
                 let m = w.machine().id;
                 if fabric.is_alive(m) && !paused.contains_key(&m) {
@@ -934,6 +931,23 @@ impl Sim {
         let mut ops = Vec::new();
         let mut effects = Effects::default();
         let result = (|| -> Result<(), TxError> {
+            let alloc = |tx: &mut Tx<'_>, effects: &mut Effects| -> Result<(), TxError> {
+                if let Some((near, v)) = alloc_near {
+                    let a = tx.alloc(16, Some(near))?;
+                    tx.write(a, &[v.to_le_bytes(), v.to_le_bytes()].concat())?;
+                    effects.allocated = Some((a, v));
+                }
+                Ok(())
+            };
+            if prefetch {
+                for (key, _) in &plan {
+                    tx.prefetch(keys[*key as usize], LIST_BYTES);
+                }
+                // An allocation at a remote primary polls the other workers and lands held
+                // work: the posted reads may be performed, and other commits apply, before
+                // this transaction reads.
+                alloc(&mut tx, &mut effects)?;
+            }
             for (key, value) in plan {
                 let addr = keys[key as usize];
                 let bytes = tx.read(addr, LIST_BYTES)?;
@@ -956,10 +970,8 @@ impl Sim {
                     }),
                 }
             }
-            if let Some((near, v)) = alloc_near {
-                let a = tx.alloc(16, Some(near))?;
-                tx.write(a, &[v.to_le_bytes(), v.to_le_bytes()].concat())?;
-                effects.allocated = Some((a, v));
+            if !prefetch {
+                alloc(&mut tx, &mut effects)?;
             }
             if let Some((a, v)) = free {
                 let got = tx.read(a, 16)?;
@@ -1199,7 +1211,7 @@ impl Sim {
                 }
             }
         }
-        self.fabric.set_hold_writes(false);
+        self.fabric.set_hold(false);
         for _ in 0..2000 {
             self.fabric.deliver_all();
             self.now += 100;
@@ -1236,7 +1248,7 @@ impl Sim {
                             && w.machine().background_recovery_done()
                     });
             if quiet {
-                self.fabric.set_hold_writes(true);
+                self.fabric.set_hold(true);
                 // Time jumped without lease renewals: the leases start again.
                 self.leases = SimLeases::new(&self.machines, LEASE_TICKS, self.now);
                 return;
@@ -1273,6 +1285,22 @@ impl Sim {
             self.cm.busy(&self.fabric),
             report.join("\n")
         );
+    }
+}
+
+/// Lands the next write of one of the `held` links, or performs one held read (posted by a
+/// validation or a prefetch), the seed choosing which: posted work completes in any order.
+fn deliver_one(fabric: &MemFabric, rng: &mut Rng, held: &[(Endpoint, MachineId, usize)]) {
+    let n = held.len() + fabric.held_reads();
+    if n == 0 {
+        return;
+    }
+    let i = rng.below(n as u64) as usize;
+    match held.get(i) {
+        Some((src, dst, _)) => {
+            fabric.deliver_next(*src, *dst);
+        }
+        None => fabric.complete_read(i - held.len()),
     }
 }
 

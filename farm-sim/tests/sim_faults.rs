@@ -247,7 +247,10 @@ fn check(seed: u64, config: SimConfig) -> SimOutcome {
 fn crashes_lose_nothing_and_stay_strictly_serializable() {
     let (mut unknown, mut unknown_committed, mut recovered) = (0, 0, 0);
     let (mut paused, mut evicted, mut stalls) = (0, 0, 0);
+    let (mut posted, mut validations_posted) = (0, 0);
     let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 1000, config, |_, out| {
+        posted += out.stats.reads_posted;
+        validations_posted += out.stats.validation_reads_posted;
         stalls += out.stalls;
         unknown += out.unknown.0;
         unknown_committed += out.unknown.1;
@@ -261,7 +264,13 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
         "{seeds} seeds: {recovered} transactions decided by recovery, {unknown} in flight at a \
          crashed or stopped coordinator ({unknown_committed} of them committed); {paused} \
          machines paused past their lease, {evicted} stopped when their lease told them they \
-         were out; {stalls} whole-cluster stalls"
+         were out; {stalls} whole-cluster stalls; {posted} object reads and \
+         {validations_posted} validation reads posted, performed in an order the seed chose"
+    );
+    assert!(posted > 0, "no transaction read through a posted read");
+    assert!(
+        validations_posted > 0,
+        "no validation read was posted and awaited"
     );
     assert!(recovered > 0, "no transaction ever went through recovery");
     assert!(unknown > 0, "no coordinator ever crashed mid-commit");

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 
 use farm_alloc::{block_header_offset, class_for, Allocation};
-use farm_core::fabric::{MemKey, WriteStatus, WriteTicket};
+use farm_core::fabric::{MemKey, PostedRead, WriteStatus, WriteTicket};
 use farm_core::object::{self, Header, ReadOutcome, HEADER_BYTES};
 use farm_core::ring::{framed_len, RingKind, RingWriter};
 use farm_core::wire::{
@@ -122,6 +122,23 @@ pub struct Tx<'w> {
     poller: Option<Poller<'w>>,
     /// The worker's view generation when execution started: every read comes from that view.
     generation: u64,
+    /// Object reads posted ahead by [`Tx::prefetch`], taken by the first [`Tx::read`] of each
+    /// address. Dropped with the transaction: a later one, or a lock-free read, never sees a
+    /// copy older than its own start.
+    posted: Vec<Posted>,
+}
+
+/// Object reads one transaction may have posted ahead at once: enough for a TPC-C NEW-ORDER's
+/// warehouse, district, customer and fifteen items with their stock.
+const POSTED_READS_MAX: usize = 64;
+
+/// An object read posted by [`Tx::prefetch`].
+#[derive(Debug)]
+struct Posted {
+    addr: Addr,
+    /// Payload bytes posted.
+    len: usize,
+    read: Box<dyn PostedRead>,
 }
 
 impl std::fmt::Debug for Tx<'_> {
@@ -145,6 +162,7 @@ impl<'w> Tx<'w> {
             worker,
             state: TxState::default(),
             poller: None,
+            posted: Vec::new(),
         }
     }
 
@@ -157,6 +175,7 @@ impl<'w> Tx<'w> {
             worker,
             state: TxState::default(),
             poller: Some(poller),
+            posted: Vec::new(),
         }
     }
 
@@ -171,7 +190,14 @@ impl<'w> Tx<'w> {
     /// else the value read before, else a consistent read at the primary.
     pub fn read(&mut self, addr: Addr, len: usize) -> Result<&[u8], TxError> {
         if !self.state.objects.contains_key(&addr) {
-            let (header, data) = self.worker.read_object(addr, len)?;
+            let (header, data) = match self.posted.iter().position(|p| p.addr == addr) {
+                Some(i) => {
+                    let posted = self.posted.swap_remove(i);
+                    self.worker
+                        .read_object_posted(addr, posted.len, posted.read)?
+                }
+                None => self.worker.read_object(addr, len)?,
+            };
             self.same_view()?;
             if !header.allocated() {
                 // A concurrent transaction freed it after this one read its address from
@@ -226,8 +252,14 @@ impl<'w> Tx<'w> {
     /// A hint that `len` bytes of the object at `addr` will be read soon
     /// ([`Worker::prefetch_object`]); nothing when this transaction read it already.
     pub fn prefetch(&mut self, addr: Addr, len: usize) {
-        if !self.state.objects.contains_key(&addr) {
-            self.worker.prefetch_object(addr, len);
+        if self.state.objects.contains_key(&addr) || self.posted.iter().any(|p| p.addr == addr) {
+            return;
+        }
+        if self.posted.len() == POSTED_READS_MAX {
+            return; // A hint: the read goes out when the transaction reads.
+        }
+        if let Some(read) = self.worker.prefetch_object(addr, len) {
+            self.posted.push(Posted { addr, len, read });
         }
     }
 
@@ -595,6 +627,24 @@ fn leave_slots_to_recovery(state: &mut TxState) {
     }
 }
 
+/// Takes the validation reads that completed: `failed` if one's header is not the one the
+/// transaction read (changed, locked, or unreadable).
+fn take_validation_reads(reads: &mut Vec<(Header, Box<dyn PostedRead>)>, failed: &mut bool) {
+    let mut i = 0;
+    while i < reads.len() {
+        if !reads[i].1.is_done() {
+            i += 1;
+            continue;
+        }
+        let (seen, read) = reads.swap_remove(i);
+        let mut word = [0u8; HEADER_BYTES];
+        // The header as copied: a header read is one load, whatever the second says.
+        if read.complete(&mut word).is_err() || Header(u64::from_le_bytes(word)) != seen {
+            *failed = true;
+        }
+    }
+}
+
 /// Where a commit stands.
 #[derive(Debug)]
 enum Phase {
@@ -606,6 +656,8 @@ enum Phase {
     Validate {
         awaiting: BTreeSet<MachineId>,
         failed: bool,
+        /// Header reads posted to remote primaries, with the header each must still show.
+        reads: Vec<(Header, Box<dyn PostedRead>)>,
     },
     Backup {
         tickets: Vec<(MachineId, Option<WriteTicket>)>,
@@ -643,11 +695,32 @@ impl Worker {
     /// this machine is the primary, a one-sided read otherwise (§3). A locked object is a
     /// conflict at once: waiting for it here could wait for this very thread (docs/ARCHITECTURE.md, Machines, threads, event loop).
     pub fn read_object(&mut self, addr: Addr, len: usize) -> Result<(Header, Vec<u8>), TxError> {
+        self.read_object_with(addr, len, None)
+    }
+
+    /// [`Worker::read_object`] of the `len` payload bytes that `posted` (from
+    /// [`Worker::prefetch_object`] of the same address and length, in this view) has on its
+    /// way: the answer is taken instead of reading again.
+    pub fn read_object_posted(
+        &mut self,
+        addr: Addr,
+        len: usize,
+        posted: Box<dyn PostedRead>,
+    ) -> Result<(Header, Vec<u8>), TxError> {
+        self.read_object_with(addr, len, Some(posted))
+    }
+
+    fn read_object_with(
+        &mut self,
+        addr: Addr,
+        len: usize,
+        posted: Option<Box<dyn PostedRead>>,
+    ) -> Result<(Header, Vec<u8>), TxError> {
         // Read through the encoding buffer (free while a transaction executes): only the
         // payload is allocated, and nothing is zeroed first.
         let mut buf = std::mem::take(&mut self.scratch);
         buf.resize(HEADER_BYTES + len, 0);
-        let read = self.read_object_into(addr, &mut buf);
+        let read = self.read_into(addr, &mut buf, posted);
         let out = read.map(|h| (h, buf[HEADER_BYTES..].to_vec()));
         self.scratch = buf;
         out
@@ -656,6 +729,17 @@ impl Worker {
     /// [`Worker::read_object`] into `buf` (header then payload), without allocating: the path of
     /// lock-free reads.
     pub fn read_object_into(&mut self, addr: Addr, buf: &mut [u8]) -> Result<Header, TxError> {
+        self.read_into(addr, buf, None)
+    }
+
+    /// A consistent read into `buf`, the first attempt's answer taken from `posted` when the
+    /// object's primary is remote.
+    fn read_into(
+        &mut self,
+        addr: Addr,
+        buf: &mut [u8],
+        mut posted: Option<Box<dyn PostedRead>>,
+    ) -> Result<Header, TxError> {
         // Lock-free reads come here without a transaction: see the newest view first.
         self.refresh_view();
         if self.view.map.get(addr.region).is_none() {
@@ -687,9 +771,12 @@ impl Worker {
                     .expect("primary holds its region");
                 object::read_object(&**mem, addr.offset as u64, buf)
                     .expect("local reads cannot fail")
+            } else if let Some(read) = posted.take() {
+                self.stats.reads_posted += 1;
+                read.complete(buf)?
             } else {
-                let remote = self.cached_remote(addr.region);
-                object::read_object(remote, addr.offset as u64, buf)?
+                self.cached_remote(addr.region)
+                    .read_object(addr.offset as u64, buf)?
             };
             match outcome {
                 ReadOutcome::Consistent(h) => {
@@ -707,23 +794,26 @@ impl Worker {
     }
 
     /// A hint that the object at `addr` (header and `len` payload bytes) will be read soon, from
-    /// local memory or its primary: its cache lines are fetched without waiting, so that a
-    /// transaction that knows several addresses ahead overlaps their misses. Addresses that a
+    /// local memory or its primary, so that a transaction that knows several addresses ahead
+    /// overlaps their fetches: local cache lines are fetched without waiting, and a remote
+    /// primary's object is read by a posted one-sided read
+    /// ([`farm_core::fabric::RemoteMemory::post_object_read`]) whose answer
+    /// [`Worker::read_object_posted`] takes, where the fabric posts reads. Addresses that a
     /// read would reject are ignored; the read itself reports them.
-    pub fn prefetch_object(&mut self, addr: Addr, len: usize) {
+    pub fn prefetch_object(&mut self, addr: Addr, len: usize) -> Option<Box<dyn PostedRead>> {
         self.refresh_view();
-        let Some(placement) = self.view.map.get(addr.region) else {
-            return;
-        };
+        let placement = self.view.map.get(addr.region)?;
         let len = HEADER_BYTES + len;
         if placement.primary == self.machine.id {
             if let Some(mem) = self.view.region(addr.region) {
                 mem.prefetch(addr.offset as usize, len);
             }
-        } else if !self.region_blocked(addr.region) {
-            if let Ok(remote) = self.remote(addr.region) {
-                remote.prefetch(addr.offset as u64, len);
-            }
+            None
+        } else if !self.region_blocked(addr.region) && addr.offset.is_multiple_of(8) {
+            let remote = self.remote(addr.region).ok()?;
+            remote.post_object_read(addr.offset as u64, len)
+        } else {
+            None
         }
     }
 
@@ -1013,12 +1103,17 @@ impl Worker {
                     }
                     c.phase = self.start_validation(c);
                 }
-                Phase::Validate { awaiting, failed } => {
+                Phase::Validate {
+                    awaiting,
+                    failed,
+                    reads,
+                } => {
                     take_replies(&mut self.replies, c.txn, awaiting, failed, |m| match m {
                         Message::ValidateReply { txn, ok } => Some((*txn, *ok)),
                         _ => None,
                     });
-                    if !awaiting.is_empty() {
+                    take_validation_reads(reads, failed);
+                    if !awaiting.is_empty() || !reads.is_empty() {
                         return None;
                     }
                     if *failed {
@@ -1248,6 +1343,10 @@ impl Worker {
         }
         let mut awaiting = BTreeSet::new();
         let mut failed = false;
+        // Remote header reads are posted, all before any is awaited, and the commit waits
+        // for them as for VALIDATE replies (handlers never block), where the fabric posts
+        // reads.
+        let mut posted: Vec<(Header, Box<dyn PostedRead>)> = Vec::new();
         for (p, reads) in by_primary {
             if p != self.machine.id && reads.len() > self.machine.params.validate_rpc_threshold {
                 self.send_message(p, &Message::Validate { txn: c.txn, reads });
@@ -1260,9 +1359,17 @@ impl Worker {
                     let mem = self.view.region(addr.region).expect("primary");
                     object::read_header(&**mem, addr.offset as u64).ok()
                 } else {
-                    match self.remote(addr.region) {
-                        Ok(r) => object::read_header(&*r, addr.offset as u64).ok(),
-                        Err(_) => None,
+                    let Ok(r) = self.remote(addr.region) else {
+                        failed = true;
+                        continue;
+                    };
+                    match r.post_object_read(addr.offset as u64, HEADER_BYTES) {
+                        Some(read) => {
+                            self.stats.validation_reads_posted += 1;
+                            posted.push((seen, read));
+                            continue;
+                        }
+                        None => object::read_header(&*r, addr.offset as u64).ok(),
                     }
                 };
                 if now != Some(seen) {
@@ -1270,7 +1377,11 @@ impl Worker {
                 }
             }
         }
-        Phase::Validate { awaiting, failed }
+        Phase::Validate {
+            awaiting,
+            failed,
+            reads: posted,
+        }
     }
 
     /// Reserves log space at every participant for the whole commit (§4, log reservations):

@@ -23,6 +23,10 @@ pub struct Stats {
     pub reads_locked: u64,
     /// Reads that were torn and retried.
     pub reads_torn: u64,
+    /// Object reads a transaction posted ahead (`Tx::prefetch`) and then took the answer of.
+    pub reads_posted: u64,
+    /// Header reads of validation posted to remote primaries (§4 step 2, one-sided).
+    pub validation_reads_posted: u64,
     /// LOCK records processed as a primary.
     pub locks_processed: u64,
     /// COMMIT-BACKUP records applied at truncation.
@@ -102,6 +106,8 @@ impl Stats {
             reads,
             reads_locked,
             reads_torn,
+            reads_posted,
+            validation_reads_posted,
             locks_processed,
             backup_applied,
             backup_acks,
