@@ -11,11 +11,13 @@ use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::{Endpoint, Fabric};
 use farm_core::ring::RingLayout;
 use farm_core::rng::Rng;
-use farm_core::{Addr, MachineId, ThreadId};
+use farm_core::{Addr, MachineId, ThreadId, TxnId};
 use farm_fabric::mem::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_txn::machine::Reopen;
 use farm_txn::restart::{Finished, MachineRestart};
-use farm_txn::{MachineState, Params, Replication, Stats, Tx, TxError, Worker};
+use farm_txn::{
+    MachineState, Params, Replication, Stats, Tx, TxError, Worker, COMMITS_IN_FLIGHT_MAX,
+};
 
 use crate::cm::{SimCm, LEASE_TICKS, REPEAT_TICKS};
 use crate::history::{check, Anomaly, Op, TxnRecord};
@@ -96,6 +98,10 @@ pub struct SimConfig {
     /// regions, half of them near an existing region (§3): placed, prepared and committed as
     /// a configuration with the same members, amid whatever else the run does.
     pub allocations: u16,
+    /// Transactions each worker keeps in flight: that many clients share it, each running one
+    /// transaction at a time, their executions and commits interleaved as the seed says (the
+    /// commits of one worker are in flight together, `Worker::start_commit`).
+    pub clients_per_worker: u16,
 }
 
 impl Default for SimConfig {
@@ -118,6 +124,7 @@ impl Default for SimConfig {
             paused_memory_reachable: false,
             store_timeouts: false,
             allocations: 0,
+            clients_per_worker: 1,
         }
     }
 }
@@ -135,6 +142,8 @@ pub struct SimOutcome {
     pub stats: Stats,
     /// Objects allocated by committed transactions and still live at the end, all checked.
     pub live_objects: usize,
+    /// The most commits one worker had in flight at once.
+    pub commits_in_flight_max: usize,
     /// Machines crashed.
     pub crashed: Vec<MachineId>,
     /// Transactions whose coordinator crashed mid-commit, and how many of them turned out
@@ -167,7 +176,7 @@ pub struct SimOutcome {
 #[derive(Debug)]
 enum Client {
     Idle,
-    Committing(TxnRecord, Effects),
+    Committing(TxnRecord, Effects, TxnId),
 }
 
 /// Objects a transaction allocates or frees, applied to the client's set when it commits.
@@ -201,6 +210,8 @@ pub struct Sim {
     /// Steps at which a machine crashes, earliest last.
     crash_at: Vec<u64>,
     crashed: Vec<MachineId>,
+    /// The most commits one worker had in flight at once.
+    commits_in_flight_max: usize,
     /// Steps from which the power may go, earliest last.
     power_loss_at: Vec<u64>,
     /// The first power loss waits for the CM to start a reconfiguration.
@@ -286,7 +297,11 @@ impl Sim {
             .iter()
             .flat_map(|m| (0..config.threads).map(move |t| sim_worker(m, ThreadId(t))))
             .collect::<Vec<_>>();
-        let n_clients = workers.len();
+        assert!(
+            (1..=COMMITS_IN_FLIGHT_MAX as u16).contains(&config.clients_per_worker),
+            "clients per worker: 1 to {COMMITS_IN_FLIGHT_MAX}"
+        );
+        let n_clients = workers.len() * config.clients_per_worker as usize;
         let clients = (0..n_clients).map(|_| Client::Idle).collect();
         assert!(
             config.crashes + config.pauses < config.replicas,
@@ -359,6 +374,7 @@ impl Sim {
             cm,
             crash_at,
             crashed: Vec::new(),
+            commits_in_flight_max: 0,
             power_loss_at,
             power_loss_in_reconfiguration,
             slow_link: None,
@@ -500,7 +516,7 @@ impl Sim {
         let mut tx = Tx::new(&mut self.workers[w]);
         let r = f(&mut tx).expect("setup transaction");
         let state = tx.into_state();
-        self.workers[w].start_commit(state);
+        let txn = self.workers[w].start_commit(state);
         for _ in 0..SETUP_POLLS_MAX {
             self.now += 1;
             self.fabric.deliver_all();
@@ -512,7 +528,7 @@ impl Sim {
                     x.poll(self.now);
                 }
             }
-            if let Some(res) = self.workers[w].poll_commit(self.now) {
+            if let Some(res) = self.workers[w].poll_commit(txn, self.now) {
                 res.expect("setup commit");
                 return r;
             }
@@ -525,6 +541,11 @@ impl Sim {
 
     fn alive_worker(&self, w: usize) -> bool {
         self.running(self.workers[w].machine().id)
+    }
+
+    /// The worker that client `c` runs its transactions on.
+    fn worker_of(&self, c: usize) -> usize {
+        c / self.config.clients_per_worker as usize
     }
 
     /// A running member asks its CM for one or two regions, half the time near one of its own.
@@ -597,7 +618,7 @@ impl Sim {
     fn crashed_now(&mut self, victim: MachineId) {
         self.crashed.push(victim);
         for c in 0..self.clients.len() {
-            if self.workers[c].machine().id == victim {
+            if self.workers[self.worker_of(c)].machine().id == victim {
                 self.commit_unknown(c);
             }
         }
@@ -607,7 +628,7 @@ impl Sim {
     /// or the power went): recorded as such, and an object it freed is no longer checked (a
     /// power loss may bring the client back).
     fn commit_unknown(&mut self, c: usize) {
-        if let Client::Committing(rec, effects) =
+        if let Client::Committing(rec, effects, _) =
             std::mem::replace(&mut self.clients[c], Client::Idle)
         {
             self.unknown.push(self.history.len());
@@ -828,7 +849,7 @@ impl Sim {
             }
             _ => {
                 let c = self.rng.below(self.clients.len() as u64) as usize;
-                if self.alive_worker(c) {
+                if self.alive_worker(self.worker_of(c)) {
                     self.advance_client(c, start_new);
                 }
             }
@@ -840,7 +861,8 @@ impl Sim {
         // took to notice for its other work (fail-stop, as a deployment learns it from the
         // store). Until then a read-only commit is told only while its lease holds
         // (`MachineState::serves_at`, below, as in the runtime).
-        let machine = self.workers[c].machine().clone();
+        let w = self.worker_of(c);
+        let machine = self.workers[w].machine().clone();
         let newest = newest_view(&self.fabric, &self.paused, &self.machines, false);
         if newest.is_some_and(|v| self.leases.orphan_expired(&machine, &v.config, self.now)) {
             self.stop_evicted(vec![machine.id]);
@@ -849,22 +871,24 @@ impl Sim {
         match std::mem::replace(&mut self.clients[c], Client::Idle) {
             Client::Idle if start_new => self.start_txn(c),
             Client::Idle => {}
-            Client::Committing(mut rec, effects) => match self.workers[c].poll_commit(self.now) {
-                None => self.clients[c] = Client::Committing(rec, effects),
-                Some(r) => {
-                    rec.complete = self.now;
-                    let machine = self.workers[c].machine();
-                    rec.committed =
-                        r.is_ok() && (!effects.read_only || machine.serves_at(self.now));
-                    if rec.committed {
-                        if let Some(a) = effects.freed {
-                            self.temps[c].retain(|(t, _)| *t != a);
+            Client::Committing(mut rec, effects, txn) => {
+                match self.workers[w].poll_commit(txn, self.now) {
+                    None => self.clients[c] = Client::Committing(rec, effects, txn),
+                    Some(r) => {
+                        rec.complete = self.now;
+                        let machine = self.workers[w].machine();
+                        rec.committed =
+                            r.is_ok() && (!effects.read_only || machine.serves_at(self.now));
+                        if rec.committed {
+                            if let Some(a) = effects.freed {
+                                self.temps[c].retain(|(t, _)| *t != a);
+                            }
+                            self.temps[c].extend(effects.allocated);
                         }
-                        self.temps[c].extend(effects.allocated);
+                        self.history.push(rec);
                     }
-                    self.history.push(rec);
                 }
-            },
+            }
         }
     }
 
@@ -900,7 +924,8 @@ impl Sim {
         // waits for them.
         let prefetch = self.rng.below(2) == 0;
         let keys = self.keys.clone();
-        let (before, rest) = self.workers.split_at_mut(c);
+        let w = self.worker_of(c);
+        let (before, rest) = self.workers.split_at_mut(w);
         let (worker, after) = rest.split_first_mut().expect("client in range");
         let (now, rng, fabric) = (&mut self.now, &mut self.rng, &self.fabric);
         let (cm, machines, paused) = (&mut self.cm, &self.machines, &self.paused);
@@ -991,20 +1016,23 @@ impl Sim {
         match result {
             Ok(()) => {
                 effects.read_only = state.is_read_only();
-                self.workers[c].start_commit(state);
-                self.clients[c] = Client::Committing(rec, effects);
+                let txn = self.workers[w].start_commit(state);
+                self.commits_in_flight_max = self
+                    .commits_in_flight_max
+                    .max(self.workers[w].commits_in_flight());
+                self.clients[c] = Client::Committing(rec, effects, txn);
             }
             Err(e) => {
-                let me = self.workers[c].machine().id;
+                let me = self.workers[w].machine().id;
                 // A coordinator that crashed or stopped under its execution fails as it may.
                 assert!(
                     e.is_retryable() || !self.fabric.is_alive(me),
                     "seed {}: unexpected execution error {e} at {me} (view {:?}, newest {:?})",
                     self.config.seed,
-                    self.workers[c].view().config,
+                    self.workers[w].view().config,
                     self.newest_committed().map(|c| c.id)
                 );
-                self.workers[c].abort_execution(state, &e);
+                self.workers[w].abort_execution(state, &e);
                 self.history.push(rec);
             }
         }
@@ -1020,15 +1048,20 @@ impl Sim {
         // Paused clients count: they run again (or stop) within a few leases.
         while self.clients.iter().enumerate().any(|(c, s)| {
             matches!(s, Client::Committing(..))
-                && self.fabric.is_alive(self.workers[c].machine().id)
+                && self
+                    .fabric
+                    .is_alive(self.workers[self.worker_of(c)].machine().id)
         }) {
             self.step(false);
             rounds += 1;
             if rounds >= 1_000_000 {
                 let stuck: Vec<String> = (0..self.clients.len())
-                    .filter(|c| self.alive_worker(*c))
+                    .filter(|c| self.alive_worker(self.worker_of(*c)))
                     .filter(|c| matches!(self.clients[*c], Client::Committing(..)))
-                    .map(|c| format!("client {c}: {}", self.workers[c].recovery_summary()))
+                    .map(|c| {
+                        let w = &self.workers[self.worker_of(c)];
+                        format!("client {c}: {}", w.recovery_summary())
+                    })
                     .collect();
                 let views: Vec<String> = self
                     .machines
@@ -1087,7 +1120,7 @@ impl Sim {
         // (A crashed client's objects are left out: its last transaction, which may have freed
         // one, has an unknown outcome.)
         let temps: Vec<(Addr, u64)> = (0..self.temps.len())
-            .filter(|c| self.alive_worker(*c))
+            .filter(|c| self.alive_worker(self.worker_of(*c)))
             .flat_map(|c| self.temps[c].iter().copied())
             .collect();
         let seed = self.config.seed;
@@ -1137,6 +1170,7 @@ impl Sim {
             stats,
             live_objects: temps.len(),
             crashed: self.crashed,
+            commits_in_flight_max: self.commits_in_flight_max,
             unknown: (self.unknown.len(), unknown_committed.0),
             configurations: self.cm.committed,
             restarts: self.restarts,

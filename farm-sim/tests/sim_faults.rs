@@ -34,7 +34,8 @@ use farm_sim::{run_seed, SimConfig, SimOutcome};
 use farm_txn::Replication;
 
 /// One or two crashes; a third of the seeds pause a machine besides a single crash (a removed
-/// machine is a failure too: at most f = 2 per run); a quarter time the store out.
+/// machine is a failure too: at most f = 2 per run); a quarter time the store out. Each worker
+/// keeps one to four transactions in flight (every campaign below inherits it).
 fn config(seed: u64) -> SimConfig {
     let crashes = 1 + (seed % 2) as u16;
     SimConfig {
@@ -59,6 +60,7 @@ fn config(seed: u64) -> SimConfig {
         paused_memory_reachable: seed.is_multiple_of(4),
         store_timeouts: seed % 8 >= 6,
         allocations: 0,
+        clients_per_worker: 1 + (seed / 7 % 4) as u16,
     }
 }
 
@@ -177,6 +179,7 @@ fn varied_config(seed: u64) -> SimConfig {
         paused_memory_reachable: r.below(2) == 0,
         store_timeouts: r.below(3) == 0,
         allocations: r.below(3) as u16,
+        clients_per_worker: 1 + r.below(4) as u16,
     }
 }
 
@@ -247,8 +250,9 @@ fn check(seed: u64, config: SimConfig) -> SimOutcome {
 fn crashes_lose_nothing_and_stay_strictly_serializable() {
     let (mut unknown, mut unknown_committed, mut recovered) = (0, 0, 0);
     let (mut paused, mut evicted, mut stalls) = (0, 0, 0);
-    let (mut posted, mut validations_posted) = (0, 0);
+    let (mut posted, mut validations_posted, mut in_flight) = (0, 0, 0);
     let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 1000, config, |_, out| {
+        in_flight = in_flight.max(out.commits_in_flight_max);
         posted += out.stats.reads_posted;
         validations_posted += out.stats.validation_reads_posted;
         stalls += out.stalls;
@@ -265,7 +269,12 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
          crashed or stopped coordinator ({unknown_committed} of them committed); {paused} \
          machines paused past their lease, {evicted} stopped when their lease told them they \
          were out; {stalls} whole-cluster stalls; {posted} object reads and \
-         {validations_posted} validation reads posted, performed in an order the seed chose"
+         {validations_posted} validation reads posted, performed in an order the seed chose; \
+         up to {in_flight} commits in flight on one worker"
+    );
+    assert!(
+        in_flight >= 3,
+        "no worker ever had more than {in_flight} commits in flight"
     );
     assert!(posted > 0, "no transaction read through a posted read");
     assert!(

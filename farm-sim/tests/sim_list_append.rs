@@ -3,11 +3,17 @@
 
 use farm_sim::{run_seed, SimConfig};
 
-fn check_seed(seed: u64) {
-    let out = run_seed(SimConfig {
+/// Each worker keeps one to four transactions in flight, as the seed says.
+fn config(seed: u64) -> SimConfig {
+    SimConfig {
         seed,
+        clients_per_worker: 1 + (seed % 4) as u16,
         ..SimConfig::default()
-    });
+    }
+}
+
+fn check_seed(seed: u64) {
+    let out = run_seed(config(seed));
     let committed = out
         .history
         .iter()
@@ -38,11 +44,10 @@ fn list_append_is_strictly_serializable_across_seeds() {
         .map(|s| s.parse().expect("a number"))
         .unwrap_or(300);
     let (mut aborted, mut remote_allocs, mut frees, mut live) = (0, 0, 0, 0);
+    let mut in_flight_max = 0;
     for seed in 0..seeds {
-        let out = run_seed(SimConfig {
-            seed,
-            ..SimConfig::default()
-        });
+        let out = run_seed(config(seed));
+        in_flight_max = in_flight_max.max(out.commits_in_flight_max);
         assert!(
             out.anomalies.is_empty(),
             "seed {seed}: {:#?}",
@@ -63,18 +68,16 @@ fn list_append_is_strictly_serializable_across_seeds() {
         aborted > 0,
         "the schedules produced no conflicts at all: the test is too weak"
     );
+    assert!(
+        in_flight_max >= 3,
+        "no worker ever had more than {in_flight_max} commits in flight"
+    );
 }
 
 #[test]
 fn a_seed_replays_exactly() {
-    let a = run_seed(SimConfig {
-        seed: 42,
-        ..SimConfig::default()
-    });
-    let b = run_seed(SimConfig {
-        seed: 42,
-        ..SimConfig::default()
-    });
+    let a = run_seed(config(42));
+    let b = run_seed(config(42));
     assert_eq!(a.stats, b.stats);
     assert_eq!(format!("{:?}", a.history), format!("{:?}", b.history));
     check_seed(42);

@@ -38,6 +38,9 @@ const _: () = assert!(PIGGYBACK_IDS_MAX <= TRUNCATED_IDS_MAX);
 const TORN_RETRIES_MAX: usize = 64;
 /// Committed transactions whose truncation is pending before explicit TRUNCATEs are forced.
 const OUTSTANDING_MAX: usize = 256;
+/// Commits one worker keeps in flight at once (FaSST, DrTM+H and FORD keep 8 to 20 per
+/// thread); [`Worker::start_commit`] refuses more.
+pub const COMMITS_IN_FLIGHT_MAX: usize = 64;
 
 /// Size of a record header with the most piggybacked ids.
 const fn header_bytes() -> usize {
@@ -62,7 +65,9 @@ pub(crate) struct CoordinatorState {
     /// Own transactions whose outcome recovery decides: they hold the truncation low bound
     /// down, so that no replica votes them truncated (§5.3 step 6).
     pub(crate) recovering: BTreeSet<u64>,
-    active: Option<Commit>,
+    /// Commits in flight, by local id. One being advanced is taken out meanwhile (and counted
+    /// by the caller of `piggyback`).
+    active: BTreeMap<u64, Commit>,
 }
 
 impl CoordinatorState {
@@ -75,7 +80,7 @@ impl CoordinatorState {
             trunc_reserved: vec![0; peers],
             truncatable_since: None,
             recovering: BTreeSet::new(),
-            active: None,
+            active: BTreeMap::new(),
         }
     }
 }
@@ -585,10 +590,12 @@ impl<'w> Tx<'w> {
 
 /// Consumes the replies for `txn` that `kind` recognizes (returning their transaction and
 /// outcome): each one from an awaited machine is struck off, and a negative one sets `failed`.
-/// Stale replies of earlier transactions are dropped; other replies stay for whoever waits.
+/// Replies of transactions no longer in flight (`in_flight` says which are) are dropped; other
+/// replies stay for whoever waits.
 fn take_replies(
     replies: &mut Vec<(MachineId, Message)>,
     txn: TxnId,
+    in_flight: &BTreeMap<u64, Commit>,
     awaiting: &mut BTreeSet<MachineId>,
     failed: &mut bool,
     kind: impl Fn(&Message) -> Option<(TxnId, bool)>,
@@ -600,9 +607,10 @@ fn take_replies(
             }
             false
         }
-        // A late reply for an earlier transaction of this thread (one that ended when a new
-        // configuration overtook it): nobody will ever wait for it.
-        Some((t, _)) if t.local < txn.local => false,
+        // A late reply for a transaction of this thread that ended (when a new configuration
+        // overtook it, or its outcome was known before every reply came): nobody will ever
+        // wait for it. Those of the other commits in flight stay.
+        Some((t, _)) => in_flight.contains_key(&t.local),
         _ => true,
     });
 }
@@ -940,29 +948,36 @@ impl Worker {
         }
     }
 
-    /// Drops the commit in progress without any protocol step: this worker's machine died
-    /// (the runtime's stand-in for a process that is gone).
-    pub fn abandon_commit(&mut self) {
-        self.coord.active = None;
+    /// Drops the commit `txn` without any protocol step: this worker's machine died (the
+    /// runtime's stand-in for a process that is gone).
+    pub fn abandon_commit(&mut self, txn: TxnId) {
+        self.coord.active.remove(&txn.local);
     }
 
-    /// Whether a commit is in progress on this worker.
+    /// Whether a commit is in flight on this worker.
     pub fn committing(&self) -> bool {
-        self.coord.active.is_some()
+        !self.coord.active.is_empty()
     }
 
-    /// The id of the commit in progress, if any (for diagnostics).
-    pub fn committing_txn(&self) -> Option<TxnId> {
-        self.coord.active.as_ref().map(|c| c.txn)
+    /// How many commits are in flight on this worker.
+    pub fn commits_in_flight(&self) -> usize {
+        self.coord.active.len()
     }
 
-    /// Starts committing `state`. Read-only transactions with at most one object commit at once
-    /// (their read was consistent); the result is then available from the first
-    /// [`Worker::poll_commit`].
-    pub fn start_commit(&mut self, state: TxState) {
+    /// The ids of the commits in flight (for diagnostics), oldest first.
+    pub fn committing_txns(&self) -> Vec<TxnId> {
+        self.coord.active.values().map(|c| c.txn).collect()
+    }
+
+    /// Starts committing `state` and returns its transaction id, which
+    /// [`Worker::poll_commit`] takes. Up to [`COMMITS_IN_FLIGHT_MAX`] commits are in flight
+    /// at once, each advanced by its own polls, in any order. Read-only transactions with at
+    /// most one object commit at once (their read was consistent); the result is then
+    /// available from the first poll.
+    pub fn start_commit(&mut self, state: TxState) -> TxnId {
         assert!(
-            self.coord.active.is_none(),
-            "one commit at a time per worker"
+            self.coord.active.len() < COMMITS_IN_FLIGHT_MAX,
+            "more than {COMMITS_IN_FLIGHT_MAX} commits in flight on one worker"
         );
         let txn = self.txn_id();
         let mut regions = BTreeSet::new();
@@ -990,22 +1005,33 @@ impl Worker {
         for ws in primaries.values_mut().chain(backups.values_mut()) {
             ws.regions = regions.clone();
         }
-        self.coord.active = Some(Commit {
-            txn,
-            state,
-            primaries,
-            backups,
-            reserved: BTreeMap::new(),
-            phase: Phase::Reserve,
-            // Zero: checked against the current view at the first poll.
-            view_generation: 0,
-        });
+        let prev = self.coord.active.insert(
+            txn.local,
+            Commit {
+                txn,
+                state,
+                primaries,
+                backups,
+                reserved: BTreeMap::new(),
+                phase: Phase::Reserve,
+                // Zero: checked against the current view at the first poll.
+                view_generation: 0,
+            },
+        );
+        assert!(prev.is_none(), "{txn} started twice");
+        txn
     }
 
-    /// Advances the commit in progress; `Some` with the outcome when it is decided. Call
-    /// [`Worker::poll`] (of every worker this thread hosts) between calls: replies arrive there.
-    pub fn poll_commit(&mut self, now: u64) -> Option<Result<(), TxError>> {
-        let mut commit = self.coord.active.take().expect("no commit in progress");
+    /// Advances the commit `txn` (from [`Worker::start_commit`]); `Some` with the outcome when
+    /// it is decided, after which `txn` is no longer in flight. Call [`Worker::poll`] (of every
+    /// worker this thread hosts) between calls: replies arrive there.
+    pub fn poll_commit(&mut self, txn: TxnId, now: u64) -> Option<Result<(), TxError>> {
+        let mut commit = self
+            .coord
+            .active
+            .remove(&txn.local)
+            .unwrap_or_else(|| panic!("{txn} is not in flight"));
+        assert_eq!(commit.txn, txn, "a commit polled under another id");
         let result = self.advance(&mut commit, now);
         match result {
             Some(Ok(())) => {
@@ -1016,7 +1042,9 @@ impl Worker {
                 let state = std::mem::take(&mut commit.state);
                 self.discard(state);
             }
-            None => self.coord.active = Some(commit),
+            None => {
+                self.coord.active.insert(txn.local, commit);
+            }
         }
         result
     }
@@ -1090,10 +1118,17 @@ impl Worker {
                     }
                 }
                 Phase::Lock { awaiting, failed } => {
-                    take_replies(&mut self.replies, c.txn, awaiting, failed, |m| match m {
-                        Message::LockReply { txn, ok } => Some((*txn, *ok)),
-                        _ => None,
-                    });
+                    take_replies(
+                        &mut self.replies,
+                        c.txn,
+                        &self.coord.active,
+                        awaiting,
+                        failed,
+                        |m| match m {
+                            Message::LockReply { txn, ok } => Some((*txn, *ok)),
+                            _ => None,
+                        },
+                    );
                     if !awaiting.is_empty() {
                         return None;
                     }
@@ -1108,10 +1143,17 @@ impl Worker {
                     failed,
                     reads,
                 } => {
-                    take_replies(&mut self.replies, c.txn, awaiting, failed, |m| match m {
-                        Message::ValidateReply { txn, ok } => Some((*txn, *ok)),
-                        _ => None,
-                    });
+                    take_replies(
+                        &mut self.replies,
+                        c.txn,
+                        &self.coord.active,
+                        awaiting,
+                        failed,
+                        |m| match m {
+                            Message::ValidateReply { txn, ok } => Some((*txn, *ok)),
+                            _ => None,
+                        },
+                    );
                     take_validation_reads(reads, failed);
                     if !awaiting.is_empty() || !reads.is_empty() {
                         return None;
@@ -1165,10 +1207,17 @@ impl Worker {
                     // hold COMMIT-BACKUP, so the coordinator may no longer abort on its own.
                     // With RPC replication, each backup's CPU must also have answered.
                     let mut nack = false;
-                    take_replies(&mut self.replies, c.txn, awaiting, &mut nack, |m| match m {
-                        Message::BackupAck { txn } => Some((*txn, true)),
-                        _ => None,
-                    });
+                    take_replies(
+                        &mut self.replies,
+                        c.txn,
+                        &self.coord.active,
+                        awaiting,
+                        &mut nack,
+                        |m| match m {
+                            Message::BackupAck { txn } => Some((*txn, true)),
+                            _ => None,
+                        },
+                    );
                     if *failed
                         || !awaiting.is_empty()
                         || tickets
@@ -1442,6 +1491,7 @@ impl Worker {
             .copied()
             .into_iter()
             .chain(active)
+            .chain(self.coord.active.keys().next().copied())
             .chain(self.coord.recovering.first().copied())
             .min()
             .unwrap_or(self.coord.next_local + 1);
@@ -1568,7 +1618,8 @@ impl Worker {
                 "m{p} has transactions to truncate and no TRUNCATE reserved"
             );
         }
-        if let Some(c) = &coord.active {
+        for (local, c) in &coord.active {
+            assert_eq!(*local, c.txn.local, "a commit filed under another id");
             assert!(
                 c.txn.machine == self.machine.id && c.txn.thread == self.thread,
                 "{} committed by {}'s thread {}",
@@ -1600,7 +1651,7 @@ impl Worker {
             self.coord.unacked.remove(&l);
             busy = true;
         }
-        if self.coord.active.is_some() {
+        if !self.coord.active.is_empty() {
             return busy;
         }
         let truncatable = self
@@ -1627,7 +1678,7 @@ impl Worker {
     /// between commits; a commit waiting for log space does this itself.
     pub fn flush_truncations(&mut self) {
         assert!(
-            self.coord.active.is_none(),
+            self.coord.active.is_empty(),
             "flush_truncations during a commit"
         );
         self.send_truncations(None);
@@ -1685,7 +1736,7 @@ impl Worker {
 
     /// Whether this coordinator has nothing in flight and nothing left to truncate.
     pub fn coordinator_quiet(&self) -> bool {
-        self.coord.active.is_none()
+        self.coord.active.is_empty()
             && self.coord.unacked.is_empty()
             && self.coord.outstanding.iter().all(BTreeSet::is_empty)
     }

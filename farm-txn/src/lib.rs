@@ -2,7 +2,8 @@
 //!
 //! A [`Worker`] is one thread of one machine. It is both a participant (it processes LOCK,
 //! COMMIT-BACKUP, COMMIT-PRIMARY, ABORT and TRUNCATE records from its inbound logs and answers
-//! messages) and a coordinator (it executes [`Tx`]s and drives their commit). Nothing here
+//! messages) and a coordinator (it executes [`Tx`]s and drives their commits, up to
+//! [`COMMITS_IN_FLIGHT_MAX`] at once, each polled by its id). Nothing here
 //! blocks, reads a clock, spawns a thread or draws a random number: the runtime in `farm` and the
 //! simulator in `farm-sim` drive the same code by calling [`Worker::poll`] and
 //! [`Worker::poll_commit`] with the current tick. Transaction state recovery (§5.3) runs in the
@@ -23,7 +24,7 @@ pub mod restart;
 pub mod stats;
 pub mod worker;
 
-pub use coordinator::{Tx, TxState};
+pub use coordinator::{Tx, TxState, COMMITS_IN_FLIGHT_MAX};
 pub use error::{Conflict, TxError};
 pub use machine::{MachineState, Params, RecoveryEvent, Replication};
 pub use stats::Stats;

@@ -1566,6 +1566,16 @@ impl Worker {
             .sum()
     }
 
+    /// Transactions whose log records this worker keeps (not truncated yet), by coordinator
+    /// machine and local id.
+    pub fn retained_txns(&self) -> BTreeSet<(MachineId, u64)> {
+        self.inbound
+            .iter()
+            .enumerate()
+            .flat_map(|(m, i)| i.retained.keys().map(move |l| (MachineId(m as u16), *l)))
+            .collect()
+    }
+
     /// Transaction ids whose locks this worker holds as a primary.
     pub fn held_lock_txns(&self) -> BTreeSet<(MachineId, u64)> {
         self.inbound

@@ -55,7 +55,10 @@ fn a_commit_primary_lost_to_a_live_member_holds_truncation_back() {
     // LOCK goes to both primaries, which lock and answer.
     while w[0].held_lock_txns().is_empty() {
         now += 1;
-        assert!(w[2].poll_commit(now).is_none(), "committed without locks");
+        assert!(
+            common::poll_only(&mut w[2], now).is_none(),
+            "committed without locks"
+        );
         for x in w.iter_mut() {
             x.poll(now);
         }

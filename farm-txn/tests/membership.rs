@@ -32,7 +32,7 @@ fn allocated(w: &mut [Worker], m: usize, now: &mut u64) -> Addr {
     let a = tx.alloc(8, None).unwrap();
     let state = tx.into_state();
     w[m].start_commit(state);
-    while w[m].poll_commit(*now).is_none() {
+    while common::poll_only(&mut w[m], *now).is_none() {
         poll_all(w, now);
     }
     a
@@ -47,7 +47,7 @@ fn records_from_a_removed_machine_are_ignored() {
     let obj = tx.alloc(8, None).unwrap();
     let state = tx.into_state();
     w[0].start_commit(state);
-    while w[0].poll_commit(now).is_none() {
+    while common::poll_only(&mut w[0], now).is_none() {
         poll_all(&mut w, &mut now);
     }
     for _ in 0..5 {
@@ -55,7 +55,7 @@ fn records_from_a_removed_machine_are_ignored() {
     }
     // Machine 2 starts a commit whose LOCK lands in machine 0's log ...
     start_write(&mut w, 2, obj, 9);
-    assert!(w[2].poll_commit(now).is_none());
+    assert!(common::poll_only(&mut w[2], now).is_none());
     // ... but machine 0 has meanwhile installed a configuration without machine 2.
     let mut next = Configuration::initial(3);
     next.id = ConfigId(2);
@@ -69,7 +69,7 @@ fn records_from_a_removed_machine_are_ignored() {
     for _ in 0..20 {
         poll_all(&mut w, &mut now);
         assert!(
-            w[2].poll_commit(now).is_none(),
+            common::poll_only(&mut w[2], now).is_none(),
             "a removed coordinator gets no LOCK-REPLY"
         );
     }
@@ -94,7 +94,7 @@ fn records_from_a_removed_machine_are_ignored() {
     let mut outcome = None;
     for _ in 0..100 {
         poll_all(&mut w, &mut now);
-        if let Some(r) = w[1].poll_commit(now) {
+        if let Some(r) = common::poll_only(&mut w[1], now) {
             outcome = Some(r);
             break;
         }
@@ -153,7 +153,7 @@ fn a_commit_started_in_a_newer_view_than_its_reads_aborts() {
     w[2].start_commit(state);
     let mut outcome = None;
     for _ in 0..1000 {
-        if let Some(r) = w[2].poll_commit(now) {
+        if let Some(r) = common::poll_only(&mut w[2], now) {
             outcome = Some(r);
             break;
         }

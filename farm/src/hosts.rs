@@ -436,7 +436,7 @@ impl Hosts {
             }
         };
         let read_only = state.is_read_only();
-        host.workers[i].start_commit(state);
+        let id = host.workers[i].start_commit(state);
         let mut backoff = Backoff::new();
         let started = self.now();
         let mut reported = false;
@@ -446,11 +446,11 @@ impl Hosts {
                 // deployment the application dies with it) or was removed from the
                 // configuration (§5.2): the outcome is recovery's to decide among the members,
                 // which refuse this machine's writes.
-                host.workers[i].abandon_commit();
+                host.workers[i].abandon_commit(id);
                 return Err(e);
             }
             let now = self.now();
-            if let Some(r) = host.workers[i].poll_commit(now) {
+            if let Some(r) = host.workers[i].poll_commit(id, now) {
                 if r.is_ok() {
                     // A read-only transaction committed on reads alone: told only if the lease
                     // held when they ended (a fresh clock, read after them). A transaction
@@ -472,7 +472,7 @@ impl Hosts {
                 // host's workers hold, once, so that a stuck one can be diagnosed.
                 reported = true;
                 tracing::warn!(
-                    txn = ?host.workers[i].committing_txn(),
+                    txn = %id,
                     waited_ms = (now - started) / 1000,
                     "commit still waiting"
                 );
