@@ -192,6 +192,25 @@ impl Slabs {
         slabs
     }
 
+    /// Whether a slot for a payload of `payload` bytes is free here (no block would be carved).
+    pub fn has_free(&self, payload: usize) -> bool {
+        class_for(payload).is_ok_and(|class| !self.free[class].is_empty())
+    }
+
+    /// Takes every free slot out, as (offset, slot size): to share them with the other threads
+    /// of the region's primary.
+    pub fn take_free(&mut self) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        for (class, list) in self.free.iter_mut().enumerate() {
+            out.extend(
+                list.drain(..)
+                    .rev()
+                    .map(|offset| (offset, SLOT_BYTES[class])),
+            );
+        }
+        out
+    }
+
     /// Hands out a free slot for a payload of `payload` bytes, carving a new block if needed.
     pub fn alloc(&mut self, pool: &BlockPool, payload: usize) -> Result<Allocation, AllocError> {
         let class = class_for(payload)?;

@@ -11,12 +11,13 @@ use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::{Endpoint, Fabric};
 use farm_core::ring::RingLayout;
 use farm_core::rng::Rng;
-use farm_core::{Addr, MachineId, ThreadId, TxnId};
+use farm_core::{Addr, MachineId, ThreadId};
 use farm_fabric::mem::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_txn::machine::Reopen;
 use farm_txn::restart::{Finished, MachineRestart};
 use farm_txn::{
-    MachineState, Params, Replication, Stats, Tx, TxError, Worker, COMMITS_IN_FLIGHT_MAX,
+    CommitHandle, MachineState, Params, Replication, Stats, Tx, TxError, Worker,
+    COMMITS_IN_FLIGHT_MAX,
 };
 
 use crate::cm::{SimCm, LEASE_TICKS, REPEAT_TICKS};
@@ -176,7 +177,7 @@ pub struct SimOutcome {
 #[derive(Debug)]
 enum Client {
     Idle,
-    Committing(TxnRecord, Effects, TxnId),
+    Committing(TxnRecord, Effects, CommitHandle),
 }
 
 /// Objects a transaction allocates or frees, applied to the client's set when it commits.

@@ -42,6 +42,18 @@ const OUTSTANDING_MAX: usize = 256;
 /// thread); [`Worker::start_commit`] refuses more.
 pub const COMMITS_IN_FLIGHT_MAX: usize = 64;
 
+/// A commit in flight on a worker ([`Worker::start_commit`], [`Worker::poll_commit`]). Its
+/// transaction id is assigned when its log space is reserved, just before its first record
+/// ([`Worker::commit_txn`]), so that a commit waiting for log space holds no truncation back.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct CommitHandle(u64);
+
+impl std::fmt::Display for CommitHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "commit #{}", self.0)
+    }
+}
+
 /// Size of a record header with the most piggybacked ids.
 const fn header_bytes() -> usize {
     log_header_bytes(PIGGYBACK_IDS_MAX)
@@ -65,9 +77,11 @@ pub(crate) struct CoordinatorState {
     /// Own transactions whose outcome recovery decides: they hold the truncation low bound
     /// down, so that no replica votes them truncated (§5.3 step 6).
     pub(crate) recovering: BTreeSet<u64>,
-    /// Commits in flight, by local id. One being advanced is taken out meanwhile (and counted
+    /// Commits in flight, by handle. One being advanced is taken out meanwhile (and counted
     /// by the caller of `piggyback`).
-    active: BTreeMap<u64, Commit>,
+    active: BTreeMap<CommitHandle, Commit>,
+    /// The next commit handle.
+    next_handle: u64,
 }
 
 impl CoordinatorState {
@@ -81,6 +95,7 @@ impl CoordinatorState {
             truncatable_since: None,
             recovering: BTreeSet::new(),
             active: BTreeMap::new(),
+            next_handle: 0,
         }
     }
 }
@@ -595,7 +610,7 @@ impl<'w> Tx<'w> {
 fn take_replies(
     replies: &mut Vec<(MachineId, Message)>,
     txn: TxnId,
-    in_flight: &BTreeMap<u64, Commit>,
+    in_flight: &BTreeMap<CommitHandle, Commit>,
     awaiting: &mut BTreeSet<MachineId>,
     failed: &mut bool,
     kind: impl Fn(&Message) -> Option<(TxnId, bool)>,
@@ -610,7 +625,7 @@ fn take_replies(
         // A late reply for a transaction of this thread that ended (when a new configuration
         // overtook it, or its outcome was known before every reply came): nobody will ever
         // wait for it. Those of the other commits in flight stay.
-        Some((t, _)) => in_flight.contains_key(&t.local),
+        Some((t, _)) => in_flight.values().any(|c| c.txn == t),
         _ => true,
     });
 }
@@ -685,6 +700,8 @@ enum Phase {
 /// A transaction in its commit phase.
 #[derive(Debug)]
 pub(crate) struct Commit {
+    handle: CommitHandle,
+    /// The transaction's id: a new one once log space is reserved (see [`CommitHandle`]).
     txn: TxnId,
     state: TxState,
     /// Write sets per primary (LOCK payloads).
@@ -696,6 +713,14 @@ pub(crate) struct Commit {
     phase: Phase,
     /// The view generation the commit last checked its participants against.
     view_generation: u64,
+}
+
+impl Commit {
+    /// Whether the commit may have sent log records: past its reservation, with writes. The
+    /// truncation bound its thread sends stays at or below its id.
+    fn holds_truncation(&self) -> bool {
+        !self.primaries.is_empty() && !matches!(self.phase, Phase::Reserve)
+    }
 }
 
 impl Worker {
@@ -843,6 +868,7 @@ impl Worker {
         candidates.retain(|r| !self.region_blocked(*r));
         let mut last_err = None;
         for region in candidates {
+            self.refill_slabs(region, len);
             let pool = self.view.pool(region).expect("primary has a pool");
             match self
                 .slabs
@@ -948,10 +974,10 @@ impl Worker {
         }
     }
 
-    /// Drops the commit `txn` without any protocol step: this worker's machine died (the
+    /// Drops the commit `handle` without any protocol step: this worker's machine died (the
     /// runtime's stand-in for a process that is gone).
-    pub fn abandon_commit(&mut self, txn: TxnId) {
-        self.coord.active.remove(&txn.local);
+    pub fn abandon_commit(&mut self, handle: CommitHandle) {
+        self.coord.active.remove(&handle);
     }
 
     /// Whether a commit is in flight on this worker.
@@ -964,17 +990,22 @@ impl Worker {
         self.coord.active.len()
     }
 
-    /// The ids of the commits in flight (for diagnostics), oldest first.
-    pub fn committing_txns(&self) -> Vec<TxnId> {
-        self.coord.active.values().map(|c| c.txn).collect()
+    /// The handles of the commits in flight, oldest first.
+    pub fn commits(&self) -> Vec<CommitHandle> {
+        self.coord.active.keys().copied().collect()
     }
 
-    /// Starts committing `state` and returns its transaction id, which
-    /// [`Worker::poll_commit`] takes. Up to [`COMMITS_IN_FLIGHT_MAX`] commits are in flight
-    /// at once, each advanced by its own polls, in any order. Read-only transactions with at
-    /// most one object commit at once (their read was consistent); the result is then
-    /// available from the first poll.
-    pub fn start_commit(&mut self, state: TxState) -> TxnId {
+    /// The transaction id the commit `handle` runs under now (it changes once, when its log
+    /// space is reserved), if it is in flight.
+    pub fn commit_txn(&self, handle: CommitHandle) -> Option<TxnId> {
+        self.coord.active.get(&handle).map(|c| c.txn)
+    }
+
+    /// Starts committing `state` and returns its handle, which [`Worker::poll_commit`] takes.
+    /// Up to [`COMMITS_IN_FLIGHT_MAX`] commits are in flight at once, each advanced by its own
+    /// polls, in any order. Read-only transactions with at most one object commit at once
+    /// (their read was consistent); the result is then available from the first poll.
+    pub fn start_commit(&mut self, state: TxState) -> CommitHandle {
         assert!(
             self.coord.active.len() < COMMITS_IN_FLIGHT_MAX,
             "more than {COMMITS_IN_FLIGHT_MAX} commits in flight on one worker"
@@ -1005,9 +1036,12 @@ impl Worker {
         for ws in primaries.values_mut().chain(backups.values_mut()) {
             ws.regions = regions.clone();
         }
+        let handle = CommitHandle(self.coord.next_handle);
+        self.coord.next_handle += 1;
         let prev = self.coord.active.insert(
-            txn.local,
+            handle,
             Commit {
+                handle,
                 txn,
                 state,
                 primaries,
@@ -1018,20 +1052,20 @@ impl Worker {
                 view_generation: 0,
             },
         );
-        assert!(prev.is_none(), "{txn} started twice");
-        txn
+        assert!(prev.is_none(), "{handle} started twice");
+        handle
     }
 
-    /// Advances the commit `txn` (from [`Worker::start_commit`]); `Some` with the outcome when
-    /// it is decided, after which `txn` is no longer in flight. Call [`Worker::poll`] (of every
-    /// worker this thread hosts) between calls: replies arrive there.
-    pub fn poll_commit(&mut self, txn: TxnId, now: u64) -> Option<Result<(), TxError>> {
+    /// Advances the commit `handle` (from [`Worker::start_commit`]); `Some` with the outcome
+    /// when it is decided, after which it is no longer in flight. Call [`Worker::poll`] (of
+    /// every worker this thread hosts) between calls: replies arrive there.
+    pub fn poll_commit(&mut self, handle: CommitHandle, now: u64) -> Option<Result<(), TxError>> {
         let mut commit = self
             .coord
             .active
-            .remove(&txn.local)
-            .unwrap_or_else(|| panic!("{txn} is not in flight"));
-        assert_eq!(commit.txn, txn, "a commit polled under another id");
+            .remove(&handle)
+            .unwrap_or_else(|| panic!("{handle} is not in flight"));
+        assert_eq!(commit.handle, handle, "a commit filed under another handle");
         let result = self.advance(&mut commit, now);
         match result {
             Some(Ok(())) => {
@@ -1043,7 +1077,7 @@ impl Worker {
                 self.discard(state);
             }
             None => {
-                self.coord.active.insert(txn.local, commit);
+                self.coord.active.insert(handle, commit);
             }
         }
         result
@@ -1076,11 +1110,19 @@ impl Worker {
                         Ok(false) => {
                             // §4: "If the log becomes full, the coordinator uses the
                             // reservations to write explicit truncate records to free up space."
-                            self.send_truncations(Some(c.txn.local));
+                            // This commit sent nothing and holds no truncation back: its
+                            // transaction id comes once it has the space.
+                            self.send_truncations(None);
                             return None;
                         }
                         Err(e) => return Some(Err(e)),
                     }
+                    // The transaction's id is taken now, above every truncation bound this
+                    // thread has sent (each at most the next id): no participant counts it
+                    // truncated before its records arrive, and while it waited for log space
+                    // it held no truncation back (newer commits' records may be what fills
+                    // the log). The view is the execution's (`check_view`).
+                    c.txn = self.txn_id();
                     // Invariant 5: every participant holds a reservation before any LOCK.
                     assert!(
                         c.primaries
@@ -1481,8 +1523,27 @@ impl Worker {
     }
 
     /// The piggybacked truncation state for a record to `dst`: the low bound of this thread's
-    /// non-truncated transactions and the truncatable ids above it.
+    /// non-truncated transactions and the truncatable ids above it. `active` is the commit
+    /// being advanced (taken out of the map), if it may have sent records.
+    ///
+    /// The bound stays at or below every commit in flight that may have sent records
+    /// (`Commit::holds_truncation`) and every transaction recovery decides. Explicit ids are
+    /// only of transactions older than all of those: a participant keeps only the bound across
+    /// a restart (in NVRAM), so a transaction truncated by id alone while an older one is still
+    /// open would be voted unknown after a power loss at a replica that dropped its records,
+    /// and aborted by a recovery that another replica's COMMIT-BACKUP started (§5.3), though
+    /// it committed (power-loss seed 1719 with two commits per worker). Only a committed
+    /// transaction still waiting for COMMIT-PRIMARY acks is passed by id.
     fn piggyback(&mut self, dst: MachineId, active: Option<u64>) -> (u64, Vec<u64>) {
+        let open = self
+            .coord
+            .active
+            .values()
+            .filter(|c| c.holds_truncation())
+            .map(|c| c.txn.local)
+            .chain(active)
+            .chain(self.coord.recovering.first().copied())
+            .min();
         let below = self
             .coord
             .unacked
@@ -1490,14 +1551,12 @@ impl Worker {
             .next()
             .copied()
             .into_iter()
-            .chain(active)
-            .chain(self.coord.active.keys().next().copied())
-            .chain(self.coord.recovering.first().copied())
+            .chain(open)
             .min()
             .unwrap_or(self.coord.next_local + 1);
         let out = &mut self.coord.outstanding[dst.0 as usize];
         let ids: Vec<u64> = out
-            .range(below..)
+            .range(below..open.unwrap_or(u64::MAX))
             .filter(|l| !self.coord.unacked.contains_key(l))
             .take(PIGGYBACK_IDS_MAX)
             .copied()
@@ -1618,8 +1677,8 @@ impl Worker {
                 "m{p} has transactions to truncate and no TRUNCATE reserved"
             );
         }
-        for (local, c) in &coord.active {
-            assert_eq!(*local, c.txn.local, "a commit filed under another id");
+        for (handle, c) in &coord.active {
+            assert_eq!(*handle, c.handle, "a commit filed under another handle");
             assert!(
                 c.txn.machine == self.machine.id && c.txn.thread == self.thread,
                 "{} committed by {}'s thread {}",

@@ -1202,6 +1202,27 @@ impl MachineState {
         mine.into_iter().map(|(a, s)| (a.offset, s)).collect()
     }
 
+    /// Takes up to `max` queued free slots of `region` of `slot_bytes` each: a thread about to
+    /// carve a new block takes slots the machine's other threads, or allocator recovery, left
+    /// free first (each thread has slabs of its own, and a region's blocks are few).
+    pub(crate) fn take_queued_slots(
+        &self,
+        region: RegionId,
+        slot_bytes: u32,
+        max: usize,
+    ) -> Vec<u32> {
+        let mut q = self.queued_frees.lock().expect("poisoned");
+        let mut out = Vec::new();
+        q.retain(|(a, s)| {
+            let take = out.len() < max && a.region == region && *s == slot_bytes;
+            if take {
+                out.push(a.offset);
+            }
+            !take
+        });
+        out
+    }
+
     /// Installs the block pool allocator recovery rebuilt for `region` (§5.5) in a new view.
     pub(crate) fn install_pool(&self, region: RegionId, pool: BlockPool) {
         let mut guard = self.view.lock().expect("view poisoned");

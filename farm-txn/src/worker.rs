@@ -215,6 +215,9 @@ struct Background {
 
 /// Slots an allocator recovery step looks at.
 const SCAN_SLOTS_PER_STEP: usize = 4096;
+/// Free slots a thread takes at once from those the machine's other threads or allocator
+/// recovery left (`Worker::refill_slabs`).
+const SHARED_SLOTS_BATCH: usize = 1024;
 
 /// The ticket of a write that failed when it was posted (its target unreachable): it never
 /// lands ([`Worker::write_settled`] says when that no longer matters). Fabrics number their
@@ -560,9 +563,17 @@ impl Worker {
                     for (offset, slot) in self.machine.take_queued_frees(region) {
                         scan.queue_free(offset, slot);
                     }
-                    let (pool, slabs) = scan.finish();
+                    let (pool, mut slabs) = scan.finish();
                     self.machine.install_pool(region, pool);
                     self.refresh_view();
+                    // The free slots the scan found are every thread's to hand out
+                    // (`Worker::refill_slabs`), not only this one's: otherwise each other
+                    // thread carves a fresh block after every change of primary, and a region
+                    // runs out of blocks with most of its slots free.
+                    for (offset, slot) in slabs.take_free() {
+                        self.machine
+                            .queue_free(farm_core::Addr::new(region, offset), slot);
+                    }
                     self.slabs.insert(region, slabs);
                     self.machine
                         .record(crate::machine::RecoveryEvent::AllocatorRecovered {
@@ -858,6 +869,7 @@ impl Worker {
         let mut outcomes = Vec::with_capacity(count as usize);
         let mut tickets = Vec::new();
         while outcomes.len() < count as usize {
+            self.refill_slabs(region, len as usize);
             let pool = self
                 .view
                 .pool(region)
@@ -1613,6 +1625,29 @@ impl Worker {
         for peer in 0..self.inbound.len() {
             self.report_freed(MachineId(peer as u16), RingKind::Log, true);
             self.report_freed(MachineId(peer as u16), RingKind::Queue, true);
+        }
+    }
+
+    /// Before this thread carves a new block of `region` for a payload of `len` bytes: takes
+    /// slots of that size that the machine's other threads freed while holding no slabs of the
+    /// region, or that allocator recovery found free (§5.5), so that the region's few blocks
+    /// are carved only when no thread has a slot left.
+    pub(crate) fn refill_slabs(&mut self, region: RegionId, len: usize) {
+        let Some(slabs) = self.slabs.get_mut(&region) else {
+            return;
+        };
+        let Ok(class) = farm_alloc::class_for(len) else {
+            return;
+        };
+        if slabs.has_free(len) {
+            return;
+        }
+        let slot = farm_alloc::SLOT_BYTES[class];
+        for offset in self
+            .machine
+            .take_queued_slots(region, slot, SHARED_SLOTS_BATCH)
+        {
+            slabs.free(offset, slot);
         }
     }
 

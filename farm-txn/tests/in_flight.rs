@@ -5,8 +5,8 @@
 mod common;
 
 use common::{drive, start};
-use farm_core::{Addr, TxnId};
-use farm_txn::{Replication, Tx, TxError, Worker};
+use farm_core::Addr;
+use farm_txn::{CommitHandle, Replication, Tx, TxError, Worker};
 
 fn cluster() -> Vec<Worker> {
     common::workers(4 << 20, 2)
@@ -30,7 +30,7 @@ fn objects(w: &mut [Worker], m: usize, n: usize, now: &mut u64) -> Vec<Addr> {
 }
 
 /// Executes an increment of each of `addrs` on worker `c` and starts its commit.
-fn start_increment(w: &mut [Worker], c: usize, addrs: &[Addr]) -> TxnId {
+fn start_increment(w: &mut [Worker], c: usize, addrs: &[Addr]) -> CommitHandle {
     let mut tx = Tx::new(&mut w[c]);
     for a in addrs {
         let v = u64::from_le_bytes(tx.read(*a, 8).unwrap().try_into().unwrap());
@@ -50,7 +50,7 @@ fn value(w: &mut [Worker], primary: usize, a: Addr) -> u64 {
 fn decide_all(
     w: &mut [Worker],
     c: usize,
-    txns: &[TxnId],
+    txns: &[CommitHandle],
     order: impl Fn(u64) -> usize,
     now: &mut u64,
 ) -> Vec<Result<(), TxError>> {
@@ -80,7 +80,7 @@ fn commits_in_flight_together_each_commit_once() {
     let at2 = objects(&mut w, 2, 4, &mut now);
     // Machine 0's one worker starts four commits before polling any: disjoint objects, so
     // each commits; their LOCK-REPLYs arrive interleaved.
-    let txns: Vec<TxnId> = (0..4)
+    let txns: Vec<CommitHandle> = (0..4)
         .map(|k| start_increment(&mut w, 0, &[at1[k], at2[k]]))
         .collect();
     assert_eq!(w[0].commits_in_flight(), 4);
@@ -114,7 +114,7 @@ fn conflicting_commits_of_one_worker_abort_all_but_one() {
     let a = objects(&mut w, 1, 1, &mut now)[0];
     // Three increments of one object read the same version: one LOCK wins, the others fail
     // and abort without leaving a lock behind; a fourth started after them commits on top.
-    let txns: Vec<TxnId> = (0..3).map(|_| start_increment(&mut w, 0, &[a])).collect();
+    let txns: Vec<CommitHandle> = (0..3).map(|_| start_increment(&mut w, 0, &[a])).collect();
     let outcomes = decide_all(&mut w, 0, &txns, |s| (s * 7 + 2) as usize, &mut now);
     let committed = outcomes.iter().filter(|o| o.is_ok()).count();
     assert_eq!(committed, 1, "{outcomes:?}");
@@ -154,17 +154,20 @@ fn truncation_never_passes_a_commit_still_in_flight() {
     // older commit, machine 2 would truncate the older COMMIT-BACKUP, installing its writes
     // before the transaction committed and dropping a record recovery needs (§5.3).
     let older = start_increment(&mut w, 0, &[at1[0]]);
-    let older_at = (older.machine, older.local);
+    let mut older_at = None;
     for _ in 0..100 {
         now += 1;
         assert!(w[0].poll_commit(older, now).is_none(), "committed early");
         for x in w.iter_mut() {
             x.poll(now);
         }
-        if w[2].retained_txns().contains(&older_at) {
+        let t = w[0].commit_txn(older).expect("in flight");
+        older_at = Some((t.machine, t.local));
+        if w[2].retained_txns().contains(&(t.machine, t.local)) {
             break;
         }
     }
+    let older_at = older_at.expect("polled");
     assert!(
         w[2].retained_txns().contains(&older_at),
         "the older COMMIT-BACKUP reached machine 2"

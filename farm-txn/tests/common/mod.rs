@@ -93,9 +93,9 @@ pub fn drive(
 #[allow(dead_code)]
 /// Polls the one commit in flight on `w`.
 pub fn poll_only(w: &mut Worker, now: u64) -> Option<Result<(), TxError>> {
-    let txns = w.committing_txns();
-    assert_eq!(txns.len(), 1, "one commit in flight");
-    w.poll_commit(txns[0], now)
+    let commits = w.commits();
+    assert_eq!(commits.len(), 1, "one commit in flight");
+    w.poll_commit(commits[0], now)
 }
 
 #[allow(dead_code)]
