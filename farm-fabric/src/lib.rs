@@ -10,7 +10,9 @@
 //! - [`tcp`]: machines on hosts; a NIC thread per connection serves one-sided operations on
 //!   registered memory;
 //! - [`process`]: what the two process fabrics share (directory claim, doorbell, UDP
-//!   datagrams) and [`ProcessFabric`](process::ProcessFabric), the interface a node runs on.
+//!   datagrams) and [`ProcessFabric`](process::ProcessFabric), the interface a node runs on;
+//! - [`auth`]: the cluster's shared secret, which every `tcp` connection proves in its hello
+//!   and every datagram carries a tag of.
 //!
 //! They live apart from the protocol crates, which hold no socket, thread or file of their
 //! own: a protocol touches other machines only through the `Fabric` handle it is given.
@@ -33,6 +35,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod auth;
 pub mod mem;
 pub mod process;
 pub mod shm;

@@ -6,8 +6,9 @@
 //! - has a doorbell (`Doorbell`), a futex word that counts writes peers made into its rings,
 //!   on which its idle pollers sleep;
 //! - sends and receives datagrams over UDP (`Datagrams`), each stamped with the cluster's id
-//!   and its sender; lease datagrams are read by the lease thread, control datagrams
-//!   ([`CONTROL_TAG`]) by the CM's control thread.
+//!   and its sender and sealed under the cluster's secret (`crate::auth`): a forged, stale or
+//!   replayed one is refused and counted before anything reads it; lease datagrams are read
+//!   by the lease thread, control datagrams ([`CONTROL_TAG`]) by the CM's control thread.
 //!
 //! [`ProcessFabric`] is what a machine process (`farm::node`) needs of either fabric.
 
@@ -16,13 +17,15 @@ use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
 use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use farm_core::fabric::{Fabric, CONTROL_TAG};
 use farm_core::ids::MachineId;
 use farm_core::nvram::Nvram;
+
+use crate::auth::{self, DatagramSeal, Refusal, Replays, Secret, SEAL_BYTES, TAG_BYTES};
 
 /// What a machine process needs of its fabric beyond [`Fabric`].
 pub trait ProcessFabric: Fabric {
@@ -42,6 +45,10 @@ pub trait ProcessFabric: Fabric {
     /// [`ProcessFabric::writes_seen`]) or `timeout` passes: an idle poller wakes for a peer's
     /// LOCK or message at once, and costs no CPU meanwhile.
     fn wait_for_writes(&self, seen: u64, timeout: Duration);
+
+    /// Datagrams of this cluster refused unread: forged (their tag does not hold under the
+    /// cluster's secret), stale, or replayed (`crate::auth`).
+    fn datagrams_refused(&self) -> u64;
 }
 
 /// Why a machine process's fabric could not start.
@@ -233,8 +240,9 @@ impl Doorbell {
     }
 }
 
-const DATAGRAM_MAGIC: u32 = 0xfa53_d6a7;
-const DATAGRAM_HEADER_BYTES: usize = 4 + 8 + 2;
+const DATAGRAM_MAGIC: u32 = 0xfa53_d6a8;
+/// Magic, cluster and sender, then the seal; the tag follows the payload.
+const DATAGRAM_HEADER_BYTES: usize = 4 + 8 + 2 + SEAL_BYTES;
 /// Largest datagram payload (a NEW-CONFIG carries the region map).
 pub const DATAGRAM_BYTES_MAX: usize = 60 << 10;
 
@@ -259,10 +267,21 @@ impl Peers {
 }
 
 /// A machine's datagrams over UDP. Datagrams of another cluster and malformed ones are dropped
-/// unread.
+/// unread; forged, stale and replayed ones of this cluster are refused and counted.
 #[derive(Debug)]
 pub(crate) struct Datagrams {
     cluster: u64,
+    me: MachineId,
+    secret: Secret,
+    /// This process's life, in the seal of every datagram it sends: a restarted sender's
+    /// datagrams start a new life at the receivers, and the old life's are refused.
+    incarnation: u64,
+    /// The sequence number of the next datagram sent.
+    next_seq: AtomicU64,
+    /// What was taken from each sender, against replays.
+    replays: Mutex<Replays>,
+    /// Datagrams refused, by kind: forged, stale, replayed.
+    refused: [AtomicU64; 3],
     peers: Peers,
     socket: UdpSocket,
     /// A socket to send from (datagrams carry their sender inside).
@@ -273,8 +292,14 @@ pub(crate) struct Datagrams {
 }
 
 impl Datagrams {
-    /// Binds machine `me`'s datagram socket at its address among `peers`.
-    pub(crate) fn bind(cluster: u64, me: MachineId, peers: Peers) -> Result<Self, StartError> {
+    /// Binds machine `me`'s datagram socket at its address among `peers`; datagrams are sealed
+    /// and checked under `secret`.
+    pub(crate) fn bind(
+        cluster: u64,
+        me: MachineId,
+        peers: Peers,
+        secret: Secret,
+    ) -> Result<Self, StartError> {
         let addr = peers.addr(me).ok_or_else(|| {
             StartError::Invalid(format!("machine {me} has no datagram address: {peers:?}"))
         })?;
@@ -287,6 +312,12 @@ impl Datagrams {
             .map_err(io_err("cloning the datagram socket"))?;
         Ok(Self {
             cluster,
+            me,
+            secret,
+            incarnation: auth::wall_us(),
+            next_seq: AtomicU64::new(1),
+            replays: Mutex::new(Replays::default()),
+            refused: Default::default(),
             peers,
             socket,
             sender,
@@ -304,12 +335,40 @@ impl Datagrams {
         if data.len() > DATAGRAM_BYTES_MAX {
             return;
         }
-        let mut msg = Vec::with_capacity(DATAGRAM_HEADER_BYTES + data.len());
+        let mut msg = Vec::with_capacity(DATAGRAM_HEADER_BYTES + data.len() + TAG_BYTES);
         msg.extend_from_slice(&DATAGRAM_MAGIC.to_le_bytes());
         msg.extend_from_slice(&self.cluster.to_le_bytes());
         msg.extend_from_slice(&src.0.to_le_bytes());
+        DatagramSeal {
+            incarnation: self.incarnation,
+            seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
+            sent_us: auth::wall_us(),
+        }
+        .encode(&mut msg);
         msg.extend_from_slice(data);
+        let tag = auth::datagram_tag(&self.secret, dst.0, &msg);
+        msg.extend_from_slice(&tag);
         let _ = self.sender.send_to(&msg, to);
+    }
+
+    /// Datagrams refused so far (forged, stale and replayed).
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Counts a refused datagram from `src`, logging the first of each kind.
+    fn refuse(&self, src: MachineId, why: Refusal) {
+        let (i, what) = match why {
+            Refusal::Forged => (0, "its tag does not hold under the cluster's secret"),
+            Refusal::Stale => (1, "it was sent over a minute from this host's clock"),
+            Refusal::Replayed => (2, "it was taken before, or is from an earlier life"),
+        };
+        if self.refused[i].fetch_add(1, Ordering::Relaxed) == 0 {
+            tracing::warn!(
+                claimed_sender = src.0,
+                "refused a datagram: {what} (further ones of this kind are counted only)"
+            );
+        }
     }
 
     /// One datagram for `dst` of the kind asked, if `dst` is this process's machine `me` (a
@@ -349,20 +408,35 @@ impl Datagrams {
         raw: &mut Vec<u8>,
         buf: &mut Vec<u8>,
     ) -> Option<MachineId> {
-        raw.resize(DATAGRAM_HEADER_BYTES + DATAGRAM_BYTES_MAX, 0);
+        raw.resize(DATAGRAM_HEADER_BYTES + DATAGRAM_BYTES_MAX + TAG_BYTES, 0);
         loop {
             let n = match self.socket.recv_from(raw) {
                 Ok((n, _)) => n,
                 Err(_) => return None, // WouldBlock: nothing due.
             };
-            if n < DATAGRAM_HEADER_BYTES
+            if n < DATAGRAM_HEADER_BYTES + TAG_BYTES
                 || raw[..4] != DATAGRAM_MAGIC.to_le_bytes()
                 || raw[4..12] != self.cluster.to_le_bytes()
             {
                 continue; // Not this cluster's, or malformed: dropped unread.
             }
             let src = MachineId(u16::from_le_bytes([raw[12], raw[13]]));
-            let payload = &raw[DATAGRAM_HEADER_BYTES..n];
+            let (sealed, tag) = raw[..n].split_at(n - TAG_BYTES);
+            if !auth::datagram_tag_holds(&self.secret, self.me.0, sealed, tag) {
+                self.refuse(src, Refusal::Forged);
+                continue;
+            }
+            let seal = DatagramSeal::decode(&sealed[14..DATAGRAM_HEADER_BYTES]);
+            let taken =
+                self.replays
+                    .lock()
+                    .expect("replays poisoned")
+                    .take(src.0, seal, auth::wall_us());
+            if let Err(why) = taken {
+                self.refuse(src, why);
+                continue;
+            }
+            let payload = &sealed[DATAGRAM_HEADER_BYTES..];
             if payload.first().is_some_and(|b| *b == CONTROL_TAG) != control {
                 theirs
                     .lock()

@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::auth::Secret;
 pub use crate::process::machine_dir;
 use crate::process::{
     claim_machine, io_err, Claim, Datagrams, Doorbell, Peers, ProcessFabric, StartError,
@@ -108,15 +109,18 @@ impl ShmFabric {
     /// The fabric of the process that runs machine `me` of cluster `cluster`, whose machines
     /// keep their NVRAM under `dir`: checks that `dir` is this cluster's (stamping it when
     /// new), takes `me`'s `alive` lock (failing if another live process holds it) and binds
-    /// its datagram port, `base_port + me`, on loopback.
+    /// its datagram port, `base_port + me`, on loopback. Datagrams are sealed and checked
+    /// under the cluster's `secret` (the NVRAM files are guarded by the file system's
+    /// permissions: only processes that may open the directory map them).
     pub fn start(
         dir: &Path,
         cluster: u64,
         me: MachineId,
         base_port: u16,
+        secret: Secret,
     ) -> Result<Self, StartError> {
         let claim = claim_machine(dir, cluster, me)?;
-        let datagrams = Datagrams::bind(cluster, me, Peers::Loopback(base_port))?;
+        let datagrams = Datagrams::bind(cluster, me, Peers::Loopback(base_port), secret)?;
         // The admitted set starts empty, also after a restart (the file is the previous
         // life's): nobody writes here until this process installs a configuration, so a peer
         // sees this machine ready only once it runs one.
@@ -228,6 +232,10 @@ impl ProcessFabric for ShmFabric {
     /// The writer rings the doorbell, a futex word in `<dir>/m<id>/doorbell`, after its write.
     fn wait_for_writes(&self, seen: u64, timeout: Duration) {
         self.claim.doorbell.wait(seen, timeout)
+    }
+
+    fn datagrams_refused(&self) -> u64 {
+        self.datagrams.refused()
     }
 }
 

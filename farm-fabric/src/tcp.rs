@@ -24,8 +24,8 @@
 //! whose rings start afresh. A peer never connected to is connected to on first use.
 //!
 //! What the NIC refuses, with a logged reason, changing nothing (each counted in
-//! [`TcpFabric::rejections`]): a connection from another cluster or for another machine, bad
-//! framing (its connection is closed, as the stream cannot be trusted after it), an access
+//! [`TcpFabric::rejections`]): a connection from another cluster or for another machine, one
+//! that cannot prove the cluster's secret after its hello ([`crate::auth`]), bad framing (its connection is closed, as the stream cannot be trusted after it), an access
 //! outside a registered area or to an unregistered one, and a write from a machine this machine
 //! has not admitted (precise membership, §5.2). Reads from the cluster's machines are served
 //! whether or not they are members: the CM probes, and new backups copy, before they are.
@@ -41,6 +41,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, Handshake, Secret, NONCE_BYTES, PROOF_BYTES};
 use crate::process::{claim_machine, io_err, Claim, Datagrams, Peers, ProcessFabric, StartError};
 use farm_core::fabric::{
     check_bounds, Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, WriteStatus,
@@ -57,10 +58,11 @@ pub const OP_BYTES_MAX: usize = 64 << 20;
 
 const MAGIC: u32 = 0xfa53_7c90;
 /// The version of this fabric's protocol (hellos, requests, replies), bumped with any change to
-/// them: 2 added the `Replicas` area, 3 the object read. A hello also carries the version of the records and
+/// them: 2 added the `Replicas` area, 3 the object read, 4 the proof of the cluster's secret
+/// after the hello. A hello also carries the version of the records and
 /// messages that travel inside ring writes (`farm_core::wire::WIRE_VERSION`); a peer that
 /// differs in either is refused at its hello, and both sides say which versions met.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 const RECORDS: u8 = farm_core::wire::WIRE_VERSION;
 const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;
@@ -91,6 +93,10 @@ const ACK_OTHER_MACHINE: u32 = 3;
 /// The low byte of the acknowledgement; above it, the refusing side's record version (bits
 /// 8-15) and fabric version (bits 16-31).
 const ACK_OTHER_VERSION: u32 = 4;
+/// The hello is this cluster's: prove the secret (the acceptor's nonce and proof follow).
+const ACK_CHALLENGE: u32 = 5;
+/// The connecting side's proof of the cluster's secret did not hold.
+const ACK_NOT_PROVED: u32 = 6;
 
 /// The acknowledgement refusing a peer of other versions: it names this build's.
 const fn other_version_ack() -> u32 {
@@ -108,6 +114,9 @@ fn refusal(verdict: u32) -> String {
             verdict >> 16,
             (verdict >> 8) & 0xff
         ),
+        ACK_NOT_PROVED => "it refused this machine's proof of the cluster's secret (the two \
+                           hold different secrets)"
+            .into(),
         _ => "it does not speak this protocol".into(),
     }
 }
@@ -133,13 +142,14 @@ impl TcpFabric {
     /// listen at `addrs` (machine `m` at `addrs[m]`, TCP for one-sided operations and UDP for
     /// datagrams): claims `me`'s NVRAM directory under `dir` (as the `shm` fabric does),
     /// binds its address and starts its NIC. An operation unanswered for `timeout` breaks its
-    /// connection.
+    /// connection. Connections and datagrams prove the cluster's `secret` (`crate::auth`).
     pub fn start(
         dir: &Path,
         cluster: u64,
         me: MachineId,
         addrs: Vec<SocketAddr>,
         timeout: Duration,
+        secret: Secret,
     ) -> Result<Self, StartError> {
         let Some(&addr) = addrs.get(me.0 as usize) else {
             return Err(StartError::Invalid(format!(
@@ -157,7 +167,7 @@ impl TcpFabric {
             return Err(StartError::Invalid("the operation timeout is zero".into()));
         }
         let claim = claim_machine(dir, cluster, me)?;
-        let datagrams = Datagrams::bind(cluster, me, Peers::Listed(addrs.clone()))?;
+        let datagrams = Datagrams::bind(cluster, me, Peers::Listed(addrs.clone()), secret.clone())?;
         let listener = TcpListener::bind(addr).map_err(io_err(format!("listening at {addr}")))?;
         listener
             .set_nonblocking(true)
@@ -178,6 +188,7 @@ impl TcpFabric {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
             rejections: AtomicU64::new(0),
+            secret: secret.clone(),
         });
         let accept = {
             let served = served.clone();
@@ -196,6 +207,7 @@ impl TcpFabric {
                     addr,
                     cluster,
                     timeout,
+                    secret: secret.clone(),
                     admitted: admitted.clone(),
                     inner: Mutex::new(LinkInner {
                         state: LinkState::Idle,
@@ -265,6 +277,8 @@ struct Served {
     conns: Mutex<HashMap<u64, Inbound>>,
     next_conn: AtomicU64,
     rejections: AtomicU64,
+    /// The cluster's secret, which every connection proves before its first operation.
+    secret: Secret,
 }
 
 /// The admitted set, one bit per machine.
@@ -396,8 +410,8 @@ fn serve(
     if !input.fill(HELLO_BYTES)? {
         return Err(ConnEnd::Refused("no hello in time".into()));
     }
-    let hello = input.take(HELLO_BYTES);
-    let (src, verdict) = check_hello(hello, served);
+    let hello: [u8; HELLO_BYTES] = input.take(HELLO_BYTES).try_into().expect("a hello");
+    let (src, verdict) = check_hello(&hello, served);
     if verdict != ACK_OK {
         served.reject();
         let reason = match verdict & 0xff {
@@ -415,6 +429,37 @@ fn serve(
         tracing::warn!(machine = served.me.0, %peer, "refused a connection: {reason}");
         out.write_all(&MAGIC.to_le_bytes())?;
         out.write_all(&verdict.to_le_bytes())?;
+        out.flush()?;
+        return Err(ConnEnd::Refused(reason));
+    }
+    // The hello is this cluster's: both sides prove they hold its secret before anything is
+    // read or written (`crate::auth`).
+    if !input.fill(NONCE_BYTES)? {
+        return Err(ConnEnd::Refused("no nonce in time".into()));
+    }
+    let handshake = Handshake {
+        secret: &served.secret,
+        hello: &hello,
+        connecting: input.take(NONCE_BYTES).try_into().expect("a nonce"),
+        accepting: auth::nonce(),
+    };
+    out.write_all(&MAGIC.to_le_bytes())?;
+    out.write_all(&ACK_CHALLENGE.to_le_bytes())?;
+    out.write_all(&handshake.accepting)?;
+    out.write_all(&handshake.accepting_proof())?;
+    out.flush()?;
+    if !input.fill(PROOF_BYTES)? {
+        return Err(ConnEnd::Refused(
+            "no proof of the cluster's secret in time".into(),
+        ));
+    }
+    if !handshake.connecting_proved(input.take(PROOF_BYTES)) {
+        served.reject();
+        let reason = "it does not hold the cluster's secret".to_string();
+        tracing::warn!(machine = served.me.0, src = src.0, %peer,
+            "refused a connection: {reason}");
+        out.write_all(&MAGIC.to_le_bytes())?;
+        out.write_all(&ACK_NOT_PROVED.to_le_bytes())?;
         out.flush()?;
         return Err(ConnEnd::Refused(reason));
     }
@@ -536,6 +581,18 @@ fn serve(
         out.write_all(&head)?;
         out.write_all(body)?;
     }
+}
+
+/// Reads an acknowledgement: its verdict, or bad framing if it lacks the magic.
+fn read_ack(stream: &TcpStream) -> io::Result<u32> {
+    let mut ack = [0u8; ACK_BYTES];
+    (&mut &*stream).read_exact(&mut ack)?;
+    let verdict = u32::from_le_bytes(ack[4..8].try_into().expect("4 bytes"));
+    Ok(if ack[..4] == MAGIC.to_le_bytes() {
+        verdict
+    } else {
+        ACK_BAD_FRAMING
+    })
 }
 
 /// The connecting machine and the acknowledgement a hello gets.
@@ -712,6 +769,7 @@ struct Link {
     addr: SocketAddr,
     cluster: u64,
     timeout: Duration,
+    secret: Secret,
     /// This machine's admitted set: whether the peer is a member.
     admitted: Arc<Admitted>,
     inner: Mutex<LinkInner>,
@@ -859,15 +917,36 @@ impl Link {
         hello[10] = RECORDS;
         hello[8..10].copy_from_slice(&self.dst.0.to_le_bytes());
         hello[16..24].copy_from_slice(&self.cluster.to_le_bytes());
-        (&stream).write_all(&hello)?;
-        let mut ack = [0u8; ACK_BYTES];
-        (&stream).read_exact(&mut ack)?;
-        let verdict = u32::from_le_bytes(ack[4..8].try_into().expect("4 bytes"));
-        if ack[..4] != MAGIC.to_le_bytes() || verdict != ACK_OK {
+        let connecting = auth::nonce();
+        (&stream).write_all(&[&hello[..], &connecting[..]].concat())?;
+        let refused = |verdict: u32| {
             let reason = refusal(verdict);
             tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
                 "the peer refused the connection: {reason}");
-            return Err(io::Error::new(io::ErrorKind::ConnectionRefused, reason));
+            io::Error::new(io::ErrorKind::ConnectionRefused, reason)
+        };
+        let verdict = read_ack(&stream)?;
+        if verdict != ACK_CHALLENGE {
+            return Err(refused(verdict));
+        }
+        let mut challenge = [0u8; NONCE_BYTES + PROOF_BYTES];
+        (&stream).read_exact(&mut challenge)?;
+        let handshake = Handshake {
+            secret: &self.secret,
+            hello: &hello,
+            connecting,
+            accepting: challenge[..NONCE_BYTES].try_into().expect("a nonce"),
+        };
+        if !handshake.accepting_proved(&challenge[NONCE_BYTES..]) {
+            let reason = "it does not hold the cluster's secret";
+            tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
+                "refused the peer's connection: {reason}");
+            return Err(io::Error::new(io::ErrorKind::PermissionDenied, reason));
+        }
+        (&stream).write_all(&handshake.connecting_proof())?;
+        let verdict = read_ack(&stream)?;
+        if verdict != ACK_OK {
+            return Err(refused(verdict));
         }
         // The reply thread's ticks, at which it checks the oldest request's age.
         stream.set_read_timeout(Some((self.timeout / 4).max(Duration::from_millis(1))))?;
@@ -1440,6 +1519,10 @@ impl ProcessFabric for TcpFabric {
     /// This machine's NIC thread rings the doorbell after each write into the rings.
     fn wait_for_writes(&self, seen: u64, timeout: Duration) {
         self.claim.doorbell.wait(seen, timeout)
+    }
+
+    fn datagrams_refused(&self) -> u64 {
+        self.datagrams.refused()
     }
 }
 

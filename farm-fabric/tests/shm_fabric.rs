@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, CONTROL_TAG};
 use farm_core::nvram::Nvram;
 use farm_core::{MachineId, RegionId, ThreadId};
+use farm_fabric::auth::Secret;
 use farm_fabric::process::StartError;
 use farm_fabric::shm::{machine_dir, ShmFabric, LIVENESS_CHECK};
 
@@ -19,6 +20,11 @@ const REGION_BYTES: usize = 64 << 10;
 const M0: MachineId = MachineId(0);
 const M1: MachineId = MachineId(1);
 const M2: MachineId = MachineId(2);
+
+/// The cluster's secret (every machine of a test cluster holds the same).
+fn secret() -> Secret {
+    Secret::from_bytes(b"the shm test cluster's secret").unwrap()
+}
 
 /// Below Linux's ephemeral ports (32768 on) and above ZooKeeper's (21810 on).
 fn base_port() -> u16 {
@@ -40,7 +46,7 @@ fn child_machine() {
         parts.next().unwrap().parse::<u16>().unwrap(),
         Path::new(parts.next().unwrap()),
     );
-    let fabric = ShmFabric::start(dir, CLUSTER, M1, port).unwrap();
+    let fabric = ShmFabric::start(dir, CLUSTER, M1, port, secret()).unwrap();
     let region = machine_dir(dir, M1).join("region-0");
     let mem = std::sync::Arc::new(Nvram::file(&region, REGION_BYTES).unwrap());
     fabric.register(M1, MemKey::Region(RegionId(0)), mem.clone());
@@ -91,17 +97,17 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = spawn_child("first", dir.path());
     line_starting(&mut child, "ready");
-    let f0 = ShmFabric::start(dir.path(), CLUSTER, M0, base_port()).unwrap();
+    let f0 = ShmFabric::start(dir.path(), CLUSTER, M0, base_port(), secret()).unwrap();
     assert!(
         matches!(
-            ShmFabric::start(dir.path(), CLUSTER, M0, base_port()),
+            ShmFabric::start(dir.path(), CLUSTER, M0, base_port(), secret()),
             Err(StartError::AlreadyRunning(M0))
         ),
         "a second process for a running machine must be refused"
     );
     assert!(f0.is_up(M1));
     // The directory is this cluster's: another cluster's machine is refused, naming both ids.
-    match ShmFabric::start(dir.path(), CLUSTER + 1, MachineId(3), base_port()) {
+    match ShmFabric::start(dir.path(), CLUSTER + 1, MachineId(3), base_port(), secret()) {
         Err(e @ StartError::OtherCluster { .. }) => {
             let msg = e.to_string();
             assert!(msg.contains(&format!("{CLUSTER:#x}")), "{msg}");
@@ -135,7 +141,7 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
     ));
 
     // A machine the child did not admit cannot write to it.
-    let f2 = ShmFabric::start(dir.path(), CLUSTER, M2, base_port()).unwrap();
+    let f2 = ShmFabric::start(dir.path(), CLUSTER, M2, base_port(), secret()).unwrap();
     let ep2 = Endpoint {
         machine: M2,
         thread: ThreadId(0),

@@ -12,6 +12,7 @@ use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, Writ
 use farm_core::nvram::Nvram;
 use farm_core::wire::WIRE_VERSION;
 use farm_core::{MachineId, RegionId, ThreadId};
+use farm_fabric::auth::{self, Handshake, Secret};
 use farm_fabric::process::{ProcessFabric, StartError};
 use farm_fabric::tcp::{TcpFabric, VERSION as FABRIC_VERSION};
 
@@ -23,6 +24,11 @@ const M0: MachineId = MachineId(0);
 const M1: MachineId = MachineId(1);
 const M2: MachineId = MachineId(2);
 const REGION: MemKey = MemKey::Region(RegionId(0));
+
+/// The cluster's secret (every machine of a test cluster holds the same).
+fn secret() -> Secret {
+    Secret::from_bytes(b"the tcp test cluster's secret").unwrap()
+}
 
 /// Three free loopback addresses (TCP and UDP are bound on the same port by each machine).
 fn addrs() -> Vec<SocketAddr> {
@@ -47,7 +53,7 @@ fn ep(m: MachineId) -> Endpoint {
 /// Machine `m` on its own directory under `root`, with a region and rings registered.
 fn machine(root: &Path, m: MachineId, addrs: &[SocketAddr]) -> (TcpFabric, Arc<Nvram>) {
     let dir = root.join(format!("host{}", m.0));
-    let f = TcpFabric::start(&dir, CLUSTER, m, addrs.to_vec(), TIMEOUT).unwrap();
+    let f = TcpFabric::start(&dir, CLUSTER, m, addrs.to_vec(), TIMEOUT, secret()).unwrap();
     let region = Arc::new(Nvram::anonymous(REGION_BYTES).unwrap());
     f.register(m, REGION, region.clone());
     f.register(
@@ -194,8 +200,9 @@ fn writes_from_machines_not_admitted_are_refused() {
     assert_eq!(word(&mem1, 16), 0, "a removed incarnation's write landed");
 }
 
-/// A raw connection: sends `hello` and returns the acknowledgement's status, or `None` if the
-/// NIC closed the connection without one.
+/// A raw connection: sends `hello` and returns the acknowledgement's status; a hello of this
+/// cluster is then answered with the challenge, which the connection answers with the proof of
+/// `secret()` (status 0 once accepted).
 fn raw_hello(addr: SocketAddr, cluster: u64, src: u16, dst: u16) -> (TcpStream, u32) {
     raw_hello_speaking(addr, cluster, src, dst, FABRIC_VERSION, WIRE_VERSION)
 }
@@ -209,6 +216,22 @@ fn raw_hello_speaking(
     version: u16,
     records: u8,
 ) -> (TcpStream, u32) {
+    raw_hello_proving(addr, cluster, src, dst, version, records, &secret(), true)
+}
+
+/// A raw hello that proves `proving` as the cluster's secret when challenged (`genuine`: it is
+/// the one the NIC holds).
+#[allow(clippy::too_many_arguments)]
+fn raw_hello_proving(
+    addr: SocketAddr,
+    cluster: u64,
+    src: u16,
+    dst: u16,
+    version: u16,
+    records: u8,
+    proving: &Secret,
+    genuine: bool,
+) -> (TcpStream, u32) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hello = [0u8; 24];
@@ -218,11 +241,41 @@ fn raw_hello_speaking(
     hello[8..10].copy_from_slice(&dst.to_le_bytes());
     hello[10] = records;
     hello[16..24].copy_from_slice(&cluster.to_le_bytes());
-    s.write_all(&hello).unwrap();
+    let connecting = auth::nonce();
+    s.write_all(&[&hello[..], &connecting[..]].concat())
+        .unwrap();
+    let status = read_status(&mut s);
+    if status != CHALLENGE {
+        return (s, status);
+    }
+    let mut challenge = [0u8; 16 + 32];
+    s.read_exact(&mut challenge).unwrap();
+    let handshake = Handshake {
+        secret: proving,
+        hello: &hello,
+        connecting,
+        accepting: challenge[..16].try_into().unwrap(),
+    };
+    assert_eq!(
+        handshake.accepting_proved(&challenge[16..]),
+        genuine,
+        "the NIC proves the cluster's secret, and only that"
+    );
+    s.write_all(&handshake.connecting_proof()).unwrap();
+    let status = read_status(&mut s);
+    (s, status)
+}
+
+/// The status of an acknowledgement (after its magic).
+fn read_status(s: &mut TcpStream) -> u32 {
     let mut ack = [0u8; 8];
     s.read_exact(&mut ack).unwrap();
-    (s, u32::from_le_bytes(ack[4..8].try_into().unwrap()))
+    assert_eq!(ack[..4], 0xfa53_7c90u32.to_le_bytes());
+    u32::from_le_bytes(ack[4..8].try_into().unwrap())
 }
+
+/// The acknowledgement that asks for the proof of the secret.
+const CHALLENGE: u32 = 5;
 
 fn request(op: u8, area: u8, id: u64, offset: u64, len: u32) -> [u8; 32] {
     let mut r = [0u8; 32];
@@ -361,12 +414,28 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
     assert_eq!(word(&mem1, 8), u64::from_le_bytes([2; 8]));
     assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
 
-    // A machine 2 that accepts and acknowledges but never answers: the operation times out.
+    // A machine 2 that accepts, proves the secret and acknowledges, but never answers: the
+    // operation times out.
     let silent = TcpListener::bind(addrs[2]).unwrap();
     let hold = std::thread::spawn(move || {
         let (mut s, _) = silent.accept().unwrap();
-        let mut hello = [0u8; 24];
+        let mut hello = [0u8; 24 + 16];
         s.read_exact(&mut hello).unwrap();
+        let secret = secret();
+        let handshake = Handshake {
+            secret: &secret,
+            hello: &hello[..24],
+            connecting: hello[24..].try_into().unwrap(),
+            accepting: auth::nonce(),
+        };
+        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
+        ack.extend_from_slice(&CHALLENGE.to_le_bytes());
+        ack.extend_from_slice(&handshake.accepting);
+        ack.extend_from_slice(&handshake.accepting_proof());
+        s.write_all(&ack).unwrap();
+        let mut proof = [0u8; 32];
+        s.read_exact(&mut proof).unwrap();
+        assert!(handshake.connecting_proved(&proof));
         let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
         ack.extend_from_slice(&0u32.to_le_bytes());
         s.write_all(&ack).unwrap();
@@ -389,10 +458,10 @@ fn a_machine_is_claimed_by_one_process_and_one_cluster() {
     let (_f0, _) = machine(root.path(), M0, &addrs);
     let dir = root.path().join("host0");
     assert!(matches!(
-        TcpFabric::start(&dir, CLUSTER, M0, addrs.clone(), TIMEOUT),
+        TcpFabric::start(&dir, CLUSTER, M0, addrs.clone(), TIMEOUT, secret()),
         Err(StartError::AlreadyRunning(M0))
     ));
-    match TcpFabric::start(&dir, CLUSTER + 1, M1, addrs.clone(), TIMEOUT) {
+    match TcpFabric::start(&dir, CLUSTER + 1, M1, addrs.clone(), TIMEOUT, secret()) {
         Err(e @ StartError::OtherCluster { .. }) => {
             assert!(e.to_string().contains(&format!("{CLUSTER:#x}")), "{e}");
         }
@@ -404,6 +473,7 @@ fn a_machine_is_claimed_by_one_process_and_one_cluster() {
         MachineId(9),
         addrs,
         TIMEOUT,
+        secret(),
     ) {
         Err(e @ StartError::Invalid(_)) => assert!(e.to_string().contains("m9"), "{e}"),
         other => panic!("a machine without an address started: {other:?}"),
@@ -529,4 +599,134 @@ fn an_object_read_is_one_operation_that_catches_a_commit_applying_during_it() {
         .complete(&mut b);
     assert_eq!(failed, Err(FabricError::Unreachable(M1)));
     assert!(started.elapsed() < TIMEOUT * 3, "{:?}", started.elapsed());
+}
+
+/// Peers prove the cluster's secret before any operation (docs/ARCHITECTURE.md, Security): a
+/// machine that holds another secret, and a connection that cannot prove it, read nothing,
+/// write nothing, and are refused and counted.
+#[test]
+fn a_peer_without_the_secret_reads_and_writes_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    mem1.store_u64(0, 0xabcd, std::sync::atomic::Ordering::Release);
+    f1.admit(M1, &[M0, M1]);
+    // Machine 0 of the same cluster, started with another secret.
+    let other = Secret::from_bytes(b"not the cluster's secret at all").unwrap();
+    let f0 = TcpFabric::start(
+        &root.path().join("host0"),
+        CLUSTER,
+        M0,
+        addrs.to_vec(),
+        TIMEOUT,
+        other.clone(),
+    )
+    .unwrap();
+    f0.admit(M0, &[M0, M1]);
+    let mut buf = [0u8; 8];
+    match f0.remote(M0, M1, REGION) {
+        Ok(remote) => assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1))),
+        Err(e) => assert_eq!(e, FabricError::Unreachable(M1)),
+    }
+    assert_eq!(
+        f0.write(ep(M0), M1, REGION, 8, &[9; 8]).map(|_| ()),
+        Err(FabricError::Unreachable(M1))
+    );
+    assert!(!f0.ready(M1), "a machine of another secret counts as ready");
+    // A raw connection that cannot prove the secret is refused after its hello, before any
+    // request: what it sends next is never served.
+    let before = f1.rejections();
+    let (mut s, status) = raw_hello_proving(
+        addrs[1],
+        CLUSTER,
+        0,
+        1,
+        FABRIC_VERSION,
+        WIRE_VERSION,
+        &other,
+        false,
+    );
+    assert_eq!(status, 6, "a wrong proof was accepted");
+    let mut w = request(2, 0, 1, 8, 8).to_vec();
+    w.extend_from_slice(&[9; 8]);
+    let _ = s.write_all(&w);
+    assert!(closed(&mut s));
+    assert_eq!(f1.rejections(), before + 1);
+    assert_eq!(word(&mem1, 8), 0, "a write of a stranger landed");
+    assert_eq!(word(&mem1, 0), 0xabcd);
+    // The genuine secret connects and reads.
+    let (f0, _) = {
+        drop(f0);
+        machine(root.path(), M0, &addrs)
+    };
+    f0.admit(M0, &[M0, M1]);
+    f0.remote(M0, M1, REGION)
+        .unwrap()
+        .read(0, &mut buf)
+        .unwrap();
+    assert_eq!(u64::from_le_bytes(buf), 0xabcd);
+}
+
+/// Every datagram carries a tag under the cluster's secret, bound to its destination, and a
+/// sequence number: a forged one, one captured on its way to another machine, and one
+/// replayed are refused and counted, never delivered (docs/ARCHITECTURE.md, Security).
+#[test]
+fn forged_and_replayed_datagrams_are_refused_and_counted() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f0, _) = machine(root.path(), M0, &addrs);
+    let (f1, _) = machine(root.path(), M1, &addrs);
+    let mut buf = Vec::new();
+    let recv = |f: &TcpFabric, m: MachineId, buf: &mut Vec<u8>| {
+        // Loopback delivers within this, or the datagram was refused.
+        let deadline = Instant::now() + Duration::from_millis(500);
+        loop {
+            if let Some(src) = f.recv_datagram(m, 0, buf) {
+                return Some(src);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    f0.send_datagram(M0, M1, b"lease", 0);
+    assert_eq!(recv(&f1, M1, &mut buf), Some(M0));
+    assert_eq!(buf, b"lease");
+
+    // Capture a genuine datagram from machine 0 on its way to machine 2.
+    let sniffer = std::net::UdpSocket::bind(addrs[2]).unwrap();
+    sniffer
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    f0.send_datagram(M0, M2, b"grant", 0);
+    let mut raw = [0u8; 2048];
+    let n = sniffer.recv(&mut raw).unwrap();
+    let genuine = raw[..n].to_vec();
+    drop(sniffer);
+    let (f2, _) = machine(root.path(), M2, &addrs);
+    let to = |a: SocketAddr, bytes: &[u8]| {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        s.send_to(bytes, a).unwrap();
+    };
+    // Sent to machine 1 instead: its tag names machine 2.
+    to(addrs[1], &genuine);
+    // Altered on the way: a payload byte flipped.
+    let mut forged = genuine.clone();
+    let at = forged.len() - 16 - 1;
+    forged[at] ^= 1;
+    to(addrs[1], &forged);
+    assert_eq!(recv(&f1, M1, &mut buf), None);
+    assert_eq!(f1.datagrams_refused(), 2);
+    // Delivered where it was going, once; the replay is refused.
+    to(addrs[2], &genuine);
+    assert_eq!(recv(&f2, M2, &mut buf), Some(M0));
+    assert_eq!(buf, b"grant");
+    to(addrs[2], &genuine);
+    assert_eq!(recv(&f2, M2, &mut buf), None);
+    assert_eq!(f2.datagrams_refused(), 1);
+    // Genuine datagrams still flow.
+    f0.send_datagram(M0, M1, b"renew", 0);
+    assert_eq!(recv(&f1, M1, &mut buf), Some(M0));
+    assert_eq!(buf, b"renew");
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use farm::node::{NodeConfig, Transport};
+use farm::node::{NodeConfig, Secret, Transport};
 use farm::MachineId;
 use serde::{Deserialize, Serialize};
 
@@ -70,6 +70,11 @@ pub struct Overrides {
     /// (`ip netns exec`), as a host of its own.
     #[arg(long)]
     pub netns: Option<String>,
+    /// The cluster's shared secret: a file readable by its owner only, the same on every
+    /// host (peers prove it to each other before any one-sided operation, and tag every
+    /// datagram with it) [default: <dir>/secret; `local start` makes it when absent].
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
 }
 
 impl Overrides {
@@ -92,6 +97,7 @@ impl Overrides {
             hosts: self.hosts.or(other.hosts),
             tcp_timeout_ms: self.tcp_timeout_ms.or(other.tcp_timeout_ms),
             netns: self.netns.or(other.netns),
+            secret_file: self.secret_file.or(other.secret_file),
         }
     }
 }
@@ -127,6 +133,7 @@ pub struct Settings {
     pub hosts: Vec<std::net::SocketAddr>,
     pub tcp_timeout_ms: u64,
     pub netns: Option<String>,
+    pub secret_file: PathBuf,
 }
 
 impl ConfigArgs {
@@ -160,10 +167,12 @@ impl ConfigArgs {
             }
             (other, _) => bail!("fabric = {other:?}: `shm` (one host) or `tcp` (hosts)"),
         };
+        let dir = o
+            .dir
+            .unwrap_or_else(|| Path::new("farm-data").join(&cluster));
         let s = Settings {
-            dir: o
-                .dir
-                .unwrap_or_else(|| Path::new("farm-data").join(&cluster)),
+            secret_file: o.secret_file.unwrap_or_else(|| dir.join("secret")),
+            dir,
             cluster,
             machines,
             workers: o.workers.unwrap_or(2),
@@ -268,7 +277,7 @@ impl Settings {
             "cluster = {:?}\ndir = {:?}\nmachines = {}\nworkers = {}\nbase_port = {}\n\
              lease_ms = {}\nregions_per_machine = {}\nreplicas = {}\nregion_mb = {}\n\
              zookeeper = {:?}\nstats_seconds = {}\nstart_timeout_seconds = {}\nfabric = {:?}\n\
-             tcp_timeout_ms = {}\n{}{}",
+             tcp_timeout_ms = {}\nsecret_file = {:?}\n{}{}",
             self.cluster,
             self.dir.display().to_string(),
             self.machines,
@@ -283,6 +292,7 @@ impl Settings {
             self.start_timeout_seconds,
             self.fabric,
             self.tcp_timeout_ms,
+            self.secret_file.display().to_string(),
             if self.fabric == "tcp" {
                 let hosts: Vec<String> = self
                     .hosts
@@ -311,9 +321,23 @@ impl Settings {
         })
     }
 
-    /// How machine `machine`'s process runs.
-    pub fn node_config(&self, machine: u16, restart: bool, join: bool) -> NodeConfig {
-        NodeConfig {
+    /// How machine `machine`'s process runs: the settings, with the cluster's secret read from
+    /// `secret_file`.
+    pub fn node_config(
+        &self,
+        machine: u16,
+        restart: bool,
+        join: bool,
+    ) -> anyhow::Result<NodeConfig> {
+        let secret = Secret::load(&self.secret_file).with_context(|| {
+            format!(
+                "the cluster's secret: copy it to {} on this host (`farm-node local start` \
+                 makes one), or name its file with secret_file",
+                self.secret_file.display()
+            )
+        })?;
+        Ok(NodeConfig {
+            secret,
             dir: self.dir.clone(),
             cluster: self.cluster_id(),
             machine: MachineId(machine),
@@ -336,7 +360,7 @@ impl Settings {
             } else {
                 Transport::Shm
             },
-        }
+        })
     }
 }
 
@@ -371,7 +395,19 @@ mod tests {
         assert_eq!(s.dir, Path::new("farm-data/bank"));
         assert_eq!(s.replicas, 3);
         assert_eq!(s.root(), "/farm/bank");
-        let n = s.node_config(4, false, true);
+        assert_eq!(s.secret_file, Path::new("farm-data/bank/secret"));
+        let keys = tempfile::tempdir().unwrap();
+        let missing = Settings {
+            secret_file: keys.path().join("secret"),
+            ..s.clone()
+        };
+        let err = format!("{:#}", missing.node_config(4, false, true).unwrap_err());
+        assert!(
+            err.contains("the cluster's secret") && err.contains("local start"),
+            "{err}"
+        );
+        Secret::generate(&missing.secret_file).unwrap();
+        let n = missing.node_config(4, false, true).unwrap();
         assert_eq!(n.machine, MachineId(4));
         assert!(n.join && !n.restart);
         assert_eq!(n.lease, Duration::from_millis(30));
@@ -466,7 +502,13 @@ mod tests {
         );
         let s = a.resolve().unwrap();
         assert_eq!(s.tcp_timeout_ms, 400, "4 leases");
-        match s.node_config(2, false, false).transport {
+        let keys = tempfile::tempdir().unwrap();
+        let s = Settings {
+            secret_file: keys.path().join("secret"),
+            ..s
+        };
+        Secret::generate(&s.secret_file).unwrap();
+        match s.node_config(2, false, false).unwrap().transport {
             Transport::Tcp { addrs, timeout } => {
                 assert_eq!(addrs[2], "10.0.0.3:7400".parse().unwrap());
                 assert_eq!(timeout, Duration::from_millis(400));

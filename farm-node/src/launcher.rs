@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
+use farm::node::Secret;
 use farm::zk::ZkStore;
 
 use crate::config::{ConfigArgs, Settings};
@@ -216,6 +217,23 @@ fn signal(pid: i32, sig: libc::c_int) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Makes the cluster's secret when its file is absent (a new cluster on this host).
+fn ensure_secret(s: &Settings) -> anyhow::Result<()> {
+    if s.secret_file.exists() {
+        return Ok(());
+    }
+    if let Some(parent) = s.secret_file.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    Secret::generate(&s.secret_file)?;
+    eprintln!(
+        "made the cluster's secret at {} (every host of the cluster needs a copy)",
+        s.secret_file.display()
+    );
+    Ok(())
+}
+
 /// The flags that give a machine process exactly these settings.
 fn settings_flags(s: &Settings) -> Vec<String> {
     let mut f: Vec<String> = Vec::new();
@@ -236,6 +254,7 @@ fn settings_flags(s: &Settings) -> Vec<String> {
     push("stats-seconds", s.stats_seconds.to_string());
     push("start-timeout-seconds", s.start_timeout_seconds.to_string());
     push("fabric", s.fabric.clone());
+    push("secret-file", s.secret_file.display().to_string());
     if s.fabric == "tcp" {
         let hosts: Vec<String> = s.hosts.iter().map(ToString::to_string).collect();
         push("hosts", hosts.join(","));
@@ -325,6 +344,7 @@ fn tail(text: &str, n: usize) -> String {
 /// Starts every machine with `flags` and the `workload`, and waits until all run; returns
 /// their processes.
 fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Result<Vec<Child>> {
+    ensure_secret(s)?;
     for m in 0..s.machines {
         if let Some(pid) = running(s, m) {
             bail!(

@@ -115,7 +115,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             settings.machines - 1
         );
     }
-    let config = settings.node_config(args.machine, args.restart, args.join);
+    let config = settings.node_config(args.machine, args.restart, args.join)?;
     let node = Node::start(&config).with_context(|| {
         format!(
             "starting machine {} of cluster {} in {}",

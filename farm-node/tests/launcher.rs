@@ -226,8 +226,9 @@ fn tpcc_runs_across_machine_processes() {
     );
 }
 
-/// Bad settings fail at start, naming the problem: an unknown key in the file, an unreachable
-/// ZooKeeper, and an NVRAM directory that belongs to another cluster.
+/// Bad settings fail at start, naming the problem: an unknown key in the file, a missing or
+/// world-readable secret, an unreachable ZooKeeper, and an NVRAM directory that belongs to
+/// another cluster.
 #[test]
 fn bad_settings_fail_at_start_with_a_clear_message() {
     let Some(zk) = zookeeper() else { return };
@@ -244,6 +245,34 @@ fn bad_settings_fail_at_start_with_a_clear_message() {
         String::from_utf8(out.stderr).unwrap()
     };
     std::fs::write(dir.path().join("node.toml"), "machines = 1\nlease = 20\n").unwrap();
+    let e = run(&["--machine", "0", "--config", "node.toml"]);
+    assert!(
+        e.contains("node.toml") && e.contains("unknown field `lease`"),
+        "{e}"
+    );
+    // A machine needs the cluster's secret, in a file only its owner may read.
+    let e = run(&["--machine", "0", "--machines", "1"]);
+    assert!(
+        e.contains("the cluster's secret") && e.contains("farm-data/farm/secret"),
+        "{e}"
+    );
+    let secret = |path: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, [7u8; 32]).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    };
+    secret(&dir.path().join("farm-data/farm/secret"));
+    let e = run(&["--machine", "0", "--machines", "1"]);
+    assert!(e.contains("chmod 600"), "{e}");
+    for path in [
+        dir.path().join("farm-data/farm/secret"),
+        dir.path().join("shared/secret"),
+    ] {
+        secret(&path);
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let e = run(&["--machine", "0", "--config", "node.toml"]);
     assert!(
         e.contains("node.toml") && e.contains("unknown field `lease`"),

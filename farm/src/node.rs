@@ -28,6 +28,7 @@ use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::Fabric;
 use farm_core::ring::RingLayout;
 use farm_core::{MachineId, ThreadId};
+pub use farm_fabric::auth::Secret;
 use farm_fabric::process::{ProcessFabric, StartError};
 use farm_fabric::shm::ShmFabric;
 use farm_fabric::tcp::TcpFabric;
@@ -82,6 +83,11 @@ pub struct NodeConfig {
     pub join: bool,
     /// How the machines reach each other.
     pub transport: Transport,
+    /// The cluster's shared secret (docs/ARCHITECTURE.md, Security): every connection proves
+    /// it before its first one-sided operation and every datagram carries a tag under it, so
+    /// that a process without it reads nothing, writes nothing and sends nothing a machine
+    /// acts on. Read it from a file only its owner may read ([`Secret::load`]).
+    pub secret: Secret,
 }
 
 /// The fabric of a node (docs/ARCHITECTURE.md, Fabric).
@@ -204,6 +210,7 @@ impl Node {
                 config.cluster,
                 me,
                 config.base_port,
+                config.secret.clone(),
             )?),
             Transport::Tcp { addrs, timeout } => Arc::new(TcpFabric::start(
                 &config.dir,
@@ -211,6 +218,7 @@ impl Node {
                 me,
                 addrs.clone(),
                 *timeout,
+                config.secret.clone(),
             )?),
         };
         let nvram_err = |source| NodeError::Nvram {

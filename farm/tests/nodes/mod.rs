@@ -109,7 +109,13 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         }),
         restart: mode == "restarted",
         join: false,
+        secret: secret(),
     }
+}
+
+/// The test clusters' shared secret (a deployment reads its own from a file, `Secret::load`).
+pub fn secret() -> farm::node::Secret {
+    farm::node::Secret::from_bytes(b"the multi-process tests' cluster secret").unwrap()
 }
 
 /// The ZooKeeper ensemble and znode of the kill test's machines: `<connect>|<root>`.
