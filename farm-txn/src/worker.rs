@@ -419,14 +419,10 @@ impl Worker {
             view.pool(*r).is_some() && view.map.get(*r).is_some_and(|p| p.primary == me)
         });
         for r in view.map.primary_of(me).filter(|r| view.pool(*r).is_some()) {
-            if let std::collections::btree_map::Entry::Vacant(v) = self.slabs.entry(r) {
-                let mut slabs = Slabs::new(r);
-                // Frees another thread queued while no slab of this one existed.
-                for (offset, slot) in self.machine.take_queued_frees(r) {
-                    slabs.free(offset, slot);
-                }
-                v.insert(slabs);
-            }
+            // Slots the machine holds free (frees queued while no thread had slabs of the
+            // region, allocator recovery's) stay shared: each thread takes a batch of a size
+            // when it runs out (`Worker::refill_slabs`), not all of them at once here.
+            self.slabs.entry(r).or_insert_with(|| Slabs::new(r));
         }
         true
     }
