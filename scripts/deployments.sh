@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Runs the same TATP and TPC-C workloads on the three deployments in one go, alternating them
+# round by round: the in-process cluster (the `tatp` and `tpcc` benchmark binaries), three
+# machine processes over `shm`, and three over `tcp` on loopback (`farm-node local tatp|tpcc`).
+# Prints each run's throughput and latency, then per workload the medians and each
+# multi-process median as a ratio to the in-process one. Absolute figures differ two-fold
+# between machines; quote the ratios, which come from one run of this script.
+#
+#   scripts/with-zookeeper.sh scripts/deployments.sh [--rounds 2] [--seconds 5]
+#       [--subscribers 100000] [--warehouses 3] [--workloads tatp,tpcc]
+#
+# Shape: 3 machines x 2 workers, 3-way replication. Client threads: the in-process cluster
+# runs 2 (one per worker: a client keeps a worker thread of every machine), each machine
+# process runs 1, so the process clusters have 3 transactions in flight and the in-process one
+# 2. Needs ZooKeeper at $ZK_CONNECT (scripts/with-zookeeper.sh sets it) and release builds:
+#
+#   cargo build --release -p farm-benchmarks -p farm-node
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rounds) rounds=$2; shift 2 ;;
+    --seconds) seconds=$2; shift 2 ;;
+    --subscribers) subscribers=$2; shift 2 ;;
+    --warehouses) warehouses=$2; shift 2 ;;
+    --workloads) workloads=$2; shift 2 ;;
+    *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+: "${ZK_CONNECT:?run under scripts/with-zookeeper.sh, or set ZK_CONNECT to a ZooKeeper}"
+bin=target/release
+for b in tatp tpcc farm-node; do
+  [ -x "$bin/$b" ] || { echo "$bin/$b is missing: cargo build --release -p farm-benchmarks -p farm-node" >&2; exit 1; }
+done
+work=$(mktemp -d "${TMPDIR:-/tmp}/farm-deployments.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+results=$work/results   # workload deployment per_second p50_us p99_us
+: > "$results"
+
+# The median of the numbers in a space-separated string (plain awk: no asort).
+MEDIAN='
+  function median(s,   a, n, i, j, t) {
+    n = split(s, a, " ")
+    for (i = 2; i <= n; i++) { t = a[i] + 0; for (j = i - 1; j >= 1 && a[j] + 0 > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+  }'
+
+# `<N> transactions in <S> s: <X> per second; latency p50 <A> us, p99 <B> us` (in-process)
+in_process() {
+  local workload=$1 out=$work/out
+  case $workload in
+    tatp) "$bin/tatp" --subscribers "$subscribers" --seconds "$seconds" --clients 2 > "$out" 2>&1 ;;
+    tpcc) "$bin/tpcc" --warehouses "$warehouses" --seconds "$seconds" --clients 2 > "$out" 2>&1 ;;
+  esac || { cat "$out" >&2; exit 1; }
+  awk -v w="$workload" '/ per second; latency p50 / {
+      for (i = 1; i <= NF; i++) { if ($i == "second;") x = $(i-2); if ($i == "p50") a = $(i+1); if ($i == "p99") b = $(i+1) }
+      sub(",", "", a); print w, "in-process", x, a, b }' "$out" | tee -a "$results"
+}
+
+# `total: <X> transactions/s` and per machine `latency p50 <A> us p99 <B> us` (machine
+# processes): the median machine's latencies.
+processes() {
+  local workload=$1 fabric=$2 out=$work/out
+  local size=(--subscribers "$subscribers")
+  [ "$workload" = tpcc ] && size=(--warehouses "$warehouses")
+  "$bin/farm-node" local "$workload" --cluster "deploy-$fabric" --dir "$work/$fabric" \
+    --zookeeper "$ZK_CONNECT" --fabric "$fabric" --seconds "$seconds" "${size[@]}" > "$out" 2>&1 \
+    || { cat "$out" >&2; exit 1; }
+  awk -v w="$workload" -v d="$fabric" "$MEDIAN"'
+    / latency p50 / { for (i = 1; i <= NF; i++) { if ($i == "p50") a = a " " $(i+1); if ($i == "p99") b = b " " $(i+1) } }
+    /^  total: / { x = $2 }
+    END { print w, d, x, median(a), median(b) }' "$out" | tee -a "$results"
+}
+
+echo "workload deployment transactions/s p50_us p99_us"
+for round in $(seq "$rounds"); do
+  for workload in ${workloads//,/ }; do
+    in_process "$workload"
+    processes "$workload" shm
+    processes "$workload" tcp
+  done
+done
+
+echo
+echo "medians over $rounds rounds, ratios to the in-process median:"
+awk "$MEDIAN"'
+  { k = $1 " " $2; v[k] = v[k] " " $3; p50[k] = p50[k] " " $4; p99[k] = p99[k] " " $5; seen[$1] = 1 }
+  END {
+    for (w in seen) {
+      base = median(v[w " in-process"])
+      for (d = 1; d <= 3; d++) {
+        dep = d == 1 ? "in-process" : d == 2 ? "shm" : "tcp"; k = w " " dep
+        if (!(k in v)) continue
+        m = median(v[k])
+        printf "%-5s %-10s %12.0f/s  p50 %8.1f us  p99 %9.1f us  %.3fx\n", w, dep, m, median(p50[k]), median(p99[k]), m / base
+      }
+    }
+  }' "$results"
