@@ -25,7 +25,11 @@ fn builder(dir: &std::path::Path, store: Arc<dyn CoordinationStore>) -> ClusterB
         .machines(3)
         .workers(2)
         .replicas(3)
-        .region_bytes(4 << 20)
+        // Each worker thread carves a 1 MB block of its own per size class it allocates (slabs
+        // are per thread): two threads and two classes (accounts, cold objects) may need four
+        // blocks besides block 0, more than a 4 MB region has. Which host thread a call runs
+        // on depends on the load, so 4 MB failed with RegionFull under a loaded CI run.
+        .region_bytes(8 << 20)
         .log_bytes(256 << 10)
         .lease(Duration::from_millis(100))
         .nvram_dir(dir)
