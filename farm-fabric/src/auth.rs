@@ -44,7 +44,7 @@ pub const PROOF_BYTES: usize = 32;
 pub const DATAGRAM_AGE_MAX: Duration = Duration::from_secs(60);
 /// Sequence numbers below the highest taken from a sender that are still accepted once
 /// (datagrams overtake each other).
-const REPLAY_WINDOW: u64 = 64;
+pub(crate) const REPLAY_WINDOW: u64 = 64;
 
 /// The cluster's shared secret. Its `Debug` shows no byte of it.
 #[derive(Clone)]

@@ -113,6 +113,8 @@ pub(crate) struct Claim {
     _alive: File,
     /// The machine's doorbell.
     pub(crate) doorbell: Doorbell,
+    /// This life of the machine (`next_incarnation`).
+    pub(crate) incarnation: u64,
 }
 
 /// Claims machine `me`'s directory under `dir` for this process: checks that `dir` is
@@ -144,7 +146,26 @@ pub(crate) fn claim_machine(dir: &Path, cluster: u64, me: MachineId) -> Result<C
     Ok(Claim {
         _alive: alive,
         doorbell: Doorbell(Arc::new(doorbell)),
+        incarnation: next_incarnation(&mdir)?,
     })
+}
+
+/// The incarnation of a new life of the machine whose directory is `mdir`: microseconds
+/// since the epoch, and above every earlier life's (kept in `incarnation`), so that a clock
+/// that stepped back since does not make receivers take this life's datagrams for replays of
+/// an earlier one's. Called with the machine's `alive` lock held.
+fn next_incarnation(mdir: &Path) -> Result<u64, StartError> {
+    let path = mdir.join("incarnation");
+    let before = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let incarnation = auth::wall_us().max(before + 1);
+    let aside = mdir.join("incarnation.new");
+    std::fs::write(&aside, format!("{incarnation}\n"))
+        .map_err(io_err(format!("writing {}", aside.display())))?;
+    std::fs::rename(&aside, &path).map_err(io_err(format!("renaming to {}", path.display())))?;
+    Ok(incarnation)
 }
 
 /// Stamps `dir` with the cluster id and the version of the records its logs and queues hold
@@ -276,8 +297,10 @@ pub(crate) struct Datagrams {
     /// This process's life, in the seal of every datagram it sends: a restarted sender's
     /// datagrams start a new life at the receivers, and the old life's are refused.
     incarnation: u64,
-    /// The sequence number of the next datagram sent.
-    next_seq: AtomicU64,
+    /// The sequence number of the next datagram to each machine: counted per destination, so
+    /// that datagrams to other machines sealed meanwhile cannot push one that was delayed
+    /// between its seal and its sending out of the receiver's replay window.
+    next_seq: Mutex<Vec<u64>>,
     /// What was taken from each sender, against replays.
     replays: Mutex<Replays>,
     /// Datagrams refused, by kind: forged, stale, replayed.
@@ -299,6 +322,7 @@ impl Datagrams {
         me: MachineId,
         peers: Peers,
         secret: Secret,
+        incarnation: u64,
     ) -> Result<Self, StartError> {
         let addr = peers.addr(me).ok_or_else(|| {
             StartError::Invalid(format!("machine {me} has no datagram address: {peers:?}"))
@@ -314,8 +338,8 @@ impl Datagrams {
             cluster,
             me,
             secret,
-            incarnation: auth::wall_us(),
-            next_seq: AtomicU64::new(1),
+            incarnation,
+            next_seq: Mutex::new(Vec::new()),
             replays: Mutex::new(Replays::default()),
             refused: Default::default(),
             peers,
@@ -339,16 +363,27 @@ impl Datagrams {
         msg.extend_from_slice(&DATAGRAM_MAGIC.to_le_bytes());
         msg.extend_from_slice(&self.cluster.to_le_bytes());
         msg.extend_from_slice(&src.0.to_le_bytes());
-        DatagramSeal {
-            incarnation: self.incarnation,
-            seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
-            sent_us: auth::wall_us(),
-        }
-        .encode(&mut msg);
+        self.seal(dst).encode(&mut msg);
         msg.extend_from_slice(data);
         let tag = auth::datagram_tag(&self.secret, dst.0, &msg);
         msg.extend_from_slice(&tag);
         let _ = self.sender.send_to(&msg, to);
+    }
+
+    /// The seal of the next datagram to `dst`.
+    fn seal(&self, dst: MachineId) -> DatagramSeal {
+        let mut next = self.next_seq.lock().expect("sequence numbers poisoned");
+        let i = dst.0 as usize;
+        if next.len() <= i {
+            next.resize(i + 1, 1);
+        }
+        let seq = next[i];
+        next[i] += 1;
+        DatagramSeal {
+            incarnation: self.incarnation,
+            seq,
+            sent_us: auth::wall_us(),
+        }
     }
 
     /// Datagrams refused so far (forged, stale and replayed).
@@ -499,5 +534,61 @@ mod tests {
             records == 1,
             "a stamp without a version (version 1) with records {records}: {opened:?}"
         );
+    }
+
+    /// A datagram is taken when datagrams to other machines were sealed between its seal and
+    /// its sending (another thread sent them while this one was descheduled): sequence
+    /// numbers count per destination, so only datagrams to the same machine can push it out
+    /// of the receiver's replay window.
+    #[test]
+    fn datagrams_to_other_machines_do_not_push_one_out_of_the_replay_window() {
+        let port = {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.local_addr().unwrap().port()
+        };
+        let d = Datagrams::bind(
+            0x5eed,
+            MachineId(0),
+            Peers::Loopback(port),
+            Secret::from_bytes(b"a test cluster's secret").unwrap(),
+            1,
+        )
+        .unwrap();
+        let late = d.seal(MachineId(1));
+        for _ in 0..2 * auth::REPLAY_WINDOW {
+            d.seal(MachineId(2));
+        }
+        let next = d.seal(MachineId(1));
+        let mut at1 = Replays::default();
+        assert_eq!(at1.take(0, next, next.sent_us), Ok(()));
+        assert_eq!(
+            at1.take(0, late, next.sent_us),
+            Ok(()),
+            "a late datagram refused"
+        );
+        assert_eq!(at1.take(0, late, next.sent_us), Err(Refusal::Replayed));
+    }
+
+    /// A restarted machine's datagrams are a new life at every receiver only if its
+    /// incarnation grows: it does across restarts even when the clock stepped back.
+    #[test]
+    fn a_machine_incarnation_grows_across_restarts_even_if_the_clock_steps_back() {
+        const CLUSTER: u64 = 0x5eed;
+        let dir = tempfile::tempdir().unwrap();
+        let first = claim_machine(dir.path(), CLUSTER, MachineId(0)).unwrap();
+        let was = first.incarnation;
+        drop(first);
+        let second = claim_machine(dir.path(), CLUSTER, MachineId(0)).unwrap();
+        assert!(second.incarnation > was);
+        drop(second);
+        // A life recorded an hour ahead of this clock (the clock stepped back since).
+        let ahead = auth::wall_us() + 3_600_000_000;
+        std::fs::write(
+            machine_dir(dir.path(), MachineId(0)).join("incarnation"),
+            format!("{ahead}\n"),
+        )
+        .unwrap();
+        let third = claim_machine(dir.path(), CLUSTER, MachineId(0)).unwrap();
+        assert!(third.incarnation > ahead);
     }
 }

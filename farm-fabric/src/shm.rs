@@ -120,7 +120,13 @@ impl ShmFabric {
         secret: Secret,
     ) -> Result<Self, StartError> {
         let claim = claim_machine(dir, cluster, me)?;
-        let datagrams = Datagrams::bind(cluster, me, Peers::Loopback(base_port), secret)?;
+        let datagrams = Datagrams::bind(
+            cluster,
+            me,
+            Peers::Loopback(base_port),
+            secret,
+            claim.incarnation,
+        )?;
         // The admitted set starts empty, also after a restart (the file is the previous
         // life's): nobody writes here until this process installs a configuration, so a peer
         // sees this machine ready only once it runs one.

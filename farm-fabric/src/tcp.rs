@@ -53,7 +53,7 @@ use farm_core::object::{judge_copy, ReadOutcome, HEADER_BYTES};
 
 /// Machines the NIC's admitted set can name.
 pub const ADMIT_MACHINES_MAX: usize = 512;
-/// Largest one-sided read or write; a request for more is bad framing.
+/// Largest one-sided read or write, and largest answer; a request for more is bad framing.
 pub const OP_BYTES_MAX: usize = 64 << 20;
 
 const MAGIC: u32 = 0xfa53_7c90;
@@ -75,6 +75,17 @@ const OP_PROBE: u8 = 3;
 /// A read of an object: the bytes, then the object's header word read again after the copy
 /// (`RemoteMemory::read_object`: the torn-read check inside one operation).
 const OP_READ_OBJECT: u8 = 4;
+
+/// Whether operation `op` of `len` bytes is longer than one operation may be: its request or
+/// its answer (an object read answers with the header word again) over [`OP_BYTES_MAX`].
+fn op_too_long(op: u8, len: usize) -> bool {
+    let answer = if op == OP_READ_OBJECT {
+        len.saturating_add(HEADER_BYTES)
+    } else {
+        len
+    };
+    answer > OP_BYTES_MAX
+}
 
 const OK: u8 = 0;
 const NOT_REGISTERED: u8 = 1;
@@ -167,7 +178,13 @@ impl TcpFabric {
             return Err(StartError::Invalid("the operation timeout is zero".into()));
         }
         let claim = claim_machine(dir, cluster, me)?;
-        let datagrams = Datagrams::bind(cluster, me, Peers::Listed(addrs.clone()), secret.clone())?;
+        let datagrams = Datagrams::bind(
+            cluster,
+            me,
+            Peers::Listed(addrs.clone()),
+            secret.clone(),
+            claim.incarnation,
+        )?;
         let listener = TcpListener::bind(addr).map_err(io_err(format!("listening at {addr}")))?;
         listener
             .set_nonblocking(true)
@@ -678,9 +695,9 @@ impl Request {
             return Err("nonzero padding".into());
         }
         let len = u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")) as usize;
-        if len > OP_BYTES_MAX {
+        if op_too_long(op, len) {
             return Err(format!(
-                "an operation of {len} bytes (at most {OP_BYTES_MAX})"
+                "an operation of {len} bytes (answers at most {OP_BYTES_MAX})"
             ));
         }
         if op == OP_READ_OBJECT && len < HEADER_BYTES {
@@ -1225,8 +1242,8 @@ impl TcpRemote {
     }
 
     /// An access the NIC would refuse before sending: too long for one operation.
-    fn too_long(&self, offset: u64, len: usize) -> Option<FabricError> {
-        (len > OP_BYTES_MAX).then_some(FabricError::OutOfBounds {
+    fn too_long(&self, op: u8, offset: u64, len: usize) -> Option<FabricError> {
+        op_too_long(op, len).then_some(FabricError::OutOfBounds {
             machine: self.link.dst,
             key: self.key,
             offset,
@@ -1238,7 +1255,7 @@ impl TcpRemote {
 
 impl RemoteMemory for TcpRemote {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
-        if let Some(e) = self.too_long(offset, buf.len()) {
+        if let Some(e) = self.too_long(OP_READ, offset, buf.len()) {
             return Err(e);
         }
         let reply = self.link.call(OP_READ, self.key, offset, buf.len());
@@ -1255,7 +1272,7 @@ impl RemoteMemory for TcpRemote {
             buf.len() >= HEADER_BYTES,
             "object buffer smaller than a header"
         );
-        if let Some(e) = self.too_long(offset, buf.len()) {
+        if let Some(e) = self.too_long(OP_READ_OBJECT, offset, buf.len()) {
             return Err(e);
         }
         let reply = self.link.call(OP_READ_OBJECT, self.key, offset, buf.len());
@@ -1263,7 +1280,7 @@ impl RemoteMemory for TcpRemote {
     }
 
     fn post_object_read(&self, offset: u64, len: usize) -> Option<Box<dyn PostedRead>> {
-        if len < HEADER_BYTES || self.too_long(offset, len).is_some() {
+        if len < HEADER_BYTES || self.too_long(OP_READ_OBJECT, offset, len).is_some() {
             return None; // The read itself reports it.
         }
         let waiter = Arc::new(Waiter::default());
@@ -1399,7 +1416,7 @@ impl Fabric for TcpFabric {
             return Ok(WriteTicket(1));
         }
         let _ = src;
-        if data.len() > OP_BYTES_MAX {
+        if op_too_long(OP_WRITE, data.len()) {
             return Err(FabricError::OutOfBounds {
                 machine: dst,
                 key,

@@ -730,3 +730,42 @@ fn forged_and_replayed_datagrams_are_refused_and_counted() {
     assert_eq!(recv(&f1, M1, &mut buf), Some(M0));
     assert_eq!(buf, b"renew");
 }
+
+/// The longest object read is one whose answer (the bytes and the header word read again) fits
+/// in one operation: a longer one is refused before it is sent, and the link stays up.
+#[test]
+fn an_object_read_too_long_for_one_answer_is_refused_and_the_link_stays_up() {
+    use farm_core::object::{Header, ReadOutcome};
+    use farm_core::Version;
+    use farm_fabric::tcp::OP_BYTES_MAX;
+    use std::sync::atomic::Ordering;
+
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f0, _) = machine(root.path(), M0, &addrs);
+    let (f1, _) = machine(root.path(), M1, &addrs);
+    let big = MemKey::Region(RegionId(1));
+    let mem = Arc::new(Nvram::anonymous(OP_BYTES_MAX + 4096).unwrap());
+    mem.store_u64(0, Header::new(Version(3), true).0, Ordering::Release);
+    f1.register(M1, big, mem);
+    f1.admit(M1, &[M0, M1]);
+    f0.admit(M0, &[M0, M1]);
+    let remote = f0.remote(M0, M1, big).unwrap();
+    let mut buf = vec![0u8; OP_BYTES_MAX];
+    assert!(matches!(
+        remote.read_object(0, &mut buf),
+        Err(FabricError::OutOfBounds { .. })
+    ));
+    assert!(remote.post_object_read(0, OP_BYTES_MAX).is_none());
+    let mut buf = vec![0u8; OP_BYTES_MAX - 8];
+    assert_eq!(
+        remote.read_object(0, &mut buf).unwrap(),
+        ReadOutcome::Consistent(Header::new(Version(3), true))
+    );
+    let mut small = [0u8; 16];
+    assert_eq!(
+        remote.read_object(0, &mut small).unwrap(),
+        ReadOutcome::Consistent(Header::new(Version(3), true)),
+        "the link is up"
+    );
+}

@@ -1522,19 +1522,11 @@ impl Worker {
         self.outbound[m.0 as usize].log.unreserve(bytes);
     }
 
-    /// The piggybacked truncation state for a record to `dst`: the low bound of this thread's
-    /// non-truncated transactions and the truncatable ids above it. `active` is the commit
-    /// being advanced (taken out of the map), if it may have sent records.
-    ///
-    /// The bound stays at or below every commit in flight that may have sent records
-    /// (`Commit::holds_truncation`) and every transaction recovery decides. Explicit ids are
-    /// only of transactions older than all of those: a participant keeps only the bound across
-    /// a restart (in NVRAM), so a transaction truncated by id alone while an older one is still
-    /// open would be voted unknown after a power loss at a replica that dropped its records,
-    /// and aborted by a recovery that another replica's COMMIT-BACKUP started (§5.3), though
-    /// it committed (power-loss seed 1719 with two commits per worker). Only a committed
-    /// transaction still waiting for COMMIT-PRIMARY acks is passed by id.
-    fn piggyback(&mut self, dst: MachineId, active: Option<u64>) -> (u64, Vec<u64>) {
+    /// The thread's truncation bounds: `below`, the low bound of its non-truncated
+    /// transactions (at or below every unacked one and every `open` one), and `open`, the
+    /// oldest transaction that may have sent records and is not decided (a commit in flight,
+    /// `active`, or one recovery decides). Explicit ids go only between the two.
+    fn truncation_bounds(&self, active: Option<u64>) -> (u64, Option<u64>) {
         let open = self
             .coord
             .active
@@ -1554,6 +1546,37 @@ impl Worker {
             .chain(open)
             .min()
             .unwrap_or(self.coord.next_local + 1);
+        (below, open)
+    }
+
+    /// Whether a TRUNCATE to participant `p` now would truncate anything: an outstanding id
+    /// below the bound, or an acked one between the bound and the oldest open transaction.
+    /// Only then is one of the participant's TRUNCATE reservations spent on it: one that
+    /// freed nothing would leave transactions to truncate without room for the record that
+    /// truncates them (invariant 6).
+    fn truncation_frees(&self, p: usize, active: Option<u64>) -> bool {
+        let (below, open) = self.truncation_bounds(active);
+        let out = &self.coord.outstanding[p];
+        out.range(..below).next().is_some()
+            || out
+                .range(below..open.unwrap_or(u64::MAX))
+                .any(|l| !self.coord.unacked.contains_key(l))
+    }
+
+    /// The piggybacked truncation state for a record to `dst`: the low bound of this thread's
+    /// non-truncated transactions and the truncatable ids above it. `active` is the commit
+    /// being advanced (taken out of the map), if it may have sent records.
+    ///
+    /// The bound stays at or below every commit in flight that may have sent records
+    /// (`Commit::holds_truncation`) and every transaction recovery decides. Explicit ids are
+    /// only of transactions older than all of those: a participant keeps only the bound across
+    /// a restart (in NVRAM), so a transaction truncated by id alone while an older one is still
+    /// open would be voted unknown after a power loss at a replica that dropped its records,
+    /// and aborted by a recovery that another replica's COMMIT-BACKUP started (§5.3), though
+    /// it committed (power-loss seed 1719 with two commits per worker). Only a committed
+    /// transaction still waiting for COMMIT-PRIMARY acks is passed by id.
+    fn piggyback(&mut self, dst: MachineId, active: Option<u64>) -> (u64, Vec<u64>) {
+        let (below, open) = self.truncation_bounds(active);
         let out = &mut self.coord.outstanding[dst.0 as usize];
         let ids: Vec<u64> = out
             .range(below..open.unwrap_or(u64::MAX))
@@ -1710,14 +1733,10 @@ impl Worker {
             self.coord.unacked.remove(&l);
             busy = true;
         }
-        if !self.coord.active.is_empty() {
-            return busy;
-        }
-        let truncatable = self
-            .coord
-            .outstanding
-            .iter()
-            .any(|o| o.iter().any(|l| !self.coord.unacked.contains_key(l)));
+        // Commits in flight do not hold explicit truncation back: under continuous load there
+        // always is one, and a participant no new record goes to would keep its records (and
+        // a backup its unapplied updates) for good.
+        let truncatable = (0..self.coord.outstanding.len()).any(|p| self.truncation_frees(p, None));
         if !truncatable {
             self.coord.truncatable_since = None;
             return busy;
@@ -1733,13 +1752,10 @@ impl Worker {
         true
     }
 
-    /// Sends an explicit TRUNCATE to every participant with truncatable transactions. Only
-    /// between commits; a commit waiting for log space does this itself.
+    /// Sends an explicit TRUNCATE to every participant a TRUNCATE would truncate anything at.
+    /// Commits in flight hold the bound back as their records do; a commit waiting for log
+    /// space does this itself.
     pub fn flush_truncations(&mut self) {
-        assert!(
-            self.coord.active.is_empty(),
-            "flush_truncations during a commit"
-        );
         self.send_truncations(None);
     }
 
@@ -1748,10 +1764,7 @@ impl Worker {
     fn send_truncations(&mut self, active: Option<u64>) {
         for p in 0..self.coord.outstanding.len() {
             let dst = MachineId(p as u16);
-            let has = self.coord.outstanding[p]
-                .iter()
-                .any(|l| !self.coord.unacked.contains_key(l));
-            if !has {
+            if !self.truncation_frees(p, active) {
                 continue;
             }
             let small = RingWriter::reservation(framed_len(header_bytes()));

@@ -202,3 +202,42 @@ fn truncation_never_passes_a_commit_still_in_flight() {
     assert_eq!(value(&mut w, 1, at1[1]), 1);
     assert!(w.iter().all(|x| x.stats().malformed == 0));
 }
+
+#[test]
+fn records_are_truncated_explicitly_while_a_newer_commit_is_in_flight() {
+    let mut w = cluster();
+    let mut now = 0;
+    let at1 = objects(&mut w, 1, 2, &mut now);
+    // A commit through machine 1 (primary) and machines 2 and 0 (backups) ends.
+    let first = start_increment(&mut w, 0, &[at1[0]]);
+    assert_eq!(
+        decide_all(&mut w, 0, &[first], |_| 0, &mut now),
+        vec![Ok(())]
+    );
+    // A newer one sends its LOCK and stays in flight for a long time (a worker under
+    // continuous load always has one). No new record goes to machine 2, so only an explicit
+    // TRUNCATE can let it apply and drop the first commit's COMMIT-BACKUP.
+    let newer = start_increment(&mut w, 0, &[at1[1]]);
+    now += 1;
+    assert!(w[0].poll_commit(newer, now).is_none());
+    let retained = |w: &[Worker]| w[2].retained_txns().iter().any(|(m, _)| m.0 == 0);
+    assert!(
+        retained(&w),
+        "machine 2 holds the first commit's COMMIT-BACKUP"
+    );
+    for _ in 0..50 {
+        now += 1_000;
+        for x in w.iter_mut() {
+            x.poll(now);
+        }
+    }
+    assert!(w[0].committing(), "the newer commit is still in flight");
+    assert!(
+        !retained(&w),
+        "machine 2 still holds a record of machine 0 while a newer commit is in flight"
+    );
+    assert_eq!(
+        decide_all(&mut w, 0, &[newer], |_| 0, &mut now),
+        vec![Ok(())]
+    );
+}
