@@ -4,11 +4,15 @@
 //! executions), errors and latency percentiles, per kill the recovery times, operations per
 //! millisecond, and a chart.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use farm::{Cluster, MachineId, ReconfigEvent, RecoveryEvent, Replication, Session, TxError};
+use farm::{
+    Client, Cluster, MachineId, Pipeline, ReconfigEvent, RecoveryEvent, Replication, Session,
+    TxError,
+};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
@@ -16,6 +20,7 @@ use crate::timeline::{self, Marker};
 use crate::Rand;
 
 /// A workload the runner drives.
+#[allow(async_fn_in_trait)] // Futures of one client thread's pipeline.
 pub trait Workload: Send + Sync + 'static {
     /// The names of its transaction types, in the order of their indexes.
     fn kinds(&self) -> Vec<&'static str>;
@@ -34,6 +39,27 @@ pub trait Workload: Send + Sync + 'static {
         down: &[bool],
         attempts: &mut u64,
     ) -> (usize, Result<bool, TxError>);
+
+    /// Whether [`Workload::run_one_in`] runs the mix among many transactions in flight; a
+    /// workload whose transactions only block keeps its clients to one each.
+    fn pipelines(&self) -> bool {
+        false
+    }
+
+    /// [`Workload::run_one`] as one of the transactions in flight of `pipeline`'s thread.
+    /// Called only when [`Workload::pipelines`] says so; the default runs one blocking
+    /// transaction's worth of nothing and says it cannot.
+    async fn run_one_in(
+        &self,
+        pipeline: &Pipeline<'_>,
+        client: usize,
+        rng: &mut Rand,
+        down: &[bool],
+        attempts: &mut u64,
+    ) -> (usize, Result<bool, TxError>) {
+        let _ = (pipeline, client, rng, down, attempts);
+        unreachable!("the runner pipelines only workloads whose `pipelines` says so")
+    }
 }
 
 /// The machine that `draw` (a random number) picks among those `down` does not mark.
@@ -89,6 +115,10 @@ pub struct CommonArgs {
     /// Client threads running transactions.
     #[arg(long, default_value_t = 2)]
     pub clients: u16,
+    /// Transactions each client thread keeps in flight (`Client::pipeline`; 1: one at a time,
+    /// blocking). Workloads that run only blocking refuse more.
+    #[arg(long, default_value_t = 1)]
+    pub in_flight: usize,
     /// Seconds of measured run.
     #[arg(long, default_value_t = 5.0)]
     pub seconds: f64,
@@ -164,6 +194,7 @@ impl CommonArgs {
         );
         let opts = RunOptions {
             clients: self.clients,
+            in_flight: self.in_flight,
             seconds: self.seconds,
             seed: self.seed,
             pin: self.pin,
@@ -202,6 +233,8 @@ impl CommonArgs {
 pub struct RunOptions {
     /// Client threads.
     pub clients: u16,
+    /// Transactions each client thread keeps in flight.
+    pub in_flight: usize,
     /// Seconds of measured run.
     pub seconds: f64,
     /// Seed of the clients' inputs.
@@ -220,6 +253,7 @@ impl RunOptions {
     pub fn validate(&self, machines: u16) -> anyhow::Result<()> {
         anyhow::ensure!(self.seconds > 0.0, "--seconds must be positive");
         anyhow::ensure!(self.clients >= 1, "--clients must be at least 1");
+        anyhow::ensure!(self.in_flight >= 1, "--in-flight must be at least 1");
         for k in &self.kills {
             if let Some(m) = k.machine {
                 anyhow::ensure!(
@@ -375,6 +409,11 @@ pub fn run<W: Workload>(
     workload: &Arc<W>,
     opts: &RunOptions,
 ) -> anyhow::Result<RunReport> {
+    anyhow::ensure!(
+        opts.in_flight == 1 || workload.pipelines(),
+        "--in-flight {}: this workload runs one blocking transaction per client thread",
+        opts.in_flight
+    );
     if cluster.lease() != opts.lease {
         // Measure with the asked lease; the longer ones granted while populating end first.
         let populating = cluster.lease();
@@ -391,7 +430,7 @@ pub fn run<W: Workload>(
                 stop.clone(),
                 barrier.clone(),
             );
-            let seed = opts.seed;
+            let opts = opts.clone();
             let core = opts
                 .pin
                 .then(|| core_affinity::get_core_ids().unwrap_or_default())
@@ -400,7 +439,7 @@ pub fn run<W: Workload>(
                 if let Some(core) = core {
                     core_affinity::set_for_current(core);
                 }
-                client(&cluster, &*workload, c as usize, seed, &stop, &barrier)
+                client(&cluster, &*workload, c as usize, &opts, &stop, &barrier)
             })
         })
         .collect();
@@ -501,17 +540,18 @@ pub fn run<W: Workload>(
     })
 }
 
-/// One client: transactions from the mix until told to stop, each timed.
+/// One client: transactions from the mix until told to stop, each timed; `opts.in_flight` of
+/// them at once on the client's thread.
 fn client<W: Workload>(
     cluster: &Cluster,
     workload: &W,
     id: usize,
-    seed: u64,
+    opts: &RunOptions,
     stop: &AtomicBool,
     barrier: &Barrier,
 ) -> anyhow::Result<ClientStats> {
     let n = workload.kinds().len();
-    let mut stats = ClientStats {
+    let stats = RefCell::new(ClientStats {
         hist: (0..n)
             .map(|_| Histogram::new(3))
             .collect::<Result<_, _>>()?,
@@ -519,40 +559,91 @@ fn client<W: Workload>(
         attempts: vec![0; n],
         errors: vec![0; n],
         per_ms: Vec::new(),
-    };
-    let mut rng = Rand::new(seed.wrapping_mul(1_000_003) ^ (id as u64 + 1) << 40);
+    });
+    let seed = opts.seed.wrapping_mul(1_000_003) ^ (id as u64 + 1) << 40;
     // Machines found dead or evicted: transactions go elsewhere.
-    let mut down = vec![false; cluster.machines() as usize];
-    let mut attempts = 0;
+    let down = RefCell::new(vec![false; cluster.machines() as usize]);
+    let failed = RefCell::new(None);
     // Back-to-back transactions: keep one host rather than hand it to a poller in between.
     let session = cluster.session();
     barrier.wait();
-    while !stop.load(Ordering::Relaxed) {
-        let t = Instant::now();
-        let before = attempts;
-        let (i, result) = workload.run_one(&session, id, &mut rng, &down, &mut attempts);
-        let ns = t.elapsed().as_nanos() as u64;
-        stats.attempts[i] += attempts - before;
+    let done = |i: usize, result: Result<bool, TxError>, t: Instant, attempts: u64| {
+        if let Err(e) = stats.borrow_mut().record(
+            i,
+            result,
+            t.elapsed().as_nanos() as u64,
+            attempts,
+            cluster.now_us(),
+            &mut down.borrow_mut(),
+        ) {
+            failed
+                .borrow_mut()
+                .get_or_insert(anyhow::anyhow!("{} failed: {e}", workload.kinds()[i]));
+        }
+    };
+    let going = || !stop.load(Ordering::Relaxed) && failed.borrow().is_none();
+    if opts.in_flight == 1 {
+        let mut rng = Rand::new(seed);
+        while going() {
+            let (t, mut attempts) = (Instant::now(), 0);
+            let now_down = down.borrow().clone();
+            let (i, result) = workload.run_one(&session, id, &mut rng, &now_down, &mut attempts);
+            done(i, result, t, attempts);
+        }
+    } else {
+        session.pipeline(opts.in_flight, async |p, k| {
+            let mut rng = Rand::new(seed ^ (k as u64 + 1) << 20);
+            while going() {
+                let (t, mut attempts) = (Instant::now(), 0);
+                let now_down = down.borrow().clone();
+                let (i, result) = workload
+                    .run_one_in(p, id, &mut rng, &now_down, &mut attempts)
+                    .await;
+                done(i, result, t, attempts);
+            }
+        });
+    }
+    if let Some(e) = failed.into_inner() {
+        return Err(e);
+    }
+    Ok(stats.into_inner())
+}
+
+impl ClientStats {
+    /// Records a transaction of type `i` that took `ns` and `attempts` executions, ended at
+    /// `now_us`: an error that is not the cluster's to end comes back.
+    fn record(
+        &mut self,
+        i: usize,
+        result: Result<bool, TxError>,
+        ns: u64,
+        attempts: u64,
+        now_us: u64,
+        down: &mut [bool],
+    ) -> Result<(), TxError> {
+        self.attempts[i] += attempts;
         match result {
             Ok(ok) => {
-                stats.successes[i] += ok as u64;
-                stats.hist[i].record(ns.max(1))?;
-                let ms = (cluster.now_us() / 1000) as usize;
-                if stats.per_ms.len() <= ms {
-                    stats.per_ms.resize(ms + 1, 0);
+                self.successes[i] += ok as u64;
+                self.hist[i]
+                    .record(ns.max(1))
+                    .expect("latencies fit the histogram");
+                let ms = (now_us / 1000) as usize;
+                if self.per_ms.len() <= ms {
+                    self.per_ms.resize(ms + 1, 0);
                 }
-                stats.per_ms[ms] += 1;
+                self.per_ms[ms] += 1;
             }
             // The coordinator died or was removed under the transaction: go elsewhere.
             Err(TxError::CoordinatorFailed(d) | TxError::Evicted(d)) => {
-                stats.errors[i] += 1;
+                self.errors[i] += 1;
                 down[d.0 as usize] = true;
             }
-            Err(e) if e.is_retryable() => stats.errors[i] += 1,
-            Err(e) => anyhow::bail!("{} failed: {e}", workload.kinds()[i]),
+            Err(e) if e.is_retryable() => self.errors[i] += 1,
+            Err(e) => return Err(e),
         }
+        Ok(())
     }
-    Ok(stats)
 }
 
 /// Times from a kill of `victim` at `at_us`: to its suspicion, from suspicion to a window at

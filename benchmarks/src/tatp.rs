@@ -15,7 +15,9 @@
 //! run where its subscriber lives.
 
 use bytemuck::{Pod, Zeroable};
-use farm::{Addr, Client, MachineId, TxError};
+use std::cell::Cell;
+
+use farm::{Addr, Client, MachineId, Pipeline, TxError};
 use farm_ds::{HashTable, TableSpec};
 
 use crate::Rand;
@@ -376,79 +378,111 @@ impl Tables {
         rng: &mut Rand,
         attempts: &mut u64,
     ) -> Result<bool, TxError> {
+        // The one task takes the inputs (a task of a pipeline borrows its captures shared).
+        let inputs = Cell::new(Some((rng, attempts)));
+        let out = Cell::new(None);
+        cluster.pipeline(1, async |p, _| {
+            let (rng, attempts) = inputs.take().expect("one task");
+            out.set(Some(self.run_in(p, m, kind, rng, attempts).await));
+        });
+        out.into_inner().expect("the task ran")
+    }
+
+    /// [`Tables::run`] as one of many transactions in flight on `pipeline`'s thread.
+    pub async fn run_in(
+        &self,
+        pipeline: &Pipeline<'_>,
+        m: Option<MachineId>,
+        kind: Kind,
+        rng: &mut Rand,
+        attempts: &mut u64,
+    ) -> Result<bool, TxError> {
         let id = s_id(rng, self.subscribers);
-        let machines = cluster.machines() as usize;
+        let machines = pipeline.machines() as usize;
         let m = m.unwrap_or(MachineId(partition_of_s_id(id, machines) as u16));
         match kind {
             Kind::GetSubscriberData => {
                 *attempts += 1;
-                Ok(self.subscriber.get(cluster, m, &id)?.is_some())
+                Ok(self.subscriber.get_async(pipeline, m, &id).await?.is_some())
             }
             Kind::GetAccessData => {
                 *attempts += 1;
                 let ai_type = rng.range(1, 4) as u8;
                 Ok(self
                     .access_info
-                    .get(cluster, m, &ai_key(id, ai_type))?
+                    .get_async(pipeline, m, &ai_key(id, ai_type))
+                    .await?
                     .is_some())
             }
             Kind::GetNewDestination => {
                 let sf_type = rng.range(1, 4) as u8;
                 let start_time = [0u8, 8, 16][rng.range(0, 2) as usize];
                 let end_time = rng.range(1, 24) as u8;
-                cluster.txn(m, |tx| {
-                    *attempts += 1;
-                    let Some(sf) = self.special_facility.get_in(tx, &sf_key(id, sf_type))? else {
-                        return Ok(false);
-                    };
-                    if sf.is_active != 1 {
-                        return Ok(false);
-                    }
-                    let mut found = false;
-                    for start in [0u8, 8, 16].into_iter().filter(|s| *s <= start_time) {
-                        let cf = self
-                            .call_forwarding
-                            .get_in(tx, &cf_key(id, sf_type, start))?;
-                        found |= cf.is_some_and(|cf| end_time < cf.end_time);
-                    }
-                    Ok(found)
-                })
+                pipeline
+                    .txn(m, async |tx| {
+                        *attempts += 1;
+                        let sf = self
+                            .special_facility
+                            .get_in_async(tx, &sf_key(id, sf_type))
+                            .await?;
+                        let Some(sf) = sf else {
+                            return Ok(false);
+                        };
+                        if sf.is_active != 1 {
+                            return Ok(false);
+                        }
+                        let mut found = false;
+                        for start in [0u8, 8, 16].into_iter().filter(|s| *s <= start_time) {
+                            let cf = self
+                                .call_forwarding
+                                .get_in_async(tx, &cf_key(id, sf_type, start))
+                                .await?;
+                            found |= cf.is_some_and(|cf| end_time < cf.end_time);
+                        }
+                        Ok(found)
+                    })
+                    .await
             }
             Kind::UpdateSubscriberData => {
                 let sf_type = rng.range(1, 4) as u8;
                 let bit = rng.range(0, 1) as u16;
                 let data_a = rng.next_u64() as u8;
-                cluster.txn(m, |tx| {
-                    *attempts += 1;
-                    let Some(mut sub) = self.subscriber.get_in(tx, &id)? else {
-                        return Ok(false);
-                    };
-                    sub.bits = (sub.bits & !1) | bit;
-                    self.subscriber.update(tx, &id, &sub)?;
-                    let key = sf_key(id, sf_type);
-                    let Some(mut sf) = self.special_facility.get_in(tx, &key)? else {
-                        return Ok(false); // The subscriber's update stands (clause 2.4).
-                    };
-                    sf.data_a = data_a;
-                    self.special_facility.update(tx, &key, &sf)
-                })
+                pipeline
+                    .txn(m, async |tx| {
+                        *attempts += 1;
+                        let key = sf_key(id, sf_type);
+                        let Some(mut sub) = self.subscriber.get_in_async(tx, &id).await? else {
+                            return Ok(false);
+                        };
+                        sub.bits = (sub.bits & !1) | bit;
+                        self.subscriber.update_async(tx, &id, &sub).await?;
+                        let Some(mut sf) = self.special_facility.get_in_async(tx, &key).await?
+                        else {
+                            return Ok(false); // The subscriber's update stands (clause 2.4).
+                        };
+                        sf.data_a = data_a;
+                        self.special_facility.update_async(tx, &key, &sf).await
+                    })
+                    .await
             }
             Kind::UpdateLocation => {
                 let nbr = sub_nbr(id);
                 let vlr = rng.next_u64() as u32;
                 // The number index never changes: a lock-free lookup before the transaction
                 // reads what one inside it would, without a read to validate at commit.
-                let Some(s) = self.sub_nbr.get(cluster, m, &nbr)? else {
+                let Some(s) = self.sub_nbr.get_async(pipeline, m, &nbr).await? else {
                     return Ok(false);
                 };
-                cluster.txn(m, |tx| {
-                    *attempts += 1;
-                    let Some(mut sub) = self.subscriber.get_in(tx, &s)? else {
-                        return Ok(false);
-                    };
-                    sub.vlr_location = vlr;
-                    self.subscriber.update(tx, &s, &sub)
-                })
+                pipeline
+                    .txn(m, async |tx| {
+                        *attempts += 1;
+                        let Some(mut sub) = self.subscriber.get_in_async(tx, &s).await? else {
+                            return Ok(false);
+                        };
+                        sub.vlr_location = vlr;
+                        self.subscriber.update_async(tx, &s, &sub).await
+                    })
+                    .await
             }
             Kind::InsertCallForwarding => {
                 let nbr = sub_nbr(id);
@@ -458,38 +492,43 @@ impl Tables {
                     end_time: start_time + rng.range(1, 8) as u8,
                     numberx: rng.digits(),
                 };
-                cluster.txn(m, |tx| {
-                    *attempts += 1;
-                    let Some(s) = self.sub_nbr.get_in(tx, &nbr)? else {
-                        return Ok(false);
-                    };
-                    // The special facilities of the subscriber (the specification selects them
-                    // all; the insert needs the one of `sf_type`).
-                    if self
-                        .special_facility
-                        .get_in(tx, &sf_key(s, sf_type))?
-                        .is_none()
-                    {
-                        return Ok(false);
-                    }
-                    self.call_forwarding
-                        .insert(tx, &cf_key(s, sf_type, start_time), &cf)
-                })
+                pipeline
+                    .txn(m, async |tx| {
+                        *attempts += 1;
+                        let Some(s) = self.sub_nbr.get_in_async(tx, &nbr).await? else {
+                            return Ok(false);
+                        };
+                        // The special facilities of the subscriber (the specification selects
+                        // them all; the insert needs the one of `sf_type`).
+                        let key = cf_key(s, sf_type, start_time);
+                        let sf = self
+                            .special_facility
+                            .get_in_async(tx, &sf_key(s, sf_type))
+                            .await?;
+                        if sf.is_none() {
+                            return Ok(false);
+                        }
+                        self.call_forwarding.insert_async(tx, &key, &cf).await
+                    })
+                    .await
             }
             Kind::DeleteCallForwarding => {
                 let nbr = sub_nbr(id);
                 let sf_type = rng.range(1, 4) as u8;
                 let start_time = [0u8, 8, 16][rng.range(0, 2) as usize];
-                cluster.txn(m, |tx| {
-                    *attempts += 1;
-                    let Some(s) = self.sub_nbr.get_in(tx, &nbr)? else {
-                        return Ok(false);
-                    };
-                    let removed = self
-                        .call_forwarding
-                        .remove(tx, &cf_key(s, sf_type, start_time))?;
-                    Ok(removed.is_some())
-                })
+                pipeline
+                    .txn(m, async |tx| {
+                        *attempts += 1;
+                        let Some(s) = self.sub_nbr.get_in_async(tx, &nbr).await? else {
+                            return Ok(false);
+                        };
+                        let removed = self
+                            .call_forwarding
+                            .remove_async(tx, &cf_key(s, sf_type, start_time))
+                            .await?;
+                        Ok(removed.is_some())
+                    })
+                    .await
             }
         }
     }

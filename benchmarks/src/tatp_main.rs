@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use farm::{Session, TxError};
+use farm::{MachineId, Pipeline, Session, TxError};
 use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
 use farm_benchmarks::tatp::{Kind, Tables};
 use farm_benchmarks::Rand;
@@ -59,6 +59,21 @@ struct Tatp {
     partitioned: bool,
 }
 
+impl Tatp {
+    /// The next transaction's type, and where it is coordinated (`None`: on its subscriber's
+    /// machine), avoiding the machines `down` marks.
+    fn pick(&self, rng: &mut Rand, down: &[bool]) -> (Kind, Option<MachineId>) {
+        let kind = Kind::from_draw(rng.next_u64() % 100);
+        let pick = rng.next_u64();
+        let m = if self.partitioned && !down.iter().any(|d| *d) {
+            None
+        } else {
+            Some(runner::pick_alive(down, pick))
+        };
+        (kind, m)
+    }
+}
+
 impl Workload for Tatp {
     fn kinds(&self) -> Vec<&'static str> {
         Kind::ALL.iter().map(|k| k.name()).collect()
@@ -76,16 +91,29 @@ impl Workload for Tatp {
         down: &[bool],
         attempts: &mut u64,
     ) -> (usize, Result<bool, TxError>) {
-        let kind = Kind::from_draw(rng.next_u64() % 100);
-        let pick = rng.next_u64();
-        let m = if self.partitioned && !down.iter().any(|d| *d) {
-            None
-        } else {
-            Some(runner::pick_alive(down, pick))
-        };
+        let (kind, m) = self.pick(rng, down);
         (
             kind as usize,
             self.tables.run(session, m, kind, rng, attempts),
+        )
+    }
+
+    fn pipelines(&self) -> bool {
+        true
+    }
+
+    async fn run_one_in(
+        &self,
+        pipeline: &Pipeline<'_>,
+        _client: usize,
+        rng: &mut Rand,
+        down: &[bool],
+        attempts: &mut u64,
+    ) -> (usize, Result<bool, TxError>) {
+        let (kind, m) = self.pick(rng, down);
+        (
+            kind as usize,
+            self.tables.run_in(pipeline, m, kind, rng, attempts).await,
         )
     }
 }

@@ -28,7 +28,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use bytemuck::Pod;
-use farm::{Addr, Client, MachineId, TxError, Txn};
+use farm::{ready, Addr, Client, MachineId, Pipeline, Transaction, TxError, Txn};
 
 /// Buckets after its home that an entry may spill into. Spilling to the next buckets clusters
 /// entries: in a simulation of 200,000 slots, the first insert that found its home and the next
@@ -335,19 +335,31 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
 
     /// A hint that `key` will be looked up soon in `tx`: its home bucket starts on its way
     /// ([`Txn::prefetch`]), so that lookups of several keys known ahead overlap.
-    pub fn prefetch(&self, tx: &mut Txn<'_>, key: &K) {
+    pub fn prefetch(&self, tx: &mut impl Transaction, key: &K) {
         tx.prefetch(self.home_bucket(key), self.bucket_bytes());
     }
 
     /// Looks `key` up in the transaction: its value, if present. The buckets read are validated
     /// at commit like any read.
     pub fn get_in(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
-        let found = self.find(tx, key, false)?;
+        ready(self.get_in_async(tx, key))
+    }
+
+    /// [`HashTable::get_in`] in any transaction, blocking or among others in flight
+    /// ([`farm::Pipeline::txn`]).
+    pub async fn get_in_async(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        let found = self.find(tx, key, false).await?;
         let Some((_, addr, s)) = found.at else {
             return Ok(None);
         };
-        let bytes = tx.read_bytes(addr, self.bucket_bytes())?;
-        Ok(Some(read_value::<K, V>(bytes, s)))
+        tx.read_with(addr, self.bucket_bytes(), |bytes| {
+            Some(read_value::<K, V>(bytes, s))
+        })
+        .await
     }
 
     /// Looks `key` up outside any transaction, coordinated on `machine`: one lock-free read of
@@ -359,8 +371,23 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
         machine: MachineId,
         key: &K,
     ) -> Result<Option<V>, TxError> {
+        let out = std::cell::Cell::new(None);
+        cluster.pipeline(1, async |p, _| {
+            out.set(Some(self.get_async(p, machine, key).await));
+        });
+        out.into_inner().expect("the task ran")
+    }
+
+    /// [`HashTable::get`] among the transactions in flight of `pipeline`: the read of the home
+    /// bucket is posted, and the others run until it is here.
+    pub async fn get_async(
+        &self,
+        pipeline: &Pipeline<'_>,
+        machine: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
         let (p, b) = self.home(key);
-        // The lookup path of most reads: no allocation for buckets up to 1 KB.
+        // As in `get`: no allocation for buckets up to 1 KB.
         let len = 8 + self.bucket_bytes();
         let mut stack = [0u8; 1024];
         let mut heap = Vec::new();
@@ -370,22 +397,43 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
             heap.resize(len, 0);
             &mut heap
         };
-        cluster.read_bytes_into(machine, self.bucket(p, b), buf)?;
-        let bucket = &buf[8..];
+        pipeline
+            .read_bytes_into(machine, self.bucket(p, b), buf)
+            .await?;
+        match self.in_home(&buf[8..], key) {
+            Some(found) => Ok(found),
+            None => {
+                pipeline
+                    .txn(machine, async |tx| self.get_in_async(tx, key).await)
+                    .await
+            }
+        }
+    }
+
+    /// What a lock-free read of `key`'s home `bucket` says: its value or its absence, or
+    /// `None` when the home overflowed and the key may be in a later bucket.
+    fn in_home(&self, bucket: &[u8], key: &K) -> Option<Option<V>> {
         if let Some(s) = self.slot_of(bucket, key) {
-            return Ok(Some(read_value::<K, V>(bucket, s)));
+            return Some(Some(read_value::<K, V>(bucket, s)));
         }
-        if overflow(bucket) == 0 {
-            return Ok(None);
-        }
-        cluster.txn(machine, |tx| self.get_in(tx, key))
+        (overflow(bucket) == 0).then_some(None)
     }
 
     /// Inserts `key` with `value` in the transaction. Returns false, changing nothing, when
     /// the key is already there. Aborts the transaction with an error saying so when the
     /// key's home bucket and the next [`PROBE_BUCKETS`] are full.
     pub fn insert(&self, tx: &mut Txn<'_>, key: &K, value: &V) -> Result<bool, TxError> {
-        let found = self.find(tx, key, true)?;
+        ready(self.insert_async(tx, key, value))
+    }
+
+    /// [`HashTable::insert`] in any transaction.
+    pub async fn insert_async(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+        value: &V,
+    ) -> Result<bool, TxError> {
+        let found = self.find(tx, key, true).await?;
         if found.at.is_some() {
             return Ok(false);
         }
@@ -402,17 +450,17 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
             )));
         };
         let len = self.bucket_bytes();
-        let mut bytes = tx.read_bytes(addr, len)?.to_vec();
+        let mut bytes = tx.read_with(addr, len, <[u8]>::to_vec).await?;
         let s = (!used(&bytes)).trailing_zeros() as usize;
         write_slot::<K, V>(&mut bytes, s, key, value);
         let bits = used(&bytes) | 1 << s;
         set_used(&mut bytes, bits);
-        tx.write_bytes(addr, &bytes)?;
+        tx.write_bytes(addr, &bytes).await?;
         if i > 0 {
-            let mut bytes = tx.read_bytes(found.home, len)?.to_vec();
+            let mut bytes = tx.read_with(found.home, len, <[u8]>::to_vec).await?;
             let n = overflow(&bytes) + 1;
             set_overflow(&mut bytes, n);
-            tx.write_bytes(found.home, &bytes)?;
+            tx.write_bytes(found.home, &bytes).await?;
         }
         Ok(true)
     }
@@ -420,33 +468,54 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
     /// Replaces the value of `key` in the transaction. Returns false, changing nothing, when
     /// the key is not there.
     pub fn update(&self, tx: &mut Txn<'_>, key: &K, value: &V) -> Result<bool, TxError> {
-        let found = self.find(tx, key, false)?;
+        ready(self.update_async(tx, key, value))
+    }
+
+    /// [`HashTable::update`] in any transaction.
+    pub async fn update_async(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+        value: &V,
+    ) -> Result<bool, TxError> {
+        let found = self.find(tx, key, false).await?;
         let Some((_, addr, s)) = found.at else {
             return Ok(false);
         };
-        let mut bytes = tx.read_bytes(addr, self.bucket_bytes())?.to_vec();
+        let mut bytes = tx
+            .read_with(addr, self.bucket_bytes(), <[u8]>::to_vec)
+            .await?;
         write_slot::<K, V>(&mut bytes, s, key, value);
-        tx.write_bytes(addr, &bytes)?;
+        tx.write_bytes(addr, &bytes).await?;
         Ok(true)
     }
 
     /// Removes `key` in the transaction, returning its value if it was there.
     pub fn remove(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
-        let found = self.find(tx, key, false)?;
+        ready(self.remove_async(tx, key))
+    }
+
+    /// [`HashTable::remove`] in any transaction.
+    pub async fn remove_async(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        let found = self.find(tx, key, false).await?;
         let Some((i, addr, s)) = found.at else {
             return Ok(None);
         };
         let len = self.bucket_bytes();
-        let mut bytes = tx.read_bytes(addr, len)?.to_vec();
+        let mut bytes = tx.read_with(addr, len, <[u8]>::to_vec).await?;
         let value = read_value::<K, V>(&bytes, s);
         let bits = used(&bytes) & !(1 << s);
         set_used(&mut bytes, bits);
-        tx.write_bytes(addr, &bytes)?;
+        tx.write_bytes(addr, &bytes).await?;
         if i > 0 {
-            let mut bytes = tx.read_bytes(found.home, len)?.to_vec();
+            let mut bytes = tx.read_with(found.home, len, <[u8]>::to_vec).await?;
             let n = overflow(&bytes) - 1;
             set_overflow(&mut bytes, n);
-            tx.write_bytes(found.home, &bytes)?;
+            tx.write_bytes(found.home, &bytes).await?;
         }
         Ok(Some(value))
     }
@@ -454,7 +523,12 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
     /// Finds `key`: reads its home bucket, then, while the home counts spilled keys not yet
     /// seen, the next buckets. With `for_insert`, reads on until a bucket with a free slot is
     /// among those read (or the probe limit).
-    fn find(&self, tx: &mut Txn<'_>, key: &K, for_insert: bool) -> Result<Found, TxError> {
+    async fn find(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+        for_insert: bool,
+    ) -> Result<Found, TxError> {
         let (p, b) = self.home(key);
         let len = self.bucket_bytes();
         let home = self.bucket(p, b);
@@ -463,16 +537,24 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
         let mut room = None;
         for j in 0..=PROBE_BUCKETS.min(self.buckets - 1) {
             let addr = self.bucket(p, b + j);
-            let bytes = tx.read_bytes(addr, len)?;
-            if j == 0 {
-                spilled = overflow(bytes);
-            } else {
-                spilled_seen += self.homed_at(bytes, p, b);
+            let (overflowed, homed, free, slot) = tx
+                .read_with(addr, len, |bytes| {
+                    (
+                        (j == 0).then(|| overflow(bytes)),
+                        (j > 0).then(|| self.homed_at(bytes, p, b)),
+                        used(bytes).count_ones() < self.slots as u32,
+                        self.slot_of(bytes, key),
+                    )
+                })
+                .await?;
+            if let Some(n) = overflowed {
+                spilled = n;
             }
-            if room.is_none() && used(bytes).count_ones() < self.slots as u32 {
+            spilled_seen += homed.unwrap_or(0);
+            if room.is_none() && free {
                 room = Some((j, addr));
             }
-            if let Some(s) = self.slot_of(bytes, key) {
+            if let Some(s) = slot {
                 return Ok(Found {
                     at: Some((j, addr, s)),
                     home,

@@ -6,6 +6,7 @@
 //! the database. Each machine publishes its result (`<workload>-result-m<id>`) for the
 //! launcher.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -50,6 +51,9 @@ pub struct RunArgs {
     /// Client threads per machine.
     #[arg(long, default_value_t = 1)]
     pub clients: u16,
+    /// Transactions each client thread keeps in flight (TATP; TPC-C runs one).
+    #[arg(long, default_value_t = 1)]
+    pub in_flight: usize,
     /// Seed of the population and of the clients' inputs.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -64,6 +68,7 @@ impl RunArgs {
         let mut f = vec![
             format!("--seconds={}", self.seconds),
             format!("--clients={}", self.clients),
+            format!("--in-flight={}", self.in_flight),
             format!("--seed={}", self.seed),
         ];
         if self.check {
@@ -164,12 +169,44 @@ struct Measured {
     errors: u64,
 }
 
-/// Runs `one` from `clients` threads for `seconds`: `one(client, rng, executions)` runs a
-/// transaction and says whether it counts.
+/// One client thread's counts.
+struct Tally {
+    client: u16,
+    hist: Histogram<u64>,
+    done: u64,
+    counted: u64,
+    executions: u64,
+    errors: u64,
+    /// This machine was removed from the configuration: the client stops.
+    evicted: bool,
+}
+
+impl Tally {
+    /// Counts a transaction begun at `t` that ended with `r` after `executions` executions.
+    fn record(&mut self, r: Result<bool, TxError>, t: Instant, executions: u64) {
+        self.executions += executions;
+        match r {
+            Ok(c) => {
+                self.done += 1;
+                self.counted += c as u64;
+                let _ = self.hist.record(t.elapsed().as_nanos() as u64);
+            }
+            Err(TxError::Evicted(_)) => self.evicted = true,
+            Err(e) => {
+                if self.errors == 0 {
+                    tracing::warn!(client = self.client, error = %e, "a transaction failed");
+                }
+                self.errors += 1;
+            }
+        }
+    }
+}
+
+/// Runs `client(client, going, tally)` on `clients` threads for `seconds`: each runs
+/// transactions while `going()` and counts them in its tally.
 fn measure(
     run: &RunArgs,
-    me: MachineId,
-    one: impl Fn(u16, &mut Rand, &mut u64) -> Result<bool, TxError> + Sync,
+    client: impl Fn(u16, &dyn Fn() -> bool, &RefCell<Tally>) + Sync,
 ) -> anyhow::Result<Measured> {
     let stop = AtomicBool::new(false);
     let total = Mutex::new(Measured {
@@ -182,35 +219,27 @@ fn measure(
     });
     let started = Instant::now();
     std::thread::scope(|s| {
-        for client in 0..run.clients {
-            let (stop, total, one) = (&stop, &total, &one);
+        for c in 0..run.clients {
+            let (stop, total, client) = (&stop, &total, &client);
             s.spawn(move || {
-                let mut rng = Rand::new(run.seed ^ (me.0 as u64) << 40 ^ (client as u64) << 20);
-                let mut hist = Histogram::<u64>::new(3).expect("histogram");
-                let (mut done, mut counted, mut executions, mut errors) = (0, 0, 0, 0);
-                while !stop.load(Ordering::Relaxed) {
-                    let t = Instant::now();
-                    match one(client, &mut rng, &mut executions) {
-                        Ok(c) => {
-                            done += 1;
-                            counted += c as u64;
-                            let _ = hist.record(t.elapsed().as_nanos() as u64);
-                        }
-                        Err(TxError::Evicted(_)) => break,
-                        Err(e) => {
-                            if errors == 0 {
-                                tracing::warn!(client, error = %e, "a transaction failed");
-                            }
-                            errors += 1;
-                        }
-                    }
-                }
+                let tally = RefCell::new(Tally {
+                    client: c,
+                    hist: Histogram::<u64>::new(3).expect("histogram"),
+                    done: 0,
+                    counted: 0,
+                    executions: 0,
+                    errors: 0,
+                    evicted: false,
+                });
+                let going = || !stop.load(Ordering::Relaxed) && !tally.borrow().evicted;
+                client(c, &going, &tally);
+                let tally = tally.into_inner();
                 let mut t = total.lock().expect("poisoned");
-                t.hist.add(&hist).expect("same bounds");
-                t.transactions += done;
-                t.counted += counted;
-                t.executions += executions;
-                t.errors += errors;
+                t.hist.add(&tally.hist).expect("same bounds");
+                t.transactions += tally.done;
+                t.counted += tally.counted;
+                t.executions += tally.executions;
+                t.errors += tally.errors;
             });
         }
         std::thread::sleep(Duration::from_secs_f64(run.seconds));
@@ -221,9 +250,14 @@ fn measure(
     Ok(m)
 }
 
+/// Each client's inputs: its own stream of random numbers.
+fn client_rng(run: &RunArgs, me: MachineId, client: u16, task: usize) -> Rand {
+    Rand::new(run.seed ^ (me.0 as u64) << 40 ^ (client as u64) << 20 ^ (task as u64) << 8)
+}
+
 fn check_args(run: &RunArgs) -> anyhow::Result<()> {
-    if run.clients == 0 || run.seconds.is_nan() || run.seconds <= 0.0 {
-        bail!("a run needs at least one client and a positive length");
+    if run.clients == 0 || run.in_flight == 0 || run.seconds.is_nan() || run.seconds <= 0.0 {
+        bail!("a run needs at least one client, one transaction in flight and a positive length");
     }
     Ok(())
 }
@@ -294,9 +328,19 @@ pub fn run_tatp(node: &Node, store: &ZkStore, args: &TatpArgs) -> anyhow::Result
         "loaded"
     );
     meeting.barrier("loaded")?;
-    let measured = measure(&args.run, me, |_, rng, executions| {
-        let kind = tatp::Kind::from_draw(rng.next_u64() % 100);
-        tables.run(node, Some(me), kind, rng, executions)
+    let run = &args.run;
+    let measured = measure(run, |client, going, tally| {
+        node.pipeline(run.in_flight, async |p, task| {
+            let mut rng = client_rng(run, me, client, task);
+            while going() {
+                let (t, mut executions) = (Instant::now(), 0);
+                let kind = tatp::Kind::from_draw(rng.next_u64() % 100);
+                let r = tables
+                    .run_in(p, Some(me), kind, &mut rng, &mut executions)
+                    .await;
+                tally.borrow_mut().record(r, t, executions);
+            }
+        })
     })?;
     finish(
         &meeting,
@@ -314,6 +358,9 @@ pub fn run_tatp(node: &Node, store: &ZkStore, args: &TatpArgs) -> anyhow::Result
 /// here.
 pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result<WorkloadResult> {
     check_args(&args.run)?;
+    if args.run.in_flight != 1 {
+        bail!("TPC-C runs one transaction in flight per client thread (--in-flight 1)");
+    }
     if !(1..=255).contains(&args.warehouses) {
         bail!("TPC-C needs 1 to 255 warehouses");
     }
@@ -358,7 +405,7 @@ pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result
     meeting.barrier("loaded")?;
     let only_new_order_payment = args.mix == "new-order-payment";
     let clients = args.run.clients as usize;
-    let measured = measure(&args.run, me, |client, rng, executions| {
+    let one = |client: u16, rng: &mut Rand, executions: &mut u64| {
         if mine.is_empty() {
             return Err(TxError::Aborted(
                 "no warehouse lives on this machine".into(),
@@ -375,6 +422,15 @@ pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result
         let kind = tpcc::Kind::from_draw(rng.next_u64() % 100, only_new_order_payment);
         let outcome = tables.run(node, Some(me), (kind, w), rng, now_ms(), executions)?;
         Ok(kind == tpcc::Kind::NewOrder && outcome == tpcc::Outcome::Committed)
+    };
+    // TPC-C's transactions block: one in flight per client thread.
+    let measured = measure(&args.run, |client, going, tally| {
+        let mut rng = client_rng(&args.run, me, client, 0);
+        while going() {
+            let (t, mut executions) = (Instant::now(), 0);
+            let r = one(client, &mut rng, &mut executions);
+            tally.borrow_mut().record(r, t, executions);
+        }
     })?;
     finish(
         &meeting,

@@ -148,6 +148,35 @@ pub struct Tx<'w> {
     posted: Vec<Posted>,
 }
 
+/// A transaction's execution without the worker that coordinates it: what an asynchronous
+/// transaction keeps while it waits, and lends back to a [`Tx`] ([`Tx::resume`]) for each step
+/// it takes with the worker borrowed. Many of them may be open on one worker at once; each
+/// checks its reads against the view it started in.
+#[derive(Debug)]
+pub struct TxCore {
+    state: TxState,
+    generation: u64,
+    posted: Vec<Posted>,
+}
+
+impl TxCore {
+    /// A transaction starting on `worker` (in the newest view it knows).
+    pub fn new(worker: &mut Worker) -> Self {
+        worker.refresh_view();
+        Self {
+            state: TxState::default(),
+            generation: worker.view_generation,
+            posted: Vec::new(),
+        }
+    }
+
+    /// Ends execution: see [`Tx::into_state`].
+    pub fn into_state(mut self) -> TxState {
+        self.state.generation = self.generation;
+        self.state
+    }
+}
+
 /// Object reads one transaction may have posted ahead at once: enough for a TPC-C NEW-ORDER's
 /// warehouse, district, customer and fifteen items with their stock.
 const POSTED_READS_MAX: usize = 64;
@@ -176,27 +205,52 @@ impl<'w> Tx<'w> {
     /// Starts executing a transaction coordinated by `worker`. Without a poller, locality hints
     /// naming a region whose primary is another machine fall back to a local region.
     pub fn new(worker: &'w mut Worker) -> Self {
-        worker.refresh_view();
-        Self {
-            generation: worker.view_generation,
-            worker,
-            state: TxState::default(),
-            poller: None,
-            posted: Vec::new(),
-        }
+        let core = TxCore::new(worker);
+        Self::resume(worker, core, None)
     }
 
     /// Like [`Tx::new`], with a poller that serves the other workers of this thread while the
     /// transaction waits for an allocation at a remote primary.
     pub fn with_poller(worker: &'w mut Worker, poller: Poller<'w>) -> Self {
-        worker.refresh_view();
+        let core = TxCore::new(worker);
+        Self::resume(worker, core, Some(poller))
+    }
+
+    /// Goes on executing the transaction `core` (from [`TxCore::new`] or [`Tx::suspend`] on
+    /// this same worker) with the worker borrowed again.
+    pub fn resume(worker: &'w mut Worker, core: TxCore, poller: Option<Poller<'w>>) -> Self {
         Self {
-            generation: worker.view_generation,
             worker,
-            state: TxState::default(),
-            poller: Some(poller),
-            posted: Vec::new(),
+            state: core.state,
+            generation: core.generation,
+            poller,
+            posted: core.posted,
         }
+    }
+
+    /// Gives the worker back, keeping the transaction's execution to [`Tx::resume`] later.
+    pub fn suspend(self) -> TxCore {
+        TxCore {
+            state: self.state,
+            generation: self.generation,
+            posted: self.posted,
+        }
+    }
+
+    /// Whether [`Tx::read`] of `len` bytes at `addr` would now return without waiting for the
+    /// network: the transaction holds the object, or the answer of a read posted for it came
+    /// (or no read can be posted for it: its primary is this machine, or the fabric reads in
+    /// place). Otherwise a read of it is posted, if none is yet: an asynchronous transaction
+    /// waits for this to hold before it reads, doing other work meanwhile.
+    pub fn read_ready(&mut self, addr: Addr, len: usize) -> bool {
+        if self.state.objects.contains_key(&addr) {
+            return true;
+        }
+        self.post(addr, len, false);
+        self.posted
+            .iter()
+            .find(|p| p.addr == addr)
+            .is_none_or(|p| p.read.is_done())
     }
 
     /// Ends execution, handing the state to [`Worker::start_commit`] (or dropping it: an
@@ -272,13 +326,24 @@ impl<'w> Tx<'w> {
     /// A hint that `len` bytes of the object at `addr` will be read soon
     /// ([`Worker::prefetch_object`]); nothing when this transaction read it already.
     pub fn prefetch(&mut self, addr: Addr, len: usize) {
+        self.post(addr, len, true);
+    }
+
+    /// Posts a read of `addr` unless the transaction holds it or posted one; `fetch_local`:
+    /// also fetch an object of this machine into the cache (a hint ahead of time).
+    fn post(&mut self, addr: Addr, len: usize, fetch_local: bool) {
         if self.state.objects.contains_key(&addr) || self.posted.iter().any(|p| p.addr == addr) {
             return;
         }
         if self.posted.len() == POSTED_READS_MAX {
             return; // A hint: the read goes out when the transaction reads.
         }
-        if let Some(read) = self.worker.prefetch_object(addr, len) {
+        let read = if fetch_local {
+            self.worker.prefetch_object(addr, len)
+        } else {
+            self.worker.post_object_read(addr, len)
+        };
+        if let Some(read) = read {
             self.posted.push(Posted { addr, len, read });
         }
     }
@@ -765,6 +830,17 @@ impl Worker {
         self.read_into(addr, buf, None)
     }
 
+    /// [`Worker::read_object_into`] whose first attempt takes the answer of `posted` (from
+    /// [`Worker::prefetch_object`] of the same address and `buf.len() - 8` bytes).
+    pub fn read_object_into_posted(
+        &mut self,
+        addr: Addr,
+        buf: &mut [u8],
+        posted: Option<Box<dyn PostedRead>>,
+    ) -> Result<Header, TxError> {
+        self.read_into(addr, buf, posted)
+    }
+
     /// A consistent read into `buf`, the first attempt's answer taken from `posted` when the
     /// object's primary is remote.
     fn read_into(
@@ -834,12 +910,29 @@ impl Worker {
     /// [`Worker::read_object_posted`] takes, where the fabric posts reads. Addresses that a
     /// read would reject are ignored; the read itself reports them.
     pub fn prefetch_object(&mut self, addr: Addr, len: usize) -> Option<Box<dyn PostedRead>> {
+        self.post_read(addr, len, true)
+    }
+
+    /// [`Worker::prefetch_object`] for a read about to be made: nothing for an object of this
+    /// machine (its read does not wait).
+    pub fn post_object_read(&mut self, addr: Addr, len: usize) -> Option<Box<dyn PostedRead>> {
+        self.post_read(addr, len, false)
+    }
+
+    fn post_read(
+        &mut self,
+        addr: Addr,
+        len: usize,
+        fetch_local: bool,
+    ) -> Option<Box<dyn PostedRead>> {
         self.refresh_view();
         let placement = self.view.map.get(addr.region)?;
         let len = HEADER_BYTES + len;
         if placement.primary == self.machine.id {
-            if let Some(mem) = self.view.region(addr.region) {
-                mem.prefetch(addr.offset as usize, len);
+            if fetch_local {
+                if let Some(mem) = self.view.region(addr.region) {
+                    mem.prefetch(addr.offset as usize, len);
+                }
             }
             None
         } else if !self.region_blocked(addr.region) && addr.offset.is_multiple_of(8) {

@@ -24,7 +24,7 @@ pub mod restart;
 pub mod stats;
 pub mod worker;
 
-pub use coordinator::{CommitHandle, Tx, TxState, COMMITS_IN_FLIGHT_MAX};
+pub use coordinator::{CommitHandle, Tx, TxCore, TxState, COMMITS_IN_FLIGHT_MAX};
 pub use error::{Conflict, TxError};
 pub use machine::{MachineState, Params, RecoveryEvent, Replication};
 pub use stats::Stats;

@@ -22,6 +22,7 @@ use farm_txn::{MachineState, Params, Replication, Stats, TxError, Worker};
 use crate::hosts::{Host, HostGuard, Hosts, IdleWait};
 use crate::lease_thread::{LeaseLength, Suspicion};
 use crate::machine::{ReconfigEvent, Request, Runtime, RuntimeConfig, Shared};
+use crate::pipeline::Pipeline;
 use crate::txn::Txn;
 use farm_cm::restart::{ExchangeParams, Outcome, RestartExchange};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
@@ -662,6 +663,12 @@ pub trait Client {
         Ok(bytemuck::pod_read_unaligned(&buf[8..]))
     }
 
+    /// Runs `tasks` tasks of `f` on this thread, each given the [`Pipeline`] it runs its
+    /// transactions and reads on and its index, until every one ended: many transactions in
+    /// flight on one thread, each yielding to the others while it waits. Takes one host for
+    /// the whole batch (a [`Session`] uses its own).
+    fn pipeline(&self, tasks: usize, f: impl AsyncFn(&Pipeline<'_>, usize));
+
     /// The number of machines.
     fn machines(&self) -> u16;
 }
@@ -688,6 +695,10 @@ impl Client for Cluster {
         Cluster::read(self, machine, addr)
     }
 
+    fn pipeline(&self, tasks: usize, f: impl AsyncFn(&Pipeline<'_>, usize)) {
+        self.pipeline_on(&mut self.host(), tasks, f)
+    }
+
     fn machines(&self) -> u16 {
         Cluster::machines(self)
     }
@@ -709,6 +720,10 @@ impl<C: Client> Client for Arc<C> {
         buf: &mut [u8],
     ) -> Result<(), TxError> {
         (**self).read_bytes_into(machine, addr, buf)
+    }
+
+    fn pipeline(&self, tasks: usize, f: impl AsyncFn(&Pipeline<'_>, usize)) {
+        (**self).pipeline(tasks, f)
     }
 
     fn machines(&self) -> u16 {
@@ -735,6 +750,10 @@ impl Client for Session<'_> {
             .inner
             .hosts
             .read(&mut self.held(), machine, addr, buf)
+    }
+
+    fn pipeline(&self, tasks: usize, f: impl AsyncFn(&Pipeline<'_>, usize)) {
+        self.cluster.pipeline_on(&mut self.held(), tasks, f)
     }
 
     fn machines(&self) -> u16 {
@@ -829,6 +848,25 @@ impl Cluster {
     ) -> Result<R, TxError> {
         assert!(machine.0 < self.machines(), "no machine {machine}");
         self.inner.hosts.txn(host, machine, None, f)
+    }
+
+    /// See [`Client::pipeline`]: transactions named after a machine are coordinated by it.
+    pub fn pipeline(&self, tasks: usize, f: impl AsyncFn(&Pipeline<'_>, usize)) {
+        self.pipeline_on(&mut self.host(), tasks, f)
+    }
+
+    fn pipeline_on(
+        &self,
+        host: &mut HostGuard<'_>,
+        tasks: usize,
+        f: impl AsyncFn(&Pipeline<'_>, usize),
+    ) {
+        let machines = self.machines();
+        let route = |m: MachineId| {
+            assert!(m.0 < machines, "no machine {m}");
+            (m, None)
+        };
+        crate::pipeline::run(&self.inner.hosts, host, &route, machines, tasks, f)
     }
 
     /// A lock-free read of one object (§3): a single consistent read at the primary, retried

@@ -19,10 +19,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use farm_core::fabric::Fabric;
+use farm_core::fabric::{Fabric, PostedRead};
+use farm_core::object::Header;
 use farm_core::{Addr, MachineId};
 use farm_fabric::process::ProcessFabric;
-use farm_txn::{Stats, Tx, TxError, Worker};
+use farm_txn::{CommitHandle, Stats, Tx, TxCore, TxError, TxState, Worker};
 
 use crate::backoff::Backoff;
 use crate::txn::Txn;
@@ -62,6 +63,39 @@ fn waits_for_recovery(e: &TxError) -> bool {
     )
 }
 
+/// What a transaction does after its `attempt`-th attempt failed with `e`, `started` being
+/// when its first began: the one retry rule of blocking and asynchronous transactions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Retry {
+    /// Wait for reconfiguration and recovery, then try again.
+    Recovery,
+    /// A conflict: back off, then try again.
+    Conflict,
+    /// Give up with the error.
+    GiveUp,
+}
+
+pub(crate) fn retry(e: &TxError, attempt: u32, started: Instant) -> Retry {
+    if waits_for_recovery(e) {
+        if started.elapsed() < RECOVERY_WAIT_MAX {
+            Retry::Recovery
+        } else {
+            Retry::GiveUp
+        }
+    } else if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX {
+        Retry::Conflict
+    } else {
+        Retry::GiveUp
+    }
+}
+
+/// A commit started by [`Hosts::start_commit`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Committing {
+    handle: CommitHandle,
+    read_only: bool,
+}
+
 /// Workers polled by one OS thread at a time.
 #[derive(Debug)]
 pub struct Host {
@@ -89,7 +123,7 @@ impl Host {
     }
 
     /// The position of `machine`'s worker on this host.
-    fn index_of(&self, machine: MachineId) -> usize {
+    pub(crate) fn index_of(&self, machine: MachineId) -> usize {
         // In one process worker m is machine m's; a node's host has one worker.
         match self.workers.get(machine.0 as usize) {
             Some(w) if w.machine().id == machine => machine.0 as usize,
@@ -112,8 +146,37 @@ impl Host {
         self.committed_per_ms[ms] += 1;
     }
 
+    /// Runs `f` on the transaction `core` resumed on worker `i` (which started it), the host's
+    /// other workers polled while `f` waits (an allocation at a remote primary hosted by this
+    /// very thread); gives back the transaction to resume later.
+    pub(crate) fn resume<R>(
+        &mut self,
+        i: usize,
+        core: TxCore,
+        now: impl Fn() -> u64,
+        f: impl FnOnce(&mut Tx<'_>) -> R,
+    ) -> (R, TxCore) {
+        let (before, rest) = self.workers.split_at_mut(i);
+        let (worker, after) = rest.split_first_mut().expect("index in range");
+        let mut poll_others = || {
+            let now = now();
+            for w in before.iter_mut().chain(after.iter_mut()) {
+                w.poll(now);
+            }
+            now
+        };
+        let mut tx = Tx::resume(worker, core, Some(&mut poll_others));
+        let r = f(&mut tx);
+        (r, tx.suspend())
+    }
+
+    /// Worker `i`.
+    pub(crate) fn worker(&mut self, i: usize) -> &mut Worker {
+        &mut self.workers[i]
+    }
+
     /// Polls every worker once; whether any had work.
-    fn poll_all(&mut self, now: u64) -> bool {
+    pub(crate) fn poll_all(&mut self, now: u64) -> bool {
         let mut busy = false;
         for w in &mut self.workers {
             busy |= w.poll(now);
@@ -380,18 +443,15 @@ impl Hosts {
         loop {
             attempt += 1;
             match self.attempt(host, machine, place, &mut f) {
-                Err(e) if waits_for_recovery(&e) && started.elapsed() < RECOVERY_WAIT_MAX => {
-                    self.wait_idle(host, &mut backoff);
-                }
-                Err(e)
-                    if !waits_for_recovery(&e)
-                        && e.is_retryable()
-                        && attempt < TXN_ATTEMPTS_MAX =>
-                {
-                    host.poll_until_idle(|| self.now());
-                    backoff.conflict(attempt);
-                }
-                other => return other,
+                Err(e) => match retry(&e, attempt, started) {
+                    Retry::Recovery => self.wait_idle(host, &mut backoff),
+                    Retry::Conflict => {
+                        host.poll_until_idle(|| self.now());
+                        backoff.conflict(attempt);
+                    }
+                    Retry::GiveUp => return Err(e),
+                },
+                ok => return ok,
             }
         }
     }
@@ -405,13 +465,7 @@ impl Hosts {
         place: Option<Addr>,
         f: &mut impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
-        let i = host.index_of(machine);
-        self.may_coordinate(&host.workers[i])?;
-        // A machine whose lease may have run out starts nothing (FaRM §5.1): `txn()` waits
-        // for the renewal (or for learning it was removed) before it runs the closure.
-        if !host.workers[i].machine().serves_at(self.now()) {
-            return Err(TxError::LeaseLapsed(machine));
-        }
+        let i = self.begin(host, machine)?;
         let (value, state) = {
             // The coordinator worker executes; the host's other workers are polled while the
             // execution waits (an allocation at a remote primary hosted by this very thread).
@@ -428,38 +482,13 @@ impl Hosts {
             let value = f(&mut txn);
             (value, txn.into_state())
         };
-        let value = match value {
-            Ok(v) => v,
-            Err(e) => {
-                host.workers[i].abort_execution(state, &e);
-                return Err(e);
-            }
-        };
-        let read_only = state.is_read_only();
-        let id = host.workers[i].start_commit(state);
+        let (value, commit) = self.start_commit(host, i, value, state)?;
         let mut backoff = Backoff::new();
         let started = self.now();
         let mut reported = false;
         loop {
-            if let Err(e) = self.may_coordinate(&host.workers[i]) {
-                // The coordinator's machine died under the application (in-process; in a
-                // deployment the application dies with it) or was removed from the
-                // configuration (§5.2): the outcome is recovery's to decide among the members,
-                // which refuse this machine's writes.
-                host.workers[i].abandon_commit(id);
-                return Err(e);
-            }
             let now = self.now();
-            if let Some(r) = host.workers[i].poll_commit(id, now) {
-                if r.is_ok() {
-                    // A read-only transaction committed on reads alone: told only if the lease
-                    // held when they ended (a fresh clock, read after them). A transaction
-                    // that wrote committed at its primaries and backups, all members.
-                    if read_only && !host.workers[i].machine().serves_at(self.now()) {
-                        return Err(TxError::LeaseLapsed(machine));
-                    }
-                    host.record_commit(now);
-                }
+            if let Some(r) = self.poll_commit(host, i, commit, now) {
                 return r.map(|()| value);
             }
             if host.poll_all(now) {
@@ -472,7 +501,7 @@ impl Hosts {
                 // host's workers hold, once, so that a stuck one can be diagnosed.
                 reported = true;
                 tracing::warn!(
-                    txn = %id,
+                    txn = %commit.handle,
                     waited_ms = (now - started) / 1000,
                     "commit still waiting"
                 );
@@ -486,6 +515,71 @@ impl Hosts {
                 }
             }
         }
+    }
+
+    /// The first step of an attempt coordinated by `machine`'s worker on `host`: the position
+    /// of that worker, if it may start a transaction.
+    pub(crate) fn begin(&self, host: &Host, machine: MachineId) -> Result<usize, TxError> {
+        let i = host.index_of(machine);
+        self.may_coordinate(&host.workers[i])?;
+        // A machine whose lease may have run out starts nothing (FaRM §5.1): `txn()` waits
+        // for the renewal (or for learning it was removed) before it runs the closure.
+        if !host.workers[i].machine().serves_at(self.now()) {
+            return Err(TxError::LeaseLapsed(machine));
+        }
+        Ok(i)
+    }
+
+    /// Ends the execution of an attempt on worker `i` of `host` whose closure returned
+    /// `value`: aborts it on an error, or starts its commit.
+    pub(crate) fn start_commit<R>(
+        &self,
+        host: &mut Host,
+        i: usize,
+        value: Result<R, TxError>,
+        state: TxState,
+    ) -> Result<(R, Committing), TxError> {
+        match value {
+            Ok(v) => {
+                let read_only = state.is_read_only();
+                let handle = host.workers[i].start_commit(state);
+                Ok((v, Committing { handle, read_only }))
+            }
+            Err(e) => {
+                host.workers[i].abort_execution(state, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Advances `commit` on worker `i` of `host`: its outcome once decided.
+    pub(crate) fn poll_commit(
+        &self,
+        host: &mut Host,
+        i: usize,
+        commit: Committing,
+        now: u64,
+    ) -> Option<Result<(), TxError>> {
+        let w = &mut host.workers[i];
+        if let Err(e) = self.may_coordinate(w) {
+            // The coordinator's machine died under the application (in-process; in a
+            // deployment the application dies with it) or was removed from the
+            // configuration (§5.2): the outcome is recovery's to decide among the members,
+            // which refuse this machine's writes.
+            w.abandon_commit(commit.handle);
+            return Some(Err(e));
+        }
+        let r = w.poll_commit(commit.handle, now)?;
+        if r.is_ok() {
+            // A read-only transaction committed on reads alone: told only if the lease
+            // held when they ended (a fresh clock, read after them). A transaction
+            // that wrote committed at its primaries and backups, all members.
+            if commit.read_only && !w.machine().serves_at(self.now()) {
+                return Some(Err(TxError::LeaseLapsed(w.machine().id)));
+            }
+            host.record_commit(now);
+        }
+        Some(r)
     }
 
     /// Polls `host` until idle, and backs off only if it had nothing to do: between attempts
@@ -527,30 +621,56 @@ impl Hosts {
         let mut attempt = 0;
         let started = Instant::now();
         loop {
-            // As for transactions: a read issued from a machine that is gone fails at once (its
-            // view is stale; its reads would wait for recovery that never reaches it).
-            self.may_coordinate(&host.workers[i])?;
-            match host.workers[i].read_object_into(addr, buf) {
-                // Told only if the lease held when the read ended (FaRM §5.1).
-                Ok(_) if !host.workers[i].machine().serves_at(self.now()) => {
-                    if started.elapsed() >= RECOVERY_WAIT_MAX {
-                        return Err(TxError::LeaseLapsed(machine));
-                    }
-                    self.wait_idle(host, &mut backoff);
-                }
-                Ok(h) if h.allocated() => return Ok(()),
-                Ok(_) => {
-                    return Err(TxError::BadAddress {
-                        addr,
-                        why: "object is not allocated",
-                    })
-                }
-                Err(e) if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX => {
-                    attempt += 1;
-                    self.wait_idle(host, &mut backoff);
-                }
-                Err(e) => return Err(e),
+            let read = self.read_step(&mut host.workers[i], addr, buf, None);
+            match self.judge_read(&host.workers[i], addr, read, &mut attempt, started) {
+                Some(done) => return done,
+                None => self.wait_idle(host, &mut backoff),
             }
+        }
+    }
+
+    /// One attempt of a lock-free read on `worker`, taking the answer of `posted` if given.
+    pub(crate) fn read_step(
+        &self,
+        worker: &mut Worker,
+        addr: Addr,
+        buf: &mut [u8],
+        posted: Option<Box<dyn PostedRead>>,
+    ) -> Result<Header, TxError> {
+        // As for transactions: a read issued from a machine that is gone fails at once (its
+        // view is stale; its reads would wait for recovery that never reaches it).
+        self.may_coordinate(worker)?;
+        worker.read_object_into_posted(addr, buf, posted)
+    }
+
+    /// The outcome of a lock-free read whose attempt on `worker` gave `read`, or `None` to
+    /// wait and try again; `attempt` counts the retries, since `started`.
+    pub(crate) fn judge_read(
+        &self,
+        worker: &Worker,
+        addr: Addr,
+        read: Result<Header, TxError>,
+        attempt: &mut u32,
+        started: Instant,
+    ) -> Option<Result<(), TxError>> {
+        match read {
+            // Told only if the lease held when the read ended (FaRM §5.1).
+            Ok(_) if !worker.machine().serves_at(self.now()) => {
+                if started.elapsed() >= RECOVERY_WAIT_MAX {
+                    return Some(Err(TxError::LeaseLapsed(worker.machine().id)));
+                }
+                None
+            }
+            Ok(h) if h.allocated() => Some(Ok(())),
+            Ok(_) => Some(Err(TxError::BadAddress {
+                addr,
+                why: "object is not allocated",
+            })),
+            Err(e) if e.is_retryable() && *attempt < TXN_ATTEMPTS_MAX => {
+                *attempt += 1;
+                None
+            }
+            Err(e) => Some(Err(e)),
         }
     }
 

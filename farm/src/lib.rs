@@ -26,6 +26,7 @@ mod lease_thread;
 mod machine;
 pub mod node;
 mod node_restart;
+mod pipeline;
 mod txn;
 pub mod zk;
 
@@ -37,4 +38,5 @@ pub use farm_txn::{Conflict, RecoveryEvent, Replication, Stats, TxError};
 pub use hosts::TXN_ATTEMPTS_MAX;
 pub use lease_thread::Suspicion;
 pub use machine::ReconfigEvent;
-pub use txn::Txn;
+pub use pipeline::{AsyncTxn, Pipeline};
+pub use txn::{ready, Transaction, Txn};

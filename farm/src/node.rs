@@ -446,14 +446,36 @@ impl Node {
         machine: MachineId,
         f: impl FnMut(&mut Txn<'_>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
-        let place = (machine != self.id())
+        self.txn_placed(self.place_on(machine), f)
+    }
+
+    /// Where allocations without a hint of a transaction named after `machine` go: a region
+    /// whose primary is `machine`, when that is another machine.
+    fn place_on(&self, machine: MachineId) -> Option<farm_core::Addr> {
+        (machine != self.id())
             .then(|| {
                 let view = self.machine.view();
                 let region = view.map.primary_of(machine).next();
                 region.map(|r| farm_core::Addr::new(r, 0))
             })
-            .flatten();
-        self.txn_placed(place, f)
+            .flatten()
+    }
+
+    /// Runs `tasks` tasks of `f` on this thread with many transactions in flight
+    /// ([`crate::Client::pipeline`]): every transaction is coordinated here, its allocations
+    /// placed as [`Node::txn_allocating_on`] places them.
+    pub fn pipeline(&self, tasks: usize, f: impl AsyncFn(&crate::Pipeline<'_>, usize)) {
+        let me = self.id();
+        let route = |m: MachineId| (me, self.place_on(m));
+        let machines = self.machine.params.layout.machines_max;
+        crate::pipeline::run(
+            &self.hosts,
+            &mut self.hosts.take(),
+            &route,
+            machines,
+            tasks,
+            f,
+        )
     }
 
     fn txn_placed<R>(
@@ -672,6 +694,10 @@ impl crate::Client for Node {
         buf: &mut [u8],
     ) -> Result<(), TxError> {
         Node::read_bytes_into(self, addr, buf)
+    }
+
+    fn pipeline(&self, tasks: usize, f: impl AsyncFn(&crate::Pipeline<'_>, usize)) {
+        Node::pipeline(self, tasks, f)
     }
 
     fn machines(&self) -> u16 {

@@ -95,3 +95,95 @@ impl<'w> Txn<'w> {
         TxError::Aborted(reason.into())
     }
 }
+
+/// What data structures and applications need of a transaction, whether it blocks ([`Txn`], in
+/// `txn(|tx| ..)`) or waits by yielding to the other transactions of its thread
+/// ([`crate::AsyncTxn`], in [`crate::Pipeline::txn`]). Code written once as `async fn`s over it
+/// runs in both: with a [`Txn`] every call is ready at once, and [`ready`] runs it.
+#[allow(async_fn_in_trait)] // Futures of one thread's executor: never sent across threads.
+pub trait Transaction {
+    /// Reads the first `len` bytes of the object at `addr` and gives them to `f`: the
+    /// transaction's own write if there is one, else a consistent read at the primary.
+    async fn read_with<R>(
+        &mut self,
+        addr: Addr,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, TxError>;
+
+    /// Reads the object at `addr` as a `T`.
+    async fn read<T: Pod>(&mut self, addr: Addr) -> Result<T, TxError> {
+        self.read_with(addr, std::mem::size_of::<T>(), bytemuck::pod_read_unaligned)
+            .await
+    }
+
+    /// A hint that the first `len` bytes of the object at `addr` will be read soon (see
+    /// [`Txn::prefetch`]).
+    fn prefetch(&mut self, addr: Addr, len: usize);
+
+    /// Writes `data` to the object at `addr` at commit (it must fit the object's slot).
+    async fn write_bytes(&mut self, addr: Addr, data: &[u8]) -> Result<(), TxError>;
+
+    /// Writes `value` to the object at `addr` at commit.
+    async fn write<T: Pod>(&mut self, addr: Addr, value: &T) -> Result<(), TxError> {
+        self.write_bytes(addr, bytemuck::bytes_of(value)).await
+    }
+
+    /// Allocates an object holding `data` (see [`Txn::alloc`]).
+    fn alloc_bytes(&mut self, data: &[u8], near: Option<Addr>) -> Result<Addr, TxError>;
+
+    /// Allocates an object holding `value` (see [`Txn::alloc`]).
+    fn alloc<T: Pod>(&mut self, value: &T, near: Option<Addr>) -> Result<Addr, TxError> {
+        self.alloc_bytes(bytemuck::bytes_of(value), near)
+    }
+
+    /// Frees the object at `addr` at commit.
+    async fn free(&mut self, addr: Addr) -> Result<(), TxError>;
+
+    /// An error that aborts the transaction with `reason`; return it from the closure.
+    fn abort(&self, reason: impl Into<String>) -> TxError {
+        TxError::Aborted(reason.into())
+    }
+}
+
+impl Transaction for Txn<'_> {
+    async fn read_with<R>(
+        &mut self,
+        addr: Addr,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, TxError> {
+        self.inner.read(addr, len).map(f)
+    }
+
+    fn prefetch(&mut self, addr: Addr, len: usize) {
+        Txn::prefetch(self, addr, len)
+    }
+
+    async fn write_bytes(&mut self, addr: Addr, data: &[u8]) -> Result<(), TxError> {
+        Txn::write_bytes(self, addr, data)
+    }
+
+    fn alloc_bytes(&mut self, data: &[u8], near: Option<Addr>) -> Result<Addr, TxError> {
+        Txn::alloc_bytes(self, data, near)
+    }
+
+    async fn free(&mut self, addr: Addr) -> Result<(), TxError> {
+        Txn::free(self, addr)
+    }
+}
+
+/// The value of `f`, a future that completes on its first poll: code written over
+/// [`Transaction`] run with a blocking [`Txn`], whose calls never wait.
+///
+/// # Panics
+///
+/// If `f` waits (it awaited something other than a [`Txn`]'s calls).
+pub fn ready<F: std::future::Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("a blocking transaction's code waited"),
+    }
+}
