@@ -7,20 +7,24 @@
 # between machines; quote the ratios, which come from one run of this script.
 #
 #   scripts/with-zookeeper.sh scripts/deployments.sh [--rounds 2] [--seconds 5]
-#       [--subscribers 100000] [--warehouses 3] [--workloads tatp,tpcc]
+#       [--subscribers 100000] [--warehouses 3] [--workloads tatp,tpcc] [--in-flight 16]
 #
 # Shape: 3 machines x 2 workers, 3-way replication. Client threads: the in-process cluster
 # runs 2 (one per worker: a client keeps a worker thread of every machine), each machine
-# process runs 1, so the process clusters have 3 transactions in flight and the in-process one
-# 2. Needs ZooKeeper at $ZK_CONNECT (scripts/with-zookeeper.sh sets it) and release builds:
+# process runs 1. TATP keeps the same transactions in flight in every deployment: each machine
+# process's client thread --in-flight (default 16, 48 in all), the in-process cluster's two
+# threads 3/2 as many each (24 each, 48 in all). TPC-C blocks: one per client thread, 3 in the
+# process clusters and 2 in one process. Needs ZooKeeper at $ZK_CONNECT
+# (scripts/with-zookeeper.sh sets it) and release builds:
 #
 #   cargo build --release -p farm-benchmarks -p farm-node
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc
+rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc in_flight=16
 while [ $# -gt 0 ]; do
   case "$1" in
+    --in-flight) in_flight=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --subscribers) subscribers=$2; shift 2 ;;
@@ -51,7 +55,8 @@ MEDIAN='
 in_process() {
   local workload=$1 out=$work/out
   case $workload in
-    tatp) "$bin/tatp" --subscribers "$subscribers" --seconds "$seconds" --clients 2 > "$out" 2>&1 ;;
+    tatp) "$bin/tatp" --subscribers "$subscribers" --seconds "$seconds" --clients 2 \
+            --in-flight $((in_flight * 3 / 2)) > "$out" 2>&1 ;;
     tpcc) "$bin/tpcc" --warehouses "$warehouses" --seconds "$seconds" --clients 2 > "$out" 2>&1 ;;
   esac || { cat "$out" >&2; exit 1; }
   awk -v w="$workload" '/ per second; latency p50 / {
@@ -63,7 +68,7 @@ in_process() {
 # processes): the median machine's latencies.
 processes() {
   local workload=$1 fabric=$2 out=$work/out
-  local size=(--subscribers "$subscribers")
+  local size=(--subscribers "$subscribers" --in-flight "$in_flight")
   [ "$workload" = tpcc ] && size=(--warehouses "$warehouses")
   "$bin/farm-node" local "$workload" --cluster "deploy-$fabric" --dir "$work/$fabric" \
     --zookeeper "$ZK_CONNECT" --fabric "$fabric" --seconds "$seconds" "${size[@]}" > "$out" 2>&1 \

@@ -125,6 +125,8 @@ fn main() -> anyhow::Result<()> {
     );
     let common = &args.common;
     let opts = common.options()?;
+    // Before populating: TPC-C's transactions block (one in flight per client thread).
+    runner::in_flight(opts.in_flight, false)?;
     let cluster = common.cluster(None).context("building the cluster")?;
     // Room for the NEW-ORDERs of the run (tables do not grow): up to 50 K/s over all
     // districts, well above what this machine runs; a run that goes faster stops with an
