@@ -134,6 +134,13 @@ impl Nvram {
         Self::map_file(&file, len)
     }
 
+    /// Writes the mapping back to its file and waits (`msync`): what a power cut with warning
+    /// (a UPS that signals) must not lose, since memory-mapped files are otherwise written back
+    /// whenever the kernel chooses. Nothing to do for anonymous memory.
+    pub fn flush(&self) -> std::io::Result<()> {
+        self._map.flush()
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.len

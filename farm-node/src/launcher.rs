@@ -115,17 +115,39 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
         }
         LocalCommand::Stop { config } => {
             let s = saved(&config)?;
-            let mut stopped = Vec::new();
+            // SIGTERM to all at once, as a UPS's power signal reaches every host: each writes
+            // its NVRAM back and exits (`farm-node run`); one that does not within the wait is
+            // killed.
+            let mut stopping = Vec::new();
             for m in 0..s.machines {
                 if let Some(pid) = running(&s, m) {
-                    signal(pid, libc::SIGKILL)?;
-                    stopped.push(m);
+                    signal(pid, libc::SIGTERM)?;
+                    stopping.push((m, pid));
                 }
+            }
+            let deadline = Instant::now() + STOP_WAIT;
+            let mut killed = Vec::new();
+            for &(m, pid) in &stopping {
+                while alive(pid) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if alive(pid) {
+                    signal(pid, libc::SIGKILL)?;
+                    killed.push(m);
+                }
+            }
+            for m in 0..s.machines {
                 let _ = std::fs::remove_file(pid_file(&s, m));
             }
+            let stopped: Vec<u16> = stopping.iter().map(|(m, _)| *m).collect();
             println!(
-                "stopped machines {stopped:?} at once; `farm-node local start --restart` restarts \
-                 the cluster from {}",
+                "stopped machines {stopped:?} at once, each writing its NVRAM back first{}; \
+                 `farm-node local start --restart` restarts the cluster from {}",
+                if killed.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (killed {killed:?}, which did not exit within {STOP_WAIT:?})")
+                },
                 s.dir.display()
             );
             Ok(())
@@ -164,6 +186,10 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
 
 /// Where `local start` leaves its settings, in the cluster's directory.
 const SAVED: &str = "launcher.toml";
+
+/// How long `local stop` waits for the machines to write their NVRAM back and exit before it
+/// kills them.
+const STOP_WAIT: Duration = Duration::from_secs(30);
 
 /// The settings of the cluster `config` names: those `local start` saved in its directory
 /// (flags still win), else `config`'s.
@@ -207,6 +233,22 @@ fn running(s: &Settings, m: u16) -> Option<i32> {
         .ok()?;
     // SAFETY: kill(2) with signal 0 only checks that the process exists.
     (unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
+}
+
+/// Whether process `pid` lives (a zombie nobody reaped yet has exited).
+fn alive(pid: i32) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        return false;
+    }
+    // `pid (comm) S ...`: the state follows the last ')'.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(state != 'Z' && state != 'X')
+        })
+        .unwrap_or(true)
 }
 
 fn signal(pid: i32, sig: libc::c_int) -> anyhow::Result<()> {

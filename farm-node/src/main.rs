@@ -30,6 +30,7 @@ mod config;
 mod launcher;
 mod workload;
 
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -116,6 +117,20 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
     let config = settings.node_config(args.machine, args.restart, args.join)?;
+    // A power signal (a UPS's SIGPWR, or SIGTERM from `local stop` or an init system) ends the
+    // process once every NVRAM mapping is written back (`serve`); it reaches the serving loop
+    // at once, so that the machines of a cluster told together all halt before any exits.
+    let mut signals =
+        signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, libc::SIGPWR])
+            .context("handling SIGTERM and SIGPWR")?;
+    let (power_tx, power) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("farm-signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                let _ = power_tx.send(sig);
+            }
+        })?;
     let node = Node::start(&config).with_context(|| {
         format!(
             "starting machine {} of cluster {} in {}",
@@ -136,7 +151,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         };
         println!("{name} result {}", serde_json::to_string(&result)?);
     }
-    serve(node, &settings, &config)
+    serve(node, &settings, &config, &power)
 }
 
 fn announce(node: &Node) {
@@ -162,17 +177,34 @@ fn workload_store(settings: &Settings) -> anyhow::Result<ZkStore> {
     .with_context(|| format!("connecting to ZooKeeper at {}", settings.zookeeper))
 }
 
-/// Serves until the process is killed: a statistics line every `stats_seconds`, and a new
-/// incarnation that rejoins whenever the cluster evicts this one.
+/// Serves until the process is killed or `power` is set: a statistics line every
+/// `stats_seconds`, and a new incarnation that rejoins whenever the cluster evicts this one.
+/// On the power signal it writes every NVRAM mapping back (`msync`), says so, and exits at
+/// once; what was in flight ends as at a crash, which recovery handles.
 fn serve(
     mut node: Node,
     settings: &Settings,
     config: &farm::node::NodeConfig,
+    power: &Receiver<i32>,
 ) -> anyhow::Result<()> {
     let every = Duration::from_secs(settings.stats_seconds);
     let mut last = (Instant::now(), node.stats());
     loop {
-        std::thread::sleep(every.min(Duration::from_millis(100)));
+        if let Ok(sig) = power.recv_timeout(every.min(Duration::from_millis(100))) {
+            let started = Instant::now();
+            node.halt();
+            let (areas, bytes) = node.flush_nvram().context("writing NVRAM back")?;
+            let line = format!(
+                "farm-node: machine {} wrote {areas} NVRAM mappings ({bytes} bytes) back in {} ms \
+                 on a power signal ({sig}), and stops\n",
+                node.id().0,
+                started.elapsed().as_millis()
+            );
+            tracing::warn!(machine = node.id().0, areas, bytes, "{}", line.trim_end());
+            use std::io::Write;
+            let _ = std::io::stdout().lock().write_all(line.as_bytes());
+            std::process::exit(0);
+        }
         if node.is_evicted() {
             tracing::warn!(
                 machine = node.id().0,

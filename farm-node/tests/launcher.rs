@@ -165,9 +165,23 @@ fn started_failed_rejoined_stopped_and_restarted(test: u16, flags: &[&str]) {
     let rejoined = local.wait_status("configuration 3: members [0, 1, 2], CM 0");
     assert!(rejoined.contains("machine 2: running (pid"), "{rejoined}");
 
-    assert!(local
-        .ok(&["stop"])
-        .contains("stopped machines [0, 1, 2] at once"));
+    // `stop` is the power signal (SIGTERM): each machine writes its NVRAM back, says so in its
+    // log, and exits by itself.
+    let stopped = local.ok(&["stop"]);
+    assert!(
+        stopped.contains("stopped machines [0, 1, 2] at once, each writing its NVRAM back first;"),
+        "{stopped}"
+    );
+    let data = dir.path().join("farm-data").join(&local.args[1]);
+    for m in 0..3 {
+        let log = std::fs::read_to_string(data.join(format!("m{m}.log"))).unwrap();
+        assert!(
+            log.contains(&format!("farm-node: machine {m} wrote "))
+                && log.contains("NVRAM mappings (")
+                && log.contains("on a power signal (15), and stops"),
+            "machine {m} did not write its NVRAM back:\n{log}"
+        );
+    }
     let restarted = local.ok(&["start", "--restart"]);
     assert!(
         restarted.contains("configuration 4: members [0, 1, 2], CM 0"),

@@ -736,6 +736,39 @@ impl MachineState {
         self.view.lock().expect("view poisoned").clone()
     }
 
+    /// Writes every NVRAM mapping of this machine back to its file and waits (`msync`): the
+    /// regions and replicas of its view and those prepared, its rings, heads, truncation
+    /// bounds, feedback, recovery logs, drain marks and state. Returns how many areas and
+    /// bytes. For a shutdown on a power signal: what is in the mappings then survives a power
+    /// cut that follows (docs/ARCHITECTURE.md, Whole-cluster restart).
+    pub fn flush_nvram(&self) -> io::Result<(usize, usize)> {
+        let view = self.view();
+        let prepared: Vec<Arc<Nvram>> = self
+            .prepared
+            .lock()
+            .expect("prepared poisoned")
+            .values()
+            .cloned()
+            .collect();
+        let areas = view.regions.iter().flatten().chain(&prepared).chain([
+            &self.complete,
+            &self.state,
+            &self.rings,
+            &self.heads,
+            &self.truncation,
+            &self.feedback,
+            &self.recovery_log,
+            &self.drain_marks,
+        ]);
+        let (mut count, mut bytes) = (0, 0);
+        for area in areas {
+            area.flush()?;
+            count += 1;
+            bytes += area.len();
+        }
+        Ok((count, bytes))
+    }
+
     /// Increases with every installed view; workers compare it to refresh their copy cheaply.
     pub fn view_generation(&self) -> u64 {
         self.view_generation.load(Ordering::Acquire)

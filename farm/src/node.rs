@@ -486,6 +486,26 @@ impl Node {
         self.hosts.txn(&mut self.hosts.take(), self.id(), place, f)
     }
 
+    /// Stops this machine's threads as a crash would, its memory kept: the background pollers,
+    /// the lease manager and the control plane, so that it renews no lease and drives no
+    /// reconfiguration any more (the peers of a cluster shutting down on a power signal do not
+    /// remove each other while they stop). What was in flight is recovery's, as after a crash.
+    /// Before [`Node::flush_nvram`] on a power signal; dropping the node does it too.
+    pub fn halt(&mut self) {
+        self.hosts.stop();
+        for p in self.pollers.drain(..) {
+            let _ = p.join();
+        }
+        self.runtime.stop();
+    }
+
+    /// Writes every NVRAM mapping of this machine back to its file and waits (`msync`), for a
+    /// shutdown on a power signal; returns how many areas and bytes
+    /// (`MachineState::flush_nvram`).
+    pub fn flush_nvram(&self) -> std::io::Result<(usize, usize)> {
+        self.machine.flush_nvram()
+    }
+
     /// The machine this node runs.
     pub fn id(&self) -> MachineId {
         self.machine.id
@@ -565,11 +585,7 @@ const START_GRACE_LEASES: u32 = 10;
 
 impl Drop for Node {
     fn drop(&mut self) {
-        self.hosts.stop();
-        for p in self.pollers.drain(..) {
-            let _ = p.join();
-        }
-        self.runtime.stop();
+        self.halt();
     }
 }
 
