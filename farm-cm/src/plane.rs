@@ -206,11 +206,6 @@ pub enum Effect {
     AllRegionsActive(ConfigId),
     /// This machine was removed: the store holds this newer configuration without it.
     Evicted(ConfigId),
-    /// This member could not remove its CM, which it suspected (a majority did not answer, or
-    /// a region would be left without a complete replica): it renews leases with the CM again
-    /// (`MemberLease::forgive`), and suspects it again if that lease runs out. The CM stays
-    /// the CM of the configuration, which no attempt changed.
-    ForgiveCm(MachineId),
     /// PREPARE of region allocation at this machine (§3): map and register NVRAM for
     /// `regions`; report with [`ControlPlane::on_regions_prepared`].
     PrepareRegions {
@@ -1307,23 +1302,10 @@ impl ControlPlane {
                     }
                     _ => {}
                 }
-                let removal_impossible = matches!(
-                    e,
-                    ReconfigError::NoMajority { .. } | ReconfigError::Remap(_)
-                );
-                match self.cm_suspicion.as_mut() {
-                    // The CM cannot be removed with these members: a CM that came back from a
-                    // pause would otherwise never be renewed here, and this member would stop
-                    // serving for good (its own lease at the CM lapses). Forgiven, it gets a
-                    // lease period; if it is really gone, the lease runs out and suspects it
-                    // again.
-                    Some(s) if removal_impossible => {
-                        let cm = s.cm;
-                        self.cm_suspicion = None;
-                        self.effects.push(Effect::ForgiveCm(cm));
-                    }
-                    Some(s) => s.not_before = at,
-                    None => self.suspects.extend(suspects),
+                if let Some(s) = self.cm_suspicion.as_mut() {
+                    s.not_before = at;
+                } else {
+                    self.suspects.extend(suspects);
                 }
                 self.suspects.retain(|m| !forgiven.contains(m));
                 self.retry_at = at;
