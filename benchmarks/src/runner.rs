@@ -607,8 +607,8 @@ fn client<W: Workload>(
         let mut rng = Rand::new(seed);
         while going() {
             let (t, mut attempts) = (Instant::now(), 0);
-            let now_down = down.borrow().clone();
-            let (i, result) = workload.run_one(&session, id, &mut rng, &now_down, &mut attempts);
+            let (i, result) =
+                workload.run_one(&session, id, &mut rng, &down.borrow(), &mut attempts);
             done(i, result, t, attempts);
         }
     } else {
@@ -616,6 +616,7 @@ fn client<W: Workload>(
             let mut rng = Rand::new(seed ^ (k as u64 + 1) << 20);
             while going() {
                 let (t, mut attempts) = (Instant::now(), 0);
+                // Not borrowed across the transaction's awaits: `done` marks machines down.
                 let now_down = down.borrow().clone();
                 let (i, result) = workload
                     .run_one_in(p, id, &mut rng, &now_down, &mut attempts)

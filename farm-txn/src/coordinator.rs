@@ -1642,13 +1642,13 @@ impl Worker {
         (below, open)
     }
 
-    /// Whether a TRUNCATE to participant `p` now would truncate anything: an outstanding id
-    /// below the bound, or an acked one between the bound and the oldest open transaction.
+    /// Whether a TRUNCATE to participant `p` now would truncate anything, the thread's
+    /// truncation bounds being `(below, open)`: an outstanding id below the bound, or an acked
+    /// one between the bound and the oldest open transaction.
     /// Only then is one of the participant's TRUNCATE reservations spent on it: one that
     /// freed nothing would leave transactions to truncate without room for the record that
     /// truncates them (invariant 6).
-    fn truncation_frees(&self, p: usize, active: Option<u64>) -> bool {
-        let (below, open) = self.truncation_bounds(active);
+    fn truncation_frees(&self, p: usize, (below, open): (u64, Option<u64>)) -> bool {
         let out = &self.coord.outstanding[p];
         out.range(..below).next().is_some()
             || out
@@ -1833,7 +1833,9 @@ impl Worker {
         if !self.coord.active.is_empty() {
             return busy;
         }
-        let truncatable = (0..self.coord.outstanding.len()).any(|p| self.truncation_frees(p, None));
+        let bounds = self.truncation_bounds(None);
+        let truncatable =
+            (0..self.coord.outstanding.len()).any(|p| self.truncation_frees(p, bounds));
         if !truncatable {
             self.coord.truncatable_since = None;
             return busy;
@@ -1861,7 +1863,9 @@ impl Worker {
     fn send_truncations(&mut self, active: Option<u64>) {
         for p in 0..self.coord.outstanding.len() {
             let dst = MachineId(p as u16);
-            if !self.truncation_frees(p, active) {
+            // The bounds again for each participant: sending to this machine itself polls
+            // its log.
+            if !self.truncation_frees(p, self.truncation_bounds(active)) {
                 continue;
             }
             let small = RingWriter::reservation(framed_len(header_bytes()));
