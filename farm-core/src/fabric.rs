@@ -9,8 +9,17 @@
 //! - unreliable datagrams, for leases.
 //!
 //! A dead or unreachable target makes operations fail, never hang.
+//!
+//! Posting in batches: a thread that runs many transactions at once opens a [`Batch`], and
+//! while it is open a fabric may hold back what the thread posts ([`hold`]) until the thread
+//! [`flush`]es at the end of its turn, so that everything the turn produced goes to each peer
+//! in one send (one `write` per peer over `tcp`, one doorbell over `shm`), as RDMA posts a list
+//! of work requests with one doorbell. Holding back changes no guarantee above: order per
+//! target is kept, and a thread about to wait for an answer flushes first.
 
+use std::cell::RefCell;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::ids::{MachineId, RegionId, ThreadId};
@@ -156,6 +165,91 @@ impl object::ObjectSource for dyn RemoteMemory {
     fn read_bytes(&self, offset: u64, buf: &mut [u8]) -> Result<(), FabricError> {
         self.read(offset, buf)
     }
+}
+
+/// What a fabric held back for a thread's open [`Batch`]: a link, or a doorbell, with posted
+/// work not sent yet.
+pub trait Held: Send + Sync {
+    /// Sends what is held back.
+    fn flush(&self);
+}
+
+thread_local! {
+    /// What this thread's open batch holds back (`None`: no batch is open).
+    static HELD: RefCell<Option<Vec<Arc<dyn Held>>>> = const { RefCell::new(None) };
+}
+
+/// A thread's batch of posted work, open until dropped (which flushes): see the module docs.
+/// Opening one inside another changes nothing; the outer one stays open.
+#[derive(Debug)]
+pub struct Batch {
+    outer: bool,
+    /// A batch belongs to its thread.
+    _thread: PhantomData<*const ()>,
+}
+
+impl Batch {
+    /// Opens a batch on this thread.
+    pub fn open() -> Self {
+        let outer = HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            let outer = h.is_none();
+            if outer {
+                *h = Some(Vec::new());
+            }
+            outer
+        });
+        Self {
+            outer,
+            _thread: PhantomData,
+        }
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if !self.outer {
+            return;
+        }
+        if !std::thread::panicking() {
+            flush();
+        }
+        HELD.with(|h| *h.borrow_mut() = None);
+    }
+}
+
+/// Whether this thread has a batch open; if so, `held` is kept to be flushed with it, and the
+/// caller holds its work back.
+pub fn hold(held: &Arc<dyn Held>) -> bool {
+    HELD.with(|h| match &mut *h.borrow_mut() {
+        Some(list) => {
+            let p = Arc::as_ptr(held) as *const ();
+            if !list.iter().any(|x| Arc::as_ptr(x) as *const () == p) {
+                list.push(held.clone());
+            }
+            true
+        }
+        None => false,
+    })
+}
+
+/// Sends everything this thread's open batch holds back (nothing without one). The batch stays
+/// open.
+pub fn flush() {
+    let held = HELD.with(|h| h.borrow_mut().as_mut().map(std::mem::take));
+    let Some(mut held) = held else { return };
+    for h in &held {
+        h.flush();
+    }
+    held.clear();
+    // Give the list back, with its capacity, unless flushing held back more.
+    HELD.with(|h| {
+        if let Some(list) = &mut *h.borrow_mut() {
+            if list.is_empty() {
+                *list = held;
+            }
+        }
+    });
 }
 
 /// That `len` bytes at `offset` of `machine`'s area `key` (`mem`) are word-aligned and inside

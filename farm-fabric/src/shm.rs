@@ -70,6 +70,19 @@ struct Machine {
     admitted: Mutex<Option<Arc<Nvram>>>,
     /// Its doorbell, once mapped.
     doorbell: Mutex<Option<Doorbell>>,
+    /// Whether a thread's batch holds back a ring of its doorbell.
+    ring_held: AtomicBool,
+}
+
+impl farm_core::fabric::Held for Machine {
+    fn flush(&self) {
+        if self.ring_held.swap(false, Ordering::AcqRel) {
+            let bell = self.doorbell.lock().expect("doorbell poisoned").clone();
+            if let Some(bell) = bell {
+                bell.ring();
+            }
+        }
+    }
 }
 
 impl Machine {
@@ -147,8 +160,9 @@ impl ShmFabric {
         })
     }
 
-    /// Announces a write into `dst`'s rings, waking its pollers if they wait.
-    fn ring(&self, dst: MachineId, state: &Machine) {
+    /// Announces a write into `dst`'s rings, waking its pollers if they wait: now, or once for
+    /// all of a thread's batch when it flushes.
+    fn ring(&self, dst: MachineId, state: &Arc<Machine>) {
         let bell = {
             let mut bell = state.doorbell.lock().expect("doorbell poisoned");
             if bell.is_none() {
@@ -157,7 +171,10 @@ impl ShmFabric {
             }
             bell.clone()
         };
-        if let Some(bell) = bell {
+        let Some(bell) = bell else { return };
+        if farm_core::fabric::hold(&(state.clone() as Arc<dyn farm_core::fabric::Held>)) {
+            state.ring_held.store(true, Ordering::Release);
+        } else {
             bell.ring();
         }
     }
@@ -178,6 +195,7 @@ impl ShmFabric {
                     areas: RwLock::new(HashMap::new()),
                     admitted: Mutex::new(None),
                     doorbell: Mutex::new(None),
+                    ring_held: AtomicBool::new(false),
                 })
             })
             .clone()

@@ -229,7 +229,8 @@ impl TcpFabric {
                     inner: Mutex::new(LinkInner {
                         state: LinkState::Idle,
                         next_id: 1,
-                        scratch: Vec::new(),
+                        outbox: Vec::new(),
+                        unsent: 0,
                     }),
                     acked: AtomicU64::new(0),
                     failed_any: AtomicBool::new(false),
@@ -805,7 +806,10 @@ struct LinkInner {
     state: LinkState,
     /// The id of the next request (ids never repeat on a link, across connections).
     next_id: u64,
-    scratch: Vec<u8>,
+    /// Requests encoded and not sent yet: the last `unsent` ids, held back for a thread's
+    /// batch (`farm_core::fabric::Batch`) or about to go.
+    outbox: Vec<u8>,
+    unsent: u64,
 }
 
 #[derive(Debug)]
@@ -870,9 +874,20 @@ impl Waiter {
     }
 }
 
+impl farm_core::fabric::Held for Link {
+    fn flush(&self) {
+        let mut inner = self.inner.lock().expect("link poisoned");
+        // A failure breaks the link, and the requests fail with it.
+        let _ = self.write_out(&mut inner);
+    }
+}
+
 impl Link {
-    /// Sends one request (with `payload` for a write), connecting first if the link may;
-    /// `waiter` gets the answer. Returns the request's id.
+    /// Posts one request (with `payload` for a write), connecting first if the link may;
+    /// `waiter` gets the answer. Returns the request's id. The request goes out at once, with
+    /// any held back before it, unless this thread has a batch open and `may_hold` (a request
+    /// nobody waits on right away): then it goes with the batch's flush.
+    #[allow(clippy::too_many_arguments)]
     fn send(
         self: &Arc<Self>,
         op: u8,
@@ -881,6 +896,7 @@ impl Link {
         len: usize,
         payload: &[u8],
         waiter: Option<Arc<Waiter>>,
+        may_hold: bool,
     ) -> Result<u64, FabricError> {
         let unreachable = FabricError::Unreachable(self.dst);
         let mut inner = self.inner.lock().expect("link poisoned");
@@ -895,9 +911,9 @@ impl Link {
         let LinkState::Up(conn) = &mut l.state else {
             return Err(unreachable);
         };
+        let _ = conn;
         let id = l.next_id;
         l.next_id += 1;
-        l.scratch.clear();
         Request {
             op,
             key,
@@ -905,20 +921,41 @@ impl Link {
             offset,
             len,
         }
-        .encode(&mut l.scratch);
-        l.scratch.extend_from_slice(payload);
+        .encode(&mut l.outbox);
+        l.outbox.extend_from_slice(payload);
+        l.unsent += 1;
         if let Some(w) = waiter {
             self.waiters.lock().expect("waiters poisoned").insert(id, w);
         }
+        if may_hold && farm_core::fabric::hold(&(self.clone() as Arc<dyn farm_core::fabric::Held>))
+        {
+            return Ok(id);
+        }
+        self.write_out(&mut inner).map_err(|()| unreachable)?;
+        Ok(id)
+    }
+
+    /// Sends the requests the outbox holds, in one write; a failure breaks the link.
+    fn write_out(&self, inner: &mut LinkInner) -> Result<(), ()> {
+        if inner.unsent == 0 {
+            return Ok(());
+        }
+        let LinkState::Up(conn) = &inner.state else {
+            unreachable!("requests are held only on a connection that is up")
+        };
+        let now = Instant::now();
         conn.in_flight
             .lock()
             .expect("in flight poisoned")
-            .push_back((id, Instant::now()));
-        if let Err(e) = (&conn.stream).write_all(&l.scratch) {
-            self.close_locked(&mut inner, LinkState::Broken, &format!("sending: {e}"));
-            return Err(unreachable);
+            .extend((inner.next_id - inner.unsent..inner.next_id).map(|id| (id, now)));
+        inner.unsent = 0;
+        let sent = (&conn.stream).write_all(&inner.outbox);
+        inner.outbox.clear();
+        if let Err(e) = sent {
+            self.close_locked(inner, LinkState::Broken, &format!("sending: {e}"));
+            return Err(());
         }
-        Ok(id)
+        Ok(())
     }
 
     /// Opens a connection: hello, acknowledgement, and a reply thread.
@@ -1083,13 +1120,17 @@ impl Link {
             return;
         };
         let _ = conn.stream.shutdown(Shutdown::Both);
-        let unanswered: Vec<u64> = conn
+        let mut unanswered: Vec<u64> = conn
             .in_flight
             .lock()
             .expect("in flight poisoned")
             .drain(..)
             .map(|(id, _)| id)
             .collect();
+        // Requests held back were never sent: they fail as well.
+        unanswered.extend(inner.next_id - inner.unsent..inner.next_id);
+        inner.unsent = 0;
+        inner.outbox.clear();
         // A connection's requests have consecutive ids.
         if let (Some(first), Some(last)) = (unanswered.first(), unanswered.last()) {
             self.fail(*first, *last);
@@ -1145,11 +1186,13 @@ impl Link {
         }
     }
 
-    /// Sends a read or probe and waits for its answer.
+    /// Sends a read or probe and waits for its answer, with everything this thread held back
+    /// sent first.
     fn call(self: &Arc<Self>, op: u8, key: MemKey, offset: u64, len: usize) -> Reply {
+        farm_core::fabric::flush();
         let waiter = Arc::new(Waiter::default());
         if self
-            .send(op, key, offset, len, &[], Some(waiter.clone()))
+            .send(op, key, offset, len, &[], Some(waiter.clone()), false)
             .is_err()
         {
             return Reply::Lost;
@@ -1293,6 +1336,7 @@ impl RemoteMemory for TcpRemote {
                 len,
                 &[],
                 Some(waiter.clone()),
+                true,
             )
             .is_ok();
         Some(Box::new(TcpPostedRead {
@@ -1332,8 +1376,13 @@ impl PostedRead for TcpPostedRead {
         );
         let reply = match &self.waiter {
             // The reply thread closes the connection after the timeout; the margin covers its
-            // tick (as `Link::call`).
-            Some(w) => w.wait(self.remote.link.timeout * 2),
+            // tick (as `Link::call`). The request may be held back in this thread's batch.
+            Some(w) => {
+                if !self.is_done() {
+                    farm_core::fabric::flush();
+                }
+                w.wait(self.remote.link.timeout * 2)
+            }
             None => Reply::Lost,
         };
         self.remote.object_answer(self.offset, buf, reply)
@@ -1427,7 +1476,7 @@ impl Fabric for TcpFabric {
         }
         let id = self
             .link(dst)?
-            .send(OP_WRITE, key, offset, data.len(), data, None)?;
+            .send(OP_WRITE, key, offset, data.len(), data, None, true)?;
         Ok(WriteTicket(id))
     }
 

@@ -11,8 +11,8 @@ use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, CONT
 use farm_core::nvram::Nvram;
 use farm_core::{MachineId, RegionId, ThreadId};
 use farm_fabric::auth::Secret;
-use farm_fabric::process::StartError;
-use farm_fabric::shm::{machine_dir, ShmFabric, LIVENESS_CHECK};
+use farm_fabric::process::{ProcessFabric, StartError};
+use farm_fabric::shm::{area_file, machine_dir, ShmFabric, LIVENESS_CHECK};
 
 const CLUSTER: u64 = 0x5eed_c1a5;
 const CHILD_ENV: &str = "FARM_SHM_CHILD";
@@ -209,4 +209,51 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
         out.lines().any(|l| l == format!("saw {}", 0x1234)),
         "the restarted machine did not see the write: {out}"
     );
+}
+
+#[test]
+fn a_batch_of_ring_writes_rings_the_doorbell_once_at_its_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    // Ports of their own: the multi-process test binds `base_port()` and up.
+    let port = 31_000 + (std::process::id() % 500) as u16 * 3;
+    let f0 = ShmFabric::start(dir.path(), CLUSTER, M0, port, secret()).unwrap();
+    let f1 = ShmFabric::start(dir.path(), CLUSTER, M1, port, secret()).unwrap();
+    let rings = std::sync::Arc::new(
+        Nvram::file(
+            &machine_dir(dir.path(), M1).join(area_file(MemKey::Rings)),
+            4096,
+        )
+        .unwrap(),
+    );
+    f1.register(M1, MemKey::Rings, rings.clone());
+    f1.admit(M1, &[M0, M1]);
+    let ep = Endpoint {
+        machine: M0,
+        thread: ThreadId(0),
+    };
+
+    // Without a batch every write rings.
+    let seen = f1.writes_seen();
+    for i in 0..3u64 {
+        f0.write(ep, M1, MemKey::Rings, 8 * i, &[1; 8]).unwrap();
+    }
+    assert_eq!(f1.writes_seen(), seen + 3);
+
+    // In a batch the writes land at once (a copy), and the doorbell rings once, at the flush.
+    let batch = farm_core::fabric::Batch::open();
+    for i in 0..5u64 {
+        f0.write(ep, M1, MemKey::Rings, 8 * i, &(i + 10).to_le_bytes())
+            .unwrap();
+    }
+    assert_eq!(f1.writes_seen(), seen + 3, "a held doorbell rang");
+    let mut word = [0u8; 8];
+    rings.read(32, &mut word);
+    assert_eq!(u64::from_le_bytes(word), 14);
+    farm_core::fabric::flush();
+    assert_eq!(f1.writes_seen(), seen + 4);
+    farm_core::fabric::flush();
+    assert_eq!(f1.writes_seen(), seen + 4, "a flush with nothing held rang");
+    f0.write(ep, M1, MemKey::Rings, 0, &[2; 8]).unwrap();
+    drop(batch);
+    assert_eq!(f1.writes_seen(), seen + 5, "the batch's end did not flush");
 }

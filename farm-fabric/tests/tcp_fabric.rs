@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use farm_core::fabric::{Endpoint, Fabric, FabricError, MemKey, WriteStatus, WriteTicket};
+use farm_core::fabric::{self, Endpoint, Fabric, FabricError, MemKey, WriteStatus, WriteTicket};
 use farm_core::nvram::Nvram;
 use farm_core::wire::WIRE_VERSION;
 use farm_core::{MachineId, RegionId, ThreadId};
@@ -768,4 +768,70 @@ fn an_object_read_too_long_for_one_answer_is_refused_and_the_link_stays_up() {
         ReadOutcome::Consistent(Header::new(Version(3), true)),
         "the link is up"
     );
+}
+
+#[test]
+fn work_posted_in_a_batch_goes_out_at_its_flush_in_order_and_a_waiting_read_sends_it_first() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f0, _) = machine(root.path(), M0, &addrs);
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    f1.admit(M1, &[M0, M1]);
+    f0.admit(M0, &[M0, M1]);
+    let remote = f0.remote(M0, M1, REGION).unwrap();
+
+    // Held back: nothing reaches the peer, and no ticket completes, until the flush.
+    let batch = fabric::Batch::open();
+    let tickets: Vec<WriteTicket> = (0..300u64)
+        .map(|i| {
+            let offset = 8 * (1 + i % 100);
+            f0.write(ep(M0), M1, REGION, offset, &(i + 1).to_le_bytes())
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(TIMEOUT / 3);
+    assert!(
+        (1..=100).all(|k| word(&mem1, 8 * k) == 0),
+        "a held write landed"
+    );
+    assert!(tickets
+        .iter()
+        .all(|t| f0.write_status(ep(M0), M1, *t) == WriteStatus::Pending));
+    fabric::flush();
+    for t in &tickets {
+        assert_eq!(settle(&f0, M0, M1, *t), WriteStatus::Done);
+    }
+    for k in 0..100u64 {
+        assert_eq!(word(&mem1, 8 * (1 + k as usize)), 201 + k, "out of order");
+    }
+
+    // A read that waits for its answer sends what the batch held before it, in order.
+    let t = f0
+        .write(ep(M0), M1, REGION, 8, &7u64.to_le_bytes())
+        .unwrap();
+    let mut buf = [0u8; 8];
+    remote.read(8, &mut buf).unwrap();
+    assert_eq!(u64::from_le_bytes(buf), 7);
+    assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
+
+    // A posted object read completes although its request was held.
+    let posted = remote.post_object_read(16, 16).unwrap();
+    let mut obj = [0u8; 16];
+    assert!(posted.complete(&mut obj).is_ok());
+
+    // The peer leaves the configuration before the flush: the held write fails, never lands.
+    let t = f0
+        .write(ep(M0), M1, REGION, 24, &9u64.to_le_bytes())
+        .unwrap();
+    f0.admit(M0, &[M0]);
+    assert_eq!(f0.write_status(ep(M0), M1, t), WriteStatus::Failed);
+    // Dropping the batch flushes: held work goes out with it.
+    f0.admit(M0, &[M0, M1]);
+    let t = f0
+        .write(ep(M0), M1, REGION, 32, &5u64.to_le_bytes())
+        .unwrap();
+    drop(batch);
+    assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
+    assert_eq!(word(&mem1, 32), 5);
+    assert_ne!(word(&mem1, 24), 9);
 }

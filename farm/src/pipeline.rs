@@ -19,7 +19,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
-use farm_core::{Addr, MachineId};
+use farm_core::{fabric, Addr, MachineId};
 use farm_txn::{TxCore, TxError};
 
 use crate::backoff::Backoff;
@@ -72,9 +72,13 @@ pub(crate) fn run<F>(
     };
     let mut cx = Context::from_waker(Waker::noop());
     let mut backoff = Backoff::new();
-    // Between turns: poll the host's workers, and back off only when nothing moved.
+    // What a turn posts goes out with one send per peer at its end (`fabric::Batch`).
+    let _batch = fabric::Batch::open();
+    // Between turns: poll the host's workers, send what the turn posted, and back off only
+    // when nothing moved.
     let mut turn = |p: &Pipeline<'_>| {
         let busy = cell.borrow_mut().poll_all(hosts.now());
+        fabric::flush();
         if busy || p.progress.replace(false) {
             backoff.reset();
         } else {
