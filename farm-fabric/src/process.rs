@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use farm_core::fabric::{Fabric, CONTROL_TAG};
-use farm_core::ids::MachineId;
+use farm_core::ids::{MachineId, ThreadId};
 use farm_core::nvram::Nvram;
 
 use crate::auth::{self, DatagramSeal, Refusal, Replays, Secret, SEAL_BYTES, TAG_BYTES};
@@ -37,14 +37,22 @@ pub trait ProcessFabric: Fabric {
     /// need `m` waits for this before its first transaction.
     fn ready(&self, m: MachineId) -> bool;
 
-    /// How many writes into this machine's rings peers have made: read it, look for work, then
-    /// [`ProcessFabric::wait_for_writes`] with it.
-    fn writes_seen(&self) -> u64;
+    /// How many writes peers have made into the rings of this machine's `thread` (the rings
+    /// its worker `thread` reads, which peers' threads of the same index write): read it, look
+    /// for work, then [`ProcessFabric::wait_for_writes`] with it.
+    fn writes_seen(&self, thread: ThreadId) -> u64;
 
-    /// Sleeps until a peer writes into this machine's rings after `seen` (from
+    /// Sleeps until a peer writes into the rings of `thread` after `seen` (from
     /// [`ProcessFabric::writes_seen`]) or `timeout` passes: an idle poller wakes for a peer's
     /// LOCK or message at once, and costs no CPU meanwhile.
-    fn wait_for_writes(&self, seen: u64, timeout: Duration);
+    fn wait_for_writes(&self, thread: ThreadId, seen: u64, timeout: Duration);
+
+    /// Whether an executor holds worker `thread` and polls it without sleeping long (a
+    /// pipeline): writers into its rings then wake nobody, since the waiting poller could not
+    /// take the worker anyway. Turning it off wakes that poller.
+    fn polled(&self, thread: ThreadId, on: bool) {
+        let _ = (thread, on);
+    }
 
     /// Datagrams of this cluster refused unread: forged (their tag does not hold under the
     /// cluster's secret), stale, or replayed (`crate::auth`).
@@ -141,8 +149,19 @@ pub(crate) fn claim_machine(dir: &Path, cluster: u64, me: MachineId) -> Result<C
         }
     }
     let path = mdir.join("doorbell");
+    // Nothing in it outlives the process but its size: a file of another size (an earlier
+    // layout) is resized.
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() != DOORBELL_BYTES as u64) {
+        std::fs::remove_file(&path).map_err(io_err(format!("removing {}", path.display())))?;
+    }
     let doorbell = Nvram::file(&path, DOORBELL_BYTES)
         .map_err(io_err(format!("creating {}", path.display())))?;
+    // An earlier life's waiters and executors died with it.
+    for t in 0..DOORBELL_SLOTS {
+        let at = t * SLOT_BYTES;
+        doorbell.store_u64(at + SLOT_WAITERS, 0, Ordering::Release);
+        doorbell.store_u64(at + SLOT_POLLED, 0, Ordering::Release);
+    }
     Ok(Claim {
         _alive: alive,
         doorbell: Doorbell(Arc::new(doorbell)),
@@ -221,16 +240,25 @@ fn stamp_cluster(dir: &Path, me: MachineId, cluster: u64) -> Result<(), StartErr
     Ok(())
 }
 
-/// The doorbell file: a count of writes peers made into the machine's rings (a futex word) and
-/// how many of its pollers wait on it.
-const DOORBELL_BYTES: usize = 16;
-const DOORBELL_COUNT: usize = 0;
-const DOORBELL_WAITERS: usize = 8;
+/// Threads with a doorbell slot of their own; thread `t` uses slot `t % DOORBELL_SLOTS`.
+const DOORBELL_SLOTS: usize = 64;
+/// A slot of the doorbell file: a count of writes peers made into its thread's rings (a futex
+/// word), how many pollers wait on it, and whether an executor polls the thread's worker.
+const SLOT_BYTES: usize = 24;
+const DOORBELL_BYTES: usize = DOORBELL_SLOTS * SLOT_BYTES;
+const SLOT_COUNT: usize = 0;
+const SLOT_WAITERS: usize = 8;
+const SLOT_POLLED: usize = 16;
 
-/// A machine's doorbell (`<dir>/m<id>/doorbell`): whoever writes into the machine's rings
-/// rings it (a peer's process that maps it, or the machine's own NIC thread).
+/// A machine's doorbell (`<dir>/m<id>/doorbell`), a slot per worker thread: whoever writes
+/// into the rings of a thread rings its slot (a peer's process that maps the file, or the
+/// machine's own NIC thread), so that a LOCK for worker 0 does not wake the poller of worker 1.
 #[derive(Clone, Debug)]
 pub(crate) struct Doorbell(pub(crate) Arc<Nvram>);
+
+fn slot(thread: ThreadId) -> usize {
+    thread.0 as usize % DOORBELL_SLOTS * SLOT_BYTES
+}
 
 impl Doorbell {
     /// Maps the doorbell of a peer's directory, if it has one.
@@ -238,25 +266,41 @@ impl Doorbell {
         Nvram::open(path).ok().map(|n| Self(Arc::new(n)))
     }
 
-    pub(crate) fn seen(&self) -> u64 {
-        self.0.load_u64(DOORBELL_COUNT, Ordering::Acquire)
+    pub(crate) fn seen(&self, thread: ThreadId) -> u64 {
+        self.0
+            .load_u64(slot(thread) + SLOT_COUNT, Ordering::Acquire)
     }
 
-    pub(crate) fn wait(&self, seen: u64, timeout: Duration) {
-        let bell = &self.0;
-        bell.fetch_add_u64(DOORBELL_WAITERS, 1);
-        if bell.load_u64(DOORBELL_COUNT, Ordering::Acquire) == seen {
-            bell.futex_wait(DOORBELL_COUNT, seen as u32, timeout);
+    pub(crate) fn wait(&self, thread: ThreadId, seen: u64, timeout: Duration) {
+        let (bell, at) = (&self.0, slot(thread));
+        bell.fetch_add_u64(at + SLOT_WAITERS, 1);
+        if bell.load_u64(at + SLOT_COUNT, Ordering::Acquire) == seen {
+            bell.futex_wait(at + SLOT_COUNT, seen as u32, timeout);
         }
-        bell.fetch_sub_u64(DOORBELL_WAITERS, 1);
+        bell.fetch_sub_u64(at + SLOT_WAITERS, 1);
     }
 
-    /// Announces a write, waking the waiting pollers.
-    pub(crate) fn ring(&self) {
-        let bell = &self.0;
-        bell.fetch_add_u64(DOORBELL_COUNT, 1);
-        if bell.load_u64(DOORBELL_WAITERS, Ordering::Acquire) > 0 {
-            bell.futex_wake(DOORBELL_COUNT);
+    /// Announces a write into `thread`'s rings, waking its waiting poller unless an executor
+    /// polls that worker.
+    pub(crate) fn ring(&self, thread: ThreadId) {
+        let (bell, at) = (&self.0, slot(thread));
+        bell.fetch_add_u64(at + SLOT_COUNT, 1);
+        if bell.load_u64(at + SLOT_WAITERS, Ordering::Acquire) > 0
+            && bell.load_u64(at + SLOT_POLLED, Ordering::Acquire) == 0
+        {
+            bell.futex_wake(at + SLOT_COUNT);
+        }
+    }
+
+    /// [`ProcessFabric::polled`].
+    pub(crate) fn polled(&self, thread: ThreadId, on: bool) {
+        let (bell, at) = (&self.0, slot(thread));
+        if on {
+            bell.fetch_add_u64(at + SLOT_POLLED, 1);
+        } else {
+            bell.fetch_sub_u64(at + SLOT_POLLED, 1);
+            bell.fetch_add_u64(at + SLOT_COUNT, 1);
+            bell.futex_wake(at + SLOT_COUNT);
         }
     }
 }

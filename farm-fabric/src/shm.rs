@@ -36,7 +36,7 @@ use crate::process::{
 use farm_core::fabric::{
     Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
 };
-use farm_core::ids::MachineId;
+use farm_core::ids::{MachineId, ThreadId};
 use farm_core::nvram::Nvram;
 
 /// How stale a machine's liveness may be when an operation relies on it.
@@ -70,16 +70,22 @@ struct Machine {
     admitted: Mutex<Option<Arc<Nvram>>>,
     /// Its doorbell, once mapped.
     doorbell: Mutex<Option<Doorbell>>,
-    /// Whether a thread's batch holds back a ring of its doorbell.
-    ring_held: AtomicBool,
+    /// The slots of its doorbell (`1 << t % 64` for thread `t`) whose ring a thread's batch
+    /// holds back.
+    ring_held: AtomicU64,
 }
 
 impl farm_core::fabric::Held for Machine {
     fn flush(&self) {
-        if self.ring_held.swap(false, Ordering::AcqRel) {
-            let bell = self.doorbell.lock().expect("doorbell poisoned").clone();
-            if let Some(bell) = bell {
-                bell.ring();
+        let mut held = self.ring_held.swap(0, Ordering::AcqRel);
+        if held == 0 {
+            return;
+        }
+        let bell = self.doorbell.lock().expect("doorbell poisoned").clone();
+        if let Some(bell) = bell {
+            while held != 0 {
+                bell.ring(ThreadId(held.trailing_zeros() as u16));
+                held &= held - 1;
             }
         }
     }
@@ -160,9 +166,9 @@ impl ShmFabric {
         })
     }
 
-    /// Announces a write into `dst`'s rings, waking its pollers if they wait: now, or once for
-    /// all of a thread's batch when it flushes.
-    fn ring(&self, dst: MachineId, state: &Arc<Machine>) {
+    /// Announces a write into the rings of `dst`'s `thread`, waking its poller if it waits: now,
+    /// or once for all of a thread's batch when it flushes.
+    fn ring(&self, dst: MachineId, thread: ThreadId, state: &Arc<Machine>) {
         let bell = {
             let mut bell = state.doorbell.lock().expect("doorbell poisoned");
             if bell.is_none() {
@@ -173,9 +179,11 @@ impl ShmFabric {
         };
         let Some(bell) = bell else { return };
         if farm_core::fabric::hold(&(state.clone() as Arc<dyn farm_core::fabric::Held>)) {
-            state.ring_held.store(true, Ordering::Release);
+            state
+                .ring_held
+                .fetch_or(1 << (thread.0 % 64), Ordering::AcqRel);
         } else {
-            bell.ring();
+            bell.ring(thread);
         }
     }
 
@@ -195,7 +203,7 @@ impl ShmFabric {
                     areas: RwLock::new(HashMap::new()),
                     admitted: Mutex::new(None),
                     doorbell: Mutex::new(None),
-                    ring_held: AtomicBool::new(false),
+                    ring_held: AtomicU64::new(0),
                 })
             })
             .clone()
@@ -249,13 +257,18 @@ impl ProcessFabric for ShmFabric {
             && self.area(m, &state, MemKey::Rings).is_ok()
     }
 
-    fn writes_seen(&self) -> u64 {
-        self.claim.doorbell.seen()
+    fn writes_seen(&self, thread: ThreadId) -> u64 {
+        self.claim.doorbell.seen(thread)
     }
 
-    /// The writer rings the doorbell, a futex word in `<dir>/m<id>/doorbell`, after its write.
-    fn wait_for_writes(&self, seen: u64, timeout: Duration) {
-        self.claim.doorbell.wait(seen, timeout)
+    /// The writer rings the doorbell, a futex word per thread in `<dir>/m<id>/doorbell`, after
+    /// its write.
+    fn wait_for_writes(&self, thread: ThreadId, seen: u64, timeout: Duration) {
+        self.claim.doorbell.wait(thread, seen, timeout)
+    }
+
+    fn polled(&self, thread: ThreadId, on: bool) {
+        self.claim.doorbell.polled(thread, on)
     }
 
     fn datagrams_refused(&self) -> u64 {
@@ -365,7 +378,7 @@ impl Fabric for ShmFabric {
         farm_core::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
         mem.write(offset as usize, data);
         if key == MemKey::Rings && dst != src.machine {
-            self.ring(dst, &state);
+            self.ring(dst, src.thread, &state);
         }
         Ok(WriteTicket(self.tickets.fetch_add(1, Ordering::AcqRel) + 1))
     }

@@ -47,7 +47,7 @@ use farm_core::fabric::{
     check_bounds, Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, WriteStatus,
     WriteTicket,
 };
-use farm_core::ids::{MachineId, RegionId};
+use farm_core::ids::{MachineId, RegionId, ThreadId};
 use farm_core::nvram::Nvram;
 use farm_core::object::{judge_copy, ReadOutcome, HEADER_BYTES};
 
@@ -59,10 +59,11 @@ pub const OP_BYTES_MAX: usize = 64 << 20;
 const MAGIC: u32 = 0xfa53_7c90;
 /// The version of this fabric's protocol (hellos, requests, replies), bumped with any change to
 /// them: 2 added the `Replicas` area, 3 the object read, 4 the proof of the cluster's secret
-/// after the hello. A hello also carries the version of the records and
+/// after the hello, 5 the writing thread in each request (whose doorbell slot a write into the
+/// rings rings). A hello also carries the version of the records and
 /// messages that travel inside ring writes (`farm_core::wire::WIRE_VERSION`); a peer that
 /// differs in either is refused at its hello, and both sides say which versions met.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 const RECORDS: u8 = farm_core::wire::WIRE_VERSION;
 const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;
@@ -572,7 +573,7 @@ fn serve(
                         Ok(mem) => {
                             mem.write(req.offset as usize, data);
                             if req.key == MemKey::Rings {
-                                served.doorbell.ring();
+                                served.doorbell.ring(ThreadId(req.thread));
                             }
                             OK
                         }
@@ -656,6 +657,8 @@ fn refused_access(served: &Served, src: MachineId, req: &Request, status: u8, si
 struct Request {
     op: u8,
     key: MemKey,
+    /// The requesting thread (a write into the rings lands in that thread's rings).
+    thread: u16,
     id: u64,
     offset: u64,
     len: usize,
@@ -671,7 +674,7 @@ impl Request {
         };
         out.push(self.op);
         out.push(area);
-        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(&self.thread.to_le_bytes());
         out.extend_from_slice(&region.to_le_bytes());
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&self.offset.to_le_bytes());
@@ -692,7 +695,7 @@ impl Request {
             3 => MemKey::Replicas,
             a => return Err(format!("unknown area {a}")),
         };
-        if b[2..4] != [0, 0] || b[28..32] != [0; 4] || (b[1] != 0 && region != 0) {
+        if b[28..32] != [0; 4] || (b[1] != 0 && region != 0) {
             return Err("nonzero padding".into());
         }
         let len = u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")) as usize;
@@ -709,6 +712,7 @@ impl Request {
         Ok(Self {
             op,
             key,
+            thread: u16::from_le_bytes([b[2], b[3]]),
             id: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
             offset: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
             len,
@@ -892,6 +896,7 @@ impl Link {
         self: &Arc<Self>,
         op: u8,
         key: MemKey,
+        thread: ThreadId,
         offset: u64,
         len: usize,
         payload: &[u8],
@@ -917,6 +922,7 @@ impl Link {
         Request {
             op,
             key,
+            thread: thread.0,
             id,
             offset,
             len,
@@ -1192,7 +1198,16 @@ impl Link {
         farm_core::fabric::flush();
         let waiter = Arc::new(Waiter::default());
         if self
-            .send(op, key, offset, len, &[], Some(waiter.clone()), false)
+            .send(
+                op,
+                key,
+                ThreadId(0),
+                offset,
+                len,
+                &[],
+                Some(waiter.clone()),
+                false,
+            )
             .is_err()
         {
             return Reply::Lost;
@@ -1332,6 +1347,7 @@ impl RemoteMemory for TcpRemote {
             .send(
                 OP_READ_OBJECT,
                 self.key,
+                ThreadId(0),
                 offset,
                 len,
                 &[],
@@ -1464,7 +1480,6 @@ impl Fabric for TcpFabric {
             mem.write(offset as usize, data);
             return Ok(WriteTicket(1));
         }
-        let _ = src;
         if op_too_long(OP_WRITE, data.len()) {
             return Err(FabricError::OutOfBounds {
                 machine: dst,
@@ -1474,9 +1489,16 @@ impl Fabric for TcpFabric {
                 size: 0,
             });
         }
-        let id = self
-            .link(dst)?
-            .send(OP_WRITE, key, offset, data.len(), data, None, true)?;
+        let id = self.link(dst)?.send(
+            OP_WRITE,
+            key,
+            src.thread,
+            offset,
+            data.len(),
+            data,
+            None,
+            true,
+        )?;
         Ok(WriteTicket(id))
     }
 
@@ -1578,13 +1600,17 @@ impl ProcessFabric for TcpFabric {
         }
     }
 
-    fn writes_seen(&self) -> u64 {
-        self.claim.doorbell.seen()
+    fn writes_seen(&self, thread: ThreadId) -> u64 {
+        self.claim.doorbell.seen(thread)
     }
 
     /// This machine's NIC thread rings the doorbell after each write into the rings.
-    fn wait_for_writes(&self, seen: u64, timeout: Duration) {
-        self.claim.doorbell.wait(seen, timeout)
+    fn wait_for_writes(&self, thread: ThreadId, seen: u64, timeout: Duration) {
+        self.claim.doorbell.wait(thread, seen, timeout)
+    }
+
+    fn polled(&self, thread: ThreadId, on: bool) {
+        self.claim.doorbell.polled(thread, on)
     }
 
     fn datagrams_refused(&self) -> u64 {

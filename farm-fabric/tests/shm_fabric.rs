@@ -233,11 +233,11 @@ fn a_batch_of_ring_writes_rings_the_doorbell_once_at_its_flush() {
     };
 
     // Without a batch every write rings.
-    let seen = f1.writes_seen();
+    let seen = f1.writes_seen(ThreadId(0));
     for i in 0..3u64 {
         f0.write(ep, M1, MemKey::Rings, 8 * i, &[1; 8]).unwrap();
     }
-    assert_eq!(f1.writes_seen(), seen + 3);
+    assert_eq!(f1.writes_seen(ThreadId(0)), seen + 3);
 
     // In a batch the writes land at once (a copy), and the doorbell rings once, at the flush.
     let batch = farm_core::fabric::Batch::open();
@@ -245,15 +245,42 @@ fn a_batch_of_ring_writes_rings_the_doorbell_once_at_its_flush() {
         f0.write(ep, M1, MemKey::Rings, 8 * i, &(i + 10).to_le_bytes())
             .unwrap();
     }
-    assert_eq!(f1.writes_seen(), seen + 3, "a held doorbell rang");
+    assert_eq!(
+        f1.writes_seen(ThreadId(0)),
+        seen + 3,
+        "a held doorbell rang"
+    );
     let mut word = [0u8; 8];
     rings.read(32, &mut word);
     assert_eq!(u64::from_le_bytes(word), 14);
     farm_core::fabric::flush();
-    assert_eq!(f1.writes_seen(), seen + 4);
+    assert_eq!(f1.writes_seen(ThreadId(0)), seen + 4);
     farm_core::fabric::flush();
-    assert_eq!(f1.writes_seen(), seen + 4, "a flush with nothing held rang");
+    assert_eq!(
+        f1.writes_seen(ThreadId(0)),
+        seen + 4,
+        "a flush with nothing held rang"
+    );
     f0.write(ep, M1, MemKey::Rings, 0, &[2; 8]).unwrap();
     drop(batch);
-    assert_eq!(f1.writes_seen(), seen + 5, "the batch's end did not flush");
+    assert_eq!(
+        f1.writes_seen(ThreadId(0)),
+        seen + 5,
+        "the batch's end did not flush"
+    );
+
+    // Each thread's rings have a doorbell slot of their own: a write from thread 1 (into the
+    // rings worker 1 reads) rings slot 1 only.
+    let seen1 = f1.writes_seen(ThreadId(1));
+    let ep1 = Endpoint {
+        machine: M0,
+        thread: ThreadId(1),
+    };
+    f0.write(ep1, M1, MemKey::Rings, 64, &[3; 8]).unwrap();
+    assert_eq!(f1.writes_seen(ThreadId(1)), seen1 + 1);
+    assert_eq!(f1.writes_seen(ThreadId(0)), seen + 5);
+    // An executor that stops polling a worker wakes its poller.
+    f1.polled(ThreadId(1), true);
+    f1.polled(ThreadId(1), false);
+    assert_eq!(f1.writes_seen(ThreadId(1)), seen1 + 2);
 }

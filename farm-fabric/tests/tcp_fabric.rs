@@ -139,10 +139,10 @@ fn one_sided_operations_are_served_by_the_nic_and_pipelined() {
     assert!(f1.rejections() > before);
 
     // A write into the rings rings the doorbell the target's pollers sleep on.
-    let seen = f1.writes_seen();
+    let seen = f1.writes_seen(ThreadId(0));
     let t = f0.write(ep(M0), M1, MemKey::Rings, 0, &[7; 8]).unwrap();
     assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
-    assert!(f1.writes_seen() > seen);
+    assert!(f1.writes_seen(ThreadId(0)) > seen);
 
     // Datagrams, control and lease apart.
     f0.send_datagram(M0, M1, b"lease", 0);

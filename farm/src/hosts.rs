@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use farm_core::fabric::{Fabric, PostedRead};
 use farm_core::object::Header;
-use farm_core::{Addr, MachineId};
+use farm_core::{Addr, MachineId, ThreadId};
 use farm_fabric::process::ProcessFabric;
 use farm_txn::{CommitHandle, Stats, Tx, TxCore, TxError, TxState, Worker};
 
@@ -246,6 +246,19 @@ impl std::fmt::Debug for HostGuard<'_> {
     }
 }
 
+/// An executor's hold on the doorbells of its host's workers ([`Hosts::polled`]).
+pub(crate) struct Polled(Option<(Arc<dyn ProcessFabric>, Vec<ThreadId>)>);
+
+impl Drop for Polled {
+    fn drop(&mut self) {
+        if let Some((d, threads)) = &self.0 {
+            for t in threads {
+                d.polled(*t, false);
+            }
+        }
+    }
+}
+
 /// How an idle background poller waits.
 pub(crate) enum IdleWait {
     /// Sleep briefly (the `mem` fabric: every write comes from a thread of this process that
@@ -346,8 +359,9 @@ impl Hosts {
     fn background_poll(&self, t: usize) {
         let mut backoff = Backoff::new();
         while !self.stop.load(Ordering::Relaxed) {
+            let thread = ThreadId(t as u16);
             let seen = match &self.idle {
-                IdleWait::Doorbell(d) => d.writes_seen(),
+                IdleWait::Doorbell(d) => d.writes_seen(thread),
                 IdleWait::Backoff => 0,
             };
             // The guard is a temporary: the host is released before any wait.
@@ -360,12 +374,29 @@ impl Hosts {
                 // waits; once it lets go, what peers wrote meanwhile is this poller's again):
                 // sleep until a peer writes into this machine's rings (a LOCK, a message), or
                 // for lazy work (truncation, recovery timers) a while later.
-                (IdleWait::Doorbell(d), _) => d.wait_for_writes(seen, DOORBELL_WAIT),
+                (IdleWait::Doorbell(d), _) => d.wait_for_writes(thread, seen, DOORBELL_WAIT),
                 (IdleWait::Backoff, Ok(false)) => backoff.sleep(),
                 // A transaction holds the host and polls it while it waits: stay out of its way.
                 (IdleWait::Backoff, Err(_)) => backoff.park(),
             }
         }
+    }
+
+    /// Tells the fabric that an executor polls `host`'s workers turn by turn until the guard
+    /// drops: peers' writes into their rings meanwhile wake no background poller, which could
+    /// not take the host anyway (`ProcessFabric::polled`).
+    pub(crate) fn polled(&self, host: &Host) -> Polled {
+        let IdleWait::Doorbell(d) = &self.idle else {
+            return Polled(None);
+        };
+        let threads: Vec<ThreadId> = (host.workers.iter())
+            .filter(|w| w.machine().id == d.me())
+            .map(|w| w.thread())
+            .collect();
+        for t in &threads {
+            d.polled(*t, true);
+        }
+        Polled(Some((d.clone(), threads)))
     }
 
     /// Takes a host for this thread: its usual one if free, else any free one. Never one this

@@ -62,6 +62,8 @@ pub(crate) fn run<F>(
 ) where
     F: AsyncFn(&Pipeline<'_>, usize),
 {
+    // Peers' writes into this host's rings need wake nobody while the executor polls it.
+    let _polled = hosts.polled(host);
     let cell = RefCell::new(host);
     let p = Pipeline {
         hosts,
