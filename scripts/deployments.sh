@@ -8,23 +8,26 @@
 #
 #   scripts/with-zookeeper.sh scripts/deployments.sh [--rounds 2] [--seconds 5]
 #       [--subscribers 100000] [--warehouses 3] [--workloads tatp,tpcc] [--in-flight 16]
+#       [--tpcc-in-flight 4]
 #
 # Shape: 3 machines x 2 workers, 3-way replication. Client threads: the in-process cluster
 # runs 2 (one per worker: a client keeps a worker thread of every machine), each machine
 # process runs 1. TATP keeps the same transactions in flight in every deployment: each machine
 # process's client thread --in-flight (default 16, 48 in all), the in-process cluster's two
-# threads 3/2 as many each (24 each, 48 in all). TPC-C blocks: one per client thread, 3 in the
-# process clusters and 2 in one process. Needs ZooKeeper at $ZK_CONNECT
+# threads 3/2 as many each (24 each, 48 in all). TPC-C likewise with --tpcc-in-flight per
+# machine process (default 4, 12 in all) and 3/2 as many per in-process thread (6 each, 12 in
+# all). Needs ZooKeeper at $ZK_CONNECT
 # (scripts/with-zookeeper.sh sets it) and release builds:
 #
 #   cargo build --release -p farm-benchmarks -p farm-node
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc in_flight=16
+rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc in_flight=16 tpcc_in_flight=4
 while [ $# -gt 0 ]; do
   case "$1" in
     --in-flight) in_flight=$2; shift 2 ;;
+    --tpcc-in-flight) tpcc_in_flight=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --subscribers) subscribers=$2; shift 2 ;;
@@ -57,7 +60,8 @@ in_process() {
   case $workload in
     tatp) "$bin/tatp" --subscribers "$subscribers" --seconds "$seconds" --clients 2 \
             --in-flight $((in_flight * 3 / 2)) > "$out" 2>&1 ;;
-    tpcc) "$bin/tpcc" --warehouses "$warehouses" --seconds "$seconds" --clients 2 > "$out" 2>&1 ;;
+    tpcc) "$bin/tpcc" --warehouses "$warehouses" --seconds "$seconds" --clients 2 \
+            --in-flight $((tpcc_in_flight * 3 / 2)) > "$out" 2>&1 ;;
   esac || { cat "$out" >&2; exit 1; }
   awk -v w="$workload" '/ per second; latency p50 / {
       for (i = 1; i <= NF; i++) { if ($i == "second;") x = $(i-2); if ($i == "p50") a = $(i+1); if ($i == "p99") b = $(i+1) }
@@ -69,7 +73,7 @@ in_process() {
 processes() {
   local workload=$1 fabric=$2 out=$work/out
   local size=(--subscribers "$subscribers" --in-flight "$in_flight")
-  [ "$workload" = tpcc ] && size=(--warehouses "$warehouses")
+  [ "$workload" = tpcc ] && size=(--warehouses "$warehouses" --in-flight "$tpcc_in_flight")
   "$bin/farm-node" local "$workload" --cluster "deploy-$fabric" --dir "$work/$fabric" \
     --zookeeper "$ZK_CONNECT" --fabric "$fabric" --seconds "$seconds" "${size[@]}" > "$out" 2>&1 \
     || { cat "$out" >&2; exit 1; }

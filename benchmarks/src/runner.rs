@@ -40,15 +40,16 @@ pub trait Workload: Send + Sync + 'static {
         attempts: &mut u64,
     ) -> (usize, Result<bool, TxError>);
 
-    /// Whether [`Workload::run_one_in`] runs the mix among many transactions in flight; a
-    /// workload whose transactions only block keeps its clients to one each.
-    fn pipelines(&self) -> bool {
-        false
+    /// The transactions a client thread keeps in flight when not told (through
+    /// [`Workload::run_one_in`] when more than one), or `None` when the workload's
+    /// transactions only block, one per client thread.
+    fn in_flight_default(&self) -> Option<usize> {
+        None
     }
 
     /// [`Workload::run_one`] as one of the transactions in flight of `pipeline`'s thread.
-    /// Called only when [`Workload::pipelines`] says so; the default runs one blocking
-    /// transaction's worth of nothing and says it cannot.
+    /// Called only for workloads with an [`Workload::in_flight_default`]; the default runs
+    /// nothing and says it cannot.
     async fn run_one_in(
         &self,
         pipeline: &Pipeline<'_>,
@@ -58,7 +59,7 @@ pub trait Workload: Send + Sync + 'static {
         attempts: &mut u64,
     ) -> (usize, Result<bool, TxError>) {
         let _ = (pipeline, client, rng, down, attempts);
-        unreachable!("the runner pipelines only workloads whose `pipelines` says so")
+        unreachable!("the runner pipelines only workloads with an `in_flight_default`")
     }
 }
 
@@ -116,8 +117,7 @@ pub struct CommonArgs {
     #[arg(long, default_value_t = 2)]
     pub clients: u16,
     /// Transactions each client thread keeps in flight (`Client::pipeline`; 1: one at a time,
-    /// blocking). Default: [`IN_FLIGHT_DEFAULT`] for workloads that pipeline (TATP), 1 for
-    /// those that block (TPC-C), which refuse more.
+    /// blocking). Default: the workload's (TATP [`IN_FLIGHT_DEFAULT`], TPC-C 1).
     #[arg(long)]
     pub in_flight: Option<usize>,
     /// Seconds of measured run.
@@ -410,7 +410,7 @@ pub fn run<W: Workload>(
     workload: &Arc<W>,
     opts: &RunOptions,
 ) -> anyhow::Result<RunReport> {
-    let in_flight = in_flight(opts.in_flight, workload.pipelines())?;
+    let in_flight = in_flight(opts.in_flight, workload.in_flight_default())?;
     let opts = &RunOptions {
         in_flight: Some(in_flight),
         ..opts.clone()
@@ -546,17 +546,17 @@ pub fn run<W: Workload>(
 /// over `tcp`, 41, 47 and 53 K/s, with latencies growing with the count (2026-11-26).
 pub const IN_FLIGHT_DEFAULT: usize = 16;
 
-/// The transactions in flight per client thread `asked` for (`None`: the default) of a
-/// workload that `pipelines` or not, or why not.
-pub fn in_flight(asked: Option<usize>, pipelines: bool) -> anyhow::Result<usize> {
-    match (asked, pipelines) {
+/// The transactions in flight per client thread `asked` for (`None`: the workload's
+/// `default`, `None` for one that only blocks), or why not.
+pub fn in_flight(asked: Option<usize>, default: Option<usize>) -> anyhow::Result<usize> {
+    match (asked, default) {
         (Some(0), _) => anyhow::bail!("--in-flight must be at least 1"),
-        (Some(n), false) if n > 1 => anyhow::bail!(
+        (Some(n), None) if n > 1 => anyhow::bail!(
             "--in-flight {n}: this workload runs one blocking transaction per client thread"
         ),
         (Some(n), _) => Ok(n),
-        (None, true) => Ok(IN_FLIGHT_DEFAULT),
-        (None, false) => Ok(1),
+        (None, Some(n)) => Ok(n),
+        (None, None) => Ok(1),
     }
 }
 

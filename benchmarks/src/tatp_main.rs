@@ -98,8 +98,8 @@ impl Workload for Tatp {
         )
     }
 
-    fn pipelines(&self) -> bool {
-        true
+    fn in_flight_default(&self) -> Option<usize> {
+        Some(runner::IN_FLIGHT_DEFAULT)
     }
 
     async fn run_one_in(

@@ -18,7 +18,7 @@
 //! lock-free reads instead of a serializable transaction.
 
 use bytemuck::{Pod, Zeroable};
-use farm::{Addr, Client, MachineId, TxError, Txn};
+use farm::{ready, Addr, Client, MachineId, Pipeline, Transaction, TxError};
 use farm_ds::{BTree, HashTable, TableSpec};
 
 use crate::tpcc_input::{
@@ -498,7 +498,12 @@ impl Tables {
 
     /// The machine where warehouse `w`'s rows live.
     pub fn machine_of(&self, cluster: &impl Client, w: u32) -> MachineId {
-        MachineId(warehouse_machine(w as u64, cluster.machines() as usize) as u16)
+        self.machine_of_among(cluster.machines(), w)
+    }
+
+    /// [`Tables::machine_of`] in a cluster of `machines` machines.
+    pub fn machine_of_among(&self, machines: u16, w: u32) -> MachineId {
+        MachineId(warehouse_machine(w as u64, machines as usize) as u16)
     }
 
     /// Loads ITEM (clause 4.3.3.1), in transactions of `batch` rows.
@@ -901,10 +906,114 @@ pub enum Outcome {
     RolledBack,
 }
 
+/// One transaction's inputs, drawn as the specification says before it runs (so that a retry
+/// runs the same business transaction).
+enum Inputs {
+    NewOrder(NewOrderIn),
+    Payment(PaymentIn),
+    OrderStatus(OrderStatusIn),
+    Delivery(DeliveryIn),
+    StockLevel(StockLevelIn),
+}
+
+/// NEW-ORDER's inputs (clause 2.4.1): the customer, and per line the item, its supplying
+/// warehouse and the quantity.
+struct NewOrderIn {
+    w: u32,
+    d: u8,
+    c: u32,
+    lines: Vec<(u32, u32, u32)>,
+    now: u64,
+}
+
+/// PAYMENT's inputs (clause 2.5.1).
+struct PaymentIn {
+    w: u32,
+    d: u8,
+    c_w: u32,
+    c_d: u8,
+    by_name: Option<[u8; 16]>,
+    id: u32,
+    amount: i64,
+    seq: u64,
+    now: u64,
+}
+
+/// ORDER-STATUS's inputs (clause 2.6.1).
+struct OrderStatusIn {
+    w: u32,
+    d: u8,
+    by_name: Option<[u8; 16]>,
+    id: u32,
+}
+
+/// DELIVERY's inputs (clause 2.7.1).
+struct DeliveryIn {
+    w: u32,
+    carrier: u8,
+    now: u64,
+}
+
+/// STOCK-LEVEL's inputs (clause 2.8.1).
+struct StockLevelIn {
+    w: u32,
+    d: u8,
+    threshold: u32,
+}
+
+/// Lock-free reads of committed rows (§3), blocking through a client or among the
+/// transactions in flight of a pipeline: what STOCK-LEVEL reads with.
+#[allow(async_fn_in_trait)] // Futures of one thread's pipeline.
+pub trait LockFree {
+    /// [`HashTable::get`] (or [`HashTable::get_async`]) of `key` of `table`, coordinated on
+    /// `m`.
+    async fn get<K: Pod, V: Pod>(
+        &self,
+        table: &HashTable<K, V>,
+        m: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError>;
+}
+
+/// [`LockFree`] reads that block, through a client.
+struct Blocking<'a, C>(&'a C);
+
+impl<C: Client> LockFree for Blocking<'_, C> {
+    async fn get<K: Pod, V: Pod>(
+        &self,
+        table: &HashTable<K, V>,
+        m: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        table.get(self.0, m, key)
+    }
+}
+
+impl LockFree for Pipeline<'_> {
+    async fn get<K: Pod, V: Pod>(
+        &self,
+        table: &HashTable<K, V>,
+        m: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        table.get_async(self, m, key).await
+    }
+}
+
+/// What a NEW-ORDER's commit or abort means for the books.
+fn new_order_outcome(result: Result<(), TxError>) -> Result<Outcome, TxError> {
+    match result {
+        Ok(()) => Ok(Outcome::Committed),
+        Err(TxError::Aborted(why)) if why == ROLLBACK => Ok(Outcome::RolledBack),
+        Err(e) => Err(e),
+    }
+}
+
 impl Tables {
     /// Runs one transaction of `kind` for home warehouse `w` with the specification's inputs,
     /// coordinated on `m` (by default where `w` lives). `now` stands for the current time;
-    /// `attempts` counts executions (more than one when conflicts made it retry).
+    /// `attempts` counts executions (more than one when conflicts made it retry). Blocks the
+    /// thread until it ends; [`Tables::run_in`] runs it among others in flight.
     pub fn run(
         &self,
         cluster: &impl Client,
@@ -915,14 +1024,173 @@ impl Tables {
         attempts: &mut u64,
     ) -> Result<Outcome, TxError> {
         let m = m.unwrap_or(self.machine_of(cluster, w));
+        let count = |attempts: &mut u64| *attempts += 1;
+        match self.inputs(kind, w, rng, now) {
+            Inputs::NewOrder(i) => new_order_outcome(cluster.txn(m, |tx| {
+                count(attempts);
+                ready(self.new_order(tx, &i))
+            })),
+            Inputs::Payment(i) => cluster.txn(m, |tx| {
+                count(attempts);
+                ready(self.payment(tx, &i))
+            }),
+            Inputs::OrderStatus(i) => cluster.txn(m, |tx| {
+                count(attempts);
+                ready(self.order_status(tx, &i))
+            }),
+            Inputs::Delivery(i) => {
+                // One database transaction per district (clause 2.7.4.2 allows it; ten in one
+                // exceed a log record's size). The business transaction counts one execution,
+                // plus retries.
+                *attempts += 1;
+                for d in 1..=self.scale.districts {
+                    let mut executions = 0u64;
+                    cluster.txn(m, |tx| {
+                        executions += 1;
+                        ready(self.deliver(tx, &i, d))
+                    })?;
+                    *attempts += executions - 1;
+                }
+                Ok(Outcome::Committed)
+            }
+            Inputs::StockLevel(i) => {
+                *attempts += 1;
+                ready(self.stock_level(&Blocking(cluster), m, &i))
+            }
+        }
+    }
+
+    /// [`Tables::run`] as one of many transactions in flight on `pipeline`'s thread.
+    pub async fn run_in(
+        &self,
+        pipeline: &Pipeline<'_>,
+        m: Option<MachineId>,
+        (kind, w): (Kind, u32),
+        rng: &mut Rand,
+        now: u64,
+        attempts: &mut u64,
+    ) -> Result<Outcome, TxError> {
+        let m = m.unwrap_or(self.machine_of_among(pipeline.machines(), w));
+        let count = |attempts: &mut u64| *attempts += 1;
+        match self.inputs(kind, w, rng, now) {
+            Inputs::NewOrder(i) => new_order_outcome(
+                pipeline
+                    .txn(m, async |tx| {
+                        count(attempts);
+                        self.new_order(tx, &i).await
+                    })
+                    .await,
+            ),
+            Inputs::Payment(i) => {
+                pipeline
+                    .txn(m, async |tx| {
+                        count(attempts);
+                        self.payment(tx, &i).await
+                    })
+                    .await
+            }
+            Inputs::OrderStatus(i) => {
+                pipeline
+                    .txn(m, async |tx| {
+                        count(attempts);
+                        self.order_status(tx, &i).await
+                    })
+                    .await
+            }
+            Inputs::Delivery(i) => {
+                *attempts += 1;
+                for d in 1..=self.scale.districts {
+                    let mut executions = 0u64;
+                    pipeline
+                        .txn(m, async |tx| {
+                            executions += 1;
+                            self.deliver(tx, &i, d).await
+                        })
+                        .await?;
+                    *attempts += executions - 1;
+                }
+                Ok(Outcome::Committed)
+            }
+            Inputs::StockLevel(i) => {
+                *attempts += 1;
+                self.stock_level(pipeline, m, &i).await
+            }
+        }
+    }
+
+    /// The inputs of a transaction of `kind` for home warehouse `w`, drawn from `rng`.
+    fn inputs(&self, kind: Kind, w: u32, rng: &mut Rand, now: u64) -> Inputs {
         let s = self.scale;
         let d = rng.range(1, s.districts as u64) as u8;
         match kind {
-            Kind::NewOrder => self.new_order_txn(cluster, m, (w, d), rng, now, attempts),
-            Kind::Payment => self.payment(cluster, m, (w, d), rng, now, attempts),
-            Kind::OrderStatus => self.order_status(cluster, m, (w, d), rng, attempts),
-            Kind::Delivery => self.delivery(cluster, m, w, rng, now, attempts),
-            Kind::StockLevel => self.stock_level(cluster, m, (w, d), rng, attempts),
+            Kind::NewOrder => {
+                let c = self.customer_id(rng);
+                let n = rng.range(5, 15) as usize;
+                let rollback = rng.range(1, 100) == 1;
+                let lines = (0..n)
+                    .map(|i| {
+                        let mut item = nurand(
+                            rng,
+                            crate::tpcc_input::A_OL_I_ID,
+                            self.constants.ol_i_id,
+                            1,
+                            s.items as u64,
+                        ) as u32;
+                        if rollback && i == n - 1 {
+                            item = s.items + 1; // Unused: the transaction rolls back.
+                        }
+                        let supply = if rng.range(1, 100) == 1 {
+                            self.remote_warehouse(w, rng)
+                        } else {
+                            w
+                        };
+                        (item, supply, rng.range(1, 10) as u32)
+                    })
+                    .collect();
+                Inputs::NewOrder(NewOrderIn {
+                    w,
+                    d,
+                    c,
+                    lines,
+                    now,
+                })
+            }
+            Kind::Payment => {
+                let (c_w, c_d) = if rng.range(1, 100) <= 85 {
+                    (w, d)
+                } else {
+                    (
+                        self.remote_warehouse(w, rng),
+                        rng.range(1, s.districts as u64) as u8,
+                    )
+                };
+                let (by_name, id) = self.customer_choice(rng);
+                Inputs::Payment(PaymentIn {
+                    w,
+                    d,
+                    c_w,
+                    c_d,
+                    by_name,
+                    id,
+                    amount: rng.range(100, 500_000) as i64,
+                    seq: rng.next_u64(),
+                    now,
+                })
+            }
+            Kind::OrderStatus => {
+                let (by_name, id) = self.customer_choice(rng);
+                Inputs::OrderStatus(OrderStatusIn { w, d, by_name, id })
+            }
+            Kind::Delivery => Inputs::Delivery(DeliveryIn {
+                w,
+                carrier: rng.range(1, 10) as u8,
+                now,
+            }),
+            Kind::StockLevel => Inputs::StockLevel(StockLevelIn {
+                w,
+                d,
+                threshold: rng.range(10, 20) as u32,
+            }),
         }
     }
 
@@ -949,124 +1217,105 @@ impl Tables {
         }
     }
 
-    fn new_order_txn(
-        &self,
-        cluster: &impl Client,
-        m: MachineId,
-        (w, d): (u32, u8),
-        rng: &mut Rand,
-        now: u64,
-        attempts: &mut u64,
-    ) -> Result<Outcome, TxError> {
-        let s = self.scale;
-        let c = self.customer_id(rng);
-        let n = rng.range(5, 15) as usize;
-        let rollback = rng.range(1, 100) == 1;
-        let lines: Vec<(u32, u32, u32)> = (0..n)
-            .map(|i| {
-                let mut item = nurand(
-                    rng,
-                    crate::tpcc_input::A_OL_I_ID,
-                    self.constants.ol_i_id,
-                    1,
-                    s.items as u64,
-                ) as u32;
-                if rollback && i == n - 1 {
-                    item = s.items + 1; // Unused: the transaction rolls back.
-                }
-                let supply = if rng.range(1, 100) == 1 {
-                    self.remote_warehouse(w, rng)
-                } else {
-                    w
-                };
-                (item, supply, rng.range(1, 10) as u32)
-            })
-            .collect();
+    /// NEW-ORDER (clause 2.4.2) in `tx`.
+    async fn new_order(&self, tx: &mut impl Transaction, i: &NewOrderIn) -> Result<(), TxError> {
+        let NewOrderIn {
+            w,
+            d,
+            c,
+            ref lines,
+            now,
+        } = *i;
+        let n = lines.len();
         let all_local = lines.iter().all(|(_, sw, _)| *sw == w) as u8;
-        let result = cluster.txn(m, |tx| {
-            *attempts += 1;
-            // Every row's key is known up front: start all the fetches before the first read.
-            self.warehouse.prefetch(tx, &w);
-            self.district.prefetch(tx, &d_key(w, d));
-            self.customer.prefetch(tx, &c_key(w, d, c));
-            for &(item_id, supply, _) in &lines {
-                self.item.prefetch(tx, &item_id);
-                self.stock.prefetch(tx, &s_key(supply, item_id));
-            }
-            // W_TAX and C_DISCOUNT are read for the total the terminal shows (clause 2.4.2.2),
-            // which nothing stores.
-            self.warehouse
-                .get_in(tx, &w)?
-                .ok_or_else(|| tx.abort("no warehouse"))?;
-            let mut district = self
-                .district
-                .get_in(tx, &d_key(w, d))?
-                .ok_or_else(|| tx.abort("no district"))?;
-            self.customer
-                .get_in(tx, &c_key(w, d, c))?
-                .ok_or_else(|| tx.abort("no customer"))?;
-            let o = district.next_o_id;
-            district.next_o_id += 1;
-            self.district.update(tx, &d_key(w, d), &district)?;
-            let order = Order {
-                entry_d: now,
-                c_id: c,
-                carrier_id: 0,
-                ol_cnt: n as u8,
-                all_local,
-                _pad: 0,
-            };
-            self.order.insert(tx, &o_key(w, d, o), &order)?;
-            self.new_order.of(w).insert(tx, &o_key(w, d, o), &0)?;
-            self.order_by_customer
-                .of(w)
-                .insert(tx, &co_key(w, d, c, o), &0)?;
-            let mut rows = OrderLines::zeroed();
-            for (i, &(item_id, supply, qty)) in lines.iter().enumerate() {
-                let Some(item) = self.item.get_in(tx, &item_id)? else {
-                    return Err(tx.abort(ROLLBACK));
-                };
-                let key = s_key(supply, item_id);
-                let mut stock = self
-                    .stock
-                    .get_in(tx, &key)?
-                    .ok_or_else(|| tx.abort("no stock"))?;
-                stock.quantity = if stock.quantity >= qty + 10 {
-                    stock.quantity - qty
-                } else {
-                    stock.quantity + 91 - qty
-                };
-                stock.ytd += qty as u64;
-                stock.order_cnt += 1;
-                stock.remote_cnt += (supply != w) as u32;
-                self.stock.update(tx, &key, &stock)?;
-                let amount = qty as i64 * item.price;
-                rows.lines[i] = OrderLine {
-                    delivery_d: 0,
-                    amount,
-                    i_id: item_id,
-                    supply_w_id: supply,
-                    quantity: qty,
-                    dist_info: stock.dist[d as usize - 1],
-                    _pad: [0; 4],
-                };
-            }
-            rows.count = n as u8;
-            self.order_line.insert(tx, &o_key(w, d, o), &rows)?;
-            Ok(())
-        });
-        match result {
-            Ok(()) => Ok(Outcome::Committed),
-            Err(TxError::Aborted(why)) if why == ROLLBACK => Ok(Outcome::RolledBack),
-            Err(e) => Err(e),
+        // Every row's key is known up front: start all the fetches before the first read.
+        self.warehouse.prefetch(tx, &w);
+        self.district.prefetch(tx, &d_key(w, d));
+        self.customer.prefetch(tx, &c_key(w, d, c));
+        for &(item_id, supply, _) in lines {
+            self.item.prefetch(tx, &item_id);
+            self.stock.prefetch(tx, &s_key(supply, item_id));
         }
+        // W_TAX and C_DISCOUNT are read for the total the terminal shows (clause 2.4.2.2),
+        // which nothing stores.
+        self.warehouse
+            .get_in_async(tx, &w)
+            .await?
+            .ok_or_else(|| tx.abort("no warehouse"))?;
+        let mut district = self
+            .district
+            .get_in_async(tx, &d_key(w, d))
+            .await?
+            .ok_or_else(|| tx.abort("no district"))?;
+        self.customer
+            .get_in_async(tx, &c_key(w, d, c))
+            .await?
+            .ok_or_else(|| tx.abort("no customer"))?;
+        let o = district.next_o_id;
+        district.next_o_id += 1;
+        self.district
+            .update_async(tx, &d_key(w, d), &district)
+            .await?;
+        let order = Order {
+            entry_d: now,
+            c_id: c,
+            carrier_id: 0,
+            ol_cnt: n as u8,
+            all_local,
+            _pad: 0,
+        };
+        self.order.insert_async(tx, &o_key(w, d, o), &order).await?;
+        self.new_order
+            .of(w)
+            .insert_async(tx, &o_key(w, d, o), &0)
+            .await?;
+        self.order_by_customer
+            .of(w)
+            .insert_async(tx, &co_key(w, d, c, o), &0)
+            .await?;
+        let mut rows = OrderLines::zeroed();
+        for (i, &(item_id, supply, qty)) in lines.iter().enumerate() {
+            let Some(item) = self.item.get_in_async(tx, &item_id).await? else {
+                return Err(tx.abort(ROLLBACK));
+            };
+            let key = s_key(supply, item_id);
+            let mut stock = self
+                .stock
+                .get_in_async(tx, &key)
+                .await?
+                .ok_or_else(|| tx.abort("no stock"))?;
+            stock.quantity = if stock.quantity >= qty + 10 {
+                stock.quantity - qty
+            } else {
+                stock.quantity + 91 - qty
+            };
+            stock.ytd += qty as u64;
+            stock.order_cnt += 1;
+            stock.remote_cnt += (supply != w) as u32;
+            self.stock.update_async(tx, &key, &stock).await?;
+            let amount = qty as i64 * item.price;
+            rows.lines[i] = OrderLine {
+                delivery_d: 0,
+                amount,
+                i_id: item_id,
+                supply_w_id: supply,
+                quantity: qty,
+                dist_info: stock.dist[d as usize - 1],
+                _pad: [0; 4],
+            };
+        }
+        rows.count = n as u8;
+        self.order_line
+            .insert_async(tx, &o_key(w, d, o), &rows)
+            .await?;
+        Ok(())
     }
 
     /// The customer a PAYMENT or ORDER-STATUS names: by id (40%) or by last name (60%, the
     /// middle one of those with the name in first-name order, clause 2.5.2.2).
-    fn pick_customer(
+    async fn pick_customer(
         &self,
-        tx: &mut Txn<'_>,
+        tx: &mut impl Transaction,
         w: u32,
         d: u8,
         by_name: Option<[u8; 16]>,
@@ -1089,7 +1338,8 @@ impl Tables {
         let found = self
             .customer_by_name
             .of(w)
-            .range(tx, &from, Some(&to), usize::MAX)?;
+            .range_async(tx, &from, Some(&to), usize::MAX)
+            .await?;
         if found.is_empty() {
             return Ok(None);
         }
@@ -1106,216 +1356,200 @@ impl Tables {
         }
     }
 
-    fn payment(
-        &self,
-        cluster: &impl Client,
-        m: MachineId,
-        (w, d): (u32, u8),
-        rng: &mut Rand,
-        now: u64,
-        attempts: &mut u64,
-    ) -> Result<Outcome, TxError> {
-        let (c_w, c_d) = if rng.range(1, 100) <= 85 {
-            (w, d)
-        } else {
-            (
-                self.remote_warehouse(w, rng),
-                rng.range(1, self.scale.districts as u64) as u8,
-            )
+    /// PAYMENT (clause 2.5.2) in `tx`.
+    async fn payment(&self, tx: &mut impl Transaction, i: &PaymentIn) -> Result<Outcome, TxError> {
+        let PaymentIn {
+            w,
+            d,
+            c_w,
+            c_d,
+            by_name,
+            id,
+            amount,
+            seq,
+            now,
+        } = *i;
+        self.warehouse.prefetch(tx, &w);
+        self.district.prefetch(tx, &d_key(w, d));
+        if by_name.is_none() {
+            self.customer.prefetch(tx, &c_key(c_w, c_d, id));
+        }
+        let mut warehouse = self
+            .warehouse
+            .get_in_async(tx, &w)
+            .await?
+            .ok_or_else(|| tx.abort("no warehouse"))?;
+        warehouse.ytd += amount;
+        self.warehouse.update_async(tx, &w, &warehouse).await?;
+        let mut district = self
+            .district
+            .get_in_async(tx, &d_key(w, d))
+            .await?
+            .ok_or_else(|| tx.abort("no district"))?;
+        district.ytd += amount;
+        self.district
+            .update_async(tx, &d_key(w, d), &district)
+            .await?;
+        let c = self
+            .pick_customer(tx, c_w, c_d, by_name, id)
+            .await?
+            .ok_or_else(|| tx.abort("no customer of that name"))?;
+        let key = c_key(c_w, c_d, c);
+        let mut customer = self
+            .customer
+            .get_in_async(tx, &key)
+            .await?
+            .ok_or_else(|| tx.abort("no customer"))?;
+        customer.balance -= amount;
+        customer.ytd_payment += amount;
+        customer.payment_cnt += 1;
+        if &customer.credit == b"BC" {
+            let note = format!("{c} {c_d} {c_w} {d} {w} {amount} ");
+            let mut data = [0u8; 500];
+            let n = note.len().min(500);
+            data[..n].copy_from_slice(&note.as_bytes()[..n]);
+            data[n..].copy_from_slice(&customer.data[..500 - n]);
+            customer.data = data;
+        }
+        self.customer.update_async(tx, &key, &customer).await?;
+        let h = History {
+            amount,
+            date: now,
+            c_w_id: c_w,
+            w_id: w,
+            c_id: c,
+            c_d_id: c_d,
+            d_id: d,
+            data: [b'p'; 24],
+            _pad: [0; 2],
         };
-        let (by_name, id) = self.customer_choice(rng);
-        let amount = rng.range(100, 500_000) as i64;
-        let seq = rng.next_u64();
-        cluster.txn(m, |tx| {
-            *attempts += 1;
-            self.warehouse.prefetch(tx, &w);
-            self.district.prefetch(tx, &d_key(w, d));
-            if by_name.is_none() {
-                self.customer.prefetch(tx, &c_key(c_w, c_d, id));
-            }
-            let mut warehouse = self
-                .warehouse
-                .get_in(tx, &w)?
-                .ok_or_else(|| tx.abort("no warehouse"))?;
-            warehouse.ytd += amount;
-            self.warehouse.update(tx, &w, &warehouse)?;
-            let mut district = self
-                .district
-                .get_in(tx, &d_key(w, d))?
-                .ok_or_else(|| tx.abort("no district"))?;
-            district.ytd += amount;
-            self.district.update(tx, &d_key(w, d), &district)?;
-            let c = self
-                .pick_customer(tx, c_w, c_d, by_name, id)?
-                .ok_or_else(|| tx.abort("no customer of that name"))?;
-            let key = c_key(c_w, c_d, c);
-            let mut customer = self
-                .customer
-                .get_in(tx, &key)?
-                .ok_or_else(|| tx.abort("no customer"))?;
-            customer.balance -= amount;
-            customer.ytd_payment += amount;
-            customer.payment_cnt += 1;
-            if &customer.credit == b"BC" {
-                let note = format!("{c} {c_d} {c_w} {d} {w} {amount} ");
-                let mut data = [0u8; 500];
-                let n = note.len().min(500);
-                data[..n].copy_from_slice(&note.as_bytes()[..n]);
-                data[n..].copy_from_slice(&customer.data[..500 - n]);
-                customer.data = data;
-            }
-            self.customer.update(tx, &key, &customer)?;
-            let h = History {
-                amount,
-                date: now,
-                c_w_id: c_w,
-                w_id: w,
-                c_id: c,
-                c_d_id: c_d,
-                d_id: d,
-                data: [b'p'; 24],
-                _pad: [0; 2],
-            };
-            // A unique id: the district's and a random 39-bit number (population rows use the
-            // customer ids, below 2^39).
-            if !self
-                .history
-                .insert(tx, &h_key(w, d, 1 << 39 | seq >> 25), &h)?
-            {
-                return Err(tx.abort("a history id came up twice"));
-            }
-            Ok(Outcome::Committed)
-        })
-    }
-
-    fn order_status(
-        &self,
-        cluster: &impl Client,
-        m: MachineId,
-        (w, d): (u32, u8),
-        rng: &mut Rand,
-        attempts: &mut u64,
-    ) -> Result<Outcome, TxError> {
-        let (by_name, id) = self.customer_choice(rng);
-        cluster.txn(m, |tx| {
-            *attempts += 1;
-            let c = self
-                .pick_customer(tx, w, d, by_name, id)?
-                .ok_or_else(|| tx.abort("no customer of that name"))?;
-            self.customer
-                .get_in(tx, &c_key(w, d, c))?
-                .ok_or_else(|| tx.abort("no customer"))?;
-            let from = co_key(w, d, c, 0);
-            let to = co_key(w, d, c + 1, 0);
-            let orders = self
-                .order_by_customer
-                .of(w)
-                .range(tx, &from, Some(&to), usize::MAX)?;
-            if let Some((key, _)) = orders.last() {
-                let o = (key & 0xff_ffff) as u32;
-                let order = self
-                    .order
-                    .get_in(tx, &o_key(w, d, o))?
-                    .ok_or_else(|| tx.abort("no order"))?;
-                let lines = self
-                    .order_line
-                    .get_in(tx, &o_key(w, d, o))?
-                    .ok_or_else(|| tx.abort("no order lines"))?;
-                if lines.present().len() != order.ol_cnt as usize {
-                    return Err(tx.abort("O_OL_CNT differs from the order's lines"));
-                }
-            }
-            Ok(Outcome::Committed)
-        })
-    }
-
-    fn delivery(
-        &self,
-        cluster: &impl Client,
-        m: MachineId,
-        w: u32,
-        rng: &mut Rand,
-        now: u64,
-        attempts: &mut u64,
-    ) -> Result<Outcome, TxError> {
-        let carrier = rng.range(1, 10) as u8;
-        // One database transaction per district (clause 2.7.4.2 allows it; ten in one exceed a
-        // log record's size). The business transaction counts one execution, plus retries.
-        *attempts += 1;
-        for d in 1..=self.scale.districts {
-            let mut executions = 0u64;
-            cluster.txn(m, |tx| {
-                executions += 1;
-                let oldest = self.new_order.of(w).range(
-                    tx,
-                    &o_key(w, d, 0),
-                    Some(&o_key(w, d + 1, 0)),
-                    1,
-                )?;
-                let Some(&(key, _)) = oldest.first() else {
-                    return Ok(()); // No undelivered order in this district.
-                };
-                self.new_order.of(w).remove(tx, &key)?;
-                let mut order = self
-                    .order
-                    .get_in(tx, &key)?
-                    .ok_or_else(|| tx.abort("no order"))?;
-                order.carrier_id = carrier;
-                self.order.update(tx, &key, &order)?;
-                let mut lines = self
-                    .order_line
-                    .get_in(tx, &key)?
-                    .ok_or_else(|| tx.abort("no order lines"))?;
-                let mut total = 0;
-                for line in lines.present_mut() {
-                    line.delivery_d = now;
-                    total += line.amount;
-                }
-                self.order_line.update(tx, &key, &lines)?;
-                let ck = c_key(w, d, order.c_id);
-                let mut customer = self
-                    .customer
-                    .get_in(tx, &ck)?
-                    .ok_or_else(|| tx.abort("no customer"))?;
-                customer.balance += total;
-                customer.delivery_cnt += 1;
-                self.customer.update(tx, &ck, &customer)?;
-                Ok(())
-            })?;
-            *attempts += executions - 1;
+        // A unique id: the district's and a random 39-bit number (population rows use the
+        // customer ids, below 2^39).
+        if !self
+            .history
+            .insert_async(tx, &h_key(w, d, 1 << 39 | seq >> 25), &h)
+            .await?
+        {
+            return Err(tx.abort("a history id came up twice"));
         }
         Ok(Outcome::Committed)
     }
 
-    fn stock_level(
+    /// ORDER-STATUS (clause 2.6.2) in `tx`.
+    async fn order_status(
         &self,
-        cluster: &impl Client,
-        m: MachineId,
-        (w, d): (u32, u8),
-        rng: &mut Rand,
-        attempts: &mut u64,
+        tx: &mut impl Transaction,
+        i: &OrderStatusIn,
     ) -> Result<Outcome, TxError> {
-        let threshold = rng.range(10, 20) as u32;
-        // Level 1 isolation (clause 3.4.1): every row read is committed, each on its own, so
-        // lock-free reads; no transaction, no validation, nothing to abort.
-        *attempts += 1;
-        let district = self
-            .district
-            .get(cluster, m, &d_key(w, d))?
+        let OrderStatusIn { w, d, by_name, id } = *i;
+        let c = self
+            .pick_customer(tx, w, d, by_name, id)
+            .await?
+            .ok_or_else(|| tx.abort("no customer of that name"))?;
+        self.customer
+            .get_in_async(tx, &c_key(w, d, c))
+            .await?
+            .ok_or_else(|| tx.abort("no customer"))?;
+        let from = co_key(w, d, c, 0);
+        let to = co_key(w, d, c + 1, 0);
+        let orders = self
+            .order_by_customer
+            .of(w)
+            .range_async(tx, &from, Some(&to), usize::MAX)
+            .await?;
+        if let Some((key, _)) = orders.last() {
+            let o = (key & 0xff_ffff) as u32;
+            let order = self
+                .order
+                .get_in_async(tx, &o_key(w, d, o))
+                .await?
+                .ok_or_else(|| tx.abort("no order"))?;
+            let lines = self
+                .order_line
+                .get_in_async(tx, &o_key(w, d, o))
+                .await?
+                .ok_or_else(|| tx.abort("no order lines"))?;
+            if lines.present().len() != order.ol_cnt as usize {
+                return Err(tx.abort("O_OL_CNT differs from the order's lines"));
+            }
+        }
+        Ok(Outcome::Committed)
+    }
+
+    /// DELIVERY (clause 2.7.4) of district `d`'s oldest undelivered order, in `tx`.
+    async fn deliver(
+        &self,
+        tx: &mut impl Transaction,
+        i: &DeliveryIn,
+        d: u8,
+    ) -> Result<(), TxError> {
+        let DeliveryIn { w, carrier, now } = *i;
+        let oldest = self
+            .new_order
+            .of(w)
+            .range_async(tx, &o_key(w, d, 0), Some(&o_key(w, d + 1, 0)), 1)
+            .await?;
+        let Some(&(key, _)) = oldest.first() else {
+            return Ok(()); // No undelivered order in this district.
+        };
+        self.new_order.of(w).remove_async(tx, &key).await?;
+        let mut order = self
+            .order
+            .get_in_async(tx, &key)
+            .await?
+            .ok_or_else(|| tx.abort("no order"))?;
+        order.carrier_id = carrier;
+        self.order.update_async(tx, &key, &order).await?;
+        let mut lines = self
+            .order_line
+            .get_in_async(tx, &key)
+            .await?
+            .ok_or_else(|| tx.abort("no order lines"))?;
+        let mut total = 0;
+        for line in lines.present_mut() {
+            line.delivery_d = now;
+            total += line.amount;
+        }
+        self.order_line.update_async(tx, &key, &lines).await?;
+        let ck = c_key(w, d, order.c_id);
+        let mut customer = self
+            .customer
+            .get_in_async(tx, &ck)
+            .await?
+            .ok_or_else(|| tx.abort("no customer"))?;
+        customer.balance += total;
+        customer.delivery_cnt += 1;
+        self.customer.update_async(tx, &ck, &customer).await?;
+        Ok(())
+    }
+
+    /// STOCK-LEVEL (clause 2.8.2). Level 1 isolation (clause 3.4.1): every row read is
+    /// committed, each on its own, so lock-free reads; no transaction, no validation, nothing
+    /// to abort.
+    async fn stock_level(
+        &self,
+        reads: &impl LockFree,
+        m: MachineId,
+        i: &StockLevelIn,
+    ) -> Result<Outcome, TxError> {
+        let StockLevelIn { w, d, threshold } = *i;
+        let district = reads
+            .get(&self.district, m, &d_key(w, d))
+            .await?
             .ok_or_else(|| TxError::Aborted("no district".into()))?;
         let next = district.next_o_id;
         let mut items = std::collections::BTreeSet::new();
         for o in next.saturating_sub(20).max(1)..next {
             // Orders below the committed D_NEXT_O_ID committed with their lines.
-            let lines = self
-                .order_line
-                .get(cluster, m, &o_key(w, d, o))?
+            let lines = reads
+                .get(&self.order_line, m, &o_key(w, d, o))
+                .await?
                 .ok_or_else(|| TxError::Aborted(format!("order {o} has no lines")))?;
             items.extend(lines.present().iter().map(|l| l.i_id));
         }
         let mut low = 0;
         for i in items {
-            if let Some(stock) = self.stock.get(cluster, m, &s_key(w, i))? {
+            if let Some(stock) = reads.get(&self.stock, m, &s_key(w, i)).await? {
                 low += (stock.quantity < threshold) as u32;
             }
         }

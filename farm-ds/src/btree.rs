@@ -21,7 +21,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
-use farm::{Addr, Client, Conflict, MachineId, TxError, Txn};
+use farm::{ready, Addr, Client, Conflict, MachineId, Transaction, TxError, Txn};
 
 /// Most bytes of a node.
 const NODE_BYTES_MAX: usize = 4096;
@@ -200,7 +200,17 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
 
     /// The value of `key`, in the transaction.
     pub fn get(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
-        let (_, leaf) = self.leaf_for(tx, key)?;
+        ready(self.get_in_async(tx, key))
+    }
+
+    /// [`BTree::get`] in any transaction, blocking or among others in flight
+    /// ([`farm::Pipeline::txn`]).
+    pub async fn get_in_async(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        let (_, leaf) = self.leaf_for(tx, key).await?;
         Ok(leaf.keys.binary_search(key).ok().map(|i| leaf.values[i]))
     }
 
@@ -213,7 +223,18 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
         to: Option<&K>,
         limit: usize,
     ) -> Result<Vec<(K, V)>, TxError> {
-        let (_, mut leaf) = self.leaf_for(tx, from)?;
+        ready(self.range_async(tx, from, to, limit))
+    }
+
+    /// [`BTree::range`] in any transaction.
+    pub async fn range_async(
+        &self,
+        tx: &mut impl Transaction,
+        from: &K,
+        to: Option<&K>,
+        limit: usize,
+    ) -> Result<Vec<(K, V)>, TxError> {
+        let (_, mut leaf) = self.leaf_for(tx, from).await?;
         let mut out = Vec::new();
         loop {
             for (k, v) in leaf.keys.iter().zip(&leaf.values) {
@@ -226,7 +247,7 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
                 out.push((*k, *v));
             }
             match leaf.next {
-                Some(next) if out.len() < limit => leaf = self.read_node(tx, next)?,
+                Some(next) if out.len() < limit => leaf = self.read_node(tx, next).await?,
                 _ => return Ok(out),
             }
         }
@@ -234,11 +255,21 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
 
     /// Sets `key` to `value` in the transaction. Returns the previous value.
     pub fn insert(&self, tx: &mut Txn<'_>, key: &K, value: &V) -> Result<Option<V>, TxError> {
-        let (at, mut leaf) = self.leaf_for(tx, key)?;
+        ready(self.insert_async(tx, key, value))
+    }
+
+    /// [`BTree::insert`] in any transaction.
+    pub async fn insert_async(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+        value: &V,
+    ) -> Result<Option<V>, TxError> {
+        let (at, mut leaf) = self.leaf_for(tx, key).await?;
         let i = match leaf.keys.binary_search(key) {
             Ok(i) => {
                 let old = std::mem::replace(&mut leaf.values[i], *value);
-                tx.write_bytes(at, &self.encode(&leaf))?;
+                tx.write_bytes(at, &self.encode(&leaf)).await?;
                 return Ok(Some(old));
             }
             Err(i) => i,
@@ -246,14 +277,14 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
         if leaf.keys.len() < self.fanout {
             leaf.keys.insert(i, *key);
             leaf.values.insert(i, *value);
-            tx.write_bytes(at, &self.encode(&leaf))?;
+            tx.write_bytes(at, &self.encode(&leaf)).await?;
             return Ok(None);
         }
         // The leaf splits: the path up to it is needed, read in the transaction. Execution is
         // not isolated (§4: validation at commit is): the descent may find another version of
         // the leaf (a concurrent split, or the cached path was stale), so the position is
         // found again in what it read.
-        let (path, mut leaf) = self.path_for(tx, key)?;
+        let (path, mut leaf) = self.path_for(tx, key).await?;
         match leaf.keys.binary_search(key) {
             // The key appeared since the first read: the transaction cannot commit.
             Ok(_) => return Err(TxError::Conflict(Conflict::Validate)),
@@ -262,32 +293,45 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
                 leaf.values.insert(i, *value);
             }
         }
-        self.store(tx, &path, path.len() - 1, leaf)?;
+        self.store(tx, &path, leaf).await?;
         Ok(None)
     }
 
     /// Removes `key` in the transaction, returning its value. Nodes do not merge.
     pub fn remove(&self, tx: &mut Txn<'_>, key: &K) -> Result<Option<V>, TxError> {
-        let (at, mut leaf) = self.leaf_for(tx, key)?;
+        ready(self.remove_async(tx, key))
+    }
+
+    /// [`BTree::remove`] in any transaction.
+    pub async fn remove_async(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        let (at, mut leaf) = self.leaf_for(tx, key).await?;
         let Ok(i) = leaf.keys.binary_search(key) else {
             return Ok(None);
         };
         leaf.keys.remove(i);
         let old = leaf.values.remove(i);
-        tx.write_bytes(at, &self.encode(&leaf))?;
+        tx.write_bytes(at, &self.encode(&leaf)).await?;
         Ok(Some(old))
     }
 
     /// The leaf covering `key` and its address: by the cached path when it leads to a leaf
     /// whose fences cover the key, else by a descent read in the transaction.
-    fn leaf_for(&self, tx: &mut Txn<'_>, key: &K) -> Result<(Addr, Node<K, V>), TxError> {
+    async fn leaf_for(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+    ) -> Result<(Addr, Node<K, V>), TxError> {
         if let Some(mut at) = self.cached_leaf(key) {
             // From where the cache ends, down to the leaf, reading in the transaction. A cached
             // path may lead anywhere, even to an address freed since (a node that a transaction
             // which then aborted allocated): only nodes of this tree whose fences cover the key
             // will do; anything else means the cache is stale.
             loop {
-                match self.read_node(tx, at) {
+                match self.read_node(tx, at).await {
                     Ok(node) if node.tree == self.meta.to_u64() && node.covers(key) => {
                         if node.leaf {
                             return Ok((at, node));
@@ -300,11 +344,12 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
                     Err(e) => return Err(e),
                 }
             }
+            // Never held across a read: another transaction of this thread may want it.
             let mut cache = self.cache.lock().expect("cache");
             cache.nodes.clear();
             cache.root = None;
         }
-        let (path, leaf) = self.path_for(tx, key)?;
+        let (path, leaf) = self.path_for(tx, key).await?;
         Ok((*path.last().expect("a leaf"), leaf))
     }
 
@@ -322,23 +367,27 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
         }
     }
 
-    fn read_root(&self, tx: &mut Txn<'_>) -> Result<Addr, TxError> {
+    async fn read_root(&self, tx: &mut impl Transaction) -> Result<Addr, TxError> {
         self.reads
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let bytes = tx.read_bytes(self.meta, 24)?;
-        Ok(Addr::from_u64(u64::from_le_bytes(
-            bytes[16..24].try_into().unwrap(),
-        )))
+        tx.read_with(self.meta, 24, |bytes| {
+            Addr::from_u64(u64::from_le_bytes(bytes[16..24].try_into().unwrap()))
+        })
+        .await
     }
 
     /// The descent to `key`'s leaf with every node read in the transaction (refreshing the
     /// cache): the addresses from the root to the leaf, and the leaf.
-    fn path_for(&self, tx: &mut Txn<'_>, key: &K) -> Result<(Vec<Addr>, Node<K, V>), TxError> {
-        let mut at = self.read_root(tx)?;
+    async fn path_for(
+        &self,
+        tx: &mut impl Transaction,
+        key: &K,
+    ) -> Result<(Vec<Addr>, Node<K, V>), TxError> {
+        let mut at = self.read_root(tx).await?;
         self.cache.lock().expect("cache").root = Some(at);
         let mut path = vec![at];
         loop {
-            let node = self.read_node(tx, at)?;
+            let node = self.read_node(tx, at).await?;
             if node.leaf {
                 return Ok((path, node));
             }
@@ -349,85 +398,87 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
         }
     }
 
-    /// Writes `node` at `path[level]`, splitting it (and, up the path, its parents) when it
-    /// holds more than `fanout` entries.
-    fn store(
+    /// Writes `node` at the end of `path` (a leaf's), splitting it, and up the path its
+    /// parents, when it holds more than `fanout` entries.
+    async fn store(
         &self,
-        tx: &mut Txn<'_>,
+        tx: &mut impl Transaction,
         path: &[Addr],
-        level: usize,
         mut node: Node<K, V>,
     ) -> Result<(), TxError> {
-        let at = path[level];
-        if node.keys.len() <= self.fanout {
-            return tx.write_bytes(at, &self.encode(&node));
-        }
-        // Split: the upper half moves to a new right sibling, next to this node.
-        let mid = node.keys.len() / 2;
-        let (separator, right) = if node.leaf {
-            let keys = node.keys.split_off(mid);
-            let values = node.values.split_off(mid);
-            let separator = keys[0];
-            let right = Node {
-                leaf: true,
-                low: Some(separator),
-                high: node.high,
-                keys,
-                values,
-                children: Vec::new(),
-                next: node.next,
-                tree: node.tree,
+        for level in (0..path.len()).rev() {
+            let at = path[level];
+            if node.keys.len() <= self.fanout {
+                return tx.write_bytes(at, &self.encode(&node)).await;
+            }
+            // Split: the upper half moves to a new right sibling, next to this node.
+            let mid = node.keys.len() / 2;
+            let (separator, right) = if node.leaf {
+                let keys = node.keys.split_off(mid);
+                let values = node.values.split_off(mid);
+                let separator = keys[0];
+                let right = Node {
+                    leaf: true,
+                    low: Some(separator),
+                    high: node.high,
+                    keys,
+                    values,
+                    children: Vec::new(),
+                    next: node.next,
+                    tree: node.tree,
+                };
+                (separator, right)
+            } else {
+                let mut keys = node.keys.split_off(mid);
+                let separator = keys.remove(0);
+                let children = node.children.split_off(mid + 1);
+                let right = Node {
+                    leaf: false,
+                    low: Some(separator),
+                    high: node.high,
+                    keys,
+                    values: Vec::new(),
+                    children,
+                    next: None,
+                    tree: node.tree,
+                };
+                (separator, right)
             };
-            (separator, right)
-        } else {
-            let mut keys = node.keys.split_off(mid);
-            let separator = keys.remove(0);
-            let children = node.children.split_off(mid + 1);
-            let right = Node {
-                leaf: false,
-                low: Some(separator),
-                high: node.high,
-                keys,
-                values: Vec::new(),
-                children,
-                next: None,
-                tree: node.tree,
+            node.high = Some(separator);
+            let right_at = tx.alloc_bytes(&self.encode(&right), Some(at))?;
+            if node.leaf {
+                node.next = Some(right_at);
+            }
+            tx.write_bytes(at, &self.encode(&node)).await?;
+            if level == 0 {
+                // A new root above the two halves.
+                let root = Node::<K, V> {
+                    leaf: false,
+                    low: node.low,
+                    high: None,
+                    keys: vec![separator],
+                    values: Vec::new(),
+                    children: vec![at, right_at],
+                    next: None,
+                    tree: node.tree,
+                };
+                let root_at = tx.alloc_bytes(&self.encode(&root), Some(at))?;
+                let mut meta = tx.read_with(self.meta, 24, <[u8]>::to_vec).await?;
+                meta[16..24].copy_from_slice(&root_at.to_u64().to_le_bytes());
+                return tx.write_bytes(self.meta, &meta).await;
+            }
+            let parent_at = path[level - 1];
+            let mut parent = self.read_node(tx, parent_at).await?;
+            // Read again in the transaction, the parent may be a version that no longer holds
+            // the node (a concurrent split moved it): then the descent's reads cannot validate.
+            let Some(i) = parent.children.iter().position(|c| *c == at) else {
+                return Err(TxError::Conflict(Conflict::Validate));
             };
-            (separator, right)
-        };
-        node.high = Some(separator);
-        let right_at = tx.alloc_bytes(&self.encode(&right), Some(at))?;
-        if node.leaf {
-            node.next = Some(right_at);
+            parent.keys.insert(i, separator);
+            parent.children.insert(i + 1, right_at);
+            node = parent;
         }
-        tx.write_bytes(at, &self.encode(&node))?;
-        if level == 0 {
-            // A new root above the two halves.
-            let root = Node::<K, V> {
-                leaf: false,
-                low: node.low,
-                high: None,
-                keys: vec![separator],
-                values: Vec::new(),
-                children: vec![at, right_at],
-                next: None,
-                tree: node.tree,
-            };
-            let root_at = tx.alloc_bytes(&self.encode(&root), Some(at))?;
-            let mut meta = tx.read_bytes(self.meta, 24)?.to_vec();
-            meta[16..24].copy_from_slice(&root_at.to_u64().to_le_bytes());
-            return tx.write_bytes(self.meta, &meta);
-        }
-        let parent_at = path[level - 1];
-        let mut parent = self.read_node(tx, parent_at)?;
-        // Read again in the transaction, the parent may be a version that no longer holds the
-        // node (a concurrent split moved it): then the descent's reads cannot validate.
-        let Some(i) = parent.children.iter().position(|c| *c == at) else {
-            return Err(TxError::Conflict(Conflict::Validate));
-        };
-        parent.keys.insert(i, separator);
-        parent.children.insert(i + 1, right_at);
-        self.store(tx, path, level - 1, parent)
+        unreachable!("the root's level returns")
     }
 
     /// Bytes of every node, leaf or internal: room for `fanout + 1` entries (a node holds
@@ -441,11 +492,11 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
         NODE_HEADER_BYTES + 2 * k + slots * k + leaf.max(internal)
     }
 
-    fn read_node(&self, tx: &mut Txn<'_>, at: Addr) -> Result<Node<K, V>, TxError> {
+    async fn read_node(&self, tx: &mut impl Transaction, at: Addr) -> Result<Node<K, V>, TxError> {
         self.reads
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let bytes = tx.read_bytes(at, self.node_bytes())?;
-        Ok(self.decode(bytes))
+        tx.read_with(at, self.node_bytes(), |bytes| self.decode(bytes))
+            .await
     }
 
     fn encode(&self, node: &Node<K, V>) -> Vec<u8> {
