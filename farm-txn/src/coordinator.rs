@@ -552,6 +552,9 @@ impl<'w> Tx<'w> {
             }
             at += count;
         }
+        // The wait below is inside this thread's turn: what a pipeline's batch holds back
+        // (the ALLOC itself, over `tcp`) goes out first (`fabric::Batch`).
+        farm_core::fabric::flush();
         let requests = first..first + n as u64;
         let mut got: Vec<Option<Option<(Addr, u32, Header)>>> = vec![None; n];
         let mut waiting = n;

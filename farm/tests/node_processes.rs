@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 mod common;
 mod nodes;
 
-use nodes::{Machines, ACCOUNTS, BALANCE, LEASE, MACHINES};
+use nodes::{Machines, Net, ACCOUNTS, BALANCE, LEASE, MACHINES};
 
 /// A machine process of the tests below (see `nodes::child_main`).
 #[test]
@@ -122,4 +122,46 @@ fn a_member_allocates_a_region_through_its_cm_across_processes() {
     }
     assert_eq!(r, MACHINES as u32, "the next id from the CM's counter");
     assert_eq!(object, Some((r, "4242".to_string())));
+}
+
+/// A transaction among others in flight on a pipeline allocates at a remote primary: its
+/// ALLOC goes out although the pipeline holds back what its turn posts until the turn ends
+/// (the step waits for the reply inside the turn), over `shm` and over `tcp`.
+#[test]
+fn pipelined_transactions_allocate_at_remote_primaries() {
+    for (net, test, znode) in [
+        (Net::Shm, 3, "node-pipeline-alloc"),
+        (Net::Loopback, 4, "node-pipeline-alloc-tcp"),
+    ] {
+        let Some(zookeeper) = common::zookeeper(znode) else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let machines =
+            Machines::start_on(&net, "pipeline-alloc", test, dir.path(), Some(zookeeper));
+        machines.share_accounts(dir.path());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut allocated = std::collections::BTreeMap::new();
+        while allocated.len() < MACHINES as usize {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (m, line) = machines
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|e| panic!("{net:?}: allocated {allocated:?}: {e}"));
+            let words: Vec<&str> = line.split(' ').collect();
+            if let ["allocated", n, "remote", k] = words[..] {
+                allocated.insert(
+                    m,
+                    (n.parse::<usize>().unwrap(), k.parse::<usize>().unwrap()),
+                );
+            }
+        }
+        for (m, (n, remote)) in &allocated {
+            assert_eq!(*n, nodes::PIPELINE_ALLOCS, "{net:?}: machine {m}");
+            assert_eq!(
+                remote, n,
+                "{net:?}: machine {m} allocated only {remote} of {n} at another primary"
+            );
+        }
+    }
 }

@@ -165,6 +165,7 @@ pub fn child_main() {
         "run" => run_until_killed(&node, dir),
         "restarted" => restarted(&node, dir),
         "allocate" => allocate(&node),
+        "pipeline-alloc" => allocate_in_pipeline(&node, dir),
         _ => {}
     }
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -248,6 +249,42 @@ fn allocate(node: &Node) {
         let v: u64 = node.txn(|tx| tx.read(a)).unwrap();
         println!("object {} {v}", a.region.0);
     }
+}
+
+/// Objects each machine's pipeline allocates in `pipeline-alloc` mode.
+pub const PIPELINE_ALLOCS: usize = 20;
+
+/// Runs a pipeline of two tasks whose transactions each allocate an object next to another
+/// machine's account (at a remote primary: an ALLOC message and its reply, waited for inside
+/// the transaction's step) and prints `allocated <count> remote <at another primary>` once all
+/// committed.
+fn allocate_in_pipeline(node: &Node, dir: &Path) {
+    let all = open_accounts(node, dir);
+    let me = node.id();
+    let view = node.view();
+    let remote: Vec<Addr> = (all.iter().copied())
+        .filter(|a| view.map.get(a.region).is_some_and(|p| p.primary != me))
+        .collect();
+    assert!(!remote.is_empty(), "no account at another primary");
+    let made = std::cell::RefCell::new(Vec::new());
+    node.pipeline(2, async |p, k| {
+        for i in (k..PIPELINE_ALLOCS).step_by(2) {
+            let near = remote[i % remote.len()];
+            let at = p
+                .txn(me, async |tx| {
+                    farm::Transaction::alloc(tx, &(i as u64), Some(near))
+                })
+                .await
+                .unwrap_or_else(|e| panic!("machine {me}: allocation {i}: {e}"));
+            made.borrow_mut().push(at);
+        }
+    });
+    let made = made.into_inner();
+    let view = node.view();
+    let remote = (made.iter())
+        .filter(|a| view.map.get(a.region).is_some_and(|p| p.primary != me))
+        .count();
+    println!("allocated {} remote {remote}", made.len());
 }
 
 /// Tells the machines of `dir` to stop (the file `<dir>/stop`), the survivors once they are in
