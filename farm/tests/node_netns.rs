@@ -144,8 +144,17 @@ fn a_partitioned_host_is_removed_by_the_majority_and_rejoins_once_healed() {
     hosts.run(&["partition", &hosts.prefix, "2", &hosts.net]);
     let most = before.values().max().unwrap();
     let during = machines.progress(&[0, 1], most + 100);
+    // Lines the machines printed before the partition may arrive after it and satisfy the
+    // wait above at once: heal only once the majority removed machine 2 and machine 2 learned
+    // it (from ZooKeeper, which it still reaches). A partition healed before that leaves
+    // nobody to rejoin.
+    assert!(
+        machines.saw(2, "evicted", std::time::Duration::from_secs(30)),
+        "machine 2 was not removed within 30 s of the partition"
+    );
     eprintln!(
-        "partitioned host 2; machines 0 and 1 went from {before:?} to {during:?} transfers in {:?}",
+        "partitioned host 2; machines 0 and 1 went from {before:?} to {during:?} transfers, \
+         and machine 2 was removed, in {:?}",
         partitioned.elapsed()
     );
     hosts.run(&["heal", &hosts.prefix, "2"]);

@@ -916,6 +916,32 @@ impl Machines {
         counts
     }
 
+    /// Waits up to `within` for a line from machine `from` that starts with `prefix`, keeping
+    /// every line it reads, that one included, for later reads; returns whether it came.
+    pub fn saw(&self, from: u16, prefix: &str, within: Duration) -> bool {
+        let hit = |(m, line): &(u16, String)| *m == from && line.starts_with(prefix);
+        if self.read_ahead.borrow().iter().any(hit) {
+            return true;
+        }
+        let deadline = Instant::now() + within;
+        let mut kept = Vec::new();
+        let found = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    let found = hit(&line);
+                    kept.push(line);
+                    if found {
+                        break true;
+                    }
+                }
+                Err(_) => break false,
+            }
+        };
+        self.read_ahead.borrow_mut().extend(kept);
+        found
+    }
+
     /// Waits up to `within` for a line `what` from machine `from`, failing on any other
     /// suspicion; returns whether it came.
     pub fn expect(&self, from: u16, what: &str, within: Duration) -> bool {
