@@ -2,7 +2,9 @@
 //! generators, the bank transfer the recovery benchmarks run, and the TATP and TPC-C
 //! workloads, YCSB for the replication comparison, and the runner that drives them.
 
-use farm::{Addr, Cluster, MachineId, TxError};
+use bytemuck::Pod;
+use farm::{Addr, Client, Cluster, MachineId, Pipeline, TxError};
+use farm_ds::HashTable;
 
 /// The benchmark binaries' allocator: transactions allocate and free small buffers at a high
 /// rate from several threads (read copies, write sets, decoded log records), where glibc's
@@ -80,4 +82,45 @@ pub fn move_one(c: &Cluster, m: MachineId, from: Addr, to: Addr) -> Result<(), T
         }
         Ok(())
     })
+}
+
+/// Lock-free reads of committed rows (§3), blocking through a client or among the
+/// transactions in flight of a pipeline: what TATP's lookups and TPC-C's STOCK-LEVEL read
+/// with.
+#[allow(async_fn_in_trait)] // Futures of one thread's pipeline.
+pub trait LockFree {
+    /// [`HashTable::get`] (or [`HashTable::get_async`]) of `key` of `table`, coordinated on
+    /// `m`.
+    async fn get<K: Pod, V: Pod>(
+        &self,
+        table: &HashTable<K, V>,
+        m: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError>;
+}
+
+/// [`LockFree`] reads that block, through a client.
+#[derive(Debug)]
+pub struct Blocking<'a, C>(pub &'a C);
+
+impl<C: Client> LockFree for Blocking<'_, C> {
+    async fn get<K: Pod, V: Pod>(
+        &self,
+        table: &HashTable<K, V>,
+        m: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        table.get(self.0, m, key)
+    }
+}
+
+impl LockFree for Pipeline<'_> {
+    async fn get<K: Pod, V: Pod>(
+        &self,
+        table: &HashTable<K, V>,
+        m: MachineId,
+        key: &K,
+    ) -> Result<Option<V>, TxError> {
+        table.get_async(self, m, key).await
+    }
 }

@@ -15,12 +15,11 @@
 //! run where its subscriber lives.
 
 use bytemuck::{Pod, Zeroable};
-use std::cell::Cell;
 
-use farm::{Addr, Client, MachineId, Pipeline, TxError};
+use farm::{ready, Addr, Client, MachineId, Pipeline, Transaction, TxError};
 use farm_ds::{HashTable, TableSpec};
 
-use crate::Rand;
+use crate::{Blocking, LockFree, Rand};
 
 /// SUBSCRIBER's non-key columns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
@@ -370,6 +369,7 @@ impl Tables {
     /// (`None`: on the subscriber's machine). Returns whether it succeeded in the
     /// specification's sense (found its rows, or inserted or deleted one), and adds the
     /// transaction's executions to `attempts` (more than one when conflicts made it retry).
+    /// Blocks the thread until it ends; [`Tables::run_in`] runs it among others in flight.
     pub fn run(
         &self,
         cluster: &impl Client,
@@ -378,14 +378,44 @@ impl Tables {
         rng: &mut Rand,
         attempts: &mut u64,
     ) -> Result<bool, TxError> {
-        // The one task takes the inputs (a task of a pipeline borrows its captures shared).
-        let inputs = Cell::new(Some((rng, attempts)));
-        let out = Cell::new(None);
-        cluster.pipeline(1, async |p, _| {
-            let (rng, attempts) = inputs.take().expect("one task");
-            out.set(Some(self.run_in(p, m, kind, rng, attempts).await));
-        });
-        out.into_inner().expect("the task ran")
+        let (m, inputs) = self.inputs(cluster.machines(), m, kind, rng);
+        let count = |attempts: &mut u64| *attempts += 1;
+        let reads = Blocking(cluster);
+        match inputs {
+            Inputs::GetSubscriberData(id) => {
+                count(attempts);
+                ready(self.get_subscriber_data(&reads, m, id))
+            }
+            Inputs::GetAccessData(id, ai_type) => {
+                count(attempts);
+                ready(self.get_access_data(&reads, m, id, ai_type))
+            }
+            Inputs::GetNewDestination(i) => cluster.txn(m, |tx| {
+                count(attempts);
+                ready(self.get_new_destination(tx, &i))
+            }),
+            Inputs::UpdateSubscriberData(i) => cluster.txn(m, |tx| {
+                count(attempts);
+                ready(self.update_subscriber_data(tx, &i))
+            }),
+            Inputs::UpdateLocation(nbr, vlr) => {
+                let Some(s) = ready(reads.get(&self.sub_nbr, m, &nbr))? else {
+                    return Ok(false);
+                };
+                cluster.txn(m, |tx| {
+                    count(attempts);
+                    ready(self.update_location(tx, s, vlr))
+                })
+            }
+            Inputs::InsertCallForwarding(i) => cluster.txn(m, |tx| {
+                count(attempts);
+                ready(self.insert_call_forwarding(tx, &i))
+            }),
+            Inputs::DeleteCallForwarding(i) => cluster.txn(m, |tx| {
+                count(attempts);
+                ready(self.delete_call_forwarding(tx, &i))
+            }),
+        }
     }
 
     /// [`Tables::run`] as one of many transactions in flight on `pipeline`'s thread.
@@ -397,93 +427,96 @@ impl Tables {
         rng: &mut Rand,
         attempts: &mut u64,
     ) -> Result<bool, TxError> {
+        let (m, inputs) = self.inputs(pipeline.machines(), m, kind, rng);
+        let count = |attempts: &mut u64| *attempts += 1;
+        let p = pipeline;
+        match inputs {
+            Inputs::GetSubscriberData(id) => {
+                count(attempts);
+                self.get_subscriber_data(p, m, id).await
+            }
+            Inputs::GetAccessData(id, ai_type) => {
+                count(attempts);
+                self.get_access_data(p, m, id, ai_type).await
+            }
+            Inputs::GetNewDestination(i) => {
+                p.txn(m, async |tx| {
+                    count(attempts);
+                    self.get_new_destination(tx, &i).await
+                })
+                .await
+            }
+            Inputs::UpdateSubscriberData(i) => {
+                p.txn(m, async |tx| {
+                    count(attempts);
+                    self.update_subscriber_data(tx, &i).await
+                })
+                .await
+            }
+            Inputs::UpdateLocation(nbr, vlr) => {
+                let Some(s) = p.get(&self.sub_nbr, m, &nbr).await? else {
+                    return Ok(false);
+                };
+                p.txn(m, async |tx| {
+                    count(attempts);
+                    self.update_location(tx, s, vlr).await
+                })
+                .await
+            }
+            Inputs::InsertCallForwarding(i) => {
+                p.txn(m, async |tx| {
+                    count(attempts);
+                    self.insert_call_forwarding(tx, &i).await
+                })
+                .await
+            }
+            Inputs::DeleteCallForwarding(i) => {
+                p.txn(m, async |tx| {
+                    count(attempts);
+                    self.delete_call_forwarding(tx, &i).await
+                })
+                .await
+            }
+        }
+    }
+
+    /// The coordinator and inputs of a transaction of `kind` in a cluster of `machines`, drawn
+    /// from `rng` (`m`, if given, coordinates).
+    fn inputs(
+        &self,
+        machines: u16,
+        m: Option<MachineId>,
+        kind: Kind,
+        rng: &mut Rand,
+    ) -> (MachineId, Inputs) {
         let id = s_id(rng, self.subscribers);
-        let machines = pipeline.machines() as usize;
-        let m = m.unwrap_or(MachineId(partition_of_s_id(id, machines) as u16));
-        match kind {
-            Kind::GetSubscriberData => {
-                *attempts += 1;
-                Ok(self.subscriber.get_async(pipeline, m, &id).await?.is_some())
-            }
-            Kind::GetAccessData => {
-                *attempts += 1;
-                let ai_type = rng.range(1, 4) as u8;
-                Ok(self
-                    .access_info
-                    .get_async(pipeline, m, &ai_key(id, ai_type))
-                    .await?
-                    .is_some())
-            }
+        let m = m.unwrap_or(MachineId(partition_of_s_id(id, machines as usize) as u16));
+        let inputs = match kind {
+            Kind::GetSubscriberData => Inputs::GetSubscriberData(id),
+            Kind::GetAccessData => Inputs::GetAccessData(id, rng.range(1, 4) as u8),
             Kind::GetNewDestination => {
                 let sf_type = rng.range(1, 4) as u8;
                 let start_time = [0u8, 8, 16][rng.range(0, 2) as usize];
                 let end_time = rng.range(1, 24) as u8;
-                pipeline
-                    .txn(m, async |tx| {
-                        *attempts += 1;
-                        let sf = self
-                            .special_facility
-                            .get_in_async(tx, &sf_key(id, sf_type))
-                            .await?;
-                        let Some(sf) = sf else {
-                            return Ok(false);
-                        };
-                        if sf.is_active != 1 {
-                            return Ok(false);
-                        }
-                        let mut found = false;
-                        for start in [0u8, 8, 16].into_iter().filter(|s| *s <= start_time) {
-                            let cf = self
-                                .call_forwarding
-                                .get_in_async(tx, &cf_key(id, sf_type, start))
-                                .await?;
-                            found |= cf.is_some_and(|cf| end_time < cf.end_time);
-                        }
-                        Ok(found)
-                    })
-                    .await
+                Inputs::GetNewDestination(NewDestinationIn {
+                    id,
+                    sf_type,
+                    start_time,
+                    end_time,
+                })
             }
             Kind::UpdateSubscriberData => {
                 let sf_type = rng.range(1, 4) as u8;
                 let bit = rng.range(0, 1) as u16;
                 let data_a = rng.next_u64() as u8;
-                pipeline
-                    .txn(m, async |tx| {
-                        *attempts += 1;
-                        let key = sf_key(id, sf_type);
-                        let Some(mut sub) = self.subscriber.get_in_async(tx, &id).await? else {
-                            return Ok(false);
-                        };
-                        sub.bits = (sub.bits & !1) | bit;
-                        self.subscriber.update_async(tx, &id, &sub).await?;
-                        let Some(mut sf) = self.special_facility.get_in_async(tx, &key).await?
-                        else {
-                            return Ok(false); // The subscriber's update stands (clause 2.4).
-                        };
-                        sf.data_a = data_a;
-                        self.special_facility.update_async(tx, &key, &sf).await
-                    })
-                    .await
+                Inputs::UpdateSubscriberData(SubscriberDataIn {
+                    id,
+                    sf_type,
+                    bit,
+                    data_a,
+                })
             }
-            Kind::UpdateLocation => {
-                let nbr = sub_nbr(id);
-                let vlr = rng.next_u64() as u32;
-                // The number index never changes: a lock-free lookup before the transaction
-                // reads what one inside it would, without a read to validate at commit.
-                let Some(s) = self.sub_nbr.get_async(pipeline, m, &nbr).await? else {
-                    return Ok(false);
-                };
-                pipeline
-                    .txn(m, async |tx| {
-                        *attempts += 1;
-                        let Some(mut sub) = self.subscriber.get_in_async(tx, &s).await? else {
-                            return Ok(false);
-                        };
-                        sub.vlr_location = vlr;
-                        self.subscriber.update_async(tx, &s, &sub).await
-                    })
-                    .await
-            }
+            Kind::UpdateLocation => Inputs::UpdateLocation(sub_nbr(id), rng.next_u64() as u32),
             Kind::InsertCallForwarding => {
                 let nbr = sub_nbr(id);
                 let sf_type = rng.range(1, 4) as u8;
@@ -492,45 +525,163 @@ impl Tables {
                     end_time: start_time + rng.range(1, 8) as u8,
                     numberx: rng.digits(),
                 };
-                pipeline
-                    .txn(m, async |tx| {
-                        *attempts += 1;
-                        let Some(s) = self.sub_nbr.get_in_async(tx, &nbr).await? else {
-                            return Ok(false);
-                        };
-                        // The special facilities of the subscriber (the specification selects
-                        // them all; the insert needs the one of `sf_type`).
-                        let key = cf_key(s, sf_type, start_time);
-                        let sf = self
-                            .special_facility
-                            .get_in_async(tx, &sf_key(s, sf_type))
-                            .await?;
-                        if sf.is_none() {
-                            return Ok(false);
-                        }
-                        self.call_forwarding.insert_async(tx, &key, &cf).await
-                    })
-                    .await
+                Inputs::InsertCallForwarding(CallForwardingIn {
+                    nbr,
+                    sf_type,
+                    start_time,
+                    cf: Some(cf),
+                })
             }
             Kind::DeleteCallForwarding => {
                 let nbr = sub_nbr(id);
                 let sf_type = rng.range(1, 4) as u8;
                 let start_time = [0u8, 8, 16][rng.range(0, 2) as usize];
-                pipeline
-                    .txn(m, async |tx| {
-                        *attempts += 1;
-                        let Some(s) = self.sub_nbr.get_in_async(tx, &nbr).await? else {
-                            return Ok(false);
-                        };
-                        let removed = self
-                            .call_forwarding
-                            .remove_async(tx, &cf_key(s, sf_type, start_time))
-                            .await?;
-                        Ok(removed.is_some())
-                    })
-                    .await
+                Inputs::DeleteCallForwarding(CallForwardingIn {
+                    nbr,
+                    sf_type,
+                    start_time,
+                    cf: None,
+                })
             }
+        };
+        (m, inputs)
+    }
+
+    /// GET_SUBSCRIBER_DATA: one lock-free read of the subscriber's row.
+    async fn get_subscriber_data(
+        &self,
+        reads: &impl LockFree,
+        m: MachineId,
+        id: u32,
+    ) -> Result<bool, TxError> {
+        Ok(reads.get(&self.subscriber, m, &id).await?.is_some())
+    }
+
+    /// GET_ACCESS_DATA: one lock-free read of an access-info row.
+    async fn get_access_data(
+        &self,
+        reads: &impl LockFree,
+        m: MachineId,
+        id: u32,
+        ai_type: u8,
+    ) -> Result<bool, TxError> {
+        Ok(reads
+            .get(&self.access_info, m, &ai_key(id, ai_type))
+            .await?
+            .is_some())
+    }
+
+    /// GET_NEW_DESTINATION in `tx`: whether an active special facility forwards the call.
+    async fn get_new_destination(
+        &self,
+        tx: &mut impl Transaction,
+        i: &NewDestinationIn,
+    ) -> Result<bool, TxError> {
+        let &NewDestinationIn {
+            id,
+            sf_type,
+            start_time,
+            end_time,
+        } = i;
+        let sf = self
+            .special_facility
+            .get_in_async(tx, &sf_key(id, sf_type))
+            .await?;
+        let Some(sf) = sf else {
+            return Ok(false);
+        };
+        if sf.is_active != 1 {
+            return Ok(false);
         }
+        let mut found = false;
+        for start in [0u8, 8, 16].into_iter().filter(|s| *s <= start_time) {
+            let cf = self
+                .call_forwarding
+                .get_in_async(tx, &cf_key(id, sf_type, start))
+                .await?;
+            found |= cf.is_some_and(|cf| end_time < cf.end_time);
+        }
+        Ok(found)
+    }
+
+    /// UPDATE_SUBSCRIBER_DATA in `tx`.
+    async fn update_subscriber_data(
+        &self,
+        tx: &mut impl Transaction,
+        i: &SubscriberDataIn,
+    ) -> Result<bool, TxError> {
+        let &SubscriberDataIn {
+            id,
+            sf_type,
+            bit,
+            data_a,
+        } = i;
+        let key = sf_key(id, sf_type);
+        let Some(mut sub) = self.subscriber.get_in_async(tx, &id).await? else {
+            return Ok(false);
+        };
+        sub.bits = (sub.bits & !1) | bit;
+        self.subscriber.update_async(tx, &id, &sub).await?;
+        let Some(mut sf) = self.special_facility.get_in_async(tx, &key).await? else {
+            return Ok(false); // The subscriber's update stands (clause 2.4).
+        };
+        sf.data_a = data_a;
+        self.special_facility.update_async(tx, &key, &sf).await
+    }
+
+    /// UPDATE_LOCATION of subscriber `s` in `tx` (its number looked up before, lock-free: the
+    /// number index never changes, so a lookup inside the transaction would read the same,
+    /// with a read to validate at commit).
+    async fn update_location(
+        &self,
+        tx: &mut impl Transaction,
+        s: u32,
+        vlr: u32,
+    ) -> Result<bool, TxError> {
+        let Some(mut sub) = self.subscriber.get_in_async(tx, &s).await? else {
+            return Ok(false);
+        };
+        sub.vlr_location = vlr;
+        self.subscriber.update_async(tx, &s, &sub).await
+    }
+
+    /// INSERT_CALL_FORWARDING in `tx`.
+    async fn insert_call_forwarding(
+        &self,
+        tx: &mut impl Transaction,
+        i: &CallForwardingIn,
+    ) -> Result<bool, TxError> {
+        let Some(s) = self.sub_nbr.get_in_async(tx, &i.nbr).await? else {
+            return Ok(false);
+        };
+        // The special facilities of the subscriber (the specification selects them all; the
+        // insert needs the one of `sf_type`).
+        let key = cf_key(s, i.sf_type, i.start_time);
+        let sf = self
+            .special_facility
+            .get_in_async(tx, &sf_key(s, i.sf_type))
+            .await?;
+        if sf.is_none() {
+            return Ok(false);
+        }
+        let cf = i.cf.as_ref().expect("an insert's row");
+        self.call_forwarding.insert_async(tx, &key, cf).await
+    }
+
+    /// DELETE_CALL_FORWARDING in `tx`.
+    async fn delete_call_forwarding(
+        &self,
+        tx: &mut impl Transaction,
+        i: &CallForwardingIn,
+    ) -> Result<bool, TxError> {
+        let Some(s) = self.sub_nbr.get_in_async(tx, &i.nbr).await? else {
+            return Ok(false);
+        };
+        let removed = self
+            .call_forwarding
+            .remove_async(tx, &cf_key(s, i.sf_type, i.start_time))
+            .await?;
+        Ok(removed.is_some())
     }
 
     /// Checks the database's integrity after a run: every subscriber is there with its number
@@ -610,4 +761,39 @@ fn pick_types(rng: &mut Rand) -> Vec<u8> {
     }
     types.truncate(n);
     types
+}
+
+/// One TATP transaction's inputs, drawn before it runs (a retry runs the same one).
+enum Inputs {
+    GetSubscriberData(u32),
+    GetAccessData(u32, u8),
+    GetNewDestination(NewDestinationIn),
+    UpdateSubscriberData(SubscriberDataIn),
+    UpdateLocation([u8; 16], u32),
+    InsertCallForwarding(CallForwardingIn),
+    DeleteCallForwarding(CallForwardingIn),
+}
+
+/// GET_NEW_DESTINATION's inputs.
+struct NewDestinationIn {
+    id: u32,
+    sf_type: u8,
+    start_time: u8,
+    end_time: u8,
+}
+
+/// UPDATE_SUBSCRIBER_DATA's inputs.
+struct SubscriberDataIn {
+    id: u32,
+    sf_type: u8,
+    bit: u16,
+    data_a: u8,
+}
+
+/// INSERT_CALL_FORWARDING's and DELETE_CALL_FORWARDING's inputs (an insert's row in `cf`).
+struct CallForwardingIn {
+    nbr: [u8; 16],
+    sf_type: u8,
+    start_time: u8,
+    cf: Option<CallForwarding>,
 }

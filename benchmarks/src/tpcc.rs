@@ -24,7 +24,7 @@ use farm_ds::{BTree, HashTable, TableSpec};
 use crate::tpcc_input::{
     a_string, data_with_original, last_name, n_string, nurand, zip, NuRandConstants, A_C_LAST,
 };
-use crate::Rand;
+use crate::{Blocking, LockFree, Rand};
 
 /// WAREHOUSE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
@@ -959,45 +959,6 @@ struct StockLevelIn {
     w: u32,
     d: u8,
     threshold: u32,
-}
-
-/// Lock-free reads of committed rows (§3), blocking through a client or among the
-/// transactions in flight of a pipeline: what STOCK-LEVEL reads with.
-#[allow(async_fn_in_trait)] // Futures of one thread's pipeline.
-pub trait LockFree {
-    /// [`HashTable::get`] (or [`HashTable::get_async`]) of `key` of `table`, coordinated on
-    /// `m`.
-    async fn get<K: Pod, V: Pod>(
-        &self,
-        table: &HashTable<K, V>,
-        m: MachineId,
-        key: &K,
-    ) -> Result<Option<V>, TxError>;
-}
-
-/// [`LockFree`] reads that block, through a client.
-struct Blocking<'a, C>(&'a C);
-
-impl<C: Client> LockFree for Blocking<'_, C> {
-    async fn get<K: Pod, V: Pod>(
-        &self,
-        table: &HashTable<K, V>,
-        m: MachineId,
-        key: &K,
-    ) -> Result<Option<V>, TxError> {
-        table.get(self.0, m, key)
-    }
-}
-
-impl LockFree for Pipeline<'_> {
-    async fn get<K: Pod, V: Pod>(
-        &self,
-        table: &HashTable<K, V>,
-        m: MachineId,
-        key: &K,
-    ) -> Result<Option<V>, TxError> {
-        table.get_async(self, m, key).await
-    }
 }
 
 /// What a NEW-ORDER's commit or abort means for the books.
