@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 use farm_core::{fabric, Addr, MachineId};
-use farm_txn::{TxCore, TxError};
+use farm_txn::{TxCore, TxError, COMMITS_IN_FLIGHT_MAX};
 
 use crate::backoff::Backoff;
 use crate::hosts::{retry, Host, Hosts, Retry};
@@ -208,6 +208,15 @@ impl<'a> Pipeline<'a> {
         };
         let value = f(&mut tx).await;
         let state = tx.core.take().expect("open until here").into_state();
+        if value.is_ok() {
+            // A worker keeps at most COMMITS_IN_FLIGHT_MAX commits in flight; with more tasks
+            // than that, a commit waits for room (no await between the check and the start).
+            self.until(|| {
+                let mut host = self.host.borrow_mut();
+                host.worker(worker).commits_in_flight() < COMMITS_IN_FLIGHT_MAX
+            })
+            .await;
+        }
         let (value, commit) = {
             let mut host = self.host.borrow_mut();
             self.hosts.start_commit(&mut host, worker, value, state)?

@@ -243,3 +243,35 @@ fn blocking_and_pipelined_code_share_one_implementation() {
     });
     assert_eq!(seen.get(), INITIAL + 7);
 }
+
+/// More tasks than a worker keeps commits in flight (`farm_txn::COMMITS_IN_FLIGHT_MAX`), all
+/// coordinated by machine 0 and writing objects whose primary is machine 1 (so that each
+/// commit waits for machine 1's worker to take its LOCK, between turns): a task whose commit
+/// would pass the limit waits for a turn instead of failing the worker, and every
+/// transaction commits once.
+#[test]
+fn more_tasks_than_commits_in_flight_wait_their_turn() {
+    let c = cluster();
+    const TASKS: usize = 3 * farm_txn::COMMITS_IN_FLIGHT_MAX;
+    let slots: Vec<Addr> = (0..TASKS)
+        .map(|k| {
+            c.txn(MachineId(1), |tx| tx.alloc(&(k as u64), None))
+                .unwrap()
+        })
+        .collect();
+    c.pipeline(TASKS, async |p, k| {
+        for round in 1..=3u64 {
+            p.txn(MachineId(0), async |tx| {
+                let v: u64 = tx.read(slots[k]).await?;
+                tx.write(slots[k], &(v + round * 1000)).await
+            })
+            .await
+            .unwrap();
+        }
+    });
+    for (k, a) in slots.iter().enumerate() {
+        let v: u64 = c.txn(MachineId(0), |tx| tx.read(*a)).unwrap();
+        assert_eq!(v, k as u64 + 6000, "slot {k}");
+    }
+    c.quiesce();
+}
