@@ -912,11 +912,11 @@ impl Link {
                 unreachable
             })?;
         }
-        let l = &mut *inner;
-        let LinkState::Up(conn) = &mut l.state else {
+        // Requests are encoded only on a connection that is up (`write_out` relies on it).
+        if !matches!(inner.state, LinkState::Up(_)) {
             return Err(unreachable);
-        };
-        let _ = conn;
+        }
+        let l = &mut *inner;
         let id = l.next_id;
         l.next_id += 1;
         Request {
