@@ -96,7 +96,8 @@ impl Machine {
     /// microseconds since the fabric started).
     fn alive(&self, now: u64) -> bool {
         let checked = self.checked.load(Ordering::Acquire);
-        if checked != 0 && now - checked < LIVENESS_CHECK.as_micros() as u64 {
+        // Another thread may have checked after this one read the clock (`checked > now`).
+        if checked != 0 && now.saturating_sub(checked) < LIVENESS_CHECK.as_micros() as u64 {
             return self.alive.load(Ordering::Acquire);
         }
         let alive = probe_alive(&self.lock_path);
@@ -434,5 +435,32 @@ impl Fabric for ShmFabric {
     fn is_up(&self, machine: MachineId) -> bool {
         // A machine's own threads (its lease thread each round) see it up without a lock.
         machine == self.me || self.alive(machine, &self.machine(machine))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Threads of a process share a peer's liveness: one may read the clock, another check and
+    /// store a later time, and the first then compare its earlier `now` with it. That must
+    /// take the fresh answer, not panic on `now - checked` (it did: a machine process of
+    /// `node_rejoin.rs` died at this line under load).
+    #[test]
+    fn a_liveness_check_newer_than_the_readers_clock_is_taken() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let m = Machine {
+            lock_path: dir.path().join("alive"),
+            alive: AtomicBool::new(true),
+            checked: AtomicU64::new(2_000),
+            areas: RwLock::new(HashMap::new()),
+            admitted: Mutex::new(None),
+            doorbell: Mutex::new(None),
+            ring_held: AtomicU64::new(0),
+        };
+        // Checked at 2,000 us by another thread; this one read the clock at 1,000 us.
+        assert!(m.alive(1_000), "the fresh check said alive");
+        // Long after, it probes again: no lock file, so not alive.
+        assert!(!m.alive(2_000 + 2 * LIVENESS_CHECK.as_micros() as u64));
     }
 }
