@@ -1659,25 +1659,36 @@ impl Worker {
         matches!(kept, Kept::Queue(..))
     }
 
-    /// Drops the recovery messages kept in queue slots from `peer`, whose rings start afresh
-    /// (a new incarnation joined): a restart no longer finds them. They were kept there only
-    /// because the recovery log was full.
-    pub(crate) fn forget_kept_from(&mut self, peer: MachineId) {
-        let mut lost = 0;
-        for kept in self.recovery.logged.values_mut() {
-            let before = kept.len();
-            kept.retain(|k| !matches!(k, Kept::Queue(s, _) if *s == peer));
-            lost += before - kept.len();
+    /// Drops what recovery holds in `peer`'s rings to this thread, which start afresh (a new
+    /// incarnation joined): the log records of `peer`'s earlier life's transactions still
+    /// recovering here (their writes and decisions are held in memory; forgetting one then
+    /// frees nothing in the new ring), and the recovery messages kept in queue slots from
+    /// `peer` (kept there only because the recovery log was full). A whole-cluster restart
+    /// before those transactions are forgotten no longer finds them.
+    pub(crate) fn forget_rings_of(&mut self, peer: MachineId) {
+        let mut records = 0;
+        for (t, tx) in self.recovery.txs.iter_mut() {
+            if t.machine == peer && !tx.records.is_empty() {
+                records += tx.records.len();
+                tx.records.clear();
+            }
         }
-        if lost > 0 {
+        let mut kept = 0;
+        for k in self.recovery.logged.values_mut() {
+            let before = k.len();
+            k.retain(|k| !matches!(k, Kept::Queue(s, _) if *s == peer));
+            kept += before - k.len();
+        }
+        if records + kept > 0 {
             tracing::error!(
                 machine = self.machine.id.0,
                 thread = self.thread.0,
                 peer = peer.0,
-                lost,
-                "recovery messages kept in the queue from a machine that joined again are \
-                 dropped: a whole-cluster restart before their transactions are forgotten \
-                 would not see them"
+                records,
+                kept,
+                "a machine joined again while transactions of its earlier life were still \
+                 recovering here: their records in its rings are dropped, and a whole-cluster \
+                 restart before they are forgotten would not see them"
             );
         }
     }
@@ -1771,5 +1782,119 @@ fn logged_txn(msg: &Message) -> Option<TxnId> {
             ..
         } => Some(*t),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use farm_core::config::{Configuration, RegionMap};
+    use farm_core::fabric::Fabric;
+    use farm_core::ring::RingLayout;
+    use farm_core::{MachineId, ThreadId};
+    use farm_fabric::mem::{MemFabric, MemFabricConfig};
+    use farm_recovery::vote::Decision;
+
+    use super::RecTx;
+    use crate::{MachineState, Params, Replication, Tx, Worker};
+
+    fn workers() -> Vec<Worker> {
+        let params = Params {
+            layout: RingLayout {
+                machines_max: 3,
+                threads: 1,
+                log_bytes: 256 << 10,
+                queue_bytes: 256 << 10,
+            },
+            region_bytes: 2 << 20,
+            validate_rpc_threshold: 4,
+            recovery_interval_ticks: 2,
+            replication: Replication::OneSided,
+            lease_ticks: 100_000,
+        };
+        let fabric: Arc<dyn Fabric> = Arc::new(MemFabric::new(MemFabricConfig {
+            machines_max: 3,
+            threads_max: 1,
+            seed: 0,
+            datagrams_queued_max: 8,
+        }));
+        let map = RegionMap::striped(3, 1, 1);
+        (0..3)
+            .map(|m| {
+                let state = MachineState::new(
+                    MachineId(m),
+                    params,
+                    Configuration::initial(3),
+                    map.clone(),
+                    fabric.clone(),
+                    None,
+                )
+                .unwrap();
+                Worker::new(state, ThreadId(0))
+            })
+            .collect()
+    }
+
+    /// Commits `f` on worker `c`, polling the others between its steps until it is decided
+    /// (and no further: its records stay untruncated at the participants).
+    fn commit(w: &mut [Worker], c: usize, now: &mut u64, f: impl FnOnce(&mut Tx<'_>)) {
+        let mut tx = Tx::new(&mut w[c]);
+        f(&mut tx);
+        let state = tx.into_state();
+        let handle = w[c].start_commit(state);
+        loop {
+            *now += 1;
+            for x in w.iter_mut() {
+                x.poll(*now);
+            }
+            if let Some(r) = w[c].poll_commit(handle, *now) {
+                return r.unwrap();
+            }
+        }
+    }
+
+    /// A transaction of machine 2's earlier life, recovered here and applied, waits for its
+    /// TRUNCATE-RECOVERY holding its records in machine 2's log to this thread; machine 2 joins
+    /// again as a new incarnation first, so this thread's rings from it start afresh
+    /// (`Worker::forget_peer`). The records went with the ring: forgetting the transaction
+    /// then must not free them in the new ring (a machine process died of "releasing record
+    /// N that is not live" in `node_rejoin.rs`).
+    #[test]
+    fn a_recovered_transaction_of_a_machine_that_joined_again_is_forgotten_without_its_records() {
+        let mut w = workers();
+        let mut now = 0;
+        // Machine 2 writes an object whose primary is machine 0: machine 0 keeps the records
+        // of the transaction until it is truncated.
+        let mut obj = None;
+        commit(&mut w, 0, &mut now, |tx| {
+            let a = tx.alloc(8, None).unwrap();
+            tx.write(a, &[1; 8]).unwrap();
+            obj = Some(a);
+        });
+        let obj = obj.unwrap();
+        commit(&mut w, 2, &mut now, |tx| tx.write(obj, &[2; 8]).unwrap());
+        // The primary processes the COMMIT-PRIMARY, and keeps its records with the LOCK's.
+        w[0].poll(now + 1);
+        let (_, retained) = w[0].inbound[2]
+            .retained
+            .pop_first()
+            .expect("machine 0 keeps machine 2's records until truncation");
+        assert!(!retained.records.is_empty());
+        let t = retained.txn;
+        // Recovery took the transaction over, decided and applied it.
+        w[0].recovery.txs.insert(
+            t,
+            RecTx {
+                decision: Some(Decision::Commit),
+                applied: true,
+                records: retained.records,
+                ..RecTx::default()
+            },
+        );
+        w[0].forget_peer(MachineId(2));
+        w[0].on_truncate_recovery(t);
+        assert!(w[0].recovery.forgotten.contains_key(&t));
+        assert!(!w[0].recovery.txs.contains_key(&t));
     }
 }

@@ -433,7 +433,7 @@ impl Worker {
     /// it written from the start, and whatever this thread still held of the earlier life
     /// (records, locks, truncation and drain marks, messages waiting) is dropped. The peer
     /// writes here only once the configuration commits, after this thread got here.
-    fn forget_peer(&mut self, peer: MachineId) {
+    pub(crate) fn forget_peer(&mut self, peer: MachineId) {
         let machine = self.machine.clone();
         let layout = machine.params.layout;
         for kind in [RingKind::Log, RingKind::Queue] {
@@ -446,7 +446,7 @@ impl Worker {
             machine.feedback.store_u64(slot, 0, Ordering::Release);
         }
         machine.forget_marks(peer, self.thread.0);
-        self.forget_kept_from(peer);
+        self.forget_rings_of(peer);
         self.inbound[peer.0 as usize] = Inbound::open(&machine, self.thread, peer, false);
         self.outbound[peer.0 as usize] = Outbound::new(layout);
         self.backlog.retain(|(m, _)| *m != peer);
