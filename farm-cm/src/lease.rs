@@ -438,6 +438,13 @@ impl MemberLease {
     pub fn reconfigure(&mut self, config: ConfigId, now: u64) {
         assert!(config >= self.config, "configurations only move forward");
         self.config = config;
+        self.forgive(now);
+    }
+
+    /// Renews with the CM again if it was suspected (its removal failed: see
+    /// `farm_cm::Effect::ForgiveCm`): it gets one lease period from `now`, and its grants
+    /// are taken again.
+    pub fn forgive(&mut self, now: u64) {
         if self.cm_suspected {
             self.cm_suspected = false;
             self.cm_expires = self.cm_expires.max(now + self.timing.lease_ticks);
@@ -488,6 +495,13 @@ impl LeaseRole {
                 l.reconfigure(config.id, now)
             }
             _ => *self = Self::new(me, config, timing, now),
+        }
+    }
+
+    /// A member renews with the CM it suspected and could not remove ([`MemberLease::forgive`]).
+    pub fn forgive_cm(&mut self, now: u64) {
+        if let LeaseRole::Member(m) = self {
+            m.forgive(now);
         }
     }
 
@@ -918,5 +932,47 @@ mod tests {
         config.members = vec![MachineId(3)];
         role.follow(me, &config, timing, 30);
         assert!(matches!(role, LeaseRole::Out));
+    }
+
+    /// A member that suspected its CM takes none of its grants, so a CM that came back (from a
+    /// pause) is not renewed with, and the member's own lease at it runs out for good; when
+    /// the member's plane finds it cannot remove the CM (`Effect::ForgiveCm`), it forgives it:
+    /// the CM's grants are taken again, and the CM gets a lease period before it is suspected
+    /// again.
+    #[test]
+    fn a_member_forgives_a_suspected_cm_and_renews_with_it() {
+        let t = LeaseConfig::new(100);
+        let (cm, m) = (MachineId(0), MachineId(1));
+        let mut c = CmLeases::new(ConfigId(1), t, &[m], 0);
+        let mut l = MemberLease::new(ConfigId(1), t, cm, 0);
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        // The CM is silent past the lease granted to it: suspected.
+        l.tick(150, &mut out, &mut ev);
+        assert_eq!(ev, vec![LeaseEvent::Suspect(cm)]);
+        // It comes back: its grant is ignored while suspected.
+        let renew = |l: &mut MemberLease, c: &mut CmLeases, now: u64| {
+            let (mut out, mut ev) = (Vec::new(), Vec::new());
+            l.tick(now, &mut out, &mut ev);
+            let mut grants = Vec::new();
+            for (_, req) in out {
+                c.on_datagram(m, req, now, &mut grants);
+            }
+            let mut acks = Vec::new();
+            for (_, g) in grants {
+                l.on_datagram(cm, g, now, &mut acks);
+            }
+            !acks.is_empty()
+        };
+        assert!(!renew(&mut l, &mut c, 300));
+        assert!(!l.lease_valid(300));
+        // Forgiven: renewed with it again.
+        l.forgive(310);
+        assert!(renew(&mut l, &mut c, 400));
+        assert!(l.lease_valid(450));
+        assert_eq!(l.cm_expires(), 500);
+        // And suspected again once the CM is silent past that.
+        ev.clear();
+        l.tick(501, &mut out, &mut ev);
+        assert_eq!(ev, vec![LeaseEvent::Suspect(cm)]);
     }
 }

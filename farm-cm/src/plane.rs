@@ -206,6 +206,11 @@ pub enum Effect {
     AllRegionsActive(ConfigId),
     /// This machine was removed: the store holds this newer configuration without it.
     Evicted(ConfigId),
+    /// This member could not remove its CM, which it suspected (a majority did not answer, or
+    /// a region would be left without a complete replica): it renews leases with the CM again
+    /// (`MemberLease::forgive`), and suspects it again if that lease runs out. The CM stays
+    /// the CM of the configuration, which no attempt changed.
+    ForgiveCm(MachineId),
     /// PREPARE of region allocation at this machine (§3): map and register NVRAM for
     /// `regions`; report with [`ControlPlane::on_regions_prepared`].
     PrepareRegions {
@@ -314,6 +319,9 @@ pub struct ControlPlane {
     /// attempt's commit waits for it too (§5.2 step 7).
     leases_end: u64,
     cm_suspicion: Option<CmSuspicion>,
+    /// After this member forgave a CM it could not remove, no attempt to remove it before this
+    /// tick (a takeover period after the failure, as if the suspicion had stood).
+    cm_retry_at: u64,
     attempt: Option<Attempt>,
     reading: Reading,
     /// Joiners whose join failed: not before `.0`, then wait `.1` after the next failure.
@@ -352,6 +360,7 @@ impl ControlPlane {
             retry_at: 0,
             leases_end: 0,
             cm_suspicion: None,
+            cm_retry_at: 0,
             attempt: None,
             reading: Reading::default(),
             join_backoff: BTreeMap::new(),
@@ -492,6 +501,7 @@ impl ControlPlane {
             self.suspects.retain(|m| local.config.contains(*m));
             self.unacknowledged.retain(|m| self.suspects.contains(m));
             self.reported.clear();
+            self.cm_retry_at = 0;
         }
         if self
             .cm_suspicion
@@ -901,7 +911,7 @@ impl ControlPlane {
                 config: c.id,
                 cm: c.cm,
                 since: now,
-                not_before: now,
+                not_before: now.max(self.cm_retry_at),
                 deferred_for: None,
                 next_check: now,
                 check_every: self.params.takeover_ticks(),
@@ -1302,10 +1312,24 @@ impl ControlPlane {
                     }
                     _ => {}
                 }
-                if let Some(s) = self.cm_suspicion.as_mut() {
-                    s.not_before = at;
-                } else {
-                    self.suspects.extend(suspects);
+                let removal_impossible = matches!(
+                    e,
+                    ReconfigError::NoMajority { .. } | ReconfigError::Remap(_)
+                );
+                match self.cm_suspicion.as_mut() {
+                    // The CM cannot be removed with these members: a CM that came back from a
+                    // pause would otherwise never be renewed here, and this member would stop
+                    // serving for good (its own lease at the CM lapses). Forgiven, it gets a
+                    // lease period; if it is really gone, the lease runs out and suspects it
+                    // again.
+                    Some(s) if removal_impossible => {
+                        let cm = s.cm;
+                        self.cm_suspicion = None;
+                        self.cm_retry_at = at;
+                        self.effects.push(Effect::ForgiveCm(cm));
+                    }
+                    Some(s) => s.not_before = at,
+                    None => self.suspects.extend(suspects),
                 }
                 self.suspects.retain(|m| !forgiven.contains(m));
                 self.retry_at = at;

@@ -89,6 +89,8 @@ struct Cluster {
     cas_answers_lost: u32,
     /// When each ALL-REGIONS-ACTIVE was sent, with its configuration.
     all_active_sent: Vec<(u64, ConfigId)>,
+    /// CMs forgiven (`Effect::ForgiveCm`): when, by whom, which.
+    forgiven: Vec<(u64, MachineId, MachineId)>,
     rng: u64,
 }
 
@@ -136,6 +138,7 @@ impl Cluster {
             lose_one_in: 0,
             cas_answers_lost: 0,
             all_active_sent: Vec::new(),
+            forgiven: Vec::new(),
             rng: 0x9e37_79b9_7f4a_7c15,
         }
     }
@@ -220,6 +223,7 @@ impl Cluster {
                     }
                     Effect::AllRegionsActive(id) => self.machines[i].all_active = id,
                     Effect::Evicted(_) => self.machines[i].evicted = true,
+                    Effect::ForgiveCm(cm) => self.forgiven.push((now, m, cm)),
                     Effect::PrepareRegions {
                         cm,
                         config,
@@ -789,4 +793,71 @@ fn the_cm_records_all_active_when_it_first_sends_it() {
         recorded <= first_sent,
         "recorded at {recorded}, first sent at {first_sent}"
     );
+}
+
+/// A member that suspects its CM and cannot remove it (here: the CM does not answer its
+/// probes and the third machine is dead, so one machine of three is no majority) forgives it (`Effect::ForgiveCm`,
+/// after which its lease manager takes the CM's grants again) and stops driving its removal.
+/// Before, the suspicion stood for good: a CM that came back from a pause was never renewed
+/// with, and the member stopped serving (issue 24, liveness seed 35335).
+#[test]
+fn a_member_forgives_a_cm_it_cannot_remove() {
+    let mut c = Cluster::new(3);
+    c.kill(MachineId(2));
+    c.cut.insert(MachineId(0));
+    c.suspect(MachineId(1), MachineId(0));
+    let forgiven = |c: &Cluster| {
+        c.forgiven
+            .iter()
+            .any(|(_, m, cm)| *m == MachineId(1) && *cm == MachineId(0))
+    };
+    assert!(c.run_until(10 * LEASE, forgiven), "{:#?}", c.events);
+    assert!(c
+        .events
+        .iter()
+        .any(|(_, m, e)| *m == MachineId(1)
+            && matches!(e, Event::Failed(f) if f.contains("majority"))));
+    // Forgiven, the CM is no longer driven out: no attempt after, and the configuration stays.
+    let at = c.now;
+    c.cut.clear();
+    c.run_until(5 * LEASE, |_| false);
+    assert!(
+        !c.events
+            .iter()
+            .any(|(t, m, e)| *t > at && *m == MachineId(1) && matches!(e, Event::Attempt { .. })),
+        "{:#?}",
+        c.events
+    );
+    assert_eq!(c.machines[1].config.id, ConfigId(1));
+}
+
+/// A member that cannot write to its CM (a broken link: `on_unreachable` every tick) and cannot
+/// remove it forgives it as above, and tries again a takeover period after the failure, not at
+/// its next tick: forgiving must not turn paced retries into a storm of store reads and
+/// attempts. Across processes a member whose two-machine configuration lost its CM attempted
+/// every 3 ms (node_rejoin.rs, once the other machine had gone).
+#[test]
+fn a_member_that_can_neither_reach_nor_remove_its_cm_retries_at_the_takeover_pace() {
+    let mut c = Cluster::new(3);
+    c.kill(MachineId(2));
+    c.cut.insert(MachineId(0));
+    let ticks = 10 * LEASE;
+    for _ in 0..ticks {
+        let now = c.now;
+        c.with_plane(MachineId(1), |p, l| p.on_unreachable(MachineId(0), now, l));
+        c.run_effects(MachineId(1));
+        c.step();
+    }
+    let attempts = c
+        .events
+        .iter()
+        .filter(|(_, m, e)| *m == MachineId(1) && matches!(e, Event::Attempt { .. }))
+        .count() as u64;
+    let paced = ticks / (TAKEOVER_LEASES * LEASE) + 1;
+    assert!(
+        (2..=paced).contains(&attempts),
+        "{attempts} attempts in {ticks} ticks (at most {paced} at the takeover pace): {:#?}",
+        c.events
+    );
+    assert!(!c.forgiven.is_empty(), "the CM was never forgiven");
 }

@@ -346,6 +346,14 @@ impl MachineControl {
                         );
                         self.machine.set_evicted();
                     }
+                    Effect::ForgiveCm(cm) => {
+                        tracing::info!(
+                            machine = me.0,
+                            cm = cm.0,
+                            "could not remove the CM: renewing with it again"
+                        );
+                        self.machine.forgive_cm();
+                    }
                     Effect::PrepareRegions {
                         cm,
                         config,

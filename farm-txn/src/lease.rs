@@ -28,6 +28,8 @@ pub struct MachineLease {
     interval: u64,
     /// The view generation the role follows.
     generation: u64,
+    /// The forgiveness of the CM the role last took (`MachineState::cm_forgiven`).
+    forgiven: u64,
     /// When the last round ran (`None` before the first, or after the machine was down).
     last_round: Option<u64>,
     out: Vec<(MachineId, LeaseMsg)>,
@@ -40,6 +42,7 @@ impl MachineLease {
     /// configuration it has installed, rounds meant every `interval` ticks.
     pub fn new(machine: Arc<MachineState>, timing: LeaseConfig, interval: u64, now: u64) -> Self {
         let generation = machine.view_generation();
+        let forgiven = machine.cm_forgiven();
         let role = LeaseRole::new(machine.id, &machine.view().config, timing, now);
         Self {
             machine,
@@ -47,6 +50,7 @@ impl MachineLease {
             timing,
             interval,
             generation,
+            forgiven,
             last_round: None,
             out: Vec::with_capacity(ROUND_CAPACITY),
             events: Vec::with_capacity(ROUND_CAPACITY),
@@ -92,6 +96,11 @@ impl MachineLease {
             self.generation = generation;
             self.role
                 .follow(me, &self.machine.view().config, self.timing, now);
+        }
+        let forgiven = self.machine.cm_forgiven();
+        if forgiven != self.forgiven {
+            self.forgiven = forgiven;
+            self.role.forgive_cm(now);
         }
         let fabric = self.machine.fabric.clone();
         while let Some(from) = fabric.recv_datagram(me, now, &mut self.buf) {

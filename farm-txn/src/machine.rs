@@ -199,6 +199,9 @@ pub struct MachineState {
     /// at every step; a copy of `to_copy`'s keys made only when it changes).
     copying: Mutex<Arc<BTreeSet<RegionId>>>,
     view_generation: AtomicU64,
+    /// Increases each time the control plane forgives the CM it could not remove
+    /// (`farm_cm::Effect::ForgiveCm`); the lease manager renews with it again.
+    cm_forgiven: AtomicU64,
     nvram_dir: Option<PathBuf>,
     /// Regions prepared for allocation (§3) and not yet committed into a view.
     prepared: Mutex<std::collections::BTreeMap<RegionId, Arc<Nvram>>>,
@@ -532,6 +535,7 @@ impl MachineState {
             complete,
             copying: Mutex::new(Arc::default()),
             view_generation: AtomicU64::new(0),
+            cm_forgiven: AtomicU64::new(0),
             nvram_dir,
             prepared: Mutex::new(prepared),
             committed: AtomicU64::new(config.id.0),
@@ -767,6 +771,17 @@ impl MachineState {
             bytes += area.len();
         }
         Ok((count, bytes))
+    }
+
+    /// The control plane forgave the CM it suspected and could not remove: the lease manager
+    /// renews with it again ([`MachineState::cm_forgiven`]).
+    pub fn forgive_cm(&self) {
+        self.cm_forgiven.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How many times the CM was forgiven ([`MachineState::forgive_cm`]).
+    pub fn cm_forgiven(&self) -> u64 {
+        self.cm_forgiven.load(Ordering::Acquire)
     }
 
     /// Increases with every installed view; workers compare it to refresh their copy cheaply.
