@@ -16,7 +16,7 @@ use farm_fabric::mem::{DatagramPolicy, MemFabric, MemFabricConfig};
 use farm_txn::machine::Reopen;
 use farm_txn::restart::{Finished, MachineRestart};
 use farm_txn::{
-    CommitHandle, MachineState, Params, Replication, Stats, Tx, TxError, Worker,
+    CommitHandle, MachineState, Params, Replication, Stats, Tx, TxCore, TxError, Worker,
     COMMITS_IN_FLIGHT_MAX,
 };
 
@@ -148,6 +148,11 @@ pub struct SimOutcome {
     pub live_objects: usize,
     /// The most commits one worker had in flight at once.
     pub commits_in_flight_max: usize,
+    /// The most executions open on one worker at once (suspended while others of its worker
+    /// ran).
+    pub executions_in_flight_max: usize,
+    /// How many times an execution was suspended (waiting for a read, or yielding).
+    pub executions_suspended: u64,
     /// Machines crashed.
     pub crashed: Vec<MachineId>,
     /// Transactions whose coordinator crashed mid-commit, and how many of them turned out
@@ -180,7 +185,56 @@ pub struct SimOutcome {
 #[derive(Debug)]
 enum Client {
     Idle,
+    /// A transaction in execution, suspended while the others of its worker run.
+    Executing(Box<Execution>),
     Committing(TxnRecord, Effects, CommitHandle),
+}
+
+/// One step of a client's transaction.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// Posts a read of every list the transaction goes on to read (`Tx::prefetch`).
+    Prefetch,
+    /// Allocates an object holding the value near the address (often at a remote primary,
+    /// over ALLOC, while the step polls the other workers and lands held work).
+    Alloc(Addr, u64),
+    /// Reads list `key` at the address, and appends the value if there is one and room.
+    List(u64, Addr, Option<u64>),
+    /// Reads an object this client allocated, checks it holds the value, and frees it.
+    Free(Addr, u64),
+}
+
+impl Step {
+    /// The read the step makes first, if any: an asynchronous transaction waits until it is
+    /// here (`Tx::read_ready`) and lets the others of its worker run meanwhile.
+    fn reads(self) -> Option<(Addr, usize)> {
+        match self {
+            Step::List(_, addr, _) => Some((addr, LIST_BYTES)),
+            Step::Free(addr, _) => Some((addr, 16)),
+            Step::Prefetch | Step::Alloc(..) => None,
+        }
+    }
+}
+
+/// A client's transaction between its start and its commit: its execution (`TxCore`) while
+/// suspended, its steps, and what it did so far. An asynchronous one runs as a task of the
+/// runtime's executor does (`Tx::resume`, `Tx::read_ready`, `Tx::suspend`): it yields when a
+/// read is not here yet and, as the seed says, between steps, so that the executions of one
+/// worker interleave with each other, with its commits and with every fault; a blocking one
+/// runs all its steps at once, waiting inside its reads as `txn(|tx| ..)` does.
+#[derive(Debug)]
+struct Execution {
+    /// The execution, taken while a step runs.
+    core: Option<TxCore>,
+    steps: Vec<Step>,
+    /// The step to run next.
+    next: usize,
+    /// Runs every step at once, waiting inside its reads.
+    blocking: bool,
+    /// Bit `i % 64`: an asynchronous one yields after step `i`.
+    yields: u64,
+    rec: TxnRecord,
+    effects: Effects,
 }
 
 /// Objects a transaction allocates or frees, applied to the client's set when it commits.
@@ -216,6 +270,10 @@ pub struct Sim {
     crashed: Vec<MachineId>,
     /// The most commits one worker had in flight at once.
     commits_in_flight_max: usize,
+    /// The most executions open on one worker at once.
+    executions_in_flight_max: usize,
+    /// How many times an execution was suspended.
+    executions_suspended: u64,
     /// Steps from which the power may go, earliest last.
     power_loss_at: Vec<u64>,
     /// The first power loss waits for the CM to start a reconfiguration.
@@ -379,6 +437,8 @@ impl Sim {
             crash_at,
             crashed: Vec::new(),
             commits_in_flight_max: 0,
+            executions_in_flight_max: 0,
+            executions_suspended: 0,
             power_loss_at,
             power_loss_in_reconfiguration,
             slow_link: None,
@@ -668,16 +728,19 @@ impl Sim {
 
     /// Client `c`'s commit in flight, if any, has an unknown outcome (its coordinator crashed
     /// or the power went): recorded as such, and an object it freed is no longer checked (a
-    /// power loss may bring the client back).
+    /// power loss may bring the client back). An execution in progress ends uncommitted.
     fn commit_unknown(&mut self, c: usize) {
-        if let Client::Committing(rec, effects, _) =
-            std::mem::replace(&mut self.clients[c], Client::Idle)
-        {
-            self.unknown.push(self.history.len());
-            self.history.push(rec);
-            if let Some(a) = effects.freed {
-                self.temps[c].retain(|(t, _)| *t != a);
+        match std::mem::replace(&mut self.clients[c], Client::Idle) {
+            Client::Committing(rec, effects, _) => {
+                self.unknown.push(self.history.len());
+                self.history.push(rec);
+                if let Some(a) = effects.freed {
+                    self.temps[c].retain(|(t, _)| *t != a);
+                }
             }
+            // An execution never committed: it ends with its machine.
+            Client::Executing(exec) => self.history.push(exec.rec),
+            Client::Idle => {}
         }
     }
 
@@ -913,6 +976,7 @@ impl Sim {
         match std::mem::replace(&mut self.clients[c], Client::Idle) {
             Client::Idle if start_new => self.start_txn(c),
             Client::Idle => {}
+            Client::Executing(exec) => self.execute(c, exec),
             Client::Committing(mut rec, effects, txn) => {
                 match self.workers[w].poll_commit(txn, self.now) {
                     None => self.clients[c] = Client::Committing(rec, effects, txn),
@@ -934,38 +998,69 @@ impl Sim {
         }
     }
 
-    /// Executes a random transaction on client `c` and starts its commit: list reads and
-    /// appends, plus sometimes an allocation near a random list (often at a remote primary, over
-    /// ALLOC while the execution polls the other workers and lands held writes) and a free of an
-    /// object this client allocated before.
+    /// Starts a random transaction on client `c`: list reads and appends, plus sometimes an
+    /// allocation near a random list (often at a remote primary) and a free of an object this
+    /// client allocated before. Half the transactions post their reads first (`Tx::prefetch`):
+    /// held, those may be performed in any order, before the transaction reads them (while an
+    /// allocation polls, or while it is suspended) or when it waits for them.
     fn start_txn(&mut self, c: usize) {
         let n_ops = 1 + self.rng.below(3);
-        let mut plan = Vec::new();
+        let prefetch = self.rng.below(2) == 0;
+        let mut steps = Vec::new();
+        if prefetch {
+            steps.push(Step::Prefetch);
+        }
+        let alloc_near = (self.rng.below(4) == 0).then(|| {
+            self.next_value += 1;
+            let near = self.keys[self.rng.below(self.keys.len() as u64) as usize];
+            Step::Alloc(near, self.next_value)
+        });
+        // An allocation at a remote primary polls the other workers and lands held work: the
+        // posted reads may be performed, and other commits apply, before this transaction
+        // reads.
+        steps.extend(alloc_near.filter(|_| prefetch));
         for _ in 0..n_ops {
             let key = self.rng.below(self.keys.len() as u64);
             let value = (self.rng.below(2) == 0).then(|| {
                 self.next_value += 1;
                 self.next_value
             });
-            plan.push((key, value));
+            steps.push(Step::List(key, self.keys[key as usize], value));
         }
-        let alloc_near = (self.rng.below(4) == 0).then(|| {
-            self.next_value += 1;
-            (
-                self.keys[self.rng.below(self.keys.len() as u64) as usize],
-                self.next_value,
-            )
-        });
-        let free = if !self.temps[c].is_empty() && self.rng.below(4) == 0 {
-            Some(self.temps[c][self.rng.below(self.temps[c].len() as u64) as usize])
+        steps.extend(alloc_near.filter(|_| !prefetch));
+        if !self.temps[c].is_empty() && self.rng.below(4) == 0 {
+            let (a, v) = self.temps[c][self.rng.below(self.temps[c].len() as u64) as usize];
+            steps.push(Step::Free(a, v));
+        }
+        // Alone on its worker a client runs a blocking transaction half the time; sharing it,
+        // one time in four. The rest yield between steps as the seed says.
+        let blocking = self.rng.below(if self.config.clients_per_worker == 1 {
+            2
         } else {
-            None
+            4
+        }) == 0;
+        let yields = self.rng.below(u64::MAX);
+        let w = self.worker_of(c);
+        let exec = Execution {
+            core: Some(TxCore::new(&mut self.workers[w])),
+            steps,
+            next: 0,
+            blocking,
+            yields,
+            rec: TxnRecord {
+                ops: Vec::new(),
+                invoke: self.now,
+                complete: self.now,
+                committed: false,
+            },
+            effects: Effects::default(),
         };
-        // Half the transactions post their reads first (`Tx::prefetch`): held, they may be
-        // performed before the transaction reads them (while an allocation polls), or when it
-        // waits for them.
-        let prefetch = self.rng.below(2) == 0;
-        let keys = self.keys.clone();
+        self.execute(c, Box::new(exec));
+    }
+
+    /// Runs client `c`'s execution on its worker until it yields, fails or ends; an ended one
+    /// starts its commit.
+    fn execute(&mut self, c: usize, mut exec: Box<Execution>) {
         let w = self.worker_of(c);
         let (before, rest) = self.workers.split_at_mut(w);
         let (worker, after) = rest.split_first_mut().expect("client in range");
@@ -994,70 +1089,47 @@ impl Sim {
             }
             *now
         };
-        let mut tx = Tx::with_poller(worker, &mut poll_others);
-        let mut ops = Vec::new();
-        let mut effects = Effects::default();
-        let result = (|| -> Result<(), TxError> {
-            let alloc = |tx: &mut Tx<'_>, effects: &mut Effects| -> Result<(), TxError> {
-                if let Some((near, v)) = alloc_near {
-                    let a = tx.alloc(16, Some(near))?;
-                    tx.write(a, &[v.to_le_bytes(), v.to_le_bytes()].concat())?;
-                    effects.allocated = Some((a, v));
-                }
-                Ok(())
+        let core = exec.core.take().expect("suspended with its execution");
+        let mut tx = Tx::resume(worker, core, Some(&mut poll_others));
+        let ended = loop {
+            let Some(&step) = exec.steps.get(exec.next) else {
+                break Some(Ok(()));
             };
-            if prefetch {
-                for (key, _) in &plan {
-                    tx.prefetch(keys[*key as usize], LIST_BYTES);
-                }
-                // An allocation at a remote primary polls the other workers and lands held
-                // work: the posted reads may be performed, and other commits apply, before
-                // this transaction reads.
-                alloc(&mut tx, &mut effects)?;
-            }
-            for (key, value) in plan {
-                let addr = keys[key as usize];
-                let bytes = tx.read(addr, LIST_BYTES)?;
-                let mut list: Vec<u64> = bytes
-                    .chunks(8)
-                    .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
-                    .collect();
-                let len = list[0] as usize;
-                match value {
-                    Some(v) if len < LIST_CAPACITY => {
-                        list[1 + len] = v;
-                        list[0] += 1;
-                        let out: Vec<u8> = list.iter().flat_map(|w| w.to_le_bytes()).collect();
-                        tx.write(addr, &out)?;
-                        ops.push(Op::Append { key, value: v });
-                    }
-                    _ => ops.push(Op::Read {
-                        key,
-                        values: list[1..=len].to_vec(),
-                    }),
+            if let Some((addr, len)) = step.reads() {
+                if !exec.blocking && !tx.read_ready(addr, len) {
+                    break None;
                 }
             }
-            if !prefetch {
-                alloc(&mut tx, &mut effects)?;
+            if let Err(e) = run_step(&mut tx, step, &mut exec) {
+                break Some(Err(e));
             }
-            if let Some((a, v)) = free {
-                let got = tx.read(a, 16)?;
-                assert_eq!(&got[..8], &v.to_le_bytes(), "object {a} lost its value");
-                tx.free(a)?;
-                effects.freed = Some(a);
+            exec.next += 1;
+            if !exec.blocking && exec.yields & (1 << (exec.next % 64)) != 0 {
+                break None;
             }
-            Ok(())
-        })();
-        let state = tx.into_state();
-        let rec = TxnRecord {
-            ops,
-            invoke: self.now,
-            complete: self.now,
-            committed: false,
         };
+        let core = tx.suspend();
+        let Some(result) = ended else {
+            exec.core = Some(core);
+            self.clients[c] = Client::Executing(exec);
+            let first = w * self.config.clients_per_worker as usize;
+            let open = self.clients[first..first + self.config.clients_per_worker as usize]
+                .iter()
+                .filter(|s| matches!(s, Client::Executing(..)))
+                .count();
+            self.executions_suspended += 1;
+            self.executions_in_flight_max = self.executions_in_flight_max.max(open);
+            self.stop_evicted(evicted);
+            return;
+        };
+        let state = core.into_state();
+        let Execution { rec, effects, .. } = *exec;
         match result {
             Ok(()) => {
-                effects.read_only = state.is_read_only();
+                let effects = Effects {
+                    read_only: state.is_read_only(),
+                    ..effects
+                };
                 let txn = self.workers[w].start_commit(state);
                 self.commits_in_flight_max = self
                     .commits_in_flight_max
@@ -1089,7 +1161,7 @@ impl Sim {
         let mut rounds = 0u64;
         // Paused clients count: they run again (or stop) within a few leases.
         while self.clients.iter().enumerate().any(|(c, s)| {
-            matches!(s, Client::Committing(..))
+            !matches!(s, Client::Idle)
                 && self
                     .fabric
                     .is_alive(self.workers[self.worker_of(c)].machine().id)
@@ -1099,7 +1171,7 @@ impl Sim {
             if rounds >= 1_000_000 {
                 let stuck: Vec<String> = (0..self.clients.len())
                     .filter(|c| self.alive_worker(self.worker_of(*c)))
-                    .filter(|c| matches!(self.clients[*c], Client::Committing(..)))
+                    .filter(|c| !matches!(self.clients[*c], Client::Idle))
                     .map(|c| {
                         let w = &self.workers[self.worker_of(c)];
                         format!("client {c}: {}", w.recovery_summary())
@@ -1210,6 +1282,8 @@ impl Sim {
             live_objects: temps.len(),
             crashed: self.crashed,
             commits_in_flight_max: self.commits_in_flight_max,
+            executions_in_flight_max: self.executions_in_flight_max,
+            executions_suspended: self.executions_suspended,
             unknown: (self.unknown.len(), unknown_committed.0),
             configurations: self.cm.committed,
             restarts: self.restarts,
@@ -1359,6 +1433,52 @@ impl Sim {
             report.join("\n")
         );
     }
+}
+
+/// Runs one step of `exec` on `tx`, recording what it read and appended.
+fn run_step(tx: &mut Tx<'_>, step: Step, exec: &mut Execution) -> Result<(), TxError> {
+    match step {
+        Step::Prefetch => {
+            for s in &exec.steps {
+                if let Step::List(_, addr, _) = s {
+                    tx.prefetch(*addr, LIST_BYTES);
+                }
+            }
+        }
+        Step::Alloc(near, v) => {
+            let a = tx.alloc(16, Some(near))?;
+            tx.write(a, &[v.to_le_bytes(), v.to_le_bytes()].concat())?;
+            exec.effects.allocated = Some((a, v));
+        }
+        Step::List(key, addr, value) => {
+            let bytes = tx.read(addr, LIST_BYTES)?;
+            let mut list: Vec<u64> = bytes
+                .chunks(8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
+                .collect();
+            let len = list[0] as usize;
+            match value {
+                Some(v) if len < LIST_CAPACITY => {
+                    list[1 + len] = v;
+                    list[0] += 1;
+                    let out: Vec<u8> = list.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    tx.write(addr, &out)?;
+                    exec.rec.ops.push(Op::Append { key, value: v });
+                }
+                _ => exec.rec.ops.push(Op::Read {
+                    key,
+                    values: list[1..=len].to_vec(),
+                }),
+            }
+        }
+        Step::Free(a, v) => {
+            let got = tx.read(a, 16)?;
+            assert_eq!(&got[..8], &v.to_le_bytes(), "object {a} lost its value");
+            tx.free(a)?;
+            exec.effects.freed = Some(a);
+        }
+    }
+    Ok(())
 }
 
 /// Lands the next write of one of the `held` links, or performs one held read (posted by a

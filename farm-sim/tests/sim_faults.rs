@@ -251,8 +251,11 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
     let (mut unknown, mut unknown_committed, mut recovered) = (0, 0, 0);
     let (mut paused, mut evicted, mut stalls) = (0, 0, 0);
     let (mut posted, mut validations_posted, mut in_flight) = (0, 0, 0);
+    let (mut executions, mut suspended) = (0, 0);
     let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 1000, config, |_, out| {
         in_flight = in_flight.max(out.commits_in_flight_max);
+        executions = executions.max(out.executions_in_flight_max);
+        suspended += out.executions_suspended;
         posted += out.stats.reads_posted;
         validations_posted += out.stats.validation_reads_posted;
         stalls += out.stalls;
@@ -270,7 +273,12 @@ fn crashes_lose_nothing_and_stay_strictly_serializable() {
          machines paused past their lease, {evicted} stopped when their lease told them they \
          were out; {stalls} whole-cluster stalls; {posted} object reads and \
          {validations_posted} validation reads posted, performed in an order the seed chose; \
-         up to {in_flight} commits in flight on one worker"
+         up to {in_flight} commits in flight on one worker; executions suspended {suspended} \
+         times, up to {executions} open on one worker"
+    );
+    assert!(
+        executions >= 3,
+        "no worker ever had more than {executions} executions open at once"
     );
     assert!(
         in_flight >= 3,

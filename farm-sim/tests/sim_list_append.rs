@@ -3,7 +3,9 @@
 
 use farm_sim::{run_seed, SimConfig};
 
-/// Each worker keeps one to four transactions in flight, as the seed says.
+/// Each worker keeps one to four transactions in flight, as the seed says: their executions
+/// interleave (each suspended while a read is on its way, or as the seed says) and so do their
+/// commits.
 fn config(seed: u64) -> SimConfig {
     SimConfig {
         seed,
@@ -44,10 +46,11 @@ fn list_append_is_strictly_serializable_across_seeds() {
         .map(|s| s.parse().expect("a number"))
         .unwrap_or(300);
     let (mut aborted, mut remote_allocs, mut frees, mut live) = (0, 0, 0, 0);
-    let mut in_flight_max = 0;
+    let (mut in_flight_max, mut executions_max) = (0, 0);
     for seed in 0..seeds {
         let out = run_seed(config(seed));
         in_flight_max = in_flight_max.max(out.commits_in_flight_max);
+        executions_max = executions_max.max(out.executions_in_flight_max);
         assert!(
             out.anomalies.is_empty(),
             "seed {seed}: {:#?}",
@@ -71,6 +74,10 @@ fn list_append_is_strictly_serializable_across_seeds() {
     assert!(
         in_flight_max >= 3,
         "no worker ever had more than {in_flight_max} commits in flight"
+    );
+    assert!(
+        executions_max >= 3,
+        "no worker ever had more than {executions_max} executions open at once"
     );
 }
 
