@@ -131,7 +131,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                 let _ = power_tx.send(sig);
             }
         })?;
-    let node = Node::start(&config).with_context(|| {
+    let joining = Duration::from_secs(settings.start_timeout_seconds);
+    let node = if args.join {
+        Node::join(&config, joining)
+    } else {
+        Node::start(&config)
+    }
+    .with_context(|| {
         format!(
             "starting machine {} of cluster {} in {}",
             args.machine,
@@ -139,9 +145,6 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             settings.dir.display()
         )
     })?;
-    if args.join {
-        node.wait_joined(Duration::from_secs(settings.start_timeout_seconds))?;
-    }
     announce(&node);
     if let Some(w) = &args.workload {
         let store = workload_store(&settings)?;
@@ -211,13 +214,8 @@ fn serve(
                 "evicted from the configuration; rejoining as a new incarnation"
             );
             drop(node);
-            let join = farm::node::NodeConfig {
-                join: true,
-                restart: false,
-                ..config.clone()
-            };
-            node = Node::start(&join).context("starting again to rejoin")?;
-            node.wait_joined(Duration::from_secs(settings.start_timeout_seconds))?;
+            let joining = Duration::from_secs(settings.start_timeout_seconds);
+            node = Node::join(config, joining).context("starting again to rejoin")?;
             announce(&node);
             last = (Instant::now(), node.stats());
             continue;

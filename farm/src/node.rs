@@ -137,6 +137,11 @@ pub enum NodeError {
         /// Its reason.
         reason: String,
     },
+    /// This incarnation was removed again before it was a member with every region active
+    /// (it fell silent past its lease while it joined, as on a loaded host): a new one must
+    /// join ([`Node::join`] starts it).
+    #[error("machine {0} was removed again while it joined")]
+    EvictedWhileJoining(MachineId),
     /// Mapping the machine's NVRAM failed.
     #[error("mapping the NVRAM of machine {machine} under {dir}: {source}")]
     Nvram {
@@ -376,14 +381,43 @@ impl Node {
         })
     }
 
+    /// Starts this machine as a new incarnation that joins the cluster ([`NodeConfig::join`])
+    /// and waits until it is a member with every region active ([`Node::wait_joined`]). An
+    /// incarnation removed again before that makes way for another, until `timeout` passed.
+    pub fn join(config: &NodeConfig, timeout: Duration) -> Result<Node, NodeError> {
+        let started = Instant::now();
+        let config = NodeConfig {
+            join: true,
+            restart: false,
+            ..config.clone()
+        };
+        loop {
+            let node = Node::start(&config)?;
+            match node.wait_joined(timeout.saturating_sub(started.elapsed())) {
+                Ok(_) => return Ok(node),
+                Err(NodeError::EvictedWhileJoining(m)) if started.elapsed() < timeout => {
+                    tracing::warn!(
+                        machine = m.0,
+                        "removed again while joining: joining as a new incarnation"
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Waits until this machine is a member of the configuration (see [`NodeConfig::join`])
-    /// and every region of it is active (§5.4); returns the configuration.
+    /// and every region of it is active (§5.4); returns the configuration. Fails at once with
+    /// [`NodeError::EvictedWhileJoining`] if it is removed before that.
     pub fn wait_joined(&self, timeout: Duration) -> Result<Configuration, NodeError> {
         let started = Instant::now();
         loop {
             let config = self.configuration();
             if config.contains(self.id()) && self.machine.all_active_config() >= config.id {
                 return Ok(config);
+            }
+            if self.is_evicted() {
+                return Err(NodeError::EvictedWhileJoining(self.id()));
             }
             if started.elapsed() > timeout {
                 return Err(NodeError::Store(format!(

@@ -380,13 +380,8 @@ fn rejoin_until_stopped(mut node: Node, config: &NodeConfig, dir: &Path) {
                 committed.join(",")
             );
             drop(node);
-            let join = NodeConfig {
-                join: true,
-                ..config.clone()
-            };
-            node = Node::start(&join).unwrap();
-            let c = node.wait_joined(Duration::from_secs(30)).unwrap();
-            println!("rejoined {}", c.id.0);
+            node = Node::join(config, Duration::from_secs(30)).unwrap();
+            println!("rejoined {}", node.configuration().id.0);
             rejoined = true;
             done = 0;
         }
