@@ -545,8 +545,9 @@ pub fn run<W: Workload>(
 /// three `shm` machine processes TATP ran 162 K/s with 8, 182 K/s with 16 and 170 K/s with 32;
 /// over `tcp`, 41, 47 and 53 K/s, with latencies growing with the count (2026-11-26). Since
 /// turns post in batches (2026-11-27) `tcp` keeps gaining up to 64 (93-100 K/s at 16, 166-206
-/// K/s at 64) while `shm` is flat from 8 to 32 (docs/REPORT-multiprocess.md); the default
-/// stays, for latency, until it is chosen per fabric.
+/// K/s at 64) while `shm` is flat from 8 to 32 (docs/REPORT-multiprocess.md): machine
+/// processes over `tcp` keep 64 (`farm-node`'s `tatp_in_flight_default`), in one process and
+/// over `shm` this.
 pub const IN_FLIGHT_DEFAULT: usize = 16;
 
 /// The transactions in flight per client thread `asked` for (`None`: the workload's

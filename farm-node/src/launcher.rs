@@ -47,8 +47,9 @@ pub enum LocalCommand {
         #[command(flatten)]
         config: ConfigArgs,
     },
-    /// Kill every machine at once, as a power loss does; `start --restart` brings the cluster
-    /// back from NVRAM.
+    /// Stop every machine at once with SIGTERM, as a UPS's power signal does: each writes its
+    /// NVRAM back and exits (one still running after 30 s is killed); `start --restart` brings
+    /// the cluster back from NVRAM.
     Stop {
         #[command(flatten)]
         config: ConfigArgs,

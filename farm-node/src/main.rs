@@ -149,7 +149,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(w) = &args.workload {
         let store = workload_store(&settings)?;
         let (name, result) = match w {
-            Workload::Tatp(a) => ("tatp", workload::run_tatp(&node, &store, a)?),
+            Workload::Tatp(a) => (
+                "tatp",
+                workload::run_tatp(&node, &store, a, &settings.fabric)?,
+            ),
             Workload::Tpcc(a) => ("tpcc", workload::run_tpcc(&node, &store, a)?),
         };
         println!("{name} result {}", serde_json::to_string(&result)?);

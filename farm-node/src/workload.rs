@@ -51,7 +51,8 @@ pub struct RunArgs {
     /// Client threads per machine.
     #[arg(long, default_value_t = 1)]
     pub clients: u16,
-    /// Transactions each client thread keeps in flight (default: 16 for TATP, 4 for TPC-C).
+    /// Transactions each client thread keeps in flight (default: TATP 16 over `shm` and 64
+    /// over `tcp`, TPC-C 4).
     #[arg(long)]
     pub in_flight: Option<usize>,
     /// Seed of the population and of the clients' inputs.
@@ -297,7 +298,12 @@ fn finish(
 }
 
 /// TATP on this machine, as the module docs say.
-pub fn run_tatp(node: &Node, store: &ZkStore, args: &TatpArgs) -> anyhow::Result<WorkloadResult> {
+pub fn run_tatp(
+    node: &Node,
+    store: &ZkStore,
+    args: &TatpArgs,
+    fabric: &str,
+) -> anyhow::Result<WorkloadResult> {
     check_args(&args.run)?;
     if args.subscribers == 0 {
         bail!("TATP needs at least one subscriber");
@@ -331,7 +337,7 @@ pub fn run_tatp(node: &Node, store: &ZkStore, args: &TatpArgs) -> anyhow::Result
     );
     meeting.barrier("loaded")?;
     let run = &args.run;
-    let in_flight = runner::in_flight(run.in_flight, Some(runner::IN_FLIGHT_DEFAULT))?;
+    let in_flight = runner::in_flight(run.in_flight, Some(tatp_in_flight_default(fabric)))?;
     let measured = measure(run, |client, going, tally| {
         node.pipeline(in_flight, async |p, task| {
             let mut rng = client_rng(run, me, client, task);
@@ -475,6 +481,20 @@ pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result
         },
         &args.run,
     )
+}
+
+/// TATP transactions a client thread of a machine process keeps in flight when not told, over
+/// `fabric` (`shm` or `tcp`). Over `tcp` every round trip goes through threads and syscalls, and
+/// more in flight keeps gaining: three processes ran 106-114 K/s at 16, 161-192 K/s at 64 and
+/// 200-232 K/s at 128, with p99 about 5 ms at 64 and 12 ms (some seconds at most) at 128; over
+/// `shm` 462-528 K/s at 16, 418-434 K/s at 64 and 290-410 K/s at 128 (`farm-node local tatp
+/// --fabric F --seconds 4 --subscribers 100000 --in-flight N`, two alternating rounds,
+/// 2026-11-27).
+pub fn tatp_in_flight_default(fabric: &str) -> usize {
+    match fabric {
+        "tcp" => 64,
+        _ => runner::IN_FLIGHT_DEFAULT,
+    }
 }
 
 /// TPC-C transactions a client thread of a machine process keeps in flight when not told:
