@@ -213,7 +213,7 @@ fn bank_until_stopped(node: &Node, dir: &Path) {
         }
     }
     wait_until_removed(node, &stop);
-    quiesce_and_report(node, &all, done);
+    quiesce_and_report(node, &all, done, dir);
 }
 
 /// Region allocation across processes (§3): machine 2 asks its CM for a region and prints
@@ -316,7 +316,7 @@ fn wait_until_removed(node: &Node, stop: &Path) {
 
 /// Quiesces with the other machines and prints `transfers <done>`, where every region lives
 /// (`placement <region> <primary> <backups>`), the configuration and its members, and the sum.
-fn quiesce_and_report(node: &Node, all: &[Addr], done: u64) {
+fn quiesce_and_report(node: &Node, all: &[Addr], done: u64, dir: &Path) {
     // Every survivor quiesces (truncations flushed, data recovery done) before the checks.
     let deadline = Instant::now() + Duration::from_secs(30);
     while !node.quiesce_step() {
@@ -342,13 +342,31 @@ fn quiesce_and_report(node: &Node, all: &[Addr], done: u64) {
     println!("config {} members {}", view.config.id.0, members.join(","));
     print_sum(node, all);
     // Keep quiescing while the others finish theirs (they may need this machine's
-    // truncations).
-    let until = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < until {
+    // truncations), until the test has every report (`Machines::check_replicas` says so with
+    // the file `reported`); then until quiet once more, and say `quiet`: this machine's NVRAM
+    // now holds every write the others' last transactions made here, and the test reads it.
+    // (Reading it at the last report raced: on a loaded host the test found a region whose
+    // backup had applied a transfer at truncation while the primary had not yet processed its
+    // COMMIT-PRIMARY.)
+    let reported = dir.join(REPORTED);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !reported.exists() && Instant::now() < deadline {
         node.quiesce_step();
         std::thread::sleep(Duration::from_millis(1));
     }
+    while !node.quiesce_step() {
+        assert!(
+            Instant::now() < deadline,
+            "machine {} did not quiesce again",
+            node.id()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    println!("quiet");
 }
+
+/// The file that tells machines every report is in (see `quiesce_and_report`).
+const REPORTED: &str = "reported";
 
 /// A machine of the rejoin tests prints `progress <transfers>` after every so many.
 pub const PROGRESS_EVERY: u64 = 25;
@@ -398,7 +416,7 @@ fn rejoin_until_stopped(mut node: Node, config: &NodeConfig, dir: &Path) {
             Err(e) => println!("error {e}"),
         }
     }
-    quiesce_and_report(&node, &all, done);
+    quiesce_and_report(&node, &all, done, dir);
 }
 
 /// Transfers after a restart, before the checks.
@@ -451,7 +469,7 @@ fn restarted(node: &Node, dir: &Path) {
         let (from, to, amount) = (all[next(n) as usize], all[next(n) as usize], 1 + next(10));
         counted_transfer(node, counter, from, to, amount).unwrap();
     }
-    quiesce_and_report(node, &all, AFTER_RESTART);
+    quiesce_and_report(node, &all, AFTER_RESTART, dir);
 }
 
 /// A transfer that also increments `counter`; returns the count it committed.
@@ -827,6 +845,9 @@ impl Machines {
     ) -> Self {
         // A test that failed holding it poisoned it; the next runs all the same.
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        // The reports of an earlier run on this directory (a restarted cluster) are not
+        // these machines'.
+        let _ = std::fs::remove_file(dir.join(REPORTED));
         let (tx, lines) = channel();
         let tcp = !matches!(net, Net::Shm);
         let children = (0..count)
@@ -997,6 +1018,26 @@ impl Machines {
     /// Compares the replicas of every region of `placements` (`placement` lines) byte for byte
     /// through their NVRAM files, as `farm_sim::check_region` does in one process.
     pub fn check_replicas(&self, dir: &Path, placements: &[String]) -> usize {
+        // Every report is in: each machine quiesces once more and says so, and only then is
+        // its NVRAM what the check reads.
+        std::fs::write(dir.join(REPORTED), b"").unwrap();
+        let mut read: Vec<u16> = placements
+            .iter()
+            .flat_map(|line| {
+                let f: Vec<&str> = line.split(' ').collect();
+                std::iter::once(f[1])
+                    .chain(f[2].split(','))
+                    .map(|m| m.parse().unwrap())
+            })
+            .collect();
+        read.sort_unstable();
+        read.dedup();
+        for m in read {
+            assert!(
+                self.saw(m, "quiet", Duration::from_secs(60)),
+                "machine {m} did not quiesce again after every report"
+            );
+        }
         let open = |m: &str, r: &str| {
             let path = nvram_dir(dir, m.parse().unwrap(), self.tcp)
                 .join(format!("m{m}"))
