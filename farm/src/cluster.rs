@@ -1029,14 +1029,22 @@ impl Cluster {
         }
     }
 
-    /// Whether data recovery and allocator recovery are complete at every live member (§5.4-5.5):
-    /// every region has all its replicas copied and every primary its free lists.
+    /// Whether data recovery and allocator recovery are complete at every member of the
+    /// newest configuration any machine installed (§5.4-5.5): every region has all its
+    /// replicas copied and every primary its free lists. A member that failed and is not yet
+    /// removed leaves it incomplete (its replicas are to be made again elsewhere); a machine
+    /// removed without knowing it yet is not asked.
     pub fn background_recovery_done(&self) -> bool {
-        self.inner
-            .machines
+        let machines = &self.inner.machines;
+        let newest = machines
             .iter()
-            .filter(|m| self.inner.fabric.is_alive(m.id) && m.view().config.contains(m.id))
-            .all(|m| m.background_recovery_done())
+            .map(|m| m.view())
+            .max_by_key(|v| v.config.id)
+            .expect("a cluster has machines");
+        newest.config.members.iter().all(|id| {
+            let m = &machines[id.0 as usize];
+            self.inner.fabric.is_alive(*id) && m.background_recovery_done()
+        })
     }
 
     /// Every lease expiry noticed so far, in order.

@@ -382,3 +382,40 @@ fn a_backup_still_copying_is_never_promoted() {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// Recovery is not done while a member is down: a killed machine that the configuration still
+/// holds (its lease has not run out yet) leaves its replicas to be made again elsewhere, so
+/// `background_recovery_done` is false until the machine is removed and its regions copied
+/// again; then true. (It asked the fabric who was alive, and said done at once.)
+#[test]
+fn recovery_is_not_done_while_a_killed_member_is_still_in_the_configuration() {
+    let c = Cluster::builder()
+        .machines(4)
+        .workers(1)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.background_recovery_done() {
+        assert!(
+            Instant::now() < deadline,
+            "recovery of the start did not end"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let victim = MachineId(2);
+    c.kill(victim);
+    assert!(c.view(MachineId(0)).config.contains(victim));
+    assert!(
+        !c.background_recovery_done(),
+        "done while a killed member is still in the configuration"
+    );
+    wait_for_config(&c, MachineId(0), 2);
+    assert!(!c.view(MachineId(0)).config.contains(victim));
+    while !c.background_recovery_done() {
+        assert!(Instant::now() < deadline, "re-replication did not finish");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
