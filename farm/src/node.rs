@@ -412,12 +412,13 @@ impl Node {
     pub fn wait_joined(&self, timeout: Duration) -> Result<Configuration, NodeError> {
         let started = Instant::now();
         loop {
+            // First: a removed machine's view may still hold it, every region active.
+            if self.is_evicted() {
+                return Err(NodeError::EvictedWhileJoining(self.id()));
+            }
             let config = self.configuration();
             if config.contains(self.id()) && self.machine.all_active_config() >= config.id {
                 return Ok(config);
-            }
-            if self.is_evicted() {
-                return Err(NodeError::EvictedWhileJoining(self.id()));
             }
             if started.elapsed() > timeout {
                 return Err(NodeError::Store(format!(

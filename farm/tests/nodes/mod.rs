@@ -397,6 +397,11 @@ fn rejoin_until_stopped(mut node: Node, config: &NodeConfig, dir: &Path) {
                 "evicted after {done} transfers, having committed configurations [{}]",
                 committed.join(",")
             );
+            // A removed incarnation is not a member, though its last view still holds it.
+            match node.wait_joined(Duration::from_secs(30)) {
+                Err(farm::node::NodeError::EvictedWhileJoining(m)) => assert_eq!(m, node.id()),
+                other => panic!("an evicted node waited to be joined: {other:?}"),
+            }
             drop(node);
             node = Node::join(config, Duration::from_secs(30)).unwrap();
             println!("rejoined {}", node.configuration().id.0);
