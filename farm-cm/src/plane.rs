@@ -206,10 +206,11 @@ pub enum Effect {
     AllRegionsActive(ConfigId),
     /// This machine was removed: the store holds this newer configuration without it.
     Evicted(ConfigId),
-    /// This member could not remove its CM, which it suspected (a majority did not answer, or
-    /// a region would be left without a complete replica): it renews leases with the CM again
+    /// This member could not remove its CM, which it suspected, although a majority answered:
+    /// a region would be left without a complete replica. It renews leases with the CM again
     /// (`MemberLease::forgive`), and suspects it again if that lease runs out. The CM stays
-    /// the CM of the configuration, which no attempt changed.
+    /// the CM of the configuration, which no attempt changed. (Without a majority a member
+    /// keeps its suspicion: it may be cut off with a CM the majority removed.)
     ForgiveCm(MachineId),
     /// PREPARE of region allocation at this machine (§3): map and register NVRAM for
     /// `regions`; report with [`ControlPlane::on_regions_prepared`].
@@ -1312,16 +1313,17 @@ impl ControlPlane {
                     }
                     _ => {}
                 }
-                let removal_impossible = matches!(
-                    e,
-                    ReconfigError::NoMajority { .. } | ReconfigError::Remap(_)
-                );
+                // A majority answered, but removing the CM would leave a region without a
+                // complete replica. Not for want of a majority: a member cut off from it may
+                // have been removed meanwhile with its CM, and renewing with that CM would let
+                // it serve what the majority has overwritten; it keeps suspecting (its lease
+                // lapses, and it serves nothing) and tries again.
+                let removal_impossible = matches!(e, ReconfigError::Remap(_));
                 match self.cm_suspicion.as_mut() {
-                    // The CM cannot be removed with these members: a CM that came back from a
-                    // pause would otherwise never be renewed here, and this member would stop
-                    // serving for good (its own lease at the CM lapses). Forgiven, it gets a
-                    // lease period; if it is really gone, the lease runs out and suspects it
-                    // again.
+                    // The CM cannot be removed: a CM that came back from a pause would
+                    // otherwise never be renewed here, and this member would stop serving for
+                    // good (its own lease at the CM lapses). Forgiven, it gets a lease period;
+                    // if it is really gone, the lease runs out and suspects it again.
                     Some(s) if removal_impossible => {
                         let cm = s.cm;
                         self.cm_suspicion = None;
