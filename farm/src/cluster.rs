@@ -1030,10 +1030,11 @@ impl Cluster {
     }
 
     /// Whether data recovery and allocator recovery are complete at every member of the
-    /// newest configuration any machine installed (§5.4-5.5): every region has all its
-    /// replicas copied and every primary its free lists. A member that failed and is not yet
-    /// removed leaves it incomplete (its replicas are to be made again elsewhere); a machine
-    /// removed without knowing it yet is not asked.
+    /// newest configuration any machine installed (§5.4-5.5): every member has installed it,
+    /// every region has all its replicas copied and every primary its free lists. A member
+    /// that failed and is not yet removed leaves it incomplete (its replicas are to be made
+    /// again elsewhere), as does one still on an older view (what it must copy is not known
+    /// there yet); a machine removed without knowing it yet is not asked.
     pub fn background_recovery_done(&self) -> bool {
         let machines = &self.inner.machines;
         let newest = machines
@@ -1043,7 +1044,9 @@ impl Cluster {
             .expect("a cluster has machines");
         newest.config.members.iter().all(|id| {
             let m = &machines[id.0 as usize];
-            self.inner.fabric.is_alive(*id) && m.background_recovery_done()
+            self.inner.fabric.is_alive(*id)
+                && m.view().config.id == newest.config.id
+                && m.background_recovery_done()
         })
     }
 

@@ -354,6 +354,7 @@ fn quiesce_and_report(node: &Node, all: &[Addr], done: u64, dir: &Path) {
         node.quiesce_step();
         std::thread::sleep(Duration::from_millis(1));
     }
+    let deadline = Instant::now() + Duration::from_secs(30);
     while !node.quiesce_step() {
         assert!(
             Instant::now() < deadline,
