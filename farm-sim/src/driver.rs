@@ -268,6 +268,9 @@ pub struct Sim {
     /// Steps at which a machine crashes, earliest last.
     crash_at: Vec<u64>,
     crashed: Vec<MachineId>,
+    /// Machines down in this life of the cluster, their clients' transactions ended (a power
+    /// loss restarts the cluster, and a machine crashed before it may come back).
+    down: std::collections::BTreeSet<MachineId>,
     /// The most commits one worker had in flight at once.
     commits_in_flight_max: usize,
     /// The most executions open on one worker at once.
@@ -436,6 +439,7 @@ impl Sim {
             cm,
             crash_at,
             crashed: Vec::new(),
+            down: Default::default(),
             commits_in_flight_max: 0,
             executions_in_flight_max: 0,
             executions_suspended: 0,
@@ -519,7 +523,7 @@ impl Sim {
             if self.fabric.is_alive(m) {
                 self.fabric.crash(m, &mut self.rng);
             }
-            if !self.crashed.contains(&m) {
+            if !self.down.contains(&m) {
                 self.evicted += 1;
                 self.crashed_now(m);
             }
@@ -719,6 +723,7 @@ impl Sim {
     /// flight get unknown outcomes.
     fn crashed_now(&mut self, victim: MachineId) {
         self.crashed.push(victim);
+        self.down.insert(victim);
         for c in 0..self.clients.len() {
             if self.workers[self.worker_of(c)].machine().id == victim {
                 self.commit_unknown(c);
@@ -783,6 +788,7 @@ impl Sim {
         for c in 0..self.clients.len() {
             self.commit_unknown(c);
         }
+        self.down.clear();
         let seed = self.config.seed;
         // The power may go again during the restart (a third of the restarts), a few ticks
         // into the exchange (which takes about ten without losses): some machines may have
@@ -856,6 +862,7 @@ impl Sim {
                     // Removed before the power went: it stays down.
                     let id = MachineId(machines.len() as u16);
                     fabric.kill(id);
+                    self.down.insert(id);
                     let f = fabric.clone() as Arc<dyn Fabric>;
                     let m = MachineState::new(
                         id,
