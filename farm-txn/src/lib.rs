@@ -22,6 +22,8 @@ pub mod recovery;
 mod recovery_log;
 pub mod restart;
 pub mod stats;
+#[cfg(test)]
+mod test_cluster;
 pub mod worker;
 
 pub use coordinator::{CommitHandle, Tx, TxCore, TxState, COMMITS_IN_FLIGHT_MAX};

@@ -1755,7 +1755,6 @@ fn map_area(dir: &Option<PathBuf>, name: &str, len: usize) -> io::Result<Arc<Nvr
 mod tests {
     use super::*;
     use farm_core::config::Placement;
-    use farm_fabric::mem::{MemFabric, MemFabricConfig};
 
     /// A whole-cluster restart that promotes a complete backup over an incomplete primary
     /// makes a machine the primary of a region whose LOCK records went to another machine: it
@@ -1763,25 +1762,8 @@ mod tests {
     /// truncated), while a region it was the primary of all along still allows the inference.
     #[test]
     fn a_backup_the_restart_promotes_infers_nothing_from_missing_locks() {
-        let params = Params {
-            layout: RingLayout {
-                machines_max: 3,
-                threads: 1,
-                log_bytes: 256 << 10,
-                queue_bytes: 256 << 10,
-            },
-            region_bytes: 2 << 20,
-            validate_rpc_threshold: 4,
-            recovery_interval_ticks: 2,
-            replication: crate::Replication::OneSided,
-            lease_ticks: 1_000,
-        };
-        let fabric: Arc<dyn Fabric> = Arc::new(MemFabric::new(MemFabricConfig {
-            machines_max: 3,
-            threads_max: 1,
-            seed: 0,
-            datagrams_queued_max: 8,
-        }));
+        let params = crate::test_cluster::params(1_000);
+        let fabric = crate::test_cluster::fabric();
         let config = Configuration::initial(3);
         let map = RegionMap::striped(3, 1, 1);
         let (me, promoted, kept) = (MachineId(1), RegionId(0), RegionId(1));

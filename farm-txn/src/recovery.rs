@@ -1787,38 +1787,16 @@ fn logged_txn(msg: &Message) -> Option<TxnId> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use farm_core::config::{Configuration, RegionMap};
-    use farm_core::fabric::Fabric;
-    use farm_core::ring::RingLayout;
     use farm_core::{MachineId, ThreadId};
-    use farm_fabric::mem::{MemFabric, MemFabricConfig};
     use farm_recovery::vote::Decision;
 
     use super::RecTx;
-    use crate::{MachineState, Params, Replication, Tx, Worker};
+    use crate::{MachineState, Tx, Worker};
 
     fn workers() -> Vec<Worker> {
-        let params = Params {
-            layout: RingLayout {
-                machines_max: 3,
-                threads: 1,
-                log_bytes: 256 << 10,
-                queue_bytes: 256 << 10,
-            },
-            region_bytes: 2 << 20,
-            validate_rpc_threshold: 4,
-            recovery_interval_ticks: 2,
-            replication: Replication::OneSided,
-            lease_ticks: 100_000,
-        };
-        let fabric: Arc<dyn Fabric> = Arc::new(MemFabric::new(MemFabricConfig {
-            machines_max: 3,
-            threads_max: 1,
-            seed: 0,
-            datagrams_queued_max: 8,
-        }));
+        let params = crate::test_cluster::params(100_000);
+        let fabric = crate::test_cluster::fabric();
         let map = RegionMap::striped(3, 1, 1);
         (0..3)
             .map(|m| {
