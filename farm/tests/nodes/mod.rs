@@ -318,15 +318,7 @@ fn wait_until_removed(node: &Node, stop: &Path) {
 /// (`placement <region> <primary> <backups>`), the configuration and its members, and the sum.
 fn quiesce_and_report(node: &Node, all: &[Addr], done: u64, dir: &Path) {
     // Every survivor quiesces (truncations flushed, data recovery done) before the checks.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !node.quiesce_step() {
-        assert!(
-            Instant::now() < deadline,
-            "machine {} did not quiesce",
-            node.id()
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    quiesce_until_quiet(node, "quiesce");
     let view = node.view();
     let members: Vec<String> = view
         .config
@@ -354,16 +346,22 @@ fn quiesce_and_report(node: &Node, all: &[Addr], done: u64, dir: &Path) {
         node.quiesce_step();
         std::thread::sleep(Duration::from_millis(1));
     }
+    quiesce_until_quiet(node, "quiesce again");
+    println!("quiet");
+}
+
+/// Quiesces until this machine is quiet (`Node::quiesce_step`), failing after 30 s with "did
+/// not `what`".
+fn quiesce_until_quiet(node: &Node, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !node.quiesce_step() {
         assert!(
             Instant::now() < deadline,
-            "machine {} did not quiesce again",
+            "machine {} did not {what}",
             node.id()
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    println!("quiet");
 }
 
 /// The file that tells machines every report is in (see `quiesce_and_report`).
