@@ -246,18 +246,28 @@ impl std::fmt::Debug for HostGuard<'_> {
     }
 }
 
-/// An executor's hold on the doorbells of its host's workers ([`Hosts::polled`]).
-pub(crate) struct Polled(Option<(Arc<dyn ProcessFabric>, Vec<ThreadId>)>);
+/// An executor's hold on its host ([`Hosts::polled`]): the doorbells of its workers, and its
+/// counters published for [`Hosts::stats`].
+pub(crate) struct Polled<'a> {
+    hosts: &'a Hosts,
+    index: usize,
+    doorbells: Option<(Arc<dyn ProcessFabric>, Vec<ThreadId>)>,
+}
 
-impl Drop for Polled {
+impl Drop for Polled<'_> {
     fn drop(&mut self) {
-        if let Some((d, threads)) = &self.0 {
+        if let Some((d, threads)) = &self.doorbells {
             for t in threads {
                 d.polled(*t, false);
             }
         }
+        (self.hosts.executors).fetch_and(!(1u64 << self.index), Ordering::AcqRel);
     }
 }
+
+/// How often an executor publishes its host's counters ([`Hosts::publish_stats`]), in
+/// microseconds.
+pub(crate) const STATS_PUBLISH_US: u64 = 10_000;
 
 /// How an idle background poller waits.
 pub(crate) enum IdleWait {
@@ -289,6 +299,11 @@ pub(crate) struct Hosts {
     next_host: AtomicUsize,
     /// Hosts kept by sessions, as a bit set: other threads do not wait for them.
     sessions: AtomicU64,
+    /// Hosts kept by executors ([`Hosts::polled`]), as a bit set: [`Hosts::stats`] reads their
+    /// counters from `published` instead of waiting for the executor's whole batch.
+    executors: AtomicU64,
+    /// Each host's counters as its executor last published them.
+    published: Vec<Mutex<Stats>>,
 }
 
 impl Hosts {
@@ -305,6 +320,7 @@ impl Hosts {
             hosts.len()
         );
         Self {
+            published: hosts.iter().map(|_| Mutex::default()).collect(),
             hosts: hosts.into_iter().map(Mutex::new).collect(),
             fabric,
             idle,
@@ -312,6 +328,7 @@ impl Hosts {
             stop: AtomicBool::new(false),
             next_host: AtomicUsize::new(0),
             sessions: AtomicU64::new(0),
+            executors: AtomicU64::new(0),
         }
     }
 
@@ -382,21 +399,43 @@ impl Hosts {
         }
     }
 
-    /// Tells the fabric that an executor polls `host`'s workers turn by turn until the guard
-    /// drops: peers' writes into their rings meanwhile wake no background poller, which could
-    /// not take the host anyway (`ProcessFabric::polled`).
-    pub(crate) fn polled(&self, host: &Host) -> Polled {
-        let IdleWait::Doorbell(d) = &self.idle else {
-            return Polled(None);
+    /// Says that an executor polls `host`'s workers turn by turn until the guard drops: the
+    /// fabric, so that peers' writes into their rings meanwhile wake no background poller,
+    /// which could not take the host anyway (`ProcessFabric::polled`); and [`Hosts::stats`],
+    /// which reads the counters the executor publishes ([`Hosts::publish_stats`]) instead of
+    /// waiting for the host.
+    pub(crate) fn polled(&self, host: &HostGuard<'_>) -> Polled<'_> {
+        self.publish_stats(host.index(), host);
+        self.executors
+            .fetch_or(1u64 << host.index(), Ordering::AcqRel);
+        let doorbells = match &self.idle {
+            IdleWait::Doorbell(d) => {
+                let threads: Vec<ThreadId> = (host.workers.iter())
+                    .filter(|w| w.machine().id == d.me())
+                    .map(|w| w.thread())
+                    .collect();
+                for t in &threads {
+                    d.polled(*t, true);
+                }
+                Some((d.clone(), threads))
+            }
+            IdleWait::Backoff => None,
         };
-        let threads: Vec<ThreadId> = (host.workers.iter())
-            .filter(|w| w.machine().id == d.me())
-            .map(|w| w.thread())
-            .collect();
-        for t in &threads {
-            d.polled(*t, true);
+        Polled {
+            hosts: self,
+            index: host.index(),
+            doorbells,
         }
-        Polled(Some((d.clone(), threads)))
+    }
+
+    /// Publishes the counters of host `index` (`host`, held by an executor) for
+    /// [`Hosts::stats`]; an executor does so every [`STATS_PUBLISH_US`].
+    pub(crate) fn publish_stats(&self, index: usize, host: &Host) {
+        let mut total = Stats::default();
+        for w in &host.workers {
+            total.add(w.stats());
+        }
+        *self.published[index].lock().expect("stats poisoned") = total;
     }
 
     /// Takes a host for this thread: its usual one if free, else any free one. Never one this
@@ -775,12 +814,25 @@ impl Hosts {
         report.join("\n")
     }
 
-    /// Counters summed over every worker.
+    /// Counters summed over every worker: those of a host an executor keeps as it last
+    /// published them (at most [`STATS_PUBLISH_US`] old), the others' once free.
     pub(crate) fn stats(&self) -> Stats {
         let mut total = Stats::default();
-        for h in &self.hosts {
-            for w in &h.lock().expect("host poisoned").workers {
-                total.add(w.stats());
+        for (i, h) in self.hosts.iter().enumerate() {
+            // An executor may take the host while this waits for it.
+            let host = loop {
+                if self.executors.load(Ordering::Acquire) & (1 << i) != 0 {
+                    break None;
+                }
+                match h.try_lock() {
+                    Ok(host) => break Some(host),
+                    Err(std::sync::TryLockError::WouldBlock) => std::thread::yield_now(),
+                    Err(std::sync::TryLockError::Poisoned(_)) => panic!("host poisoned"),
+                }
+            };
+            match host {
+                Some(host) => host.workers.iter().for_each(|w| total.add(w.stats())),
+                None => total.add(&self.published[i].lock().expect("stats poisoned")),
             }
         }
         total

@@ -23,7 +23,7 @@ use farm_core::{fabric, Addr, MachineId};
 use farm_txn::{TxCore, TxError, COMMITS_IN_FLIGHT_MAX};
 
 use crate::backoff::Backoff;
-use crate::hosts::{retry, Host, Hosts, Retry};
+use crate::hosts::{retry, Host, HostGuard, Hosts, Retry, STATS_PUBLISH_US};
 use crate::txn::Transaction;
 
 /// How long a transaction waiting for reconfiguration and recovery lets the others run
@@ -54,7 +54,7 @@ impl std::fmt::Debug for Pipeline<'_> {
 /// ended: the executor of one thread.
 pub(crate) fn run<F>(
     hosts: &Hosts,
-    host: &mut Host,
+    host: &mut HostGuard<'_>,
     route: Route<'_>,
     machines: u16,
     tasks: usize,
@@ -62,9 +62,12 @@ pub(crate) fn run<F>(
 ) where
     F: AsyncFn(&Pipeline<'_>, usize),
 {
-    // Peers' writes into this host's rings need wake nobody while the executor polls it.
+    // Peers' writes into this host's rings need wake nobody while the executor polls it, and
+    // its counters are published for `Hosts::stats` every `STATS_PUBLISH_US`.
     let _polled = hosts.polled(host);
-    let cell = RefCell::new(host);
+    let index = host.index();
+    let mut published = hosts.now();
+    let cell = RefCell::new(&mut **host);
     let p = Pipeline {
         hosts,
         host: &cell,
@@ -79,8 +82,13 @@ pub(crate) fn run<F>(
     // Between turns: poll the host's workers, send what the turn posted, and back off only
     // when nothing moved.
     let mut turn = |p: &Pipeline<'_>| {
-        let busy = cell.borrow_mut().poll_all(hosts.now());
+        let now = hosts.now();
+        let busy = cell.borrow_mut().poll_all(now);
         fabric::flush();
+        if now >= published + STATS_PUBLISH_US {
+            hosts.publish_stats(index, &cell.borrow());
+            published = now;
+        }
         if busy || p.progress.replace(false) {
             backoff.reset();
         } else {

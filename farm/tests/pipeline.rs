@@ -275,3 +275,49 @@ fn more_tasks_than_commits_in_flight_wait_their_turn() {
     }
     c.quiesce();
 }
+
+/// The counters of a machine's threads (`stats`) are read while a pipeline keeps its host for
+/// a whole batch: the executor publishes them as it goes, so a reader sees the batch's commits
+/// while it runs (a machine process's statistics line reads them while its application's
+/// pipeline runs for as long as the process does). Before, the reader waited for the batch.
+#[test]
+fn counters_are_read_while_a_pipeline_runs() {
+    let c = cluster();
+    let slots = objects(&c, 1, 0);
+    let (over, saw) = (AtomicBool::new(false), AtomicBool::new(false));
+    let seen = std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            let before = c.stats().commits;
+            loop {
+                let commits = c.stats().commits;
+                if over.load(Ordering::SeqCst) {
+                    return None;
+                }
+                if commits >= before + 100 {
+                    saw.store(true, Ordering::SeqCst);
+                    return Some(commits - before);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let started = Instant::now();
+        c.pipeline(4, async |p, k| {
+            let slot = slots[k % slots.len()];
+            while !saw.load(Ordering::SeqCst) && started.elapsed() < Duration::from_secs(10) {
+                p.txn(MachineId((k % 3) as u16), async |tx| {
+                    let v: u64 = tx.read(slot).await?;
+                    tx.write(slot, &(v + 1)).await
+                })
+                .await
+                .unwrap();
+            }
+            over.store(true, Ordering::SeqCst);
+        });
+        reader.join().unwrap()
+    });
+    assert!(
+        seen.is_some(),
+        "stats() answered only once the pipeline had ended"
+    );
+    c.quiesce();
+}
