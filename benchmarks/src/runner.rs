@@ -17,7 +17,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use crate::timeline::{self, Marker};
-use crate::Rand;
+use farm_workloads::Rand;
 
 /// A workload the runner drives.
 #[allow(async_fn_in_trait)] // Futures of one client thread's pipeline.
@@ -117,7 +117,7 @@ pub struct CommonArgs {
     #[arg(long, default_value_t = 2)]
     pub clients: u16,
     /// Transactions each client thread keeps in flight (`Client::pipeline`; 1: one at a time,
-    /// blocking). Default: the workload's (TATP [`IN_FLIGHT_DEFAULT`], TPC-C 1).
+    /// blocking). Default: the workload's (TATP [`farm_workloads::IN_FLIGHT_DEFAULT`], TPC-C 1).
     #[arg(long)]
     pub in_flight: Option<usize>,
     /// Seconds of measured run.
@@ -410,7 +410,7 @@ pub fn run<W: Workload>(
     workload: &Arc<W>,
     opts: &RunOptions,
 ) -> anyhow::Result<RunReport> {
-    let in_flight = in_flight(opts.in_flight, workload.in_flight_default())?;
+    let in_flight = farm_workloads::in_flight(opts.in_flight, workload.in_flight_default())?;
     let opts = &RunOptions {
         in_flight: Some(in_flight),
         ..opts.clone()
@@ -539,29 +539,6 @@ pub fn run<W: Workload>(
         timeline: serde_json::from_str(&tl.to_json())?,
         killed,
     })
-}
-
-/// Transactions a client thread of a workload that pipelines keeps in flight by default: over
-/// three `shm` machine processes TATP ran 162 K/s with 8, 182 K/s with 16 and 170 K/s with 32;
-/// over `tcp`, 41, 47 and 53 K/s, with latencies growing with the count (2026-11-26). Since
-/// turns post in batches (2026-11-27) `tcp` keeps gaining up to 64 (93-100 K/s at 16, 166-206
-/// K/s at 64) while `shm` is flat from 8 to 32 (docs/REPORT-multiprocess.md): machine
-/// processes over `tcp` keep 64 (`farm-node`'s `tatp_in_flight_default`), in one process and
-/// over `shm` this.
-pub const IN_FLIGHT_DEFAULT: usize = 16;
-
-/// The transactions in flight per client thread `asked` for (`None`: the workload's
-/// `default`, `None` for one that only blocks), or why not.
-pub fn in_flight(asked: Option<usize>, default: Option<usize>) -> anyhow::Result<usize> {
-    match (asked, default) {
-        (Some(0), _) => anyhow::bail!("--in-flight must be at least 1"),
-        (Some(n), None) if n > 1 => anyhow::bail!(
-            "--in-flight {n}: this workload runs one blocking transaction per client thread"
-        ),
-        (Some(n), _) => Ok(n),
-        (None, Some(n)) => Ok(n),
-        (None, None) => Ok(1),
-    }
 }
 
 /// One client: transactions from the mix until told to stop, each timed; `opts.in_flight` of

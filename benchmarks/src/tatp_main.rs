@@ -1,4 +1,4 @@
-//! TATP on an in-process cluster (see `farm_benchmarks::tatp`): populates the database with a
+//! TATP on an in-process cluster (see `farm_workloads::tatp`): populates the database with a
 //! progress bar, runs the standard mix from client threads for a while, and reports throughput,
 //! and per transaction type the count, successes, aborts (retried executions) and latency
 //! percentiles; optionally checks the database afterwards and writes JSON.
@@ -20,8 +20,8 @@ use anyhow::Context;
 use clap::Parser;
 use farm::{MachineId, Pipeline, Session, TxError};
 use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
-use farm_benchmarks::tatp::{Kind, Tables};
-use farm_benchmarks::Rand;
+use farm_workloads::tatp::{Kind, Tables};
+use farm_workloads::Rand;
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -99,7 +99,7 @@ impl Workload for Tatp {
     }
 
     fn in_flight_default(&self) -> Option<usize> {
-        Some(runner::IN_FLIGHT_DEFAULT)
+        Some(farm_workloads::IN_FLIGHT_DEFAULT)
     }
 
     async fn run_one_in(

@@ -1,4 +1,4 @@
-//! TPC-C on an in-process cluster (see `farm_benchmarks::tpcc`): populates warehouses at the
+//! TPC-C on an in-process cluster (see `farm_workloads::tpcc`): populates warehouses at the
 //! specification's cardinalities with a progress bar, runs the full mix (or `--mix
 //! new-order-payment`) from client threads co-partitioned with their warehouses, reports
 //! committed NEW-ORDERs per second and per minute with the per-type counts, aborts and
@@ -14,8 +14,8 @@ use anyhow::Context;
 use clap::Parser;
 use farm::{Client, MachineId, Pipeline, Session, TxError};
 use farm_benchmarks::runner::{self, CommonArgs, RunReport, Workload};
-use farm_benchmarks::tpcc::{Kind, Outcome, Scale, Tables};
-use farm_benchmarks::Rand;
+use farm_workloads::tpcc::{Kind, Outcome, Scale, Tables};
+use farm_workloads::Rand;
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]

@@ -11,7 +11,7 @@
 use farm::{Addr, Client, Cluster, MachineId, Session, TxError};
 
 use crate::runner::{pick_alive, Workload};
-use crate::Rand;
+use farm_workloads::Rand;
 
 /// A YCSB mix.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Serialize)]

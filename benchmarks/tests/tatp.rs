@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use farm::{Cluster, MachineId};
-use farm_benchmarks::tatp::{s_id, Kind, Tables};
-use farm_benchmarks::Rand;
+use farm_workloads::tatp::{s_id, Kind, Tables};
+use farm_workloads::Rand;
 
 #[test]
 fn the_mix_keeps_the_database_consistent_and_the_books_balance() {

@@ -2,7 +2,7 @@
 //! (clause 3.3.2), and the check names each one it finds broken.
 
 use farm::{Cluster, MachineId};
-use farm_benchmarks::tpcc::{c_key, d_key, h_key, o_key, s_key, Scale, Tables};
+use farm_workloads::tpcc::{c_key, d_key, h_key, o_key, s_key, Scale, Tables};
 
 fn populated() -> (Cluster, Tables) {
     let c = Cluster::builder()
@@ -128,8 +128,8 @@ fn customers_are_indexed_by_last_name() {
     let m = MachineId(0);
     let rows = c
         .txn(m, |tx| {
-            let from = farm_benchmarks::tpcc::name_key(1, 1, &[0; 16], &[0; 16], 0);
-            let to = farm_benchmarks::tpcc::name_key(1, 2, &[0; 16], &[0; 16], 0);
+            let from = farm_workloads::tpcc::name_key(1, 1, &[0; 16], &[0; 16], 0);
+            let to = farm_workloads::tpcc::name_key(1, 2, &[0; 16], &[0; 16], 0);
             t.customer_by_name
                 .of(1)
                 .range(tx, &from, Some(&to), usize::MAX)
@@ -141,14 +141,14 @@ fn customers_are_indexed_by_last_name() {
         let cust = c
             .txn(m, |tx| {
                 t.customer
-                    .get_in(tx, &farm_benchmarks::tpcc::c_key(1, 1, c_id))
+                    .get_in(tx, &farm_workloads::tpcc::c_key(1, 1, c_id))
             })
             .unwrap()
             .unwrap();
         assert_eq!(&key[5..21], &cust.last);
         assert_eq!(
             cust.last,
-            farm_benchmarks::tpcc_input::last_name(c_id as u64 - 1)
+            farm_workloads::tpcc_input::last_name(c_id as u64 - 1)
         );
     }
 }
@@ -158,8 +158,8 @@ fn customers_are_indexed_by_last_name() {
 /// the payments made there, and NEW-ORDER rollbacks left no order behind.
 #[test]
 fn the_mix_keeps_the_consistency_conditions() {
-    use farm_benchmarks::tpcc::{Kind, Outcome};
-    use farm_benchmarks::Rand;
+    use farm_workloads::tpcc::{Kind, Outcome};
+    use farm_workloads::Rand;
     let (c, t) = populated();
     let c = std::sync::Arc::new(c);
     let t = std::sync::Arc::new(t);
@@ -241,8 +241,8 @@ fn the_mix_keeps_the_consistency_conditions() {
 /// thread and of the other retry, and afterwards conditions 1 to 4 hold and every type ran.
 #[test]
 fn the_mix_in_flight_on_pipelines_keeps_the_consistency_conditions() {
-    use farm_benchmarks::tpcc::{Kind, Outcome};
-    use farm_benchmarks::Rand;
+    use farm_workloads::tpcc::{Kind, Outcome};
+    use farm_workloads::Rand;
     use std::sync::atomic::{AtomicU32, Ordering};
     let (c, t) = populated();
     let counts: [AtomicU32; 5] = Default::default();
@@ -284,8 +284,8 @@ fn the_mix_in_flight_on_pipelines_keeps_the_consistency_conditions() {
 /// afterwards conditions 1 to 4 hold and every backup equals its primary.
 #[test]
 fn a_killed_machine_leaves_the_conditions_holding() {
-    use farm_benchmarks::tpcc::Kind;
-    use farm_benchmarks::Rand;
+    use farm_workloads::tpcc::Kind;
+    use farm_workloads::Rand;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::{Duration, Instant};

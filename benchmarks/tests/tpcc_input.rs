@@ -1,10 +1,10 @@
 //! TPC-C's random inputs against the specification's rules (clauses 2.1.6 and 4.3.2).
 
-use farm_benchmarks::tpcc_input::{
+use farm_workloads::tpcc_input::{
     a_string, data_with_original, last_name, n_string, nurand, zip, NuRandConstants, A_C_ID,
     A_C_LAST,
 };
-use farm_benchmarks::Rand;
+use farm_workloads::Rand;
 
 #[test]
 fn nurand_stays_in_range_and_is_skewed() {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use farm::{Cluster, Replication};
 use farm_benchmarks::runner::Workload;
 use farm_benchmarks::ycsb::{Mix, Ycsb};
-use farm_benchmarks::Rand;
+use farm_workloads::Rand;
 
 const OPS: u64 = 10_000;
 

@@ -1,5 +1,5 @@
-//! TATP and TPC-C run by every machine process of a cluster (`farm_benchmarks::tatp`,
-//! `farm_benchmarks::tpcc`): machine 0 creates the tables (each machine's partition in its own
+//! TATP and TPC-C run by every machine process of a cluster (`farm_workloads::tatp`,
+//! `farm_workloads::tpcc`): machine 0 creates the tables (each machine's partition in its own
 //! regions) and publishes their roots in ZooKeeper; every machine opens them, loads its own
 //! partition, waits for the others, then runs the mix from its client threads for the run's
 //! length, every transaction coordinated on this machine; once all are done, machine 0 checks
@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use farm::node::Node;
 use farm::zk::ZkStore;
 use farm::{Addr, MachineId, TxError};
-use farm_benchmarks::{runner, tatp, tpcc, Rand};
+use farm_workloads::{tatp, tpcc, Rand};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
@@ -337,7 +337,7 @@ pub fn run_tatp(
     );
     meeting.barrier("loaded")?;
     let run = &args.run;
-    let in_flight = runner::in_flight(run.in_flight, Some(tatp_in_flight_default(fabric)))?;
+    let in_flight = farm_workloads::in_flight(run.in_flight, Some(tatp_in_flight_default(fabric)))?;
     let measured = measure(run, |client, going, tally| {
         node.pipeline(in_flight, async |p, task| {
             let mut rng = client_rng(run, me, client, task);
@@ -367,7 +367,7 @@ pub fn run_tatp(
 /// here.
 pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result<WorkloadResult> {
     check_args(&args.run)?;
-    let in_flight = runner::in_flight(args.run.in_flight, Some(TPCC_IN_FLIGHT_DEFAULT))?;
+    let in_flight = farm_workloads::in_flight(args.run.in_flight, Some(TPCC_IN_FLIGHT_DEFAULT))?;
     if !(1..=255).contains(&args.warehouses) {
         bail!("TPC-C needs 1 to 255 warehouses");
     }
@@ -493,7 +493,7 @@ pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result
 pub fn tatp_in_flight_default(fabric: &str) -> usize {
     match fabric {
         "tcp" => 64,
-        _ => runner::IN_FLIGHT_DEFAULT,
+        _ => farm_workloads::IN_FLIGHT_DEFAULT,
     }
 }
 
