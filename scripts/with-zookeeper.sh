@@ -37,6 +37,9 @@ fi
 [ -n "$port" ] || { echo "no free port for ZooKeeper in 21810-21900" >&2; exit 1; }
 
 dir=$(mktemp -d "${TMPDIR:-/tmp}/farm-zk.XXXXXX")
+# forceSync=no: the server is for tests and development, its data thrown away at exit; with
+# fsync on, machines that write their NVRAM back at a stop (hundreds of MB) held its log's fsync
+# for seconds, and every session timed out.
 cat > "$dir/zoo.cfg" <<CFG
 tickTime=500
 initLimit=10
@@ -46,6 +49,7 @@ clientPort=$port
 clientPortAddress=$addr
 admin.enableServer=false
 4lw.commands.whitelist=ruok,srvr
+forceSync=no
 CFG
 mkdir -p "$dir/data"
 java -cp "$classpath" org.apache.zookeeper.server.quorum.QuorumPeerMain "$dir/zoo.cfg" \
