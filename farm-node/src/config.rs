@@ -70,6 +70,11 @@ pub struct Overrides {
     /// (`ip netns exec`), as a host of its own.
     #[arg(long)]
     pub netns: Option<String>,
+    /// For the launcher: the machine program to start, `<program> --machine M <settings>`
+    /// (a program of your own built on `farm_node::run`, such as `examples/bank.rs`) instead
+    /// of `farm-node run --machine M <settings>` [default: farm-node itself].
+    #[arg(long)]
+    pub program: Option<PathBuf>,
     /// The cluster's shared secret: a file readable by its owner only, the same on every
     /// host (peers prove it to each other before any one-sided operation, and tag every
     /// datagram with it) [default: <dir>/secret; `local start` makes it when absent].
@@ -97,6 +102,7 @@ impl Overrides {
             hosts: self.hosts.or(other.hosts),
             tcp_timeout_ms: self.tcp_timeout_ms.or(other.tcp_timeout_ms),
             netns: self.netns.or(other.netns),
+            program: self.program.or(other.program),
             secret_file: self.secret_file.or(other.secret_file),
         }
     }
@@ -133,6 +139,7 @@ pub struct Settings {
     pub hosts: Vec<std::net::SocketAddr>,
     pub tcp_timeout_ms: u64,
     pub netns: Option<String>,
+    pub program: Option<PathBuf>,
     pub secret_file: PathBuf,
 }
 
@@ -188,6 +195,7 @@ impl ConfigArgs {
             hosts,
             tcp_timeout_ms: o.tcp_timeout_ms.unwrap_or_else(|| (4 * lease_ms).max(200)),
             netns: o.netns,
+            program: o.program,
         };
         s.check()?;
         Ok(s)
@@ -277,7 +285,7 @@ impl Settings {
             "cluster = {:?}\ndir = {:?}\nmachines = {}\nworkers = {}\nbase_port = {}\n\
              lease_ms = {}\nregions_per_machine = {}\nreplicas = {}\nregion_mb = {}\n\
              zookeeper = {:?}\nstats_seconds = {}\nstart_timeout_seconds = {}\nfabric = {:?}\n\
-             tcp_timeout_ms = {}\nsecret_file = {:?}\n{}{}",
+             tcp_timeout_ms = {}\nsecret_file = {:?}\n{}{}{}",
             self.cluster,
             self.dir.display().to_string(),
             self.machines,
@@ -306,6 +314,10 @@ impl Settings {
             self.netns
                 .as_ref()
                 .map_or(String::new(), |ns| format!("netns = {ns:?}\n")),
+            self.program.as_ref().map_or(String::new(), |p| format!(
+                "program = {:?}\n",
+                p.display().to_string()
+            )),
         )
     }
 
@@ -474,7 +486,9 @@ mod tests {
     #[test]
     fn settings_written_as_toml_read_back_the_same() {
         let (a, d) = args(
-            Some("cluster = \"x-1\"\ndir = \"/tmp/a b\"\nregion_mb = 8\n"),
+            Some(
+                "cluster = \"x-1\"\ndir = \"/tmp/a b\"\nregion_mb = 8\nprogram = \"/opt/my app\"\n",
+            ),
             Overrides::default(),
         );
         let s = a.resolve().unwrap();

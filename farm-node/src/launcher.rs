@@ -15,8 +15,8 @@ use clap::Subcommand;
 use farm::node::Secret;
 use farm::zk::ZkStore;
 
-use crate::config::{ConfigArgs, Settings};
 use crate::workload::{TatpArgs, TpccArgs, WorkloadResult};
+use farm_node::config::{ConfigArgs, Settings};
 
 #[derive(Subcommand, Debug)]
 pub enum LocalCommand {
@@ -27,6 +27,10 @@ pub enum LocalCommand {
         restart: bool,
         #[command(flatten)]
         config: ConfigArgs,
+        /// Arguments for every machine's command line, after `--` (for a `program` of your
+        /// own: its flags; for `farm-node run`: a workload).
+        #[arg(last = true)]
+        args: Vec<String>,
     },
     /// Show each machine's process and the configuration in ZooKeeper.
     Status {
@@ -46,6 +50,9 @@ pub enum LocalCommand {
         machine: u16,
         #[command(flatten)]
         config: ConfigArgs,
+        /// Arguments for the machine's command line, after `--` (as `start` takes them).
+        #[arg(last = true)]
+        args: Vec<String>,
     },
     /// Stop every machine at once with SIGTERM, as a UPS's power signal does: each writes its
     /// NVRAM back and exits (one still running after 30 s is killed); `start --restart` brings
@@ -79,7 +86,11 @@ pub enum LocalCommand {
 
 pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
     match cmd {
-        LocalCommand::Start { restart, config } => {
+        LocalCommand::Start {
+            restart,
+            config,
+            args,
+        } => {
             let s = if restart {
                 saved(&config)?
             } else {
@@ -87,7 +98,7 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             };
             let flag = if restart { vec!["--restart"] } else { vec![] };
             // They run on after the launcher exits.
-            drop(start_all(&s, &flag, &[])?);
+            drop(start_all(&s, &flag, &args)?);
             std::fs::write(s.dir.join(SAVED), s.to_toml())?;
             status(&s)
         }
@@ -102,14 +113,18 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             println!("killed machine {machine} (pid {pid})");
             Ok(())
         }
-        LocalCommand::Restart { machine, config } => {
+        LocalCommand::Restart {
+            machine,
+            config,
+            args,
+        } => {
             let s = saved(&config)?;
             check_machine(&s, machine)?;
             if let Some(pid) = running(&s, machine) {
                 bail!("machine {machine} runs (pid {pid}): kill it first");
             }
             let from = log_len(&s, machine);
-            let mut child = spawn(&s, machine, &["--join"], &[])?;
+            let mut child = spawn(&s, machine, &["--join"], &args)?;
             wait_running(&s, machine, &mut child, from)?;
             println!("machine {machine} rejoined");
             status(&s)
@@ -306,10 +321,10 @@ fn settings_flags(s: &Settings) -> Vec<String> {
     f
 }
 
-/// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [workload]`,
-/// with `netns` in the namespace `<netns><m>` (`ip netns exec` runs it in place: its pid is
+/// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [args]`, or
+/// `<program> --machine m <flags> <settings> [args]` with a `program` setting, with `netns` in the namespace `<netns><m>` (`ip netns exec` runs it in place: its pid is
 /// the machine's).
-fn spawn(s: &Settings, m: u16, flags: &[&str], workload: &[String]) -> anyhow::Result<Child> {
+fn spawn(s: &Settings, m: u16, flags: &[&str], args: &[String]) -> anyhow::Result<Child> {
     std::fs::create_dir_all(&s.dir).with_context(|| format!("creating {}", s.dir.display()))?;
     let log_path = log_file(s, m);
     let log = OpenOptions::new()
@@ -317,7 +332,13 @@ fn spawn(s: &Settings, m: u16, flags: &[&str], workload: &[String]) -> anyhow::R
         .append(true)
         .open(&log_path)
         .with_context(|| format!("opening {}", log_path.display()))?;
-    let exe = std::env::current_exe().context("finding the farm-node binary")?;
+    let (exe, run) = match &s.program {
+        Some(program) => (program.clone(), None),
+        None => (
+            std::env::current_exe().context("finding the farm-node binary")?,
+            Some("run"),
+        ),
+    };
     let mut command = match &s.netns {
         Some(prefix) => {
             let mut c = Command::new("ip");
@@ -327,11 +348,11 @@ fn spawn(s: &Settings, m: u16, flags: &[&str], workload: &[String]) -> anyhow::R
         None => Command::new(exe),
     };
     let child = command
-        .arg("run")
+        .args(run)
         .args(["--machine", &m.to_string()])
         .args(flags)
         .args(settings_flags(s))
-        .args(workload)
+        .args(args)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -384,9 +405,9 @@ fn tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// Starts every machine with `flags` and the `workload`, and waits until all run; returns
-/// their processes.
-fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Result<Vec<Child>> {
+/// Starts every machine with `flags` and `args` (a workload, or the program's own), and waits
+/// until all run; returns their processes.
+fn start_all(s: &Settings, flags: &[&str], args: &[String]) -> anyhow::Result<Vec<Child>> {
     ensure_secret(s)?;
     for m in 0..s.machines {
         if let Some(pid) = running(s, m) {
@@ -402,7 +423,7 @@ fn start_all(s: &Settings, flags: &[&str], workload: &[String]) -> anyhow::Resul
     }
     let mut children = Vec::new();
     for m in 0..s.machines {
-        children.push(spawn(s, m, flags, workload)?);
+        children.push(spawn(s, m, flags, args)?);
     }
     for (m, child) in children.iter_mut().enumerate() {
         if let Err(e) = wait_running(s, m as u16, child, 0) {
@@ -486,6 +507,13 @@ fn run_workload(
     title: &str,
     counted: &str,
 ) -> anyhow::Result<()> {
+    if let Some(program) = &base.program {
+        bail!(
+            "program = {}: `local {workload}` runs farm-node's own {workload} (drop the program \
+             setting)",
+            program.display()
+        );
+    }
     // In milliseconds: two runs in one second would otherwise be one cluster (one id on the
     // wire, one znode), and the second's machines could talk to the first's while they stop.
     let stamp = std::time::SystemTime::now()

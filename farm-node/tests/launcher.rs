@@ -1,8 +1,9 @@
 //! The `farm-node` binary end to end, with ZooKeeper (`ZK_CONNECT`; under `CI=true` it must be
 //! there): a local cluster of three machine processes started, inspected, one machine killed
 //! and started again (it rejoins), every machine stopped at once and the cluster restarted
-//! from NVRAM, TATP and TPC-C run across processes with their integrity checks, and bad
-//! settings refused with messages that name the problem.
+//! from NVRAM, TATP and TPC-C run across processes with their integrity checks, a program of
+//! one's own (`examples/bank.rs`) as the machines through a kill, a rejoin and a power signal,
+//! and bad settings refused with messages that name the problem.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -64,10 +65,21 @@ impl<'a> Local<'a> {
     }
 
     fn run(&self, words: &[&str]) -> Output {
+        self.run_with(words, &[])
+    }
+
+    /// `farm-node local <words> <settings> -- <machine_args>` (arguments for every machine).
+    fn run_with(&self, words: &[&str], machine_args: &[&str]) -> Output {
         let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
             .arg("local")
             .args(words)
             .args(&self.args)
+            .args(if machine_args.is_empty() {
+                &[][..]
+            } else {
+                &["--"][..]
+            })
+            .args(machine_args)
             .current_dir(self.dir)
             .env_remove("RUST_BACKTRACE")
             .output()
@@ -82,9 +94,39 @@ impl<'a> Local<'a> {
     }
 
     fn ok(&self, words: &[&str]) -> String {
-        let out = self.run(words);
+        self.ok_with(words, &[])
+    }
+
+    fn ok_with(&self, words: &[&str], machine_args: &[&str]) -> String {
+        let out = self.run_with(words, machine_args);
         assert!(out.status.success(), "farm-node local {words:?} failed");
         String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Waits until `ok` holds, failing with `what` and the end of every machine's log after a
+    /// while.
+    fn wait_until(&self, what: &str, mut ok: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !ok() {
+            if Instant::now() > deadline {
+                for m in 0..3 {
+                    let log = self.log(m);
+                    let lines: Vec<&str> = log.lines().collect();
+                    eprintln!(
+                        "machine {m}:\n{}",
+                        lines[lines.len().saturating_sub(20)..].join("\n")
+                    );
+                }
+                panic!("never: {what}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Machine `m`'s log (every start of it since the cluster's last `start`).
+    fn log(&self, m: u16) -> String {
+        let data = self.dir.join("farm-data").join(&self.args[1]);
+        std::fs::read_to_string(data.join(format!("m{m}.log"))).unwrap_or_default()
     }
 
     /// `status` until it shows `configuration <id>` with these members (reconfiguration and
@@ -327,4 +369,119 @@ fn bad_settings_fail_at_start_with_a_clear_message() {
         &base_port(2),
     ]);
     assert!(e.contains("belongs to cluster 0x1234"), "{e}");
+}
+
+/// The path of example `name`, built beside this test by `cargo test`.
+fn example(name: &str) -> String {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo test -p farm-node` builds it (or `cargo build -p farm-node \
+         --example {name}` in this profile)",
+        path.display()
+    );
+    path.display().to_string()
+}
+
+/// A program of one's own as the machines (`examples/bank.rs`, on `farm_node::run`, started
+/// by the launcher with `--program`): three processes of it transfer money, one is killed in
+/// the middle (the other two go on without it once the configuration removed it) and started
+/// again (it rejoins, and its transfers go on), every machine is stopped with the power signal
+/// (each writes its NVRAM back while its transfers are in flight), and the cluster restarted
+/// from NVRAM with `-- --audit` finds the money whole and, for every machine, at least the
+/// transfers it acknowledged.
+#[test]
+fn a_program_of_ones_own_runs_as_the_machines_through_a_kill_and_a_power_signal() {
+    bank_through_a_kill_and_a_power_signal(4, &[]);
+}
+
+/// The same over the `tcp` fabric.
+#[test]
+fn a_program_of_ones_own_runs_as_the_machines_over_tcp() {
+    bank_through_a_kill_and_a_power_signal(5, &["--fabric", "tcp"]);
+}
+
+fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str]) {
+    let Some(zk) = zookeeper() else { return };
+    let program = example("bank");
+    let dir = tempfile::tempdir().unwrap();
+    let mut local = Local::new(dir.path(), "bank", zk, test, 16);
+    local.args.extend(["--program".to_string(), program]);
+    local.args.extend(flags.iter().map(|f| f.to_string()));
+    let _stop = StopOnDrop(&local);
+    // The most transfers machine `m` said were acknowledged (`bank: acked N`).
+    let acked = |m: u16| -> u64 {
+        (local.log(m).lines())
+            .filter_map(|l| l.strip_prefix("bank: acked ")?.parse().ok())
+            .max()
+            .unwrap_or(0)
+    };
+    local.ok(&["start"]);
+    local.wait_until("every machine acknowledged transfers", || {
+        (0..3).all(|m| acked(m) > 0)
+    });
+    assert!(local.ok(&["kill", "2"]).contains("killed machine 2"));
+    let at_kill = [acked(0), acked(1)];
+    local.wait_status("configuration 2: members [0, 1], CM 0");
+    local.wait_until("machines 0 and 1 transfer without machine 2", || {
+        acked(0) > at_kill[0] + 100 && acked(1) > at_kill[1] + 100
+    });
+    let before_rejoin = acked(2);
+    assert!(local.ok(&["restart", "2"]).contains("machine 2 rejoined"));
+    local.wait_until("machine 2 transfers again", || {
+        acked(2) > before_rejoin + 100
+    });
+
+    let stopped = local.ok(&["stop"]);
+    assert!(
+        stopped.contains("stopped machines [0, 1, 2] at once, each writing its NVRAM back first;"),
+        "{stopped}"
+    );
+    for m in 0..3 {
+        let log = local.log(m);
+        assert!(
+            log.contains(&format!("farm-node: machine {m} wrote "))
+                && log.contains("on a power signal (15), and stops"),
+            "machine {m} did not write its NVRAM back:\n{log}"
+        );
+    }
+    let acked: Vec<u64> = (0..3).map(acked).collect();
+
+    local.ok_with(&["start", "--restart"], &["--audit"]);
+    let mut audits = Vec::new();
+    local.wait_until("every machine audited the bank", || {
+        audits = (0..3)
+            .filter_map(|m| {
+                let log = local.log(m);
+                let line = log.lines().find(|l| l.starts_with("bank: audit: "))?;
+                Some(line.to_string())
+            })
+            .collect();
+        audits.len() == 3
+    });
+    for audit in &audits {
+        assert!(
+            audit.contains("1000 accounts hold 1000000 (as opened)"),
+            "{audit}"
+        );
+        let (_, counted) = audit.split_once("transfers by machine ").unwrap();
+        for (m, n) in counted.split(' ').enumerate() {
+            let counted: u64 = n
+                .strip_prefix(&format!("{m}="))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{audit}"));
+            assert!(
+                counted >= acked[m],
+                "machine {m} acknowledged {} transfers, the restarted bank counts {counted}",
+                acked[m]
+            );
+        }
+    }
 }

@@ -159,12 +159,13 @@ pub enum NodeError {
 pub struct Node {
     machine: Arc<MachineState>,
     fabric: Arc<dyn ProcessFabric>,
-    /// The machine's lease thread and control thread.
-    runtime: Runtime,
+    /// The machine's lease thread and control thread (stopped by [`Node::halt`], which may
+    /// run while other threads use the node).
+    runtime: std::sync::Mutex<Runtime>,
     shared: Shared,
     /// Host `t` is this machine's worker `t`.
     hosts: Arc<Hosts>,
-    pollers: Vec<JoinHandle<()>>,
+    pollers: std::sync::Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Node {
@@ -374,10 +375,10 @@ impl Node {
         Ok(Self {
             machine,
             fabric,
-            runtime,
+            runtime: std::sync::Mutex::new(runtime),
             shared,
             hosts,
-            pollers,
+            pollers: std::sync::Mutex::new(pollers),
         })
     }
 
@@ -526,12 +527,15 @@ impl Node {
     /// reconfiguration any more (the peers of a cluster shutting down on a power signal do not
     /// remove each other while they stop). What was in flight is recovery's, as after a crash.
     /// Before [`Node::flush_nvram`] on a power signal; dropping the node does it too.
-    pub fn halt(&mut self) {
+    /// Other threads may go on using the node: their transactions no longer make progress
+    /// (nothing polls for them once their own waits end), as on a crashed machine.
+    pub fn halt(&self) {
         self.hosts.stop();
-        for p in self.pollers.drain(..) {
+        let pollers = std::mem::take(&mut *self.pollers.lock().expect("pollers poisoned"));
+        for p in pollers {
             let _ = p.join();
         }
-        self.runtime.stop();
+        self.runtime.lock().expect("runtime poisoned").stop();
     }
 
     /// Writes every NVRAM mapping of this machine back to its file and waits (`msync`), for a
