@@ -70,6 +70,10 @@ pub struct Overrides {
     /// (`ip netns exec`), as a host of its own.
     #[arg(long)]
     pub netns: Option<String>,
+    /// Serve Prometheus metrics over HTTP (`GET /metrics`, the OpenMetrics text format):
+    /// `ip:port` of machine 0, machine m at port + m [default: off].
+    #[arg(long)]
+    pub metrics_addr: Option<String>,
     /// For the launcher: the machine program to start, `<program> --machine M <settings>`
     /// (a program of your own built on `farm_node::run`, such as `examples/bank.rs`) instead
     /// of `farm-node run --machine M <settings>` [default: farm-node itself].
@@ -103,6 +107,7 @@ impl Overrides {
             tcp_timeout_ms: self.tcp_timeout_ms.or(other.tcp_timeout_ms),
             netns: self.netns.or(other.netns),
             program: self.program.or(other.program),
+            metrics_addr: self.metrics_addr.or(other.metrics_addr),
             secret_file: self.secret_file.or(other.secret_file),
         }
     }
@@ -140,6 +145,8 @@ pub struct Settings {
     pub tcp_timeout_ms: u64,
     pub netns: Option<String>,
     pub program: Option<PathBuf>,
+    /// Where machine 0 serves its metrics; machine m at port + m.
+    pub metrics_addr: Option<std::net::SocketAddr>,
     pub secret_file: PathBuf,
 }
 
@@ -196,6 +203,12 @@ impl ConfigArgs {
             tcp_timeout_ms: o.tcp_timeout_ms.unwrap_or_else(|| (4 * lease_ms).max(200)),
             netns: o.netns,
             program: o.program,
+            metrics_addr: match o.metrics_addr {
+                Some(a) => Some(a.trim().parse().map_err(|e| {
+                    anyhow::anyhow!("metrics_addr: {a:?} is not an address `ip:port` ({e})")
+                })?),
+                None => None,
+            },
         };
         s.check()?;
         Ok(s)
@@ -285,7 +298,7 @@ impl Settings {
             "cluster = {:?}\ndir = {:?}\nmachines = {}\nworkers = {}\nbase_port = {}\n\
              lease_ms = {}\nregions_per_machine = {}\nreplicas = {}\nregion_mb = {}\n\
              zookeeper = {:?}\nstats_seconds = {}\nstart_timeout_seconds = {}\nfabric = {:?}\n\
-             tcp_timeout_ms = {}\nsecret_file = {:?}\n{}{}{}",
+             tcp_timeout_ms = {}\nsecret_file = {:?}\n{}{}{}{}",
             self.cluster,
             self.dir.display().to_string(),
             self.machines,
@@ -318,7 +331,19 @@ impl Settings {
                 "program = {:?}\n",
                 p.display().to_string()
             )),
+            self.metrics_addr.map_or(String::new(), |a| format!(
+                "metrics_addr = {:?}\n",
+                a.to_string()
+            )),
         )
+    }
+
+    /// Where machine `m` serves its metrics, if it does: `metrics_addr` with port + m.
+    pub fn metrics_addr_of(&self, m: u16) -> Option<std::net::SocketAddr> {
+        self.metrics_addr.map(|mut a| {
+            a.set_port(a.port().saturating_add(m));
+            a
+        })
     }
 
     /// The cluster's znode in ZooKeeper.
@@ -427,7 +452,7 @@ mod tests {
 
     #[test]
     fn bad_settings_fail_naming_what_is_wrong() {
-        let cases: [(&str, Overrides, &str); 10] = [
+        let cases: [(&str, Overrides, &str); 11] = [
             (
                 "lease = 20\n",
                 Overrides::default(),
@@ -469,6 +494,11 @@ mod tests {
                 "hosts are for fabric = \"tcp\"",
             ),
             ("netns = \"a b\"\n", Overrides::default(), "netns = \"a b\""),
+            (
+                "metrics_addr = \"9400\"\n",
+                Overrides::default(),
+                "metrics_addr: \"9400\" is not an address",
+            ),
         ];
         for (file, overrides, expected) in cases {
             let (a, _d) = args(Some(file), overrides);
@@ -487,7 +517,8 @@ mod tests {
     fn settings_written_as_toml_read_back_the_same() {
         let (a, d) = args(
             Some(
-                "cluster = \"x-1\"\ndir = \"/tmp/a b\"\nregion_mb = 8\nprogram = \"/opt/my app\"\n",
+                "cluster = \"x-1\"\ndir = \"/tmp/a b\"\nregion_mb = 8\nprogram = \"/opt/my app\"\n\
+                 metrics_addr = \"127.0.0.1:9400\"\n",
             ),
             Overrides::default(),
         );

@@ -318,6 +318,9 @@ fn settings_flags(s: &Settings) -> Vec<String> {
         push("hosts", hosts.join(","));
         push("tcp-timeout-ms", s.tcp_timeout_ms.to_string());
     }
+    if let Some(a) = s.metrics_addr {
+        push("metrics-addr", a.to_string());
+    }
     f
 }
 
@@ -482,6 +485,19 @@ fn status(s: &Settings) -> anyhow::Result<()> {
         );
         if let Some(stats) = last_stats(&log_file(s, m)) {
             println!("  last stats: {stats}");
+        }
+        if let (Some(addr), Some(_)) = (s.metrics_addr_of(m), running(s, m)) {
+            match farm_node::scrape(addr) {
+                Ok(text) => {
+                    println!("  metrics (http://{addr}/metrics):");
+                    for line in text.lines().filter(|l| !l.starts_with('#')) {
+                        if !line.contains("_bucket{") {
+                            println!("    {line}");
+                        }
+                    }
+                }
+                Err(e) => println!("  metrics: http://{addr}/metrics did not answer: {e}"),
+            }
         }
     }
     Ok(())

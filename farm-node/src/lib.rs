@@ -30,6 +30,7 @@
 //! ```
 
 pub mod config;
+mod http;
 mod machine;
 
 /// Logs to standard error at `level` (`tracing`), the ZooKeeper client's session events at
@@ -47,4 +48,5 @@ pub fn log_to_stderr(level: tracing::Level) {
 }
 
 pub use config::{ConfigArgs, Settings};
+pub use http::scrape;
 pub use machine::{run, MachineArgs, Running};

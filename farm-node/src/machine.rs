@@ -76,6 +76,15 @@ pub fn run(
         );
     }
     let config = settings.node_config(args.machine, args.restart, args.join)?;
+    let metrics = match settings.metrics_addr_of(args.machine) {
+        Some(addr) => {
+            let listener = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("serving metrics at {addr} (metrics_addr)"))?;
+            listener.set_nonblocking(true)?;
+            Some(listener)
+        }
+        None => None,
+    };
     // The power signal reaches the serving loop at once, whatever `code` does, so that the
     // machines of a cluster told together all halt before any exits.
     let mut signals =
@@ -105,7 +114,14 @@ pub fn run(
     })?;
     for incarnation in 0.. {
         announce(&node);
-        serve(&node, &settings, incarnation, &power, &code)?;
+        serve(
+            &node,
+            &settings,
+            incarnation,
+            &power,
+            metrics.as_ref(),
+            &code,
+        )?;
         tracing::warn!(
             machine = node.id().0,
             "evicted from the configuration; rejoining as a new incarnation"
@@ -131,13 +147,15 @@ fn announce(node: &Node) {
     let _ = std::io::stdout().lock().write_all(line.as_bytes());
 }
 
-/// Serves `node` with `code` running beside it until the node is evicted and `code` returned
-/// (Ok), `code` failed (its error), or a power signal ends the process.
+/// Serves `node` with `code` running beside it, and its metrics on `metrics` if given, until
+/// the node is evicted and `code` returned (Ok), `code` failed (its error), or a power signal
+/// ends the process.
 fn serve(
     node: &Node,
     settings: &Settings,
     incarnation: u32,
     power: &Receiver<i32>,
+    metrics: Option<&std::net::TcpListener>,
     code: &(impl Fn(&Running<'_>) -> anyhow::Result<()> + Sync),
 ) -> anyhow::Result<()> {
     let stop = AtomicBool::new(false);
@@ -148,7 +166,22 @@ fn serve(
         stop: &stop,
     };
     let every = Duration::from_secs(settings.stats_seconds);
+    let metrics_done = AtomicBool::new(false);
     std::thread::scope(|s| {
+        if let Some(listener) = metrics {
+            std::thread::Builder::new()
+                .name("farm-metrics".into())
+                .spawn_scoped(s, || crate::http::serve(listener, node, &metrics_done))
+                .context("starting the metrics endpoint")?;
+        }
+        // The metrics endpoint ends with this incarnation's scope, however it ends.
+        struct Ends<'a>(&'a AtomicBool);
+        impl Drop for Ends<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _ends = Ends(&metrics_done);
         let mut app = Some(
             std::thread::Builder::new()
                 .name("farm-app".into())
@@ -222,19 +255,12 @@ fn log_stats(node: &Node, last: &(Instant, farm::Stats)) {
     let seconds = last.0.elapsed().as_secs_f64();
     let c = node.configuration();
     let members: Vec<u16> = c.members.iter().map(|m| m.0).collect();
-    let aborts = |s: &farm::Stats| {
-        s.aborts_read_locked
-            + s.aborts_read_torn
-            + s.aborts_lock
-            + s.aborts_validate
-            + s.aborts_other
-    };
     tracing::info!(
         machine = node.id().0,
         config = c.id.0,
         members = ?members,
         commits_per_s = ((stats.commits - last.1.commits) as f64 / seconds).round(),
-        aborts_per_s = ((aborts(&stats) - aborts(&last.1)) as f64 / seconds).round(),
+        aborts_per_s = ((stats.aborts() - last.1.aborts()) as f64 / seconds).round(),
         commits = stats.commits,
         suspicions = node.suspicions().len(),
         "stats"

@@ -396,25 +396,54 @@ fn example(name: &str) -> String {
 /// again (it rejoins, and its transfers go on), every machine is stopped with the power signal
 /// (each writes its NVRAM back while its transfers are in flight), and the cluster restarted
 /// from NVRAM with `-- --audit` finds the money whole and, for every machine, at least the
-/// transfers it acknowledged.
+/// transfers it acknowledged. Meanwhile each machine serves Prometheus metrics
+/// (`--metrics-addr`), scraped over HTTP: commits grow under the workload, and the kill moves
+/// the configuration, the members, the suspicions and the reconfigurations; `local status`
+/// shows them.
 #[test]
 fn a_program_of_ones_own_runs_as_the_machines_through_a_kill_and_a_power_signal() {
-    bank_through_a_kill_and_a_power_signal(4, &[]);
+    bank_through_a_kill_and_a_power_signal(4, &[], Some(6));
 }
 
-/// The same over the `tcp` fabric.
+/// The same over the `tcp` fabric (without metrics).
 #[test]
 fn a_program_of_ones_own_runs_as_the_machines_over_tcp() {
-    bank_through_a_kill_and_a_power_signal(5, &["--fabric", "tcp"]);
+    bank_through_a_kill_and_a_power_signal(5, &["--fabric", "tcp"], None);
 }
 
-fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str]) {
+/// The value of the sample `name{labels}` (`name` alone without labels) in the OpenMetrics
+/// text `text`.
+fn sample(text: &str, name: &str, labels: &str) -> f64 {
+    let key = if labels.is_empty() {
+        format!("{name} ")
+    } else {
+        format!("{name}{{{labels}}} ")
+    };
+    let line = (text.lines().find(|l| l.starts_with(&key)))
+        .unwrap_or_else(|| panic!("no {key:?} in the metrics:\n{text}"));
+    line[key.len()..].parse().unwrap()
+}
+
+/// With `metrics_ports`, the machines serve metrics at the ports of that test number on.
+fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str], metrics_ports: Option<u16>) {
     let Some(zk) = zookeeper() else { return };
     let program = example("bank");
     let dir = tempfile::tempdir().unwrap();
     let mut local = Local::new(dir.path(), "bank", zk, test, 16);
     local.args.extend(["--program".to_string(), program]);
     local.args.extend(flags.iter().map(|f| f.to_string()));
+    let metrics_port: Option<u16> = metrics_ports.map(|t| base_port(t).parse().unwrap());
+    if let Some(port) = metrics_port {
+        local
+            .args
+            .extend(["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
+    }
+    // Machine `m`'s metrics, scraped over HTTP, and the value of one of its samples.
+    let scrape = |m: u16| {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], metrics_port.unwrap() + m));
+        farm_node::scrape(addr).unwrap_or_else(|e| panic!("scraping machine {m}: {e}"))
+    };
+    let value = |m: u16, name: &str| sample(&scrape(m), name, &format!("machine=\"{m}\""));
     let _stop = StopOnDrop(&local);
     // The most transfers machine `m` said were acknowledged (`bank: acked N`).
     let acked = |m: u16| -> u64 {
@@ -427,9 +456,40 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str]) {
     local.wait_until("every machine acknowledged transfers", || {
         (0..3).all(|m| acked(m) > 0)
     });
+    if metrics_port.is_some() {
+        for m in 0..3 {
+            let text = scrape(m);
+            let labels = format!("machine=\"{m}\"");
+            assert!(sample(&text, "farm_commits_total", &labels) > 0.0, "{text}");
+            assert_eq!(sample(&text, "farm_configuration", &labels), 1.0);
+            assert_eq!(sample(&text, "farm_members", &labels), 3.0);
+            let is_cm = if m == 0 { 1.0 } else { 0.0 };
+            assert_eq!(sample(&text, "farm_is_cm", &labels), is_cm);
+            assert!(sample(&text, "farm_commit_latency_seconds_count", &labels) > 0.0);
+        }
+        let commits = value(0, "farm_commits_total");
+        local.wait_until("machine 0's commits grow", || {
+            value(0, "farm_commits_total") > commits
+        });
+        assert_eq!(sample(&scrape(0), "farm_reconfigurations_total", ""), 0.0);
+    }
     assert!(local.ok(&["kill", "2"]).contains("killed machine 2"));
     let at_kill = [acked(0), acked(1)];
-    local.wait_status("configuration 2: members [0, 1], CM 0");
+    let removed = local.wait_status("configuration 2: members [0, 1], CM 0");
+    if metrics_port.is_some() {
+        local.wait_until("machine 0 installed configuration 2", || {
+            value(0, "farm_configuration") == 2.0
+        });
+        let text = scrape(0);
+        assert_eq!(sample(&text, "farm_members", "machine=\"0\""), 2.0);
+        assert!(sample(&text, "farm_suspicions_total", "machine=\"0\"") >= 1.0);
+        assert_eq!(sample(&text, "farm_reconfigurations_total", ""), 1.0);
+        assert!(
+            removed.contains("metrics (http://127.0.0.1:")
+                && removed.contains("    farm_commits_total{machine=\"0\"} "),
+            "{removed}"
+        );
+    }
     local.wait_until("machines 0 and 1 transfer without machine 2", || {
         acked(0) > at_kill[0] + 100 && acked(1) > at_kill[1] + 100
     });
@@ -438,6 +498,11 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str]) {
     local.wait_until("machine 2 transfers again", || {
         acked(2) > before_rejoin + 100
     });
+    if metrics_port.is_some() {
+        // Machine 2's new incarnation serves at the same address, in configuration 3.
+        assert_eq!(value(2, "farm_configuration"), 3.0);
+        assert!(value(2, "farm_commits_total") > 0.0);
+    }
 
     let stopped = local.ok(&["stop"]);
     assert!(

@@ -1050,6 +1050,21 @@ impl Cluster {
         })
     }
 
+    /// Every machine's metrics in the Prometheus (OpenMetrics) text format, as a machine
+    /// process serves its own (`farm::node::Node::metrics`), each labelled with its machine.
+    pub fn metrics(&self) -> String {
+        let mut counters = self.inner.hosts.counters();
+        let suspicions = self.suspicions();
+        let samples = (self.inner.machines.iter())
+            .map(|m| {
+                let c = counters.remove(&m.id).unwrap_or_default();
+                crate::metrics::Sample::of(m, c, &suspicions, 0)
+            })
+            .collect();
+        let reconfigurations = crate::metrics::Reconfigurations::of(&self.reconfig_events());
+        crate::metrics::render(samples, reconfigurations)
+    }
+
     /// Every lease expiry noticed so far, in order.
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.inner

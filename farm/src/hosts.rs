@@ -26,6 +26,7 @@ use farm_fabric::process::ProcessFabric;
 use farm_txn::{CommitHandle, Stats, Tx, TxCore, TxError, TxState, Worker};
 
 use crate::backoff::Backoff;
+use crate::metrics::Counters;
 use crate::txn::Txn;
 
 /// Most attempts of one `txn()` call at a conflict before it gives up with the last one.
@@ -94,6 +95,8 @@ pub(crate) fn retry(e: &TxError, attempt: u32, started: Instant) -> Retry {
 pub(crate) struct Committing {
     handle: CommitHandle,
     read_only: bool,
+    /// When the commit started (µs since the epoch), for the commit-latency histogram.
+    started: u64,
 }
 
 /// Workers polled by one OS thread at a time.
@@ -102,6 +105,9 @@ pub struct Host {
     workers: Vec<Worker>,
     /// Transactions committed on this host per millisecond since the process's epoch.
     committed_per_ms: Vec<u32>,
+    /// Per worker: what the host counts for its machine beside the worker's own counters
+    /// (`Counters::stats` is left default here; [`Host::counters`] fills it in).
+    counters: Vec<Counters>,
 }
 
 impl Host {
@@ -117,8 +123,29 @@ impl Host {
             );
         }
         Self {
+            counters: vec![Counters::default(); workers.len()],
             workers,
             committed_per_ms: Vec::new(),
+        }
+    }
+
+    /// Each worker's machine and counters: the worker's own and the host's for it.
+    pub(crate) fn counters(&self) -> Vec<(MachineId, Counters)> {
+        (self.workers.iter().zip(&self.counters))
+            .map(|(w, c)| {
+                let counters = Counters {
+                    stats: w.stats().clone(),
+                    ..c.clone()
+                };
+                (w.machine().id, counters)
+            })
+            .collect()
+    }
+
+    /// Counts a lock-free read by worker `i` that ended with `done`.
+    pub(crate) fn count_lock_free_read(&mut self, i: usize, done: &Result<(), TxError>) {
+        if done.is_ok() {
+            self.counters[i].lock_free_reads += 1;
         }
     }
 
@@ -303,7 +330,7 @@ pub(crate) struct Hosts {
     /// counters from `published` instead of waiting for the executor's whole batch.
     executors: AtomicU64,
     /// Each host's counters as its executor last published them.
-    published: Vec<Mutex<Stats>>,
+    published: Vec<Mutex<Vec<(MachineId, Counters)>>>,
 }
 
 impl Hosts {
@@ -431,11 +458,7 @@ impl Hosts {
     /// Publishes the counters of host `index` (`host`, held by an executor) for
     /// [`Hosts::stats`]; an executor does so every [`STATS_PUBLISH_US`].
     pub(crate) fn publish_stats(&self, index: usize, host: &Host) {
-        let mut total = Stats::default();
-        for w in &host.workers {
-            total.add(w.stats());
-        }
-        *self.published[index].lock().expect("stats poisoned") = total;
+        *self.published[index].lock().expect("stats poisoned") = host.counters();
     }
 
     /// Takes a host for this thread: its usual one if free, else any free one. Never one this
@@ -613,7 +636,15 @@ impl Hosts {
             Ok(v) => {
                 let read_only = state.is_read_only();
                 let handle = host.workers[i].start_commit(state);
-                Ok((v, Committing { handle, read_only }))
+                let started = self.now();
+                Ok((
+                    v,
+                    Committing {
+                        handle,
+                        read_only,
+                        started,
+                    },
+                ))
             }
             Err(e) => {
                 host.workers[i].abort_execution(state, &e);
@@ -648,6 +679,7 @@ impl Hosts {
                 return Some(Err(TxError::LeaseLapsed(w.machine().id)));
             }
             host.record_commit(now);
+            (host.counters[i].commit_latency).record(now.saturating_sub(commit.started));
         }
         Some(r)
     }
@@ -693,7 +725,10 @@ impl Hosts {
         loop {
             let read = self.read_step(&mut host.workers[i], addr, buf, None);
             match self.judge_read(&host.workers[i], addr, read, &mut attempt, started) {
-                Some(done) => return done,
+                Some(done) => {
+                    host.count_lock_free_read(i, &done);
+                    return done;
+                }
                 None => self.wait_idle(host, &mut backoff),
             }
         }
@@ -818,6 +853,15 @@ impl Hosts {
     /// published them (at most [`STATS_PUBLISH_US`] old), the others' once free.
     pub(crate) fn stats(&self) -> Stats {
         let mut total = Stats::default();
+        for c in self.counters().values() {
+            total.add(&c.stats);
+        }
+        total
+    }
+
+    /// Each machine's counters, summed over the hosts (see [`Hosts::stats`]).
+    pub(crate) fn counters(&self) -> std::collections::BTreeMap<MachineId, Counters> {
+        let mut total = std::collections::BTreeMap::<MachineId, Counters>::new();
         for (i, h) in self.hosts.iter().enumerate() {
             // An executor may take the host while this waits for it.
             let host = loop {
@@ -830,9 +874,12 @@ impl Hosts {
                     Err(std::sync::TryLockError::Poisoned(_)) => panic!("host poisoned"),
                 }
             };
-            match host {
-                Some(host) => host.workers.iter().for_each(|w| total.add(w.stats())),
-                None => total.add(&self.published[i].lock().expect("stats poisoned")),
+            let counters = match host {
+                Some(host) => host.counters(),
+                None => self.published[i].lock().expect("stats poisoned").clone(),
+            };
+            for (m, c) in counters {
+                total.entry(m).or_default().add(&c);
             }
         }
         total

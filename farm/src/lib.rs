@@ -24,6 +24,7 @@ mod cluster;
 mod hosts;
 mod lease_thread;
 mod machine;
+mod metrics;
 pub mod node;
 mod node_restart;
 mod pipeline;

@@ -586,6 +586,23 @@ impl Node {
         self.fabric.is_up(machine)
     }
 
+    /// This machine's metrics in the Prometheus (OpenMetrics) text format: commits, aborts by
+    /// cause, commit latencies, lock-free reads, configuration, role, suspicions,
+    /// reconfigurations, regions copying, datagrams refused (see docs/ARCHITECTURE.md,
+    /// Observability). Counters of a thread whose pipeline keeps its host are at most 10 ms
+    /// old; the others wait for the host to be free.
+    pub fn metrics(&self) -> String {
+        let mut counters = self.hosts.counters();
+        let sample = crate::metrics::Sample::of(
+            &self.machine,
+            counters.remove(&self.id()).unwrap_or_default(),
+            &self.suspicions(),
+            self.fabric.datagrams_refused(),
+        );
+        let reconfigurations = crate::metrics::Reconfigurations::of(&self.reconfig_events());
+        crate::metrics::render(vec![sample], reconfigurations)
+    }
+
     /// Machines this node's lease thread suspected, in order (time in µs since it started).
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.shared

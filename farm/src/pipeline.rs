@@ -267,7 +267,11 @@ impl<'a> Pipeline<'a> {
                 let mut host = self.host.borrow_mut();
                 let w = host.worker(i);
                 let read = self.hosts.read_step(w, addr, buf, posted);
-                self.hosts.judge_read(w, addr, read, &mut attempt, started)
+                let done = self.hosts.judge_read(w, addr, read, &mut attempt, started);
+                if let Some(done) = &done {
+                    host.count_lock_free_read(i, done);
+                }
+                done
             };
             match done {
                 Some(done) => return done,

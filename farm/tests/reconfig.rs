@@ -518,3 +518,71 @@ fn a_request_of_a_machine_that_stopped_is_answered() {
     // Not `AdminError::NoAnswer`, which the caller gets after a minute.
     assert!(e.to_string().contains("stopped"), "{e}");
 }
+
+/// The value of the sample `name{labels}` in the OpenMetrics text `text`.
+fn sample(text: &str, name: &str, labels: &str) -> f64 {
+    let key = if labels.is_empty() {
+        format!("{name} ")
+    } else {
+        format!("{name}{{{labels}}} ")
+    };
+    let line = (text.lines().find(|l| l.starts_with(&key)))
+        .unwrap_or_else(|| panic!("no {key:?} in the metrics:\n{text}"));
+    line[key.len()..].parse().unwrap()
+}
+
+/// The metrics the in-process cluster exposes (`Cluster::metrics`: the Prometheus text a
+/// machine process serves) follow what the cluster does: commits and their latencies on the
+/// coordinators, lock-free reads where they ran, the configuration and the CM; and once a
+/// member is killed, the CM's suspicion, the reconfiguration it drove and the configuration
+/// without the member.
+#[test]
+fn metrics_follow_commits_lock_free_reads_and_a_reconfiguration() {
+    let c = cluster();
+    let a = c.txn(MachineId(0), |tx| tx.alloc(&1_000u64, None)).unwrap();
+    let b = c.txn(MachineId(1), |tx| tx.alloc(&0u64, None)).unwrap();
+    transfers(&c, a, b, 30);
+    for _ in 0..5 {
+        let _: u64 = c.read(MachineId(3), a).unwrap();
+    }
+    let text = c.metrics();
+    let m = |machine: u16| format!("machine=\"{machine}\"");
+    for machine in 0..3 {
+        let commits = sample(&text, "farm_commits_total", &m(machine));
+        assert!(commits >= 10.0, "machine {machine}: {commits} commits");
+        let timed = sample(&text, "farm_commit_latency_seconds_count", &m(machine));
+        assert_eq!(timed, commits, "machine {machine}: every commit timed");
+        let all = format!("le=\"+Inf\",{}", m(machine));
+        let fast = format!("le=\"0.00001\",{}", m(machine));
+        let bucket = |labels: &str| sample(&text, "farm_commit_latency_seconds_bucket", labels);
+        assert_eq!(
+            bucket(&all),
+            commits,
+            "machine {machine}: the last bucket counts all"
+        );
+        assert!(bucket(&fast) <= commits, "machine {machine}");
+    }
+    assert_eq!(sample(&text, "farm_commits_total", &m(3)), 0.0);
+    assert_eq!(sample(&text, "farm_lock_free_reads_total", &m(3)), 5.0);
+    assert_eq!(sample(&text, "farm_lock_free_reads_total", &m(0)), 0.0);
+    for machine in 0..4 {
+        assert_eq!(sample(&text, "farm_configuration", &m(machine)), 1.0);
+        assert_eq!(sample(&text, "farm_members", &m(machine)), 4.0);
+        let is_cm = if machine == 0 { 1.0 } else { 0.0 };
+        assert_eq!(sample(&text, "farm_is_cm", &m(machine)), is_cm);
+    }
+    assert_eq!(sample(&text, "farm_reconfigurations_total", ""), 0.0);
+
+    c.kill(MachineId(3));
+    wait_for_config(&c, MachineId(0), 2);
+    let text = c.metrics();
+    assert_eq!(sample(&text, "farm_configuration", &m(0)), 2.0);
+    assert_eq!(sample(&text, "farm_members", &m(0)), 3.0);
+    assert!(
+        sample(&text, "farm_suspicions_total", &m(0)) >= 1.0,
+        "{text}"
+    );
+    assert_eq!(sample(&text, "farm_reconfigurations_total", ""), 1.0);
+    let took = sample(&text, "farm_last_reconfiguration_duration_seconds", "");
+    assert!(took > 0.0 && took < 30.0, "{took} s");
+}

@@ -1,0 +1,392 @@
+//! Prometheus metrics of machines (docs/ARCHITECTURE.md, Observability): what a scrape of a
+//! machine process (`metrics_addr`) or [`crate::Cluster::metrics`] answers, in the OpenMetrics
+//! text format through `prometheus-client`. Every figure is read at the scrape from the
+//! machine's own state: the workers' counters (those of a host a pipeline keeps as its
+//! executor last published them), the commit-latency buckets of the hosts, the view, the
+//! lease manager's suspicions, the regions it copies, the datagrams it refused; and the
+//! reconfigurations the process drove. Every metric of a machine has a `machine` label.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use farm_core::{ConfigId, MachineId};
+use farm_txn::{MachineState, Stats};
+
+use crate::lease_thread::Suspicion;
+use crate::ReconfigEvent;
+
+/// Upper bounds of the commit-latency buckets, in microseconds (then +Inf).
+pub(crate) const LATENCY_BOUNDS_US: [u64; 16] = [
+    10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000, 200_000,
+    500_000, 1_000_000,
+];
+
+/// Commit latencies (from the start of a commit to its outcome), counted in buckets.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Latency {
+    /// Commits per bucket of [`LATENCY_BOUNDS_US`], the last past them all.
+    counts: [u64; LATENCY_BOUNDS_US.len() + 1],
+    sum_us: u64,
+}
+
+impl Latency {
+    /// Counts a commit that took `us` microseconds.
+    pub(crate) fn record(&mut self, us: u64) {
+        let i = LATENCY_BOUNDS_US.partition_point(|&b| b < us);
+        self.counts[i] += 1;
+        self.sum_us += us;
+    }
+
+    pub(crate) fn add(&mut self, other: &Latency) {
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.sum_us += other.sum_us;
+    }
+
+    /// How many commits were counted.
+    pub(crate) fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        // Per bucket, as `prometheus_client`'s own histograms keep them: the encoder sums
+        // them into the cumulative `le` counts.
+        let buckets: Vec<(f64, u64)> = (LATENCY_BOUNDS_US.iter().map(|&b| b as f64 / 1e6))
+            .chain([f64::MAX])
+            .zip(self.counts.iter().copied())
+            .collect();
+        encoder.encode_histogram::<NoLabelSet>(
+            self.sum_us as f64 / 1e6,
+            self.count(),
+            &buckets,
+            None,
+        )
+    }
+}
+
+/// The counters a host keeps for one of its workers' machines, beside the worker's own.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    /// The worker's counters.
+    pub(crate) stats: Stats,
+    /// Commits coordinated by the worker, by latency.
+    pub(crate) commit_latency: Latency,
+    /// Lock-free reads (§3) the host did for the machine.
+    pub(crate) lock_free_reads: u64,
+}
+
+impl Counters {
+    pub(crate) fn add(&mut self, other: &Counters) {
+        self.stats.add(&other.stats);
+        self.commit_latency.add(&other.commit_latency);
+        self.lock_free_reads += other.lock_free_reads;
+    }
+}
+
+/// What one machine's metrics are read from at a scrape.
+#[derive(Clone, Debug)]
+pub(crate) struct Sample {
+    pub(crate) machine: MachineId,
+    pub(crate) counters: Counters,
+    /// The configuration this machine is in, its members and its CM.
+    pub(crate) config: ConfigId,
+    pub(crate) members: usize,
+    pub(crate) cm: MachineId,
+    /// Whether this machine was removed from the configuration while alive.
+    pub(crate) evicted: bool,
+    /// Lease expiries this machine's lease manager saw.
+    pub(crate) suspicions: u64,
+    /// Regions of which this machine is a replica being copied (§5.4).
+    pub(crate) regions_copying: usize,
+    /// Datagrams refused (forged, replayed, stale), where the fabric counts them.
+    pub(crate) datagrams_refused: u64,
+}
+
+impl Sample {
+    /// The sample of `machine`, with `counters` from its hosts, the process's `suspicions`
+    /// (of every machine it runs) and `datagrams_refused`.
+    pub(crate) fn of(
+        machine: &MachineState,
+        counters: Counters,
+        suspicions: &[Suspicion],
+        datagrams_refused: u64,
+    ) -> Self {
+        let config = machine.view().config.clone();
+        Self {
+            machine: machine.id,
+            counters,
+            config: config.id,
+            members: config.members.len(),
+            cm: config.cm,
+            evicted: machine.is_evicted(),
+            suspicions: suspicions
+                .iter()
+                .filter(|s| s.observer == machine.id)
+                .count() as u64,
+            regions_copying: machine.copying_regions().len(),
+            datagrams_refused,
+        }
+    }
+}
+
+/// What the process's control plane did: reconfigurations it drove (FaRM §5.2).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Reconfigurations {
+    /// Configurations committed.
+    committed: u64,
+    /// From the suspicion that started the last one to its NEW-CONFIG-COMMIT, in µs.
+    last_us: Option<u64>,
+}
+
+impl Reconfigurations {
+    /// What `events` (this process's, in order) say.
+    pub(crate) fn of(events: &[ReconfigEvent]) -> Self {
+        let mut r = Self::default();
+        let mut suspected = None;
+        for e in events {
+            match e {
+                ReconfigEvent::Suspect { at_us, .. } => {
+                    suspected.get_or_insert(*at_us);
+                }
+                ReconfigEvent::Committed { at_us, .. } => {
+                    r.committed += 1;
+                    r.last_us = suspected.take().map(|s| at_us.saturating_sub(s));
+                }
+                _ => {}
+            }
+        }
+        r
+    }
+}
+
+/// The OpenMetrics text of `samples` and of the process's `reconfigurations`.
+pub(crate) fn render(samples: Vec<Sample>, reconfigurations: Reconfigurations) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Samples(samples, reconfigurations)));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .expect("writing to a String does not fail");
+    text
+}
+
+#[derive(Debug)]
+struct Samples(Vec<Sample>, Reconfigurations);
+
+impl Samples {
+    /// One metric: its descriptor, then a value per machine (`value` of its sample).
+    fn metric(
+        &self,
+        encoder: &mut DescriptorEncoder<'_>,
+        name: &str,
+        help: &str,
+        unit: Option<&Unit>,
+        kind: MetricType,
+        value: impl Fn(&Sample, MetricEncoder<'_>) -> Result<(), std::fmt::Error>,
+    ) -> Result<(), std::fmt::Error> {
+        let mut metric = encoder.encode_descriptor(name, help, unit, kind)?;
+        for s in &self.0 {
+            let labels = [("machine", s.machine.0 as u64)];
+            value(s, metric.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+
+    fn counter(
+        &self,
+        encoder: &mut DescriptorEncoder<'_>,
+        name: &str,
+        help: &str,
+        value: impl Fn(&Sample) -> u64,
+    ) -> Result<(), std::fmt::Error> {
+        self.metric(
+            encoder,
+            name,
+            help,
+            None,
+            MetricType::Counter,
+            |s, mut e| e.encode_counter::<NoLabelSet, _, u64>(&value(s), None),
+        )
+    }
+
+    fn gauge<G: EncodeGaugeValue>(
+        &self,
+        encoder: &mut DescriptorEncoder<'_>,
+        name: &str,
+        help: &str,
+        unit: Option<&Unit>,
+        value: impl Fn(&Sample) -> G,
+    ) -> Result<(), std::fmt::Error> {
+        self.metric(encoder, name, help, unit, MetricType::Gauge, |s, mut e| {
+            e.encode_gauge(&value(s))
+        })
+    }
+}
+
+impl Collector for Samples {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let e = &mut e;
+        self.counter(
+            e,
+            "farm_commits",
+            "Transactions committed, read-only ones included",
+            |s| s.counters.stats.commits,
+        )?;
+        // Aborts by cause: one metric with a `cause` label beside `machine`.
+        let mut aborts = e.encode_descriptor(
+            "farm_aborts",
+            "Transaction attempts aborted, by cause",
+            None,
+            MetricType::Counter,
+        )?;
+        for s in &self.0 {
+            let st = &s.counters.stats;
+            for (cause, n) in [
+                ("read_locked", st.aborts_read_locked),
+                ("read_torn", st.aborts_read_torn),
+                ("lock", st.aborts_lock),
+                ("validate", st.aborts_validate),
+                ("other", st.aborts_other),
+            ] {
+                let labels = [
+                    ("machine", s.machine.0.to_string()),
+                    ("cause", cause.into()),
+                ];
+                aborts
+                    .encode_family(&labels)?
+                    .encode_counter::<NoLabelSet, _, u64>(&n, None)?;
+            }
+        }
+        self.metric(
+            e,
+            "farm_commit_latency",
+            "Time from the start of a commit to its outcome, of transactions this machine coordinated",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+            |s, enc| s.counters.commit_latency.encode(enc),
+        )?;
+        self.counter(
+            e,
+            "farm_lock_free_reads",
+            "Lock-free reads of committed objects (FaRM §3)",
+            |s| s.counters.lock_free_reads,
+        )?;
+        self.counter(
+            e,
+            "farm_object_reads",
+            "Consistent object reads inside transactions",
+            |s| s.counters.stats.reads,
+        )?;
+        self.counter(
+            e,
+            "farm_allocations",
+            "Objects allocated at this machine's primaries",
+            |s| s.counters.stats.allocs,
+        )?;
+        self.counter(
+            e,
+            "farm_frees",
+            "Objects freed at this machine's primaries",
+            |s| s.counters.stats.frees,
+        )?;
+        self.counter(
+            e,
+            "farm_log_space_waits",
+            "Commits that waited for log space before starting",
+            |s| s.counters.stats.reserve_waits,
+        )?;
+        self.counter(
+            e,
+            "farm_queue_full_waits",
+            "Messages that waited for queue space",
+            |s| s.counters.stats.queue_full_waits,
+        )?;
+        self.counter(
+            e,
+            "farm_recovered_transactions_committed",
+            "Recovering transactions this machine decided to commit (FaRM §5.3)",
+            |s| s.counters.stats.recovered_commits,
+        )?;
+        self.counter(
+            e,
+            "farm_recovered_transactions_aborted",
+            "Recovering transactions this machine decided to abort (FaRM §5.3)",
+            |s| s.counters.stats.recovered_aborts,
+        )?;
+        self.gauge(
+            e,
+            "farm_configuration",
+            "The id of the configuration this machine is in",
+            None,
+            |s| s.config.0 as i64,
+        )?;
+        self.gauge(
+            e,
+            "farm_members",
+            "Machines of the configuration this machine is in",
+            None,
+            |s| s.members as i64,
+        )?;
+        self.gauge(
+            e,
+            "farm_cm",
+            "The configuration manager (CM) of this machine's configuration",
+            None,
+            |s| s.cm.0 as i64,
+        )?;
+        self.gauge(
+            e,
+            "farm_is_cm",
+            "1 if this machine is its configuration's CM, else 0",
+            None,
+            |s| (s.cm == s.machine) as i64,
+        )?;
+        self.gauge(
+            e,
+            "farm_evicted",
+            "1 if this machine was removed from the configuration while alive, else 0",
+            None,
+            |s| s.evicted as i64,
+        )?;
+        self.counter(
+            e,
+            "farm_suspicions",
+            "Lease expiries this machine's lease manager saw (FaRM §5.1)",
+            |s| s.suspicions,
+        )?;
+        self.gauge(
+            e,
+            "farm_regions_copying",
+            "Regions of which this machine holds a replica still being copied (FaRM §5.4)",
+            None,
+            |s| s.regions_copying as i64,
+        )?;
+        self.counter(
+            e,
+            "farm_datagrams_refused",
+            "Lease and control datagrams refused: forged, replayed or stale",
+            |s| s.datagrams_refused,
+        )?;
+        // The process's control plane, not one machine's.
+        let r = &self.1;
+        let mut m = e.encode_descriptor(
+            "farm_reconfigurations",
+            "Configurations this process's control plane committed as the driver of a \
+             reconfiguration (FaRM §5.2)",
+            None,
+            MetricType::Counter,
+        )?;
+        m.encode_counter::<NoLabelSet, _, u64>(&r.committed, None)?;
+        let mut m = e.encode_descriptor(
+            "farm_last_reconfiguration_duration",
+            "From the suspicion to NEW-CONFIG-COMMIT, of the last reconfiguration this process \
+             drove",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        m.encode_gauge(&(r.last_us.unwrap_or(0) as f64 / 1e6))?;
+        Ok(())
+    }
+}
