@@ -863,14 +863,16 @@ impl Hosts {
     pub(crate) fn counters(&self) -> std::collections::BTreeMap<MachineId, Counters> {
         let mut total = std::collections::BTreeMap::<MachineId, Counters>::new();
         for (i, h) in self.hosts.iter().enumerate() {
-            // An executor may take the host while this waits for it.
+            // An executor may take the host while this waits for it; a blocking transaction
+            // may hold it for as long as recovery takes, so the wait backs off to sleeping.
+            let mut backoff = Backoff::new();
             let host = loop {
                 if self.executors.load(Ordering::Acquire) & (1 << i) != 0 {
                     break None;
                 }
                 match h.try_lock() {
                     Ok(host) => break Some(host),
-                    Err(std::sync::TryLockError::WouldBlock) => std::thread::yield_now(),
+                    Err(std::sync::TryLockError::WouldBlock) => backoff.idle(),
                     Err(std::sync::TryLockError::Poisoned(_)) => panic!("host poisoned"),
                 }
             };
