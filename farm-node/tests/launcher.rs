@@ -466,6 +466,10 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str], metrics_por
             let is_cm = if m == 0 { 1.0 } else { 0.0 };
             assert_eq!(sample(&text, "farm_is_cm", &labels), is_cm);
             assert!(sample(&text, "farm_commit_latency_seconds_count", &labels) > 0.0);
+            for peer in (0..3).filter(|p| *p != m) {
+                let labels = format!("{labels},peer=\"{peer}\"");
+                assert!(sample(&text, "farm_log_held_bytes", &labels) >= 0.0);
+            }
         }
         let commits = value(0, "farm_commits_total");
         local.wait_until("machine 0's commits grow", || {

@@ -72,6 +72,8 @@ pub struct RegionCopy {
     offset_in_block: usize,
     next_at: u64,
     installed: usize,
+    /// Bytes read from the primary's replica so far.
+    bytes_read: u64,
     buf: Vec<u8>,
     again: Vec<u8>,
 }
@@ -89,6 +91,7 @@ impl RegionCopy {
             offset_in_block: 0,
             next_at: now,
             installed: 0,
+            bytes_read: 0,
             buf: Vec::new(),
             again: Vec::new(),
         }
@@ -102,6 +105,11 @@ impl RegionCopy {
     /// Objects installed so far.
     pub fn installed(&self) -> usize {
         self.installed
+    }
+
+    /// Bytes read from the primary's replica so far (chunks read twice count twice).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
     }
 
     /// One paced step: block headers first, then one chunk of objects. `primary` reads the
@@ -123,6 +131,7 @@ impl RegionCopy {
         if !self.headers_done {
             let mut headers = vec![0u8; blocks as usize * 8];
             primary.read(0, &mut headers)?;
+            self.bytes_read += headers.len() as u64;
             for b in 1..blocks {
                 let at = block_header_offset(b);
                 let word = u64::from_le_bytes(headers[at..at + 8].try_into().expect("8"));
@@ -147,6 +156,7 @@ impl RegionCopy {
         primary.read(start as u64, &mut self.buf)?;
         std::sync::atomic::fence(Ordering::Acquire);
         primary.read(start as u64, &mut self.again)?;
+        self.bytes_read += 2 * len as u64;
         let mut installed = 0;
         for s in (0..len).step_by(slot) {
             let h = Header(u64::from_le_bytes(

@@ -30,4 +30,4 @@ pub use coordinator::{CommitHandle, Tx, TxCore, TxState, COMMITS_IN_FLIGHT_MAX};
 pub use error::{Conflict, TxError};
 pub use machine::{MachineState, Params, RecoveryEvent, Replication};
 pub use stats::Stats;
-pub use worker::Worker;
+pub use worker::{RingsHeld, Worker};

@@ -65,6 +65,8 @@ pub struct Stats {
     /// Recovery messages whose queue slot was held as their restart record because the
     /// recovery log was full.
     pub recovery_log_full: u64,
+    /// Bytes data recovery read from primaries to copy their regions here (§5.4).
+    pub recovery_bytes_read: u64,
 }
 
 impl Stats {
@@ -124,7 +126,8 @@ impl Stats {
             restart_late_rejected,
             malformed,
             cut_links,
-            recovery_log_full
+            recovery_log_full,
+            recovery_bytes_read
         );
     }
 }

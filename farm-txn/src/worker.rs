@@ -134,6 +134,19 @@ impl Inbound {
     }
 }
 
+/// What a thread holds in one peer's rings ([`Worker::rings_held`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingsHeld {
+    /// The peer.
+    pub peer: MachineId,
+    /// Bytes of log records in the peer's log not yet truncated, or reserved.
+    pub log_bytes: u64,
+    /// Bytes of messages in the peer's queue not yet processed, or reserved.
+    pub queue_bytes: u64,
+    /// Messages waiting here for queue room at the peer.
+    pub backlogged: u64,
+}
+
 /// Outbound state for one peer (receiver) machine on this thread.
 #[derive(Debug)]
 pub(crate) struct Outbound {
@@ -345,6 +358,21 @@ impl Worker {
         &self.stats
     }
 
+    /// What this thread holds in each peer's rings: bytes of its log records not yet
+    /// truncated there and of its messages not yet processed (reserved room included), and
+    /// messages waiting here for queue room there. Peers with nothing held are left out.
+    pub fn rings_held(&self) -> Vec<RingsHeld> {
+        (self.outbound.iter().enumerate())
+            .map(|(m, o)| RingsHeld {
+                peer: MachineId(m as u16),
+                log_bytes: o.log.in_use() as u64,
+                queue_bytes: o.queue.in_use() as u64,
+                backlogged: o.backlogged as u64,
+            })
+            .filter(|r| r.log_bytes + r.queue_bytes + r.backlogged > 0)
+            .collect()
+    }
+
     pub(crate) fn endpoint(&self) -> Endpoint {
         Endpoint {
             machine: self.machine.id,
@@ -525,9 +553,11 @@ impl Worker {
             if !p.backups.contains(&me) {
                 continue;
             }
+            let read_before = copy.bytes_read();
             let progress = self
                 .remote(region)
                 .and_then(|primary| copy.poll(now, &*primary, &local));
+            self.stats.recovery_bytes_read += copy.bytes_read() - read_before;
             match progress {
                 Ok(farm_recovery::Progress::Done) => {
                     self.machine.copy_done(region);

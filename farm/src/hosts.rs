@@ -135,6 +135,7 @@ impl Host {
             .map(|(w, c)| {
                 let counters = Counters {
                     stats: w.stats().clone(),
+                    rings: (w.rings_held().into_iter()).map(|r| (r.peer, r)).collect(),
                     ..c.clone()
                 };
                 (w.machine().id, counters)

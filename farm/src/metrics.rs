@@ -12,7 +12,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use farm_core::{ConfigId, MachineId};
-use farm_txn::{MachineState, Stats};
+use farm_txn::{MachineState, RingsHeld, Stats};
 
 use crate::lease_thread::Suspicion;
 use crate::ReconfigEvent;
@@ -76,6 +76,8 @@ pub(crate) struct Counters {
     pub(crate) commit_latency: Latency,
     /// Lock-free reads (§3) the host did for the machine.
     pub(crate) lock_free_reads: u64,
+    /// What the machine's threads hold in each peer's rings, summed over them.
+    pub(crate) rings: std::collections::BTreeMap<MachineId, RingsHeld>,
 }
 
 impl Counters {
@@ -83,6 +85,15 @@ impl Counters {
         self.stats.add(&other.stats);
         self.commit_latency.add(&other.commit_latency);
         self.lock_free_reads += other.lock_free_reads;
+        for (peer, r) in &other.rings {
+            let held = self.rings.entry(*peer).or_insert(RingsHeld {
+                peer: *peer,
+                ..RingsHeld::default()
+            });
+            held.log_bytes += r.log_bytes;
+            held.queue_bytes += r.queue_bytes;
+            held.backlogged += r.backlogged;
+        }
     }
 }
 
@@ -94,6 +105,8 @@ pub(crate) struct Sample {
     /// The configuration this machine is in, its members and its CM.
     pub(crate) config: ConfigId,
     pub(crate) members: usize,
+    /// The members, for the per-peer figures.
+    pub(crate) peers: Vec<MachineId>,
     pub(crate) cm: MachineId,
     /// Whether this machine was removed from the configuration while alive.
     pub(crate) evicted: bool,
@@ -120,6 +133,7 @@ impl Sample {
             counters,
             config: config.id,
             members: config.members.len(),
+            peers: config.members.clone(),
             cm: config.cm,
             evicted: machine.is_evicted(),
             suspicions: suspicions
@@ -222,6 +236,26 @@ impl Samples {
         self.metric(encoder, name, help, unit, MetricType::Gauge, |s, mut e| {
             e.encode_gauge(&value(s))
         })
+    }
+}
+
+impl Samples {
+    /// A gauge's value per machine and peer of the configuration (0 where nothing is held).
+    fn per_peer(
+        &self,
+        metric: &mut MetricEncoder<'_>,
+        value: impl Fn(&RingsHeld) -> u64,
+    ) -> Result<(), std::fmt::Error> {
+        for s in &self.0 {
+            for peer in s.peers.iter().filter(|p| **p != s.machine) {
+                let held = s.counters.rings.get(peer).map_or(0, &value);
+                let labels = [("machine", s.machine.0 as u64), ("peer", peer.0 as u64)];
+                metric
+                    .encode_family(&labels)?
+                    .encode_gauge(&(held as i64))?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -356,6 +390,34 @@ impl Collector for Samples {
             "Lease expiries this machine's lease manager saw (FaRM §5.1)",
             |s| s.suspicions,
         )?;
+        self.counter(
+            e,
+            "farm_recovery_read_bytes",
+            "Bytes data recovery read from primaries to copy their regions here (FaRM §5.4)",
+            |s| s.counters.stats.recovery_bytes_read,
+        )?;
+        for (name, help, value) in [
+            (
+                "farm_log_held",
+                "Bytes of this machine's log records in a peer's log not yet truncated there",
+                (|r: &RingsHeld| r.log_bytes) as fn(&RingsHeld) -> u64,
+            ),
+            (
+                "farm_queue_held",
+                "Bytes of this machine's messages in a peer's queue not yet processed there",
+                |r: &RingsHeld| r.queue_bytes,
+            ),
+        ] {
+            let mut m = e.encode_descriptor(name, help, Some(&Unit::Bytes), MetricType::Gauge)?;
+            self.per_peer(&mut m, value)?;
+        }
+        let mut m = e.encode_descriptor(
+            "farm_backlogged_messages",
+            "Messages waiting here for room in a peer's queue",
+            None,
+            MetricType::Gauge,
+        )?;
+        self.per_peer(&mut m, |r| r.backlogged)?;
         self.gauge(
             e,
             "farm_regions_copying",

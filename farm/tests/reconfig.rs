@@ -585,4 +585,31 @@ fn metrics_follow_commits_lock_free_reads_and_a_reconfiguration() {
     assert_eq!(sample(&text, "farm_reconfigurations_total", ""), 1.0);
     let took = sample(&text, "farm_last_reconfiguration_duration_seconds", "");
     assert!(took > 0.0 && took < 30.0, "{took} s");
+
+    // Machine 3 held replicas: the survivors copy them again (§5.4), and once recovery is done
+    // and every record truncated, nothing is held in any peer's rings.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.background_recovery_done() {
+        assert!(Instant::now() < deadline, "data recovery did not finish");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.quiesce();
+    let text = c.metrics();
+    let copied: f64 = (0..3)
+        .map(|machine| sample(&text, "farm_recovery_read_bytes_total", &m(machine)))
+        .sum();
+    assert!(copied > 0.0, "no region copied again:\n{text}");
+    for machine in 0..3 {
+        assert_eq!(sample(&text, "farm_regions_copying", &m(machine)), 0.0);
+        for peer in (0..3).filter(|p| *p != machine) {
+            let labels = format!("{},peer=\"{peer}\"", m(machine));
+            assert_eq!(sample(&text, "farm_log_held_bytes", &labels), 0.0, "{text}");
+            assert_eq!(
+                sample(&text, "farm_queue_held_bytes", &labels),
+                0.0,
+                "{text}"
+            );
+            assert_eq!(sample(&text, "farm_backlogged_messages", &labels), 0.0);
+        }
+    }
 }
