@@ -41,6 +41,10 @@ struct Args {
     /// Transfers this machine keeps in flight (one teller each).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=TELLERS_MAX as i64))]
     in_flight: u16,
+    /// Milliseconds to sleep after each round of transfers, one from every slot (0: no
+    /// rounds, as fast as the cluster goes).
+    #[arg(long, default_value_t = 0)]
+    pause_ms: u64,
     /// Transfer nothing: check that the money adds up, print what every teller counted, and
     /// serve.
     #[arg(long)]
@@ -171,47 +175,59 @@ fn transfer(m: &Running<'_>, bank: &Bank, args: &Args) {
                 report();
             }
         });
-        m.node.pipeline(args.in_flight as usize, async |p, task| {
-            let key = teller(me, task as u16);
-            let mut rng = Xorshift::new(((me.0 as u64) << 32) ^ task as u64 ^ 0x5eed);
-            let mut errors = 0u64;
-            while !m.stopping() {
-                let from = rng.next() % accounts;
-                let to = (from + 1 + rng.next() % (accounts - 1)) % accounts;
-                let amount = 1 + rng.next() % 10;
-                let done = p
-                    .txn(me, async |tx| {
-                        let a = balance(bank, tx, from).await?;
-                        let b = balance(bank, tx, to).await?;
-                        if a >= amount {
-                            bank.accounts.update_async(tx, &from, &(a - amount)).await?;
-                            bank.accounts.update_async(tx, &to, &(b + amount)).await?;
-                        }
-                        let n = match bank.tellers.get_in_async(tx, &key).await? {
-                            Some(n) => {
-                                bank.tellers.update_async(tx, &key, &(n + 1)).await?;
-                                n + 1
+        // Rounds: with a pause, each slot makes one transfer a round and the thread sleeps
+        // between rounds; without, one round that lasts until the machine stops.
+        let errors = AtomicU64::new(0);
+        for round in 0u64.. {
+            m.node.pipeline(args.in_flight as usize, async |p, task| {
+                let key = teller(me, task as u16);
+                let seed = (me.0 as u64) << 32 ^ (task as u64) << 16 ^ round << 40;
+                let mut rng = Xorshift::new(seed);
+                while !m.stopping() {
+                    let from = rng.next() % accounts;
+                    let to = (from + 1 + rng.next() % (accounts - 1)) % accounts;
+                    let amount = 1 + rng.next() % 10;
+                    let done = p
+                        .txn(me, async |tx| {
+                            let a = balance(bank, tx, from).await?;
+                            let b = balance(bank, tx, to).await?;
+                            if a >= amount {
+                                bank.accounts.update_async(tx, &from, &(a - amount)).await?;
+                                bank.accounts.update_async(tx, &to, &(b + amount)).await?;
                             }
-                            None => {
-                                bank.tellers.insert_async(tx, &key, &1).await?;
-                                1
+                            let n = match bank.tellers.get_in_async(tx, &key).await? {
+                                Some(n) => {
+                                    bank.tellers.update_async(tx, &key, &(n + 1)).await?;
+                                    n + 1
+                                }
+                                None => {
+                                    bank.tellers.insert_async(tx, &key, &1).await?;
+                                    1
+                                }
+                            };
+                            Ok(n)
+                        })
+                        .await;
+                    match done {
+                        Ok(n) => acked[task].store(n, Ordering::Relaxed),
+                        Err(TxError::Evicted(_)) => break,
+                        Err(e) => {
+                            let n = errors.fetch_add(1, Ordering::Relaxed) + 1;
+                            if n.is_power_of_two() {
+                                tracing::warn!(task, errors = n, error = %e, "a transfer failed");
                             }
-                        };
-                        Ok(n)
-                    })
-                    .await;
-                match done {
-                    Ok(n) => acked[task].store(n, Ordering::Relaxed),
-                    Err(TxError::Evicted(_)) => break,
-                    Err(e) => {
-                        errors += 1;
-                        if errors.is_power_of_two() {
-                            tracing::warn!(task, errors, error = %e, "a transfer failed");
                         }
                     }
+                    if args.pause_ms > 0 {
+                        break;
+                    }
                 }
+            });
+            if m.stopping() {
+                break;
             }
-        });
+            std::thread::sleep(Duration::from_millis(args.pause_ms));
+        }
     });
     report();
 }

@@ -36,22 +36,24 @@ if [ -z "$port" ]; then
 fi
 [ -n "$port" ] || { echo "no free port for ZooKeeper in 21810-21900" >&2; exit 1; }
 
-dir=$(mktemp -d "${TMPDIR:-/tmp}/farm-zk.XXXXXX")
-# forceSync=no: the server is for tests and development, its data thrown away at exit; with
-# fsync on, machines that write their NVRAM back at a stop (hundreds of MB) held its log's fsync
-# for seconds, and every session timed out.
+# The server is for tests and development, its data thrown away at exit: it lives in memory
+# (/dev/shm where there is one) and does not fsync (forceSync=no). On disk, behind the
+# writeback of machines' NVRAM files (hundreds of MB each at a stop), its log writes and fsyncs
+# stalled for seconds, and every session timed out.
+dir=$(mktemp -d /dev/shm/farm-zk.XXXXXX 2>/dev/null || mktemp -d "${TMPDIR:-/tmp}/farm-zk.XXXXXX")
+data=$dir/data
+mkdir -p "$data"
 cat > "$dir/zoo.cfg" <<CFG
 tickTime=500
 initLimit=10
 syncLimit=5
-dataDir=$dir/data
+dataDir=$data
 clientPort=$port
 clientPortAddress=$addr
 admin.enableServer=false
 4lw.commands.whitelist=ruok,srvr
 forceSync=no
 CFG
-mkdir -p "$dir/data"
 java -cp "$classpath" org.apache.zookeeper.server.quorum.QuorumPeerMain "$dir/zoo.cfg" \
   > "$dir/server.log" 2>&1 &
 zk_pid=$!

@@ -229,6 +229,7 @@ fn serve(
 /// Halts `node`, writes its NVRAM back and ends the process (see [`run`]).
 fn power_off(node: &Node, sig: i32) -> ! {
     let started = Instant::now();
+    tracing::warn!(machine = node.id().0, signal = sig, "power signal: halting");
     node.halt();
     let line = match node.flush_nvram() {
         Ok((areas, bytes)) => format!(
