@@ -23,12 +23,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::Parser;
-use farm::zk::ZkStore;
 use farm::{Addr, MachineId, Transaction, TxError};
 use farm_ds::{HashTable, TableSpec};
 use farm_node::{MachineArgs, Running};
+use farm_workloads::Rand;
 
 #[derive(Parser, Debug)]
 #[command(about = "A bank whose processes are the machines of a farm-rs cluster")]
@@ -98,8 +98,7 @@ fn main() -> anyhow::Result<()> {
 /// published them otherwise.
 fn open(m: &Running<'_>, args: &Args) -> anyhow::Result<Bank> {
     let s = m.settings;
-    let store = ZkStore::connect(&s.zookeeper, &s.root(), Duration::from_secs(10))
-        .with_context(|| format!("connecting to ZooKeeper at {}", s.zookeeper))?;
+    let store = s.store()?;
     let me = m.node.id();
     let machines: Vec<MachineId> = (0..s.machines).map(MachineId).collect();
     if me.0 == 0 && store.get(TABLES_KEY)?.is_none() {
@@ -182,11 +181,11 @@ fn transfer(m: &Running<'_>, bank: &Bank, args: &Args) {
             m.node.pipeline(args.in_flight as usize, async |p, task| {
                 let key = teller(me, task as u16);
                 let seed = (me.0 as u64) << 32 ^ (task as u64) << 16 ^ round << 40;
-                let mut rng = Xorshift::new(seed);
+                let mut rng = Rand::new(seed);
                 while !m.stopping() {
-                    let from = rng.next() % accounts;
-                    let to = (from + 1 + rng.next() % (accounts - 1)) % accounts;
-                    let amount = 1 + rng.next() % 10;
+                    let from = rng.next_u64() % accounts;
+                    let to = (from + 1 + rng.next_u64() % (accounts - 1)) % accounts;
+                    let amount = 1 + rng.next_u64() % 10;
                     let done = p
                         .txn(me, async |tx| {
                             let a = balance(bank, tx, from).await?;
@@ -278,20 +277,4 @@ fn audit(m: &Running<'_>, bank: &Bank) -> anyhow::Result<()> {
         bail!("the accounts hold {total}, not the {expected} they were opened with");
     }
     Ok(())
-}
-
-/// A small xorshift generator per task.
-struct Xorshift(u64);
-
-impl Xorshift {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
 }

@@ -259,6 +259,14 @@ impl Settings {
         if self.region_mb == 0 || self.region_mb > 4096 {
             bail!("region_mb = {}: between 1 and 4096", self.region_mb);
         }
+        if let Some(a) = self.metrics_addr {
+            if a.port() as u32 + self.machines as u32 > u16::MAX as u32 {
+                bail!(
+                    "metrics_addr = {a}: machines up to {} need ports past 65535",
+                    self.machines
+                );
+            }
+        }
         if self.base_port as u32 + self.machines as u32 > u16::MAX as u32 {
             bail!(
                 "base_port = {}: machines up to {} need ports past 65535",
@@ -341,9 +349,16 @@ impl Settings {
     /// Where machine `m` serves its metrics, if it does: `metrics_addr` with port + m.
     pub fn metrics_addr_of(&self, m: u16) -> Option<std::net::SocketAddr> {
         self.metrics_addr.map(|mut a| {
-            a.set_port(a.port().saturating_add(m));
+            a.set_port(a.port() + m);
             a
         })
+    }
+
+    /// A connection to the cluster's node in ZooKeeper, for what its processes share besides
+    /// the configuration (`ZkStore::put` and `get`: a workload's table roots, say).
+    pub fn store(&self) -> anyhow::Result<farm::zk::ZkStore> {
+        farm::zk::ZkStore::connect(&self.zookeeper, &self.root(), Duration::from_secs(10))
+            .with_context(|| format!("connecting to ZooKeeper at {}", self.zookeeper))
     }
 
     /// The cluster's znode in ZooKeeper.

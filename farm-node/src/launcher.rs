@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use farm::node::Secret;
-use farm::zk::ZkStore;
 
 use crate::workload::{TatpArgs, TpccArgs, WorkloadResult};
 use farm_node::config::{ConfigArgs, Settings};
@@ -457,8 +456,7 @@ fn status(s: &Settings) -> anyhow::Result<()> {
         s.zookeeper,
         s.root()
     );
-    let store = ZkStore::connect(&s.zookeeper, &s.root(), Duration::from_secs(10))
-        .with_context(|| format!("connecting to ZooKeeper at {}", s.zookeeper))?;
+    let store = s.store()?;
     let config = store.configuration()?;
     match &config {
         Some(c) => {
@@ -471,7 +469,8 @@ fn status(s: &Settings) -> anyhow::Result<()> {
         None => println!("no configuration stored"),
     }
     for m in 0..s.machines {
-        let process = match running(s, m) {
+        let pid = running(s, m);
+        let process = match pid {
             Some(pid) => format!("running (pid {pid})"),
             None => "not running".to_string(),
         };
@@ -486,7 +485,7 @@ fn status(s: &Settings) -> anyhow::Result<()> {
         if let Some(stats) = last_stats(&log_file(s, m)) {
             println!("  last stats: {stats}");
         }
-        if let (Some(addr), Some(_)) = (s.metrics_addr_of(m), running(s, m)) {
+        if let (Some(addr), Some(_)) = (s.metrics_addr_of(m), pid) {
             match farm_node::scrape(addr) {
                 Ok(text) => {
                     println!("  metrics (http://{addr}/metrics):");
@@ -581,8 +580,7 @@ fn collect(
     workload: &str,
     children: &mut [Child],
 ) -> anyhow::Result<Vec<WorkloadResult>> {
-    let store = ZkStore::connect(&s.zookeeper, &s.root(), Duration::from_secs(10))
-        .with_context(|| format!("connecting to ZooKeeper at {}", s.zookeeper))?;
+    let store = s.store()?;
     let mut results: Vec<Option<WorkloadResult>> = vec![None; s.machines as usize];
     let started = Instant::now();
     let mut reported = 0;

@@ -166,31 +166,44 @@ fn serve(
         stop: &stop,
     };
     let every = Duration::from_secs(settings.stats_seconds);
-    let metrics_done = AtomicBool::new(false);
     std::thread::scope(|s| {
-        if let Some(listener) = metrics {
-            std::thread::Builder::new()
-                .name("farm-metrics".into())
-                .spawn_scoped(s, || crate::http::serve(listener, node, &metrics_done))
-                .context("starting the metrics endpoint")?;
-        }
-        // The metrics endpoint ends with this incarnation's scope, however it ends.
+        // The code and the metrics endpoint are told to stop when this incarnation's scope
+        // ends, however it ends (the scope then waits for them).
         struct Ends<'a>(&'a AtomicBool);
         impl Drop for Ends<'_> {
             fn drop(&mut self) {
                 self.0.store(true, Ordering::Relaxed);
             }
         }
-        let _ends = Ends(&metrics_done);
+        let _ends = Ends(&stop);
+        if let Some(listener) = metrics {
+            std::thread::Builder::new()
+                .name("farm-metrics".into())
+                .spawn_scoped(s, || crate::http::serve(listener, node, &stop))
+                .context("starting the metrics endpoint")?;
+        }
         let mut app = Some(
             std::thread::Builder::new()
                 .name("farm-app".into())
                 .spawn_scoped(s, || code(&running))
                 .context("starting the machine's code")?,
         );
-        let mut last = (Instant::now(), node.stats());
+        // Statistics on a thread of their own: reading them waits for hosts that blocking
+        // transactions hold, and the loop below must hear the power signal at once.
+        std::thread::Builder::new()
+            .name("farm-stats".into())
+            .spawn_scoped(s, || {
+                let mut last = (Instant::now(), node.stats());
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    if last.0.elapsed() >= every {
+                        last = (Instant::now(), log_stats(node, &last));
+                    }
+                }
+            })
+            .context("starting the statistics thread")?;
         loop {
-            if let Ok(sig) = power.recv_timeout(every.min(Duration::from_millis(100))) {
+            if let Ok(sig) = power.recv_timeout(Duration::from_millis(100)) {
                 power_off(node, sig);
             }
             if app.as_ref().is_some_and(|a| a.is_finished()) {
@@ -218,10 +231,6 @@ fn serve(
                 }
                 return Ok(());
             }
-            if last.0.elapsed() >= every {
-                log_stats(node, &last);
-                last = (Instant::now(), node.stats());
-            }
         }
     })
 }
@@ -231,7 +240,8 @@ fn power_off(node: &Node, sig: i32) -> ! {
     let started = Instant::now();
     tracing::warn!(machine = node.id().0, signal = sig, "power signal: halting");
     node.halt();
-    let line = match node.flush_nvram() {
+    let flushed = node.flush_nvram();
+    let line = match &flushed {
         Ok((areas, bytes)) => format!(
             "farm-node: machine {} wrote {areas} NVRAM mappings ({bytes} bytes) back in {} ms \
              on a power signal ({sig}), and stops\n",
@@ -247,11 +257,12 @@ fn power_off(node: &Node, sig: i32) -> ! {
     tracing::warn!(machine = node.id().0, "{}", line.trim_end());
     use std::io::Write;
     let _ = std::io::stdout().lock().write_all(line.as_bytes());
-    std::process::exit(0);
+    std::process::exit(if flushed.is_ok() { 0 } else { 1 });
 }
 
-/// A statistics line: commits and aborts per second since `last`, configuration, suspicions.
-fn log_stats(node: &Node, last: &(Instant, farm::Stats)) {
+/// A statistics line: commits and aborts per second since `last`, configuration, suspicions;
+/// returns the counters it read.
+fn log_stats(node: &Node, last: &(Instant, farm::Stats)) -> farm::Stats {
     let stats = node.stats();
     let seconds = last.0.elapsed().as_secs_f64();
     let c = node.configuration();
@@ -266,4 +277,5 @@ fn log_stats(node: &Node, last: &(Instant, farm::Stats)) {
         suspicions = node.suspicions().len(),
         "stats"
     );
+    stats
 }

@@ -29,12 +29,8 @@
 mod launcher;
 mod workload;
 
-use std::time::Duration;
-
-use anyhow::Context;
 use clap::{Parser, Subcommand};
-use farm::zk::ZkStore;
-use farm_node::{MachineArgs, Running, Settings};
+use farm_node::{MachineArgs, Running};
 
 use crate::workload::{TatpArgs, TpccArgs};
 
@@ -98,7 +94,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         let Some(w) = args.workload.as_ref().filter(|_| m.incarnation == 0) else {
             return Ok(());
         };
-        let store = workload_store(m.settings)?;
+        let store = m.settings.store()?;
         let (name, result) = match w {
             Workload::Tatp(a) => (
                 "tatp",
@@ -109,13 +105,4 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         println!("{name} result {}", serde_json::to_string(&result)?);
         Ok(())
     })
-}
-
-fn workload_store(settings: &Settings) -> anyhow::Result<ZkStore> {
-    ZkStore::connect(
-        &settings.zookeeper,
-        &settings.root(),
-        Duration::from_secs(10),
-    )
-    .with_context(|| format!("connecting to ZooKeeper at {}", settings.zookeeper))
 }

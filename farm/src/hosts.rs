@@ -578,7 +578,7 @@ impl Hosts {
         };
         let (value, commit) = self.start_commit(host, i, value, state)?;
         let mut backoff = Backoff::new();
-        let started = self.now();
+        let started = commit.started;
         let mut reported = false;
         loop {
             let now = self.now();

@@ -527,8 +527,9 @@ impl Node {
     /// reconfiguration any more (the peers of a cluster shutting down on a power signal do not
     /// remove each other while they stop). What was in flight is recovery's, as after a crash.
     /// Before [`Node::flush_nvram`] on a power signal; dropping the node does it too.
-    /// Other threads may go on using the node: their transactions no longer make progress
-    /// (nothing polls for them once their own waits end), as on a crashed machine.
+    /// Other threads may go on using the node (the process is about to end): a thread that
+    /// runs transactions still polls its own host while it waits, but no lease is renewed and
+    /// no configuration changes here any more.
     pub fn halt(&self) {
         self.hosts.stop();
         let pollers = std::mem::take(&mut *self.pollers.lock().expect("pollers poisoned"));

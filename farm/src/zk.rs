@@ -6,9 +6,10 @@
 //! The client is async (`zookeeper-client`); a small tokio runtime with one worker thread keeps
 //! its session alive, and the store's blocking methods wait on it with a timeout. A session the
 //! server expired (the client went unheard for its session timeout: a paused process, a
-//! server that stalled) is replaced by a new one at the next operation, which then runs in it:
-//! the store keeps no ephemeral znodes or watches, and compare-and-set goes by znode version,
-//! so nothing is lost with the old session.
+//! server that stalled) is replaced by a new one at the next operation: a read runs again in it,
+//! a write that met the expiry is answered `Unavailable` (it may have been applied), and later
+//! operations use the new session. The store keeps no ephemeral znodes or watches, and
+//! compare-and-set goes by znode version, so nothing is lost with the old session.
 
 use std::future::Future;
 use std::time::Duration;
@@ -69,11 +70,9 @@ impl ZkStore {
         };
         let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
         let root = root.to_string();
+        let (root, options) = (&root, &options);
         store
-            .op(|c| {
-                let (root, options) = (root.clone(), options.clone());
-                async move { c.mkdir(&root, &options).await }
-            })?
+            .op(true, |c| async move { c.mkdir(root, options).await })?
             .map_err(|e| unavailable("creating the cluster root", e))?;
         Ok(store)
     }
@@ -105,25 +104,71 @@ impl ZkStore {
     }
 
     /// Runs the operation `f` makes with the current session's client, waiting for it at most
-    /// the store's timeout. If the server expired the session (or the client closed it), a
-    /// new session replaces it and `f` runs again in it: such an operation changed nothing.
+    /// the store's timeout. If the server expired the session (or the client closed it), a new
+    /// session replaces it; a read (`rerun`) then runs again in it, while a write is answered
+    /// `Unavailable`: it may have been applied before the session ended, and only its caller,
+    /// reading again, can tell.
     fn op<T, F: Future<Output = Result<T, zk::Error>>>(
         &self,
+        rerun: bool,
         f: impl Fn(zk::Client) -> F,
     ) -> Result<Result<T, zk::Error>, StoreError> {
         let client = self.client.lock().expect("client poisoned").clone();
-        match self.wait(f(client))? {
+        match self.wait(f(client.clone()))? {
             Err(zk::Error::SessionExpired | zk::Error::ClientClosed) => {
-                tracing::warn!(
-                    ensemble = %self.connect,
-                    "the ZooKeeper session expired; starting a new one"
-                );
-                let client = Self::session(&self.runtime, &self.connect, self.timeout)?;
-                *self.client.lock().expect("client poisoned") = client.clone();
-                self.wait(f(client))
+                let client = self.renew(&client)?;
+                if rerun {
+                    self.wait(f(client))
+                } else {
+                    Err(StoreError::Unavailable(
+                        "the ZooKeeper session expired during a write, which may or may not \
+                         have been applied"
+                            .into(),
+                    ))
+                }
             }
             outcome => Ok(outcome),
         }
+    }
+
+    /// A new session in place of `expired`'s, unless another thread made one already.
+    fn renew(&self, expired: &zk::Client) -> Result<zk::Client, StoreError> {
+        let mut current = self.client.lock().expect("client poisoned");
+        if current.session_id() == expired.session_id() {
+            tracing::warn!(
+                ensemble = %self.connect,
+                "the ZooKeeper session expired; starting a new one"
+            );
+            *current = Self::session(&self.runtime, &self.connect, self.timeout)?;
+        }
+        Ok(current.clone())
+    }
+
+    /// The data and stat of the znode `path`.
+    fn get_data(&self, path: &str) -> Result<Result<(Vec<u8>, zk::Stat), zk::Error>, StoreError> {
+        self.op(true, |c| async move { c.get_data(path).await })
+    }
+
+    /// Creates the persistent znode `path` with `data`; its stat.
+    fn create(&self, path: &str, data: &[u8]) -> Result<Result<zk::Stat, zk::Error>, StoreError> {
+        let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+        let options = &options;
+        self.op(false, |c| async move {
+            c.create(path, data, options).await.map(|(stat, _)| stat)
+        })
+    }
+
+    /// Sets the data of the znode `path`, at `version` if given; its stat.
+    fn set_data(
+        &self,
+        path: &str,
+        data: &[u8],
+        version: Option<i32>,
+    ) -> Result<Result<zk::Stat, zk::Error>, StoreError> {
+        self.op(
+            false,
+            |c| async move { c.set_data(path, data, version).await },
+        )
     }
 
     fn wait<T>(&self, f: impl Future<Output = T>) -> Result<T, StoreError> {
@@ -143,18 +188,10 @@ impl ZkStore {
     /// roots, say).
     pub fn put(&self, name: &str, data: &[u8]) -> Result<(), StoreError> {
         let path = self.child(name)?;
-        let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
-        match self.op(|c| {
-            let (path, options) = (path.clone(), options.clone());
-            let data = data.to_vec();
-            async move { c.create(&path, &data, &options).await }
-        })? {
+        match self.create(&path, data)? {
             Ok(_) => Ok(()),
             Err(zk::Error::NodeExists) => self
-                .op(|c| {
-                    let (path, data) = (path.clone(), data.to_vec());
-                    async move { c.set_data(&path, &data, None).await }
-                })?
+                .set_data(&path, data, None)?
                 .map(|_| ())
                 .map_err(|e| unavailable(&format!("setting {path}"), e)),
             Err(e) => Err(unavailable(&format!("creating {path}"), e)),
@@ -165,12 +202,7 @@ impl ZkStore {
     /// created it.
     pub fn put_new(&self, name: &str, data: &[u8]) -> Result<bool, StoreError> {
         let path = self.child(name)?;
-        let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
-        match self.op(|c| {
-            let (path, options) = (path.clone(), options.clone());
-            let data = data.to_vec();
-            async move { c.create(&path, &data, &options).await }
-        })? {
+        match self.create(&path, data)? {
             Ok(_) => Ok(true),
             Err(zk::Error::NodeExists) => Ok(false),
             Err(e) => Err(unavailable(&format!("creating {path}"), e)),
@@ -180,10 +212,7 @@ impl ZkStore {
     /// The data of the znode `<root>/<name>`, if it exists.
     pub fn get(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let path = self.child(name)?;
-        match self.op(|c| {
-            let path = path.clone();
-            async move { c.get_data(&path).await }
-        })? {
+        match self.get_data(&path)? {
             Ok((data, _)) => Ok(Some(data)),
             Err(zk::Error::NoNode) => Ok(None),
             Err(e) => Err(unavailable(&format!("reading {path}"), e)),
@@ -212,10 +241,7 @@ impl ZkStore {
 
 impl CoordinationStore for ZkStore {
     fn read(&self) -> Result<Option<(StoreVersion, Vec<u8>)>, StoreError> {
-        match self.op(|c| {
-            let path = self.path.clone();
-            async move { c.get_data(&path).await }
-        })? {
+        match self.get_data(&self.path)? {
             Ok((data, stat)) => Ok(Some((StoreVersion(stat.version as i64), data))),
             Err(zk::Error::NoNode) => Ok(None),
             Err(e) => Err(unavailable("reading the configuration", e)),
@@ -228,26 +254,16 @@ impl CoordinationStore for ZkStore {
         data: &[u8],
     ) -> Result<CasOutcome, StoreError> {
         match expected {
-            None => {
-                let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
-                match self.op(|c| {
-                    let (path, options) = (self.path.clone(), options.clone());
-                    let data = data.to_vec();
-                    async move { c.create(&path, &data, &options).await }
-                })? {
-                    Ok((stat, _)) => Ok(CasOutcome::Written(StoreVersion(stat.version as i64))),
-                    Err(zk::Error::NodeExists) => Ok(CasOutcome::Conflict),
-                    Err(e) => Err(unavailable("creating the configuration", e)),
-                }
-            }
+            None => match self.create(&self.path, data)? {
+                Ok(stat) => Ok(CasOutcome::Written(StoreVersion(stat.version as i64))),
+                Err(zk::Error::NodeExists) => Ok(CasOutcome::Conflict),
+                Err(e) => Err(unavailable("creating the configuration", e)),
+            },
             Some(v) => {
                 let version = i32::try_from(v.0).map_err(|_| {
                     StoreError::Unavailable(format!("version {} out of range", v.0))
                 })?;
-                match self.op(|c| {
-                    let (path, data) = (self.path.clone(), data.to_vec());
-                    async move { c.set_data(&path, &data, Some(version)).await }
-                })? {
+                match self.set_data(&self.path, data, Some(version))? {
                     Ok(stat) => Ok(CasOutcome::Written(StoreVersion(stat.version as i64))),
                     Err(zk::Error::BadVersion | zk::Error::NoNode) => Ok(CasOutcome::Conflict),
                     Err(e) => Err(unavailable("replacing the configuration", e)),
