@@ -260,7 +260,7 @@ fn the_mix_in_flight_on_pipelines_keeps_the_consistency_conditions() {
                         let outcome = t
                             .run_in(p, m, (kind, w), &mut rng, 1, &mut 0)
                             .await
-                            .unwrap();
+                            .unwrap_or_else(|e| panic!("{kind:?} at warehouse {w}: {e}"));
                         counts[kind as usize].fetch_add(1, Ordering::Relaxed);
                         if outcome == Outcome::RolledBack {
                             rolled_back.fetch_add(1, Ordering::Relaxed);

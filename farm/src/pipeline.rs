@@ -19,10 +19,11 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
+use farm_core::rng::Rng;
 use farm_core::{fabric, Addr, MachineId};
 use farm_txn::{TxCore, TxError, COMMITS_IN_FLIGHT_MAX};
 
-use crate::backoff::Backoff;
+use crate::backoff::{conflict_rng, conflict_rounds, Backoff};
 use crate::hosts::{retry, Host, HostGuard, Hosts, Retry, STATS_PUBLISH_US};
 use crate::txn::Transaction;
 
@@ -42,6 +43,8 @@ pub struct Pipeline<'a> {
     machines: u16,
     /// Whether a task finished a wait this turn (the executor does not sleep then).
     progress: Cell<bool>,
+    /// Draws the tasks' conflict backoffs.
+    rng: RefCell<Rng>,
 }
 
 impl std::fmt::Debug for Pipeline<'_> {
@@ -74,6 +77,7 @@ pub(crate) fn run<F>(
         route,
         machines,
         progress: Cell::new(false),
+        rng: RefCell::new(conflict_rng()),
     };
     let mut cx = Context::from_waker(Waker::noop());
     let mut backoff = Backoff::new();
@@ -185,7 +189,8 @@ impl<'a> Pipeline<'a> {
                         self.until(|| Instant::now() >= until).await;
                     }
                     Retry::Conflict => {
-                        for _ in 0..1u32 << attempt.min(6) {
+                        let rounds = conflict_rounds(attempt, &mut self.rng.borrow_mut());
+                        for _ in 0..rounds {
                             self.yield_now().await;
                         }
                     }

@@ -321,3 +321,33 @@ fn counters_are_read_while_a_pipeline_runs() {
     );
     c.quiesce();
 }
+
+/// Two tasks of one thread that conflict symmetrically, each reading the object the other
+/// writes (both coordinated by machine 0, the objects' primary being machine 1): each
+/// attempt of one fails validation on the lock the other's attempt holds. Retries must draw
+/// their backoff at random: backing off by the same number of turns kept the two in step,
+/// failing together until both gave up (`Conflict(Validate)` after `TXN_ATTEMPTS_MAX`).
+#[test]
+fn tasks_that_conflict_symmetrically_do_not_fail_in_step() {
+    let c = cluster();
+    let pair: Vec<Addr> = (0..2)
+        .map(|_| c.txn(MachineId(1), |tx| tx.alloc(&0u64, None)).unwrap())
+        .collect();
+    const ROUNDS: u64 = 50;
+    c.pipeline(2, async |p, k| {
+        for _ in 0..ROUNDS {
+            p.txn(MachineId(0), async |tx| {
+                let other: u64 = tx.read(pair[1 - k]).await?;
+                let mine: u64 = tx.read(pair[k]).await?;
+                tx.write(pair[k], &(mine + 1 + other % 2)).await
+            })
+            .await
+            .unwrap_or_else(|e| panic!("task {k}: {e}"));
+        }
+    });
+    for a in &pair {
+        let v: u64 = c.txn(MachineId(0), |tx| tx.read(*a)).unwrap();
+        assert!((ROUNDS..=2 * ROUNDS).contains(&v), "{v}");
+    }
+    c.quiesce();
+}
