@@ -8,7 +8,13 @@
 //! The requesting side keeps one connection (a queue pair) per peer. Requests are pipelined:
 //! `write` sends and returns a ticket at once, and the peer's NIC answers requests in the order
 //! they arrived, so a ticket is done once the answer to it or to a later request arrived; a
-//! read waits for its answer only. A reply thread per connection takes the answers. Writes from
+//! read waits for its answer only. No thread of its own takes the answers: whoever checks on a
+//! request of the connection (a write's status, a posted read) takes what has arrived without
+//! blocking, as a poll of a completion queue does, so an executor that polls its work gets its
+//! answers with no thread woken in between. A thread that must block for an answer leads: it
+//! waits on the socket and takes every answer for the others, who sleep until theirs came or
+//! the lead is free ([`Replies`]). A ticker per connection takes what nobody polled for and
+//! breaks the connection when an answer is overdue. Writes from
 //! this process to one peer land in order, each in increasing address order. An object read
 //! (`RemoteMemory::read_object`) is one request: the NIC copies the object and reads its header
 //! word again after the copy, the seqlock's second load, and answers with both; posted object
@@ -35,8 +41,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -69,6 +76,12 @@ const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;
 const REQUEST_BYTES: usize = 32;
 const REPLY_BYTES: usize = 16;
+
+/// How long a thread that leads the taking of a connection's answers waits on its socket at a
+/// time before it looks at its own answer and deadline again.
+const LEAD_SLICE: Duration = Duration::from_millis(1);
+/// How often a connection's ticker takes answers nobody polled for, at most.
+const TICK_MAX: Duration = Duration::from_millis(10);
 
 const OP_READ: u8 = 1;
 const OP_WRITE: u8 = 2;
@@ -237,6 +250,7 @@ impl TcpFabric {
                     failed_any: AtomicBool::new(false),
                     failed: Mutex::new(Vec::new()),
                     waiters: Mutex::new(HashMap::new()),
+                    current: Mutex::new(None),
                 })
             })
             .collect();
@@ -728,6 +742,14 @@ struct Frames {
     end: usize,
 }
 
+impl std::fmt::Debug for Frames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frames")
+            .field("buffered", &self.buffered())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Frames {
     fn new(stream: TcpStream) -> Self {
         Self {
@@ -748,14 +770,7 @@ impl Frames {
         if self.buffered() >= n {
             return Ok(true);
         }
-        if self.buf.len() - self.start < n {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-            if self.buf.len() < n {
-                self.buf.resize(n, 0);
-            }
-        }
+        self.make_room(n);
         while self.buffered() < n {
             match self.stream.read(&mut self.buf[self.end..]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
@@ -773,6 +788,66 @@ impl Frames {
             }
         }
         Ok(true)
+    }
+
+    /// [`Frames::fill`] without waiting: `Ok(false)` as soon as the stream has nothing more.
+    fn fill_now(&mut self, n: usize) -> io::Result<bool> {
+        if self.buffered() >= n {
+            return Ok(true);
+        }
+        self.make_room(n);
+        while self.buffered() < n {
+            let free = &mut self.buf[self.end..];
+            // SAFETY: `free` is valid for writes of its length.
+            let got = unsafe {
+                libc::recv(
+                    self.stream.as_raw_fd(),
+                    free.as_mut_ptr().cast(),
+                    free.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            match got {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                k if k > 0 => self.end += k as usize,
+                _ => match io::Error::last_os_error() {
+                    e if e.kind() == io::ErrorKind::Interrupted => {}
+                    e if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                    e => return Err(e),
+                },
+            }
+        }
+        Ok(true)
+    }
+
+    /// Waits up to `timeout` (at a millisecond's grain) for the stream to have bytes to read.
+    fn readable(&self, timeout: Duration) -> io::Result<()> {
+        let mut fd = libc::pollfd {
+            fd: self.stream.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut fd, 1, ms) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes room for `n` bytes after the buffered ones' start.
+    fn make_room(&mut self, n: usize) {
+        if self.buf.len() - self.start < n {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+            if self.buf.len() < n {
+                self.buf.resize(n, 0);
+            }
+        }
     }
 
     /// The next `n` buffered bytes (after [`Frames::fill`] said they are there).
@@ -803,6 +878,8 @@ struct Link {
     failed: Mutex<Vec<(u64, u64)>>,
     /// Reads and probes waiting for their answers.
     waiters: Mutex<HashMap<u64, Arc<Waiter>>>,
+    /// The answers of the connection that is up, if one is.
+    current: Mutex<Option<Arc<Replies>>>,
 }
 
 #[derive(Debug)]
@@ -829,16 +906,28 @@ enum LinkState {
 #[derive(Debug)]
 struct Conn {
     stream: TcpStream,
-    /// Its requests not answered yet, with when they were sent, oldest first (the answers come
-    /// in this order); shared with its reply thread.
-    in_flight: Arc<Mutex<VecDeque<(u64, Instant)>>>,
+    replies: Arc<Replies>,
+}
+
+/// The answers of one connection, taken by the threads that want them (module docs).
+#[derive(Debug)]
+struct Replies {
+    /// Requests not answered yet, with when they were sent, oldest first (the answers come in
+    /// this order).
+    in_flight: Mutex<VecDeque<(u64, Instant)>>,
+    /// The receiving side, read by one thread at a time: the leader while one blocks.
+    input: Mutex<Frames>,
+    /// Set once the connection closed: its unanswered requests have failed.
+    closed: AtomicBool,
+    /// Threads blocked for an answer without leading, asleep on `lead`.
+    followers: AtomicUsize,
+    lead: (Mutex<()>, Condvar),
 }
 
 /// An answer a read or probe waits for.
 #[derive(Debug, Default)]
 struct Waiter {
     reply: Mutex<Option<Reply>>,
-    ready: Condvar,
 }
 
 #[derive(Debug)]
@@ -852,29 +941,56 @@ enum Reply {
 }
 
 impl Waiter {
-    fn deliver(&self, reply: Reply) {
-        *self.reply.lock().expect("waiter poisoned") = Some(reply);
-        self.ready.notify_one();
+    fn take(&self) -> Option<Reply> {
+        self.reply.lock().expect("waiter poisoned").take()
     }
 
-    /// The answer, or `Lost` after `timeout`.
-    fn wait(&self, timeout: Duration) -> Reply {
-        let deadline = Instant::now() + timeout;
-        let mut reply = self.reply.lock().expect("waiter poisoned");
-        loop {
-            if let Some(r) = reply.take() {
-                return r;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Reply::Lost;
-            }
-            reply = self
-                .ready
-                .wait_timeout(reply, left)
-                .expect("waiter poisoned")
-                .0;
+    fn is_answered(&self) -> bool {
+        self.reply.lock().expect("waiter poisoned").is_some()
+    }
+}
+
+impl Replies {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            in_flight: Mutex::new(VecDeque::new()),
+            input: Mutex::new(Frames::new(stream)),
+            closed: AtomicBool::new(false),
+            followers: AtomicUsize::new(0),
+            lead: (Mutex::new(()), Condvar::new()),
         }
+    }
+
+    /// Hands `reply` to `waiter`, waking the followers if any sleeps (it may be theirs).
+    fn deliver(&self, waiter: &Waiter, reply: Reply) {
+        *waiter.reply.lock().expect("waiter poisoned") = Some(reply);
+        // Against a follower that counts itself and then looks at its answer: one of the two
+        // sees the other's write.
+        fence(Ordering::SeqCst);
+        self.wake_followers();
+    }
+
+    fn wake_followers(&self) {
+        if self.followers.load(Ordering::SeqCst) > 0 {
+            let _held = self.lead.0.lock().expect("lead poisoned");
+            self.lead.1.notify_all();
+        }
+    }
+
+    /// Sleeps until `waiter` is answered, the followers are woken (the lead is free, or an
+    /// answer came) or `timeout` passed.
+    fn follow(&self, waiter: &Waiter, timeout: Duration) {
+        let held = self.lead.0.lock().expect("lead poisoned");
+        self.followers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if !waiter.is_answered() && !self.closed.load(Ordering::SeqCst) {
+            let _ = self
+                .lead
+                .1
+                .wait_timeout(held, timeout)
+                .expect("lead poisoned");
+        }
+        self.followers.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -888,7 +1004,8 @@ impl farm_core::fabric::Held for Link {
 
 impl Link {
     /// Posts one request (with `payload` for a write), connecting first if the link may;
-    /// `waiter` gets the answer. Returns the request's id. The request goes out at once, with
+    /// `waiter` gets the answer. Returns the request's id and the answers of the connection it
+    /// went on. The request goes out at once, with
     /// any held back before it, unless this thread has a batch open and `may_hold` (a request
     /// nobody waits on right away): then it goes with the batch's flush.
     #[allow(clippy::too_many_arguments)]
@@ -902,7 +1019,7 @@ impl Link {
         payload: &[u8],
         waiter: Option<Arc<Waiter>>,
         may_hold: bool,
-    ) -> Result<u64, FabricError> {
+    ) -> Result<(u64, Arc<Replies>), FabricError> {
         let unreachable = FabricError::Unreachable(self.dst);
         let mut inner = self.inner.lock().expect("link poisoned");
         if self.may_connect(&inner) {
@@ -913,9 +1030,10 @@ impl Link {
             })?;
         }
         // Requests are encoded only on a connection that is up (`write_out` relies on it).
-        if !matches!(inner.state, LinkState::Up(_)) {
+        let LinkState::Up(conn) = &inner.state else {
             return Err(unreachable);
-        }
+        };
+        let replies = conn.replies.clone();
         let l = &mut *inner;
         let id = l.next_id;
         l.next_id += 1;
@@ -935,10 +1053,10 @@ impl Link {
         }
         if may_hold && farm_core::fabric::hold(&(self.clone() as Arc<dyn farm_core::fabric::Held>))
         {
-            return Ok(id);
+            return Ok((id, replies));
         }
         self.write_out(&mut inner).map_err(|()| unreachable)?;
-        Ok(id)
+        Ok((id, replies))
     }
 
     /// Sends the requests the outbox holds, in one write; a failure breaks the link.
@@ -950,7 +1068,8 @@ impl Link {
             unreachable!("requests are held only on a connection that is up")
         };
         let now = Instant::now();
-        conn.in_flight
+        conn.replies
+            .in_flight
             .lock()
             .expect("in flight poisoned")
             .extend((inner.next_id - inner.unsent..inner.next_id).map(|id| (id, now)));
@@ -964,7 +1083,7 @@ impl Link {
         Ok(())
     }
 
-    /// Opens a connection: hello, acknowledgement, and a reply thread.
+    /// Opens a connection: hello, acknowledgement, and a ticker.
     fn connect(self: &Arc<Self>, inner: &mut LinkInner) -> io::Result<()> {
         let stream = TcpStream::connect_timeout(&self.addr, self.timeout)?;
         stream.set_nodelay(true)?;
@@ -1008,90 +1127,153 @@ impl Link {
         if verdict != ACK_OK {
             return Err(refused(verdict));
         }
-        // The reply thread's ticks, at which it checks the oldest request's age.
-        stream.set_read_timeout(Some((self.timeout / 4).max(Duration::from_millis(1))))?;
-        let in_flight = Arc::new(Mutex::new(VecDeque::new()));
-        let replies = stream.try_clone()?;
-        let (link, queue) = (self.clone(), in_flight.clone());
+        let replies = Arc::new(Replies::new(stream.try_clone()?));
+        // The ticker: answers nobody polled for, and the oldest request's age.
+        let tick = (self.timeout / 4).clamp(Duration::from_millis(1), TICK_MAX);
+        let (link, ticked) = (self.clone(), replies.clone());
         std::thread::Builder::new()
             .name(format!("farm-nic-{}-to-{}", self.me.0, self.dst.0))
-            .spawn(move || link.take_replies(replies, queue))?;
-        inner.state = LinkState::Up(Conn { stream, in_flight });
+            .spawn(move || {
+                while !ticked.closed.load(Ordering::SeqCst) {
+                    std::thread::sleep(tick);
+                    link.poll(&ticked);
+                }
+            })?;
+        *self.current.lock().expect("current poisoned") = Some(replies.clone());
+        inner.state = LinkState::Up(Conn { stream, replies });
         Ok(())
     }
 
-    /// The reply thread of the connection whose requests `in_flight` holds. A reply is a head
-    /// (the request's id, its status, flags, and how many bytes follow) and the bytes: a read's
-    /// data, or the size of the area an access fell outside of.
-    fn take_replies(
-        self: Arc<Self>,
-        stream: TcpStream,
-        in_flight: Arc<Mutex<VecDeque<(u64, Instant)>>>,
-    ) {
-        let mut input = Frames::new(stream);
-        let reason = loop {
+    /// Takes what has arrived for the connection of `replies`, unless another thread is
+    /// taking it: a poll that never waits.
+    fn poll(&self, replies: &Arc<Replies>) {
+        if let Ok(mut input) = replies.input.try_lock() {
+            self.take(replies, &mut input, None);
+        }
+    }
+
+    /// The answer `waiter` waits for, on the connection of `replies`, or `Lost` after
+    /// `timeout`: this thread leads the taking of answers while nobody else does, and follows
+    /// (sleeps) while another does.
+    fn wait(&self, waiter: &Waiter, replies: &Arc<Replies>, timeout: Duration) -> Reply {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(reply) = waiter.take() {
+                return reply;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Reply::Lost;
+            }
+            let slice = left.min(LEAD_SLICE);
+            match replies.input.try_lock() {
+                Ok(mut input) => {
+                    self.take(replies, &mut input, Some(slice));
+                    drop(input);
+                    // The lead is free: a follower still waiting may take it.
+                    replies.wake_followers();
+                }
+                Err(_) => replies.follow(waiter, slice),
+            }
+        }
+    }
+
+    /// Takes the answers that arrived on the connection of `replies`, whose input the caller
+    /// holds, first waiting up to `wait` for some if none are there. Breaks the connection when
+    /// it closed, its framing is bad or an answer is overdue.
+    fn take(&self, replies: &Arc<Replies>, input: &mut Frames, wait: Option<Duration>) {
+        if replies.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let Err(reason) = self.take_frames(replies, input, wait) else {
+            return;
+        };
+        let mut inner = self.inner.lock().expect("link poisoned");
+        // Only if this connection is still the link's.
+        if matches!(&inner.state, LinkState::Up(c) if Arc::ptr_eq(&c.replies, replies)) {
+            self.close_locked(&mut inner, LinkState::Broken, &reason);
+        }
+    }
+
+    /// A reply is a head (the request's id, its status, flags, and how many bytes follow) and
+    /// the bytes: a read's data, or the size of the area an access fell outside of.
+    fn take_frames(
+        &self,
+        replies: &Replies,
+        input: &mut Frames,
+        mut wait: Option<Duration>,
+    ) -> Result<(), String> {
+        loop {
             let mut need = REPLY_BYTES;
             let known = input.buffered() >= REPLY_BYTES;
             if known {
                 let at = input.start + 12;
                 let len = u32::from_le_bytes(input.buf[at..at + 4].try_into().expect("4 bytes"));
                 if len as usize > OP_BYTES_MAX {
-                    break format!("bad framing: an answer of {len} bytes");
+                    return Err(format!("bad framing: an answer of {len} bytes"));
                 }
                 need += len as usize;
             }
-            match input.fill(need) {
+            match input.fill_now(need) {
                 Ok(true) if known => {
                     let head: [u8; REPLY_BYTES] =
                         input.take(REPLY_BYTES).try_into().expect("a head");
                     let id = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
                     let data = input.take(need - REPLY_BYTES).to_vec();
-                    if let Err(reason) = self.answered(&in_flight, id, head[8], head[9], data) {
-                        break reason;
-                    }
+                    self.answered(replies, id, head[8], head[9], data)?;
+                    // Something came: no more waiting.
+                    wait = None;
                 }
                 // The head is here: now its bytes.
                 Ok(true) => {}
                 Ok(false) => {
-                    let oldest = in_flight
+                    let oldest = replies
+                        .in_flight
                         .lock()
                         .expect("in flight poisoned")
                         .front()
                         .copied();
                     if oldest.is_some_and(|(_, sent)| sent.elapsed() > self.timeout) {
-                        break format!("no answer within {:?}", self.timeout);
+                        return Err(format!("no answer within {:?}", self.timeout));
+                    }
+                    match wait.take() {
+                        Some(d) => input.readable(d).map_err(|e| format!("receiving: {e}"))?,
+                        None => return Ok(()),
                     }
                 }
-                Err(e) => break format!("receiving: {e}"),
+                Err(e) => return Err(format!("receiving: {e}")),
             }
-        };
-        let mut inner = self.inner.lock().expect("link poisoned");
-        // Only if this thread's connection is still the link's.
-        if matches!(&inner.state, LinkState::Up(c) if Arc::ptr_eq(&c.in_flight, &in_flight)) {
-            self.close_locked(&mut inner, LinkState::Broken, &reason);
         }
     }
 
-    /// Takes the answer to request `id`, the oldest of `in_flight`.
+    /// Takes the answer to request `id`, the oldest of the connection's in flight.
     fn answered(
         &self,
-        in_flight: &Mutex<VecDeque<(u64, Instant)>>,
+        replies: &Replies,
         id: u64,
         status: u8,
         flags: u8,
         data: Vec<u8>,
     ) -> Result<(), String> {
-        match in_flight.lock().expect("in flight poisoned").pop_front() {
+        match replies
+            .in_flight
+            .lock()
+            .expect("in flight poisoned")
+            .pop_front()
+        {
             Some((expected, _)) if expected == id => {}
             other => return Err(format!("an answer to {id} while expecting {other:?}")),
         }
         let waiter = self.waiters.lock().expect("waiters poisoned").remove(&id);
         match waiter {
-            Some(w) => w.deliver(Reply::Answer {
-                status,
-                flags,
-                data,
-            }),
+            Some(w) => replies.deliver(
+                &w,
+                Reply::Answer {
+                    status,
+                    flags,
+                    data,
+                },
+            ),
             None if status != OK => {
                 self.fail(id, id);
                 tracing::warn!(
@@ -1126,7 +1308,10 @@ impl Link {
             return;
         };
         let _ = conn.stream.shutdown(Shutdown::Both);
+        *self.current.lock().expect("current poisoned") = None;
+        conn.replies.closed.store(true, Ordering::SeqCst);
         let mut unanswered: Vec<u64> = conn
+            .replies
             .in_flight
             .lock()
             .expect("in flight poisoned")
@@ -1143,10 +1328,12 @@ impl Link {
             let mut waiters = self.waiters.lock().expect("waiters poisoned");
             for id in &unanswered {
                 if let Some(w) = waiters.remove(id) {
-                    w.deliver(Reply::Lost);
+                    conn.replies.deliver(&w, Reply::Lost);
                 }
             }
         }
+        // Followers see the connection closed.
+        conn.replies.wake_followers();
         if matches!(inner.state, LinkState::Broken) {
             tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
                 "connection broken; it stays down while the peer is a member");
@@ -1175,6 +1362,19 @@ impl Link {
     }
 
     fn status(&self, id: u64) -> WriteStatus {
+        if let s @ (WriteStatus::Done | WriteStatus::Failed) = self.known_status(id) {
+            return s;
+        }
+        // Take what has arrived, then look again.
+        let current = self.current.lock().expect("current poisoned").clone();
+        if let Some(replies) = current {
+            self.poll(&replies);
+        }
+        self.known_status(id)
+    }
+
+    /// The status of request `id` by the answers taken so far.
+    fn known_status(&self, id: u64) -> WriteStatus {
         if self.failed_any.load(Ordering::Acquire)
             && self
                 .failed
@@ -1197,23 +1397,20 @@ impl Link {
     fn call(self: &Arc<Self>, op: u8, key: MemKey, offset: u64, len: usize) -> Reply {
         farm_core::fabric::flush();
         let waiter = Arc::new(Waiter::default());
-        if self
-            .send(
-                op,
-                key,
-                ThreadId(0),
-                offset,
-                len,
-                &[],
-                Some(waiter.clone()),
-                false,
-            )
-            .is_err()
-        {
+        let Ok((_, replies)) = self.send(
+            op,
+            key,
+            ThreadId(0),
+            offset,
+            len,
+            &[],
+            Some(waiter.clone()),
+            false,
+        ) else {
             return Reply::Lost;
-        }
-        // The reply thread closes the connection after the timeout; the margin covers its tick.
-        waiter.wait(self.timeout * 2)
+        };
+        // Taking answers closes the connection after the timeout; the margin covers a tick.
+        self.wait(&waiter, &replies, self.timeout * 2)
     }
 
     fn is_up(self: &Arc<Self>) -> bool {
@@ -1227,10 +1424,8 @@ impl Link {
 
     /// Closes the link for good (the fabric stops).
     fn close(&self) {
-        let inner = self.inner.lock().expect("link poisoned");
-        if let LinkState::Up(conn) = &inner.state {
-            let _ = conn.stream.shutdown(Shutdown::Both);
-        }
+        let mut inner = self.inner.lock().expect("link poisoned");
+        self.close_locked(&mut inner, LinkState::Broken, "the fabric stopped");
     }
 }
 
@@ -1342,19 +1537,16 @@ impl RemoteMemory for TcpRemote {
             return None; // The read itself reports it.
         }
         let waiter = Arc::new(Waiter::default());
-        let sent = self
-            .link
-            .send(
-                OP_READ_OBJECT,
-                self.key,
-                ThreadId(0),
-                offset,
-                len,
-                &[],
-                Some(waiter.clone()),
-                true,
-            )
-            .is_ok();
+        let sent = self.link.send(
+            OP_READ_OBJECT,
+            self.key,
+            ThreadId(0),
+            offset,
+            len,
+            &[],
+            Some(waiter.clone()),
+            true,
+        );
         Some(Box::new(TcpPostedRead {
             remote: TcpRemote {
                 link: self.link.clone(),
@@ -1362,26 +1554,31 @@ impl RemoteMemory for TcpRemote {
             },
             offset,
             len,
-            waiter: sent.then_some(waiter),
+            waiter: sent.ok().map(|(_, replies)| (waiter, replies)),
         }))
     }
 }
 
 /// An object read on its way: the request went out (unless the link was down), and its
-/// answer comes to `waiter`.
+/// answer comes to the waiter, from the connection's answers.
 #[derive(Debug)]
 struct TcpPostedRead {
     remote: TcpRemote,
     offset: u64,
     len: usize,
-    waiter: Option<Arc<Waiter>>,
+    waiter: Option<(Arc<Waiter>, Arc<Replies>)>,
 }
 
 impl PostedRead for TcpPostedRead {
     fn is_done(&self) -> bool {
-        self.waiter
-            .as_ref()
-            .is_none_or(|w| w.reply.lock().expect("waiter poisoned").is_some())
+        let Some((waiter, replies)) = &self.waiter else {
+            return true;
+        };
+        if waiter.is_answered() {
+            return true;
+        }
+        self.remote.link.poll(replies);
+        waiter.is_answered()
     }
 
     fn complete(self: Box<Self>, buf: &mut [u8]) -> Result<ReadOutcome, FabricError> {
@@ -1391,13 +1588,14 @@ impl PostedRead for TcpPostedRead {
             "a posted read completed at another length"
         );
         let reply = match &self.waiter {
-            // The reply thread closes the connection after the timeout; the margin covers its
-            // tick (as `Link::call`). The request may be held back in this thread's batch.
-            Some(w) => {
+            // Taking answers closes the connection after the timeout; the margin covers a tick
+            // (as `Link::call`). The request may be held back in this thread's batch.
+            Some((waiter, replies)) => {
                 if !self.is_done() {
                     farm_core::fabric::flush();
                 }
-                w.wait(self.remote.link.timeout * 2)
+                let link = &self.remote.link;
+                link.wait(waiter, replies, link.timeout * 2)
             }
             None => Reply::Lost,
         };
@@ -1489,7 +1687,7 @@ impl Fabric for TcpFabric {
                 size: 0,
             });
         }
-        let id = self.link(dst)?.send(
+        let (id, _) = self.link(dst)?.send(
             OP_WRITE,
             key,
             src.thread,

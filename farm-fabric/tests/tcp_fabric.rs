@@ -835,3 +835,57 @@ fn work_posted_in_a_batch_goes_out_at_its_flush_in_order_and_a_waiting_read_send
     assert_eq!(word(&mem1, 32), 5);
     assert_ne!(word(&mem1, 24), 9);
 }
+
+/// No thread of its own takes a connection's answers: threads blocked in reads of one link take
+/// turns leading (one waits on the socket and hands the others their answers), and posted
+/// reads complete by being polled. Eight threads read distinct words of one peer at once,
+/// blocking and posted, each answer checked against what the word holds; then a read posted
+/// and only ever polled (`is_done`) completes.
+#[test]
+fn threads_blocked_on_one_link_take_turns_and_a_polled_read_completes() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f0, _) = machine(root.path(), M0, &addrs);
+    let (f1, mem1) = machine(root.path(), M1, &addrs);
+    const WORDS: usize = 512;
+    for k in 0..WORDS {
+        mem1.store_u64(
+            8 * k,
+            0x5eed_0000 + k as u64,
+            std::sync::atomic::Ordering::Release,
+        );
+    }
+    f1.admit(M1, &[M0, M1]);
+    f0.admit(M0, &[M0, M1]);
+    let remote = f0.remote(M0, M1, REGION).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8usize {
+            let remote = remote.clone();
+            s.spawn(move || {
+                for i in 0..300usize {
+                    let k = (t * 61 + i * 7) % WORDS;
+                    let mut buf = [0u8; 8];
+                    if i % 3 == 0 {
+                        // A posted read waited for (blocking) at once.
+                        let posted = remote.post_object_read(8 * k as u64, 8).unwrap();
+                        fabric::flush();
+                        posted.complete(&mut buf).unwrap();
+                    } else {
+                        remote.read(8 * k as u64, &mut buf).unwrap();
+                    }
+                    assert_eq!(u64::from_le_bytes(buf), 0x5eed_0000 + k as u64, "word {k}");
+                }
+            });
+        }
+    });
+    let posted = remote.post_object_read(8 * 5, 8).unwrap();
+    fabric::flush();
+    let deadline = Instant::now() + TIMEOUT * 10;
+    while !posted.is_done() {
+        assert!(Instant::now() < deadline, "a polled read never completed");
+        std::thread::yield_now();
+    }
+    let mut buf = [0u8; 8];
+    posted.complete(&mut buf).unwrap();
+    assert_eq!(u64::from_le_bytes(buf), 0x5eed_0005);
+}
