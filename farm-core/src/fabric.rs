@@ -15,7 +15,10 @@
 //! [`flush`]es at the end of its turn, so that everything the turn produced goes to each peer
 //! in one send (one `write` per peer over `tcp`, one doorbell over `shm`), as RDMA posts a list
 //! of work requests with one doorbell. Holding back changes no guarantee above: order per
-//! target is kept, and a thread about to wait for an answer flushes first.
+//! target is kept, and a thread about to wait for an answer flushes first. A batch's turn also
+//! polls each source of completions once: a fabric that found a connection's answers empty
+//! notes it ([`note_polled_empty`]) and does not look again before the turn's flush
+//! ([`polled_empty`]), however many of the turn's requests are checked on.
 
 use std::cell::RefCell;
 use std::fmt;
@@ -177,6 +180,23 @@ pub trait Held: Send + Sync {
 thread_local! {
     /// What this thread's open batch holds back (`None`: no batch is open).
     static HELD: RefCell<Option<Vec<Arc<dyn Held>>>> = const { RefCell::new(None) };
+    /// Sources of completions (by address) found empty since this thread's batch last flushed.
+    static POLLED_EMPTY: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this thread's open batch found `source` (a fabric's source of completions, by
+/// address) empty since its last flush; never with no batch open.
+pub fn polled_empty(source: *const ()) -> bool {
+    POLLED_EMPTY.with(|p| p.borrow().contains(&(source as usize)))
+}
+
+/// Notes that `source` was found empty, for [`polled_empty`] until this thread's open batch
+/// flushes (nothing with no batch open).
+pub fn note_polled_empty(source: *const ()) {
+    let open = HELD.with(|h| h.borrow().is_some());
+    if open {
+        POLLED_EMPTY.with(|p| p.borrow_mut().push(source as usize));
+    }
 }
 
 /// A thread's batch of posted work, open until dropped (which flushes): see the module docs.
@@ -236,6 +256,7 @@ pub fn hold(held: &Arc<dyn Held>) -> bool {
 /// Sends everything this thread's open batch holds back (nothing without one). The batch stays
 /// open.
 pub fn flush() {
+    POLLED_EMPTY.with(|p| p.borrow_mut().clear());
     let held = HELD.with(|h| h.borrow_mut().as_mut().map(std::mem::take));
     let Some(mut held) = held else { return };
     for h in &held {
@@ -345,5 +366,27 @@ pub trait Fabric: Send + Sync + fmt::Debug {
     fn broken_members(&self, machine: MachineId) -> Vec<MachineId> {
         let _ = machine;
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_source_found_empty_is_skipped_until_the_turn_flushes_and_only_in_a_batch() {
+        let source = 0x40 as *const ();
+        note_polled_empty(source);
+        assert!(!polled_empty(source), "noted with no batch open");
+        let batch = Batch::open();
+        assert!(!polled_empty(source));
+        note_polled_empty(source);
+        assert!(polled_empty(source));
+        assert!(!polled_empty(0x80 as *const ()), "another source");
+        flush();
+        assert!(!polled_empty(source), "a new turn polls it again");
+        note_polled_empty(source);
+        drop(batch);
+        assert!(!polled_empty(source), "the batch closed");
     }
 }

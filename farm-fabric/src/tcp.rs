@@ -924,6 +924,17 @@ struct Replies {
     lead: (Mutex<()>, Condvar),
 }
 
+/// How [`Link::take`] takes a connection's answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Take {
+    /// What has arrived, without looking at the clock: a poll.
+    Now,
+    /// What has arrived, first waiting this long for some if none has: a blocked thread.
+    Waiting(Duration),
+    /// What has arrived, and whether the oldest request is overdue: the ticker.
+    Ticking,
+}
+
 /// An answer a read or probe waits for.
 #[derive(Debug, Default)]
 struct Waiter {
@@ -1136,7 +1147,9 @@ impl Link {
             .spawn(move || {
                 while !ticked.closed.load(Ordering::SeqCst) {
                     std::thread::sleep(tick);
-                    link.poll(&ticked);
+                    if let Ok(mut input) = ticked.input.try_lock() {
+                        link.take(&ticked, &mut input, Take::Ticking);
+                    }
                 }
             })?;
         *self.current.lock().expect("current poisoned") = Some(replies.clone());
@@ -1145,10 +1158,16 @@ impl Link {
     }
 
     /// Takes what has arrived for the connection of `replies`, unless another thread is
-    /// taking it: a poll that never waits.
+    /// taking it, or this thread's batch found it empty this turn: a poll that never waits.
     fn poll(&self, replies: &Arc<Replies>) {
+        let source = Arc::as_ptr(replies) as *const ();
+        if farm_core::fabric::polled_empty(source) {
+            return;
+        }
         if let Ok(mut input) = replies.input.try_lock() {
-            self.take(replies, &mut input, None);
+            if !self.take(replies, &mut input, Take::Now) {
+                farm_core::fabric::note_polled_empty(source);
+            }
         }
     }
 
@@ -1168,7 +1187,7 @@ impl Link {
             let slice = left.min(LEAD_SLICE);
             match replies.input.try_lock() {
                 Ok(mut input) => {
-                    self.take(replies, &mut input, Some(slice));
+                    self.take(replies, &mut input, Take::Waiting(slice));
                     drop(input);
                     // The lead is free: a follower still waiting may take it.
                     replies.wake_followers();
@@ -1179,20 +1198,22 @@ impl Link {
     }
 
     /// Takes the answers that arrived on the connection of `replies`, whose input the caller
-    /// holds, first waiting up to `wait` for some if none are there. Breaks the connection when
-    /// it closed, its framing is bad or an answer is overdue.
-    fn take(&self, replies: &Arc<Replies>, input: &mut Frames, wait: Option<Duration>) {
+    /// holds, as `how` says. Breaks the connection when it closed, its framing is bad or (when
+    /// waiting or ticking) an answer is overdue. Returns whether anything was taken.
+    fn take(&self, replies: &Arc<Replies>, input: &mut Frames, how: Take) -> bool {
         if replies.closed.load(Ordering::SeqCst) {
-            return;
+            return true;
         }
-        let Err(reason) = self.take_frames(replies, input, wait) else {
-            return;
+        let mut took = false;
+        let Err(reason) = self.take_frames(replies, input, how, &mut took) else {
+            return took;
         };
         let mut inner = self.inner.lock().expect("link poisoned");
         // Only if this connection is still the link's.
         if matches!(&inner.state, LinkState::Up(c) if Arc::ptr_eq(&c.replies, replies)) {
             self.close_locked(&mut inner, LinkState::Broken, &reason);
         }
+        true
     }
 
     /// A reply is a head (the request's id, its status, flags, and how many bytes follow) and
@@ -1201,8 +1222,13 @@ impl Link {
         &self,
         replies: &Replies,
         input: &mut Frames,
-        mut wait: Option<Duration>,
+        how: Take,
+        took: &mut bool,
     ) -> Result<(), String> {
+        let mut wait = match how {
+            Take::Waiting(d) => Some(d),
+            Take::Now | Take::Ticking => None,
+        };
         loop {
             let mut need = REPLY_BYTES;
             let known = input.buffered() >= REPLY_BYTES;
@@ -1221,19 +1247,21 @@ impl Link {
                     let id = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
                     let data = input.take(need - REPLY_BYTES).to_vec();
                     self.answered(replies, id, head[8], head[9], data)?;
+                    *took = true;
                     // Something came: no more waiting.
                     wait = None;
                 }
                 // The head is here: now its bytes.
                 Ok(true) => {}
                 Ok(false) => {
-                    let oldest = replies
-                        .in_flight
-                        .lock()
-                        .expect("in flight poisoned")
-                        .front()
-                        .copied();
-                    if oldest.is_some_and(|(_, sent)| sent.elapsed() > self.timeout) {
+                    // A poll leaves the clock to the ticker and to waiting threads.
+                    let overdue = || {
+                        let in_flight = replies.in_flight.lock().expect("in flight poisoned");
+                        in_flight
+                            .front()
+                            .is_some_and(|(_, sent)| sent.elapsed() > self.timeout)
+                    };
+                    if how != Take::Now && overdue() {
                         return Err(format!("no answer within {:?}", self.timeout));
                     }
                     match wait.take() {
