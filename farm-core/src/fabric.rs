@@ -23,6 +23,7 @@
 use std::cell::RefCell;
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::ids::{MachineId, RegionId, ThreadId};
@@ -366,6 +367,72 @@ pub trait Fabric: Send + Sync + fmt::Debug {
     fn broken_members(&self, machine: MachineId) -> Vec<MachineId> {
         let _ = machine;
         Vec::new()
+    }
+
+    /// The one-sided operations `machine` posted to each peer since the fabric started, and
+    /// their bytes ([`Traffic`]); a fabric of one machine per process answers for its own
+    /// machine only. Peers it never posted to may be left out. None by default.
+    fn traffic(&self, machine: MachineId) -> Vec<(MachineId, Traffic)> {
+        let _ = machine;
+        Vec::new()
+    }
+}
+
+/// One-sided operations one machine posted to a peer, and their bytes (what
+/// [`Fabric::traffic`] reports): reads of any kind (object reads, header reads, data recovery's
+/// copies) and writes (log records, messages, allocations' headers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// One-sided reads.
+    pub reads: u64,
+    /// Bytes those reads asked for.
+    pub read_bytes: u64,
+    /// One-sided writes.
+    pub writes: u64,
+    /// Bytes those writes carried.
+    pub write_bytes: u64,
+}
+
+impl Traffic {
+    /// Both counts summed.
+    pub fn add(&mut self, other: &Traffic) {
+        self.reads += other.reads;
+        self.read_bytes += other.read_bytes;
+        self.writes += other.writes;
+        self.write_bytes += other.write_bytes;
+    }
+}
+
+/// The counters behind [`Traffic`], kept by a fabric per peer (relaxed: they order nothing).
+#[derive(Debug, Default)]
+pub struct TrafficCounters {
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
+    writes: AtomicU64,
+    write_bytes: AtomicU64,
+}
+
+impl TrafficCounters {
+    /// Counts a read of `bytes`.
+    pub fn read(&self, bytes: usize) {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.read_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Counts a write of `bytes`.
+    pub fn write(&self, bytes: usize) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        self.write_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// What was counted so far.
+    pub fn get(&self) -> Traffic {
+        Traffic {
+            reads: self.reads.load(Ordering::Relaxed),
+            read_bytes: self.read_bytes.load(Ordering::Relaxed),
+            writes: self.writes.load(Ordering::Relaxed),
+            write_bytes: self.write_bytes.load(Ordering::Relaxed),
+        }
     }
 }
 

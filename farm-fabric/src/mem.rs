@@ -23,8 +23,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use farm_core::fabric::{
-    Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, WriteStatus, WriteTicket,
-    CONTROL_TAG,
+    Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, Traffic, TrafficCounters,
+    WriteStatus, WriteTicket, CONTROL_TAG,
 };
 use farm_core::ids::{MachineId, ThreadId};
 use farm_core::nvram::Nvram;
@@ -83,6 +83,8 @@ struct HeldWrite {
 #[derive(Debug, Default)]
 struct Link {
     issued: AtomicU64,
+    /// Writes posted on the link, and their bytes.
+    traffic: TrafficCounters,
     landed: AtomicU64,
     /// Writes with a sequence number above this failed (0: none failed).
     failed_after: AtomicU64,
@@ -104,11 +106,15 @@ pub struct MemFabric {
     /// up, and the link stays broken while the writer admits the target (see
     /// [`Fabric::broken_members`]).
     broken: Box<[AtomicBool]>,
+    /// Per (reader, target) machine pair: the reads (writes are counted per link).
+    reads_traffic: Box<[Arc<TrafficCounters>]>,
     policy: Mutex<(DatagramPolicy, Rng)>,
 }
 
 #[derive(Clone, Debug)]
 struct MemRemote {
+    /// Reads of `dst` by `src` (none counted when they are the same machine).
+    traffic: Option<Arc<TrafficCounters>>,
     dst: MachineId,
     key: MemKey,
     mem: Arc<Nvram>,
@@ -129,6 +135,9 @@ impl RemoteMemory for MemRemote {
         }
         farm_core::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
         self.mem.read(offset as usize, buf);
+        if let Some(t) = &self.traffic {
+            t.read(buf.len());
+        }
         Ok(())
     }
 
@@ -258,6 +267,9 @@ impl MemFabric {
             groups: (0..config.machines_max)
                 .map(|_| AtomicU32::new(0))
                 .collect(),
+            reads_traffic: (0..config.machines_max as usize * config.machines_max as usize)
+                .map(|_| Arc::default())
+                .collect(),
             broken: (0..config.machines_max as usize * config.machines_max as usize)
                 .map(|_| AtomicBool::new(false))
                 .collect(),
@@ -281,6 +293,11 @@ impl MemFabric {
     /// Whether writes from `src` to `dst` broke (see [`MemFabric::broken`]).
     fn broken_link(&self, src: MachineId, dst: MachineId) -> &AtomicBool {
         &self.broken[src.0 as usize * self.config.machines_max as usize + dst.0 as usize]
+    }
+
+    /// The read counters of `src` reading `dst`.
+    fn reads_of(&self, src: MachineId, dst: MachineId) -> &Arc<TrafficCounters> {
+        &self.reads_traffic[src.0 as usize * self.config.machines_max as usize + dst.0 as usize]
     }
 
     fn link(&self, src: Endpoint, dst: MachineId) -> &Link {
@@ -529,6 +546,7 @@ impl Fabric for MemFabric {
     ) -> Result<Arc<dyn RemoteMemory>, FabricError> {
         let mem = self.area(dst, key)?;
         Ok(Arc::new(MemRemote {
+            traffic: (src != dst).then(|| self.reads_of(src, dst).clone()),
             dst,
             key,
             mem,
@@ -569,6 +587,9 @@ impl Fabric for MemFabric {
         farm_core::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
         let link = self.link(src, dst);
         let seq = link.issued.fetch_add(1, Ordering::SeqCst) + 1;
+        if src.machine != dst {
+            link.traffic.write(data.len());
+        }
         if self.hold_writes.load(Ordering::SeqCst) {
             let mut held = link.held.lock().expect("fabric lock poisoned");
             held.push_back(HeldWrite {
@@ -582,6 +603,25 @@ impl Fabric for MemFabric {
             link.landed.store(seq, Ordering::SeqCst);
         }
         Ok(WriteTicket(seq))
+    }
+
+    fn traffic(&self, machine: MachineId) -> Vec<(MachineId, Traffic)> {
+        let c = &self.config;
+        (0..c.machines_max)
+            .map(MachineId)
+            .filter(|dst| *dst != machine)
+            .filter_map(|dst| {
+                let mut t = self.reads_of(machine, dst).get();
+                for thread in 0..c.threads_max {
+                    let src = Endpoint {
+                        machine,
+                        thread: ThreadId(thread),
+                    };
+                    t.add(&self.link(src, dst).traffic.get());
+                }
+                (t != Traffic::default()).then_some((dst, t))
+            })
+            .collect()
     }
 
     fn write_status(&self, src: Endpoint, dst: MachineId, ticket: WriteTicket) -> WriteStatus {

@@ -34,7 +34,8 @@ use crate::process::{
     claim_machine, io_err, Claim, Datagrams, Doorbell, Peers, ProcessFabric, StartError,
 };
 use farm_core::fabric::{
-    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket,
+    Endpoint, Fabric, FabricError, MemKey, RemoteMemory, Traffic, TrafficCounters, WriteStatus,
+    WriteTicket,
 };
 use farm_core::ids::{MachineId, ThreadId};
 use farm_core::nvram::Nvram;
@@ -73,6 +74,8 @@ struct Machine {
     /// The slots of its doorbell (`1 << t % 64` for thread `t`) whose ring a thread's batch
     /// holds back.
     ring_held: AtomicU64,
+    /// Reads and writes this process posted to it.
+    traffic: TrafficCounters,
 }
 
 impl farm_core::fabric::Held for Machine {
@@ -205,6 +208,7 @@ impl ShmFabric {
                     admitted: Mutex::new(None),
                     doorbell: Mutex::new(None),
                     ring_held: AtomicU64::new(0),
+                    traffic: TrafficCounters::default(),
                 })
             })
             .clone()
@@ -299,6 +303,8 @@ fn probe_alive(path: &Path) -> bool {
 #[derive(Debug)]
 struct ShmRemote {
     epoch: Instant,
+    /// A read of this process's own machine (counted as no peer's traffic).
+    local: bool,
     dst: MachineId,
     key: MemKey,
     state: Arc<Machine>,
@@ -312,6 +318,9 @@ impl RemoteMemory for ShmRemote {
         }
         farm_core::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
         self.mem.read(offset as usize, buf);
+        if !self.local {
+            self.state.traffic.read(buf.len());
+        }
         Ok(())
     }
 
@@ -353,6 +362,7 @@ impl Fabric for ShmFabric {
         let mem = self.area(dst, &state, key)?;
         Ok(Arc::new(ShmRemote {
             epoch: self.epoch,
+            local: dst == self.me,
             dst,
             key,
             state,
@@ -378,8 +388,11 @@ impl Fabric for ShmFabric {
         let mem = self.area(dst, &state, key)?;
         farm_core::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
         mem.write(offset as usize, data);
-        if key == MemKey::Rings && dst != src.machine {
-            self.ring(dst, src.thread, &state);
+        if dst != src.machine {
+            state.traffic.write(data.len());
+            if key == MemKey::Rings {
+                self.ring(dst, src.thread, &state);
+            }
         }
         Ok(WriteTicket(self.tickets.fetch_add(1, Ordering::AcqRel) + 1))
     }
@@ -405,6 +418,17 @@ impl Fabric for ShmFabric {
 
     fn recv_control(&self, dst: MachineId, _now: u64, buf: &mut Vec<u8>) -> Option<MachineId> {
         self.datagrams.recv_for(self.me, dst, true, buf)
+    }
+
+    fn traffic(&self, machine: MachineId) -> Vec<(MachineId, Traffic)> {
+        assert_eq!(
+            machine, self.me,
+            "the shm fabric counts its own machine's traffic"
+        );
+        (self.machines.read().expect("machines poisoned").iter())
+            .filter(|(m, _)| **m != self.me)
+            .map(|(m, state)| (*m, state.traffic.get()))
+            .collect()
     }
 
     fn admit(&self, machine: MachineId, members: &[MachineId]) {
@@ -457,6 +481,7 @@ mod tests {
             admitted: Mutex::new(None),
             doorbell: Mutex::new(None),
             ring_held: AtomicU64::new(0),
+            traffic: TrafficCounters::default(),
         };
         // Checked at 2,000 us by another thread; this one read the clock at 1,000 us.
         assert!(m.alive(1_000), "the fresh check said alive");

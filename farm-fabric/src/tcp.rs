@@ -51,8 +51,8 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, Handshake, Secret, NONCE_BYTES, PROOF_BYTES};
 use crate::process::{claim_machine, io_err, Claim, Datagrams, Peers, ProcessFabric, StartError};
 use farm_core::fabric::{
-    check_bounds, Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, WriteStatus,
-    WriteTicket,
+    check_bounds, Endpoint, Fabric, FabricError, MemKey, PostedRead, RemoteMemory, Traffic,
+    TrafficCounters, WriteStatus, WriteTicket,
 };
 use farm_core::ids::{MachineId, RegionId, ThreadId};
 use farm_core::nvram::Nvram;
@@ -251,6 +251,7 @@ impl TcpFabric {
                     failed: Mutex::new(Vec::new()),
                     waiters: Mutex::new(HashMap::new()),
                     current: Mutex::new(None),
+                    traffic: TrafficCounters::default(),
                 })
             })
             .collect();
@@ -880,6 +881,8 @@ struct Link {
     waiters: Mutex<HashMap<u64, Arc<Waiter>>>,
     /// The answers of the connection that is up, if one is.
     current: Mutex<Option<Arc<Replies>>>,
+    /// Reads and writes posted to the peer.
+    traffic: TrafficCounters,
 }
 
 #[derive(Debug)]
@@ -1059,6 +1062,11 @@ impl Link {
         .encode(&mut l.outbox);
         l.outbox.extend_from_slice(payload);
         l.unsent += 1;
+        match op {
+            OP_READ | OP_READ_OBJECT => self.traffic.read(len),
+            OP_WRITE => self.traffic.write(len),
+            _ => {}
+        }
         if let Some(w) = waiter {
             self.waiters.lock().expect("waiters poisoned").insert(id, w);
         }
@@ -1784,6 +1792,17 @@ impl Fabric for TcpFabric {
 
     fn is_up(&self, machine: MachineId) -> bool {
         machine == self.me || self.link(machine).is_ok_and(|l| l.is_up())
+    }
+
+    fn traffic(&self, machine: MachineId) -> Vec<(MachineId, Traffic)> {
+        assert_eq!(
+            machine, self.me,
+            "the tcp fabric counts its own machine's traffic"
+        );
+        (self.links.iter())
+            .filter(|l| l.dst != self.me)
+            .map(|l| (l.dst, l.traffic.get()))
+            .collect()
     }
 
     fn broken_members(&self, machine: MachineId) -> Vec<MachineId> {

@@ -152,6 +152,16 @@ fn one_sided_operations_cross_processes_and_fail_once_the_target_dies() {
     );
     remote.read(16, &mut word).unwrap();
     assert_eq!(word, [0; 8], "a write from a machine not admitted landed");
+    // Counted per peer: the three reads and the write that landed (not the refused ones).
+    let to_1 = f0
+        .traffic(M0)
+        .into_iter()
+        .find(|(m, _)| *m == M1)
+        .unwrap()
+        .1;
+    assert_eq!((to_1.reads, to_1.read_bytes), (3, 24));
+    assert_eq!((to_1.writes, to_1.write_bytes), (1, 8));
+    assert!(f2.traffic(M2).iter().all(|(_, t)| t.writes == 0));
 
     // Datagrams: garbage and another cluster's are dropped, the child's echo arrives.
     let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();

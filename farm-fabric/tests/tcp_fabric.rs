@@ -121,6 +121,13 @@ fn one_sided_operations_are_served_by_the_nic_and_pipelined() {
     let mut big = vec![0u8; 800];
     remote.read(8, &mut big).unwrap();
     assert_eq!(u64::from_le_bytes(big[..8].try_into().unwrap()), 900);
+    // Counted per peer: the writes and their bytes; the reads (with the empty one `remote`
+    // makes to see the area exists) and theirs.
+    let traffic = f0.traffic(M0);
+    let to_1 = traffic.iter().find(|(m, _)| *m == M1).unwrap().1;
+    assert_eq!((to_1.writes, to_1.write_bytes), (1000, 8000));
+    assert_eq!((to_1.reads, to_1.read_bytes), (3, 808));
+    assert!(f1.traffic(M1).iter().all(|(_, t)| t.writes == 0));
 
     // Refusals name the problem and change nothing.
     match remote.read(REGION_BYTES as u64 - 4, &mut buf) {

@@ -122,11 +122,20 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str], metrics_por
             for peer in (0..3).filter(|p| *p != m) {
                 let labels = format!("{labels},peer=\"{peer}\"");
                 assert!(sample(&text, "farm_log_held_bytes", &labels) >= 0.0);
+                // Three-way replication: every machine's log records went to both peers.
+                let writes = sample(&text, "farm_one_sided_writes_total", &labels);
+                assert!(writes > 0.0, "{text}");
+                let bytes = sample(&text, "farm_one_sided_write_bytes_total", &labels);
+                assert!(bytes > 8.0 * writes, "{text}");
             }
         }
         let commits = value(0, "farm_commits_total");
-        local.wait_until("machine 0's commits grow", || {
-            value(0, "farm_commits_total") > commits
+        let to_1 = "machine=\"0\",peer=\"1\"";
+        let writes = sample(&scrape(0), "farm_one_sided_writes_total", to_1);
+        local.wait_until("machine 0's commits and writes to machine 1 grow", || {
+            let text = scrape(0);
+            sample(&text, "farm_commits_total", "machine=\"0\"") > commits
+                && sample(&text, "farm_one_sided_writes_total", to_1) > writes
         });
         assert_eq!(sample(&scrape(0), "farm_reconfigurations_total", ""), 0.0);
     }

@@ -1058,7 +1058,8 @@ impl Cluster {
         let samples = (self.inner.machines.iter())
             .map(|m| {
                 let c = counters.remove(&m.id).unwrap_or_default();
-                crate::metrics::Sample::of(m, c, &suspicions, 0)
+                let traffic = self.inner.fabric.traffic(m.id);
+                crate::metrics::Sample::of(m, c, &suspicions, (0, traffic))
             })
             .collect();
         let reconfigurations = crate::metrics::Reconfigurations::of(&self.reconfig_events());

@@ -11,6 +11,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, MetricEnc
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
+use farm_core::fabric::Traffic;
 use farm_core::{ConfigId, MachineId};
 use farm_txn::{MachineState, RingsHeld, Stats};
 
@@ -116,16 +117,18 @@ pub(crate) struct Sample {
     pub(crate) regions_copying: usize,
     /// Datagrams refused (forged, replayed, stale), where the fabric counts them.
     pub(crate) datagrams_refused: u64,
+    /// One-sided operations posted to each peer, where the fabric counts them.
+    pub(crate) traffic: Vec<(MachineId, Traffic)>,
 }
 
 impl Sample {
     /// The sample of `machine`, with `counters` from its hosts, the process's `suspicions`
-    /// (of every machine it runs) and `datagrams_refused`.
+    /// (of every machine it runs), and from its fabric `datagrams_refused` and its traffic.
     pub(crate) fn of(
         machine: &MachineState,
         counters: Counters,
         suspicions: &[Suspicion],
-        datagrams_refused: u64,
+        (datagrams_refused, traffic): (u64, Vec<(MachineId, Traffic)>),
     ) -> Self {
         let config = machine.view().config.clone();
         Self {
@@ -142,6 +145,7 @@ impl Sample {
                 .count() as u64,
             regions_copying: machine.copying_regions().len(),
             datagrams_refused,
+            traffic,
         }
     }
 }
@@ -425,6 +429,37 @@ impl Collector for Samples {
             None,
             |s| s.regions_copying as i64,
         )?;
+        for (name, help, value) in [
+            (
+                "farm_one_sided_reads",
+                "One-sided reads this machine posted to a peer",
+                (|t: &Traffic| t.reads) as fn(&Traffic) -> u64,
+            ),
+            (
+                "farm_one_sided_read_bytes",
+                "Bytes of the one-sided reads this machine posted to a peer",
+                |t: &Traffic| t.read_bytes,
+            ),
+            (
+                "farm_one_sided_writes",
+                "One-sided writes this machine posted to a peer",
+                |t: &Traffic| t.writes,
+            ),
+            (
+                "farm_one_sided_write_bytes",
+                "Bytes of the one-sided writes this machine posted to a peer",
+                |t: &Traffic| t.write_bytes,
+            ),
+        ] {
+            let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for s in &self.0 {
+                for (peer, t) in &s.traffic {
+                    let labels = [("machine", s.machine.0 as u64), ("peer", peer.0 as u64)];
+                    m.encode_family(&labels)?
+                        .encode_counter::<NoLabelSet, _, u64>(&value(t), None)?;
+                }
+            }
+        }
         self.counter(
             e,
             "farm_datagrams_refused",

@@ -589,7 +589,7 @@ impl Node {
 
     /// This machine's metrics in the Prometheus (OpenMetrics) text format: commits, aborts by
     /// cause, commit latencies, lock-free reads, configuration, role, suspicions,
-    /// reconfigurations, regions copying, datagrams refused (see docs/ARCHITECTURE.md,
+    /// reconfigurations, regions copying, datagrams refused, operations and bytes per peer (see docs/ARCHITECTURE.md,
     /// Observability). Counters of a thread whose pipeline keeps its host are at most 10 ms
     /// old; the others wait for the host to be free.
     pub fn metrics(&self) -> String {
@@ -598,7 +598,10 @@ impl Node {
             &self.machine,
             counters.remove(&self.id()).unwrap_or_default(),
             &self.suspicions(),
-            self.fabric.datagrams_refused(),
+            (
+                self.fabric.datagrams_refused(),
+                self.fabric.traffic(self.id()),
+            ),
         );
         let reconfigurations = crate::metrics::Reconfigurations::of(&self.reconfig_events());
         crate::metrics::render(vec![sample], reconfigurations)

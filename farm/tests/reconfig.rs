@@ -565,6 +565,34 @@ fn metrics_follow_commits_lock_free_reads_and_a_reconfiguration() {
     assert_eq!(sample(&text, "farm_commits_total", &m(3)), 0.0);
     assert_eq!(sample(&text, "farm_lock_free_reads_total", &m(3)), 5.0);
     assert_eq!(sample(&text, "farm_lock_free_reads_total", &m(0)), 0.0);
+    // One-sided operations per peer: machine 3's reads went to `a`'s primary, and each
+    // coordinator wrote its log records to the peers holding `a` and `b`.
+    let primary = c.view(MachineId(0)).map.get(a.region).unwrap().primary;
+    assert_ne!(primary, MachineId(3), "machine 3 allocated nothing");
+    let to = |machine: u16, peer: u16| format!("machine=\"{machine}\",peer=\"{peer}\"");
+    let reads = sample(&text, "farm_one_sided_reads_total", &to(3, primary.0));
+    assert!(reads >= 5.0, "{reads} reads for 5 lock-free reads:\n{text}");
+    let read_bytes = sample(&text, "farm_one_sided_read_bytes_total", &to(3, primary.0));
+    assert!(read_bytes >= 5.0 * 16.0, "{read_bytes} bytes read");
+    // Summed over the peers it wrote to (a peer never written to may have no sample).
+    let to_peers = |name: &str, machine: u16| -> f64 {
+        let prefix = format!("{name}{{machine=\"{machine}\",peer=");
+        (text.lines().filter(|l| l.starts_with(&prefix)))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    };
+    for machine in 0..3u16 {
+        let writes = to_peers("farm_one_sided_writes_total", machine);
+        let bytes = to_peers("farm_one_sided_write_bytes_total", machine);
+        assert!(
+            writes >= 10.0,
+            "machine {machine}: {writes} writes to peers"
+        );
+        assert!(
+            bytes > 8.0 * writes,
+            "machine {machine}: {bytes} bytes written"
+        );
+    }
     for machine in 0..4 {
         assert_eq!(sample(&text, "farm_configuration", &m(machine)), 1.0);
         assert_eq!(sample(&text, "farm_members", &m(machine)), 4.0);
