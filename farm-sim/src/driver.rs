@@ -1274,6 +1274,14 @@ impl Sim {
             "seed {}: workers skipped records that did not decode",
             self.config.seed
         );
+        // Peers of this build never name a configuration more than one beyond the receiver's
+        // newest view: a refusal would mean the bound on kept recovery messages drops one
+        // that recovery needs.
+        assert_eq!(
+            stats.recovery_refused, 0,
+            "seed {}: recovery messages refused as too far ahead",
+            self.config.seed
+        );
         // The recovery log holds what a failure leaves in flight many times over here: full,
         // it would mean entries are not freed when their transactions are forgotten.
         assert_eq!(

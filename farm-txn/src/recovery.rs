@@ -102,6 +102,11 @@ impl RecoveryState {
         }
     }
 
+    /// Recovery messages kept until their configuration is drained here.
+    pub(crate) fn early_len(&self) -> usize {
+        self.early.len()
+    }
+
     /// Checks what this thread's recovery holds (see `Worker::invariants`).
     pub(crate) fn invariants(&self, me: MachineId, thread: farm_core::ThreadId) {
         // Thread t of every machine recovers the transactions whose coordinator thread is t:
@@ -801,6 +806,37 @@ impl Worker {
                 body,
             },
         );
+    }
+
+    /// Whether a recovery message of `config` from `sender` is to be refused (and is counted)
+    /// for naming a configuration further ahead than any peer can. A peer sends a
+    /// configuration's recovery messages only once it committed it, and to its members, each
+    /// of which acknowledged NEW-CONFIG only after installing it (§5.2): so at most one beyond
+    /// the newest view installed here (one: a whole-cluster restart's configuration, which
+    /// peers may start recovering before this machine installs it). Messages of a
+    /// configuration not drained yet are kept until it is (`RecoveryState::early`); without
+    /// this, a peer naming ever newer configurations would grow that without limit.
+    pub(crate) fn recovery_too_far_ahead(&mut self, sender: MachineId, config: ConfigId) -> bool {
+        if config <= self.recovery.last_drained {
+            return false;
+        }
+        let installed = self.machine.view().config.id;
+        if config.0 <= installed.0 + 1 {
+            return false;
+        }
+        self.stats.recovery_refused += 1;
+        if self.stats.recovery_refused == 1 {
+            tracing::warn!(
+                machine = self.machine.id.0,
+                thread = self.thread.0,
+                sender = sender.0,
+                config = config.0,
+                installed = installed.0,
+                "refused a recovery message of a configuration further ahead than a peer can \
+                 send (counted in recovery_refused; this warning is not repeated)"
+            );
+        }
+        true
     }
 
     /// A recovery message from `from`'s peer thread.

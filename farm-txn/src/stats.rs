@@ -65,6 +65,9 @@ pub struct Stats {
     /// Recovery messages whose queue slot was held as their restart record because the
     /// recovery log was full.
     pub recovery_log_full: u64,
+    /// Recovery messages refused for naming a configuration further ahead than any peer can
+    /// (more than one beyond the newest view installed here).
+    pub recovery_refused: u64,
     /// Bytes data recovery read from primaries to copy their regions here (§5.4).
     pub recovery_bytes_read: u64,
 }
@@ -127,6 +130,7 @@ impl Stats {
             malformed,
             cut_links,
             recovery_log_full,
+            recovery_refused,
             recovery_bytes_read
         );
     }

@@ -353,6 +353,11 @@ impl Worker {
         self.thread
     }
 
+    /// Recovery messages kept until this thread drains their configuration.
+    pub fn recovery_messages_early(&self) -> usize {
+        self.recovery.early_len()
+    }
+
     /// Counters.
     pub fn stats(&self) -> &Stats {
         &self.stats
@@ -787,6 +792,12 @@ impl Worker {
             if !member && !matches!(msg, Ok(Message::Recovery { .. })) {
                 self.inbound[sender.0 as usize].queue.release(pos);
                 continue;
+            }
+            if let Ok(Message::Recovery { config, .. }) = &msg {
+                if self.recovery_too_far_ahead(sender, *config) {
+                    self.inbound[sender.0 as usize].queue.release(pos);
+                    continue;
+                }
             }
             if let Ok(Message::Recovery {
                 body: RecoveryBody::SendTxState(t, ws, _) | RecoveryBody::ReplicateTxState(t, ws, _),

@@ -155,3 +155,42 @@ fn a_full_recovery_log_keeps_recovery_messages_in_their_queue() {
     // Machine 0 serves machine 1 as before.
     commit(&mut w, &mut now, a, 7);
 }
+
+/// Recovery messages for a configuration this machine has not drained yet are kept until it
+/// has (`recovery.early`); a peer that names configurations further ahead than any peer can
+/// (more than one beyond the newest view this machine installed: a member acknowledges
+/// NEW-CONFIG only once installed, §5.2) is refused and counted, so that it cannot grow what
+/// the worker keeps without limit. Before, every one was kept.
+#[test]
+fn recovery_messages_of_configurations_far_ahead_are_refused_and_counted() {
+    let (mut w, fabric) = common::workers_over(2 << 20, 1, Replication::OneSided);
+    let mut now = 0;
+    let a = common::object_at_0(&mut w, &mut now, 1);
+    let installed = w[0].machine().view().config.id;
+    let mut flood = Flooder::new(&w);
+    let mut send = |w: &mut [Worker], now: &mut u64, config: ConfigId, n: u64| {
+        let mut sent = 0;
+        while sent < n {
+            let msg = Message::Recovery {
+                config,
+                region: a.region,
+                body: RecoveryBody::RequestVote(txn(sent)),
+            };
+            if flood.send(w, &fabric, &msg) {
+                sent += 1;
+            }
+            *now += 1;
+            w[0].poll(*now);
+        }
+    };
+    // The next configuration's messages may come before this machine installs it: kept.
+    send(&mut w, &mut now, ConfigId(installed.0 + 1), 10);
+    assert_eq!(w[0].recovery_messages_early(), 10);
+    assert_eq!(w[0].stats().recovery_refused, 0);
+    // Further ahead: refused, however many come.
+    send(&mut w, &mut now, ConfigId(installed.0 + 1000), 20_000);
+    assert_eq!(w[0].stats().recovery_refused, 20_000);
+    assert_eq!(w[0].recovery_messages_early(), 10);
+    // Machine 0 serves machine 1 as before.
+    commit(&mut w, &mut now, a, 7);
+}

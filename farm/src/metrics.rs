@@ -462,6 +462,12 @@ impl Collector for Samples {
         }
         self.counter(
             e,
+            "farm_recovery_messages_refused",
+            "Recovery messages refused for naming a configuration further ahead than a peer can",
+            |s| s.counters.stats.recovery_refused,
+        )?;
+        self.counter(
+            e,
             "farm_datagrams_refused",
             "Lease and control datagrams refused: forged, replayed or stale",
             |s| s.datagrams_refused,
