@@ -161,15 +161,8 @@ fn main() -> anyhow::Result<()> {
     let common = &args.common;
     let opts = common.options()?;
     let cluster = common.cluster(None).context("building the cluster")?;
-    // Room for the NEW-ORDERs of the run (tables do not grow): up to 50 K/s over all
-    // districts, well above what this machine runs; a run that goes faster stops with an
-    // error naming the full table.
-    let districts = args.warehouses as f64 * 10.0;
-    let growth = (50_000.0 * common.seconds / districts).max(1000.0) as u32;
-    let scale = Scale {
-        growth,
-        ..Scale::spec(args.warehouses)
-    };
+    // Room for the NEW-ORDERs of the run (tables do not grow).
+    let scale = Scale::for_run(args.warehouses, common.seconds);
     let started = Instant::now();
     let tables = Tables::create(&cluster, scale, common.seed).context("creating tables")?;
     let per_warehouse = (scale.items + 3 * scale.districts as u32 * scale.customers) as u64;

@@ -361,3 +361,58 @@ fn a_killed_machine_leaves_the_conditions_holding() {
     c.quiesce();
     farm_sim::check_replicas(c.machine_states()).unwrap();
 }
+
+/// `Tables::bytes_per_machine` is what `farm-node local tpcc` sizes a cluster's regions by:
+/// with that much room per machine (and the allocator's partly filled blocks: a block per
+/// object size and thread) the tables are created and loaded, and with a third of it they are
+/// not, so the estimate bounds what is used without being far above it.
+#[test]
+fn the_tables_fit_the_room_their_estimate_gives_and_not_a_third_of_it() {
+    let scale = Scale {
+        warehouses: 2,
+        items: 20_000,
+        districts: 10,
+        customers: 300,
+        new_order_from: 210,
+        growth: 1000,
+    };
+    // Regions of 8 MiB, of which a block (1 MiB, `farm_alloc::BLOCK_BYTES`) is the region's
+    // own.
+    const REGION: u64 = 8 << 20;
+    const USABLE: u64 = REGION - (1 << 20);
+    let load = |room: u64| {
+        let c = Cluster::builder()
+            .machines(2)
+            .replicas(2)
+            .workers(1)
+            .region_bytes(REGION as usize)
+            .regions_per_machine(room.div_ceil(USABLE) as u32)
+            .build()
+            .unwrap();
+        let t = Tables::create(&c, scale, 5)?;
+        t.populate_items(&c, 50, 5)?;
+        for w in 1..=scale.warehouses {
+            t.populate_warehouse(&c, w, 5, &|_| {})?;
+        }
+        Ok::<_, farm::TxError>(())
+    };
+    let estimate = Tables::bytes_per_machine(scale, 2);
+    // Sixteen blocks.
+    let blocks = 16 << 20;
+    load(estimate + blocks).unwrap();
+    let short = load(estimate / 3).unwrap_err();
+    assert!(
+        matches!(short, farm::TxError::Alloc(_) | farm::TxError::NoRegion(_)),
+        "{short}"
+    );
+    assert!(
+        Tables::bytes_per_machine(
+            Scale {
+                growth: 2000,
+                ..scale
+            },
+            2
+        ) > estimate,
+        "more room for more NEW-ORDERs"
+    );
+}

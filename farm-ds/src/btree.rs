@@ -485,11 +485,26 @@ impl<K: Pod + Ord, V: Pod> BTree<K, V> {
     /// one more only on its way to a split, never stored, but its slot is sized at allocation),
     /// so that one read of a known length gets any node.
     fn node_bytes(&self) -> usize {
+        Self::node_bytes_for(self.fanout)
+    }
+
+    fn node_bytes_for(fanout: usize) -> usize {
         let k = std::mem::size_of::<K>();
-        let slots = self.fanout + 1;
+        let slots = fanout + 1;
         let leaf = slots * std::mem::size_of::<V>();
         let internal = (slots + 1) * 8;
         NODE_HEADER_BYTES + 2 * k + slots * k + leaf.max(internal)
+    }
+
+    /// At most how many bytes a tree of `fanout` holding `entries` takes: a split leaves both
+    /// halves at least half full, so there are at most `entries / (fanout / 2) + 1` leaves and
+    /// as many internal nodes again, each an object with its 8-byte header counted at the
+    /// power of two at or above (no allocator slot is larger), plus the tree's meta object.
+    pub fn bytes_for(fanout: usize, entries: u64) -> u64 {
+        let half = (fanout as u64 / 2).max(1);
+        let nodes = 2 * (entries.div_ceil(half) + 1);
+        let node = (Self::node_bytes_for(fanout) + 8).next_power_of_two() as u64;
+        nodes * node + 64
     }
 
     async fn read_node(&self, tx: &mut impl Transaction, at: Addr) -> Result<Node<K, V>, TxError> {

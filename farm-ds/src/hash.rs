@@ -69,6 +69,15 @@ pub struct TableSpec {
 }
 
 impl TableSpec {
+    /// Bytes of the buckets [`HashTable::create`] allocates for one partition of a table of
+    /// these key and value sizes: each bucket an object with its 8-byte header, counted at the
+    /// power of two at or above (no allocator slot is larger). Entries beyond a bucket's slots
+    /// go to overflow buckets allocated as they come.
+    pub fn bytes_per_partition<K: Pod, V: Pod>(&self) -> u64 {
+        let object = (bucket_bytes::<K, V>(self.slots as usize) + 8).next_power_of_two();
+        self.buckets as u64 * object as u64
+    }
+
     /// A table for `capacity` entries spread over `partitions`, with buckets of `slots`
     /// entries: twice as many slots as entries, so that inserts do not run out of room before
     /// `capacity` even where hashing is uneven (an insert fails when its home bucket and the

@@ -183,10 +183,13 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
         }
         LocalCommand::Tpcc { tpcc, keep, config } => {
             let mut base = config.resolve()?;
-            // Regions are fixed at start (no allocation of new ones across processes yet): room
-            // for about 640 MiB of rows per warehouse, unless more was asked.
-            let per_machine = tpcc.warehouses.div_ceil(base.machines as u32);
-            let needed = (640 * per_machine as usize).div_ceil(base.region_mb) as u32;
+            // Regions are fixed at start (transactions do not allocate new ones yet): room for
+            // the tables of the run, and a quarter more for the hash tables' overflow buckets
+            // and the allocator's partly filled blocks, unless more was asked.
+            let scale = farm_workloads::tpcc::Scale::for_run(tpcc.warehouses, tpcc.run.seconds);
+            let bytes =
+                farm_workloads::tpcc::Tables::bytes_per_machine(scale, base.machines as usize);
+            let needed = (bytes + bytes / 4).div_ceil((base.region_mb as u64) << 20) as u32;
             base.regions_per_machine = base.regions_per_machine.max(needed);
             let mut args = vec![
                 format!("--warehouses={}", tpcc.warehouses),

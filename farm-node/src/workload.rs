@@ -378,13 +378,8 @@ pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result
         me,
         machines: node.configuration().members.len() as u16,
     };
-    // Room for the NEW-ORDERs of the run, as the tpcc binary sizes it.
-    let districts = args.warehouses as f64 * 10.0;
-    let growth = (50_000.0 * args.run.seconds / districts).max(1000.0) as u32;
-    let scale = tpcc::Scale {
-        growth,
-        ..tpcc::Scale::spec(args.warehouses)
-    };
+    // Room for the NEW-ORDERs of the run (`local tpcc` sized the regions for it).
+    let scale = tpcc::Scale::for_run(args.warehouses, args.run.seconds);
     let seed = args.run.seed;
     let started = Instant::now();
     let tables = if me.0 == 0 {

@@ -263,6 +263,17 @@ impl Scale {
             growth: 30_000,
         }
     }
+
+    /// The specification's cardinalities for `warehouses`, with room for the NEW-ORDERs of a
+    /// run of `seconds` (tables do not grow): up to 50 K/s over all districts, well above what
+    /// a 2-core machine runs; a run that goes faster stops with an error naming the full table.
+    pub fn for_run(warehouses: u32, seconds: f64) -> Self {
+        let districts = warehouses as f64 * 10.0;
+        Self {
+            growth: (50_000.0 * seconds / districts).max(1000.0) as u32,
+            ..Self::spec(warehouses)
+        }
+    }
 }
 
 /// DISTRICT's key.
@@ -310,6 +321,58 @@ pub fn name_key(w: u32, d: u8, last: &[u8; 16], first: &[u8; 16], c: u32) -> [u8
 /// The machine of warehouse `w`.
 fn warehouse_machine(w: u64, machines: usize) -> usize {
     (w.saturating_sub(1)) as usize % machines
+}
+
+/// Entries per node of the customer-by-name B-trees.
+const NAME_FANOUT: usize = 32;
+/// Entries per node of the NEW-ORDER and orders-by-customer B-trees.
+const ORDER_FANOUT: usize = 64;
+
+/// The shapes of the hash tables for a scale over some machines: what [`Tables::create`]
+/// makes and [`Tables::bytes_per_machine`] sizes.
+struct Shapes {
+    /// Warehouses on the machine that has the most.
+    per_machine: u64,
+    warehouse: TableSpec,
+    district: TableSpec,
+    customer: TableSpec,
+    history: TableSpec,
+    order: TableSpec,
+    order_line: TableSpec,
+    item: TableSpec,
+    stock: TableSpec,
+}
+
+impl Shapes {
+    fn of(scale: Scale, n: usize) -> Self {
+        let machines: Vec<MachineId> = (0..n as u16).map(MachineId).collect();
+        // A partition holds the rows of the warehouses of one machine: sized for the most any
+        // machine has, at half fill.
+        let per_machine = scale.warehouses.div_ceil(n as u32) as u64;
+        let d = scale.districts as u64;
+        let c = scale.customers as u64;
+        let orders = c + scale.growth as u64;
+        // `rows_per_slot`: the fill (a half, or a third where overflows should be rarer: a
+        // lookup whose home bucket overflowed takes a transaction).
+        let spec = |per_warehouse: u64, slots: u8, slots_per_row: u64| TableSpec {
+            partitions: machines.clone(),
+            buckets: (per_machine * per_warehouse * slots_per_row)
+                .div_ceil(slots as u64)
+                .max(1) as u32,
+            slots,
+        };
+        Self {
+            per_machine,
+            warehouse: spec(1, 1, 3),
+            district: spec(d, 1, 3),
+            customer: spec(d * c, 1, 3),
+            history: spec(d * orders, 2, 2),
+            order: spec(d * orders, 4, 2),
+            order_line: spec(d * orders, 1, 2),
+            item: TableSpec::with_capacity(machines.clone(), scale.items as u64, 2),
+            stock: spec(scale.items as u64, 1, 3),
+        }
+    }
 }
 
 /// One B-tree per warehouse, each created on the warehouse's machine so that its nodes (splits
@@ -383,42 +446,46 @@ pub struct Tables {
 impl Tables {
     /// Creates empty tables for `scale` on every machine of `cluster`.
     pub fn create(cluster: &impl Client, scale: Scale, seed: u64) -> Result<Self, TxError> {
-        let machines: Vec<MachineId> = (0..cluster.machines()).map(MachineId).collect();
-        let n = machines.len();
-        // A partition holds the rows of the warehouses of one machine: sized for the most any
-        // machine has, at half fill.
-        let per_machine = scale.warehouses.div_ceil(n as u32) as u64;
-        let d = scale.districts as u64;
-        let c = scale.customers as u64;
-        let orders = c + scale.growth as u64;
-        // `rows_per_slot`: the fill (a half, or a third where overflows should be rarer: a
-        // lookup whose home bucket overflowed takes a transaction).
-        let spec = |per_warehouse: u64, slots: u8, slots_per_row: u64| TableSpec {
-            partitions: machines.clone(),
-            buckets: (per_machine * per_warehouse * slots_per_row)
-                .div_ceil(slots as u64)
-                .max(1) as u32,
-            slots,
-        };
+        let n = cluster.machines() as usize;
+        let s = Shapes::of(scale, n);
         Ok(Self {
             scale,
             constants: NuRandConstants::draw(&mut Rand::new(seed)),
-            warehouse: HashTable::create(cluster, &spec(1, 1, 3))?,
-            district: HashTable::create(cluster, &spec(d, 1, 3))?,
-            customer: HashTable::create(cluster, &spec(d * c, 1, 3))?,
-            customer_by_name: PerWarehouse::create(cluster, scale.warehouses, 32)?,
-            history: HashTable::create(cluster, &spec(d * orders, 2, 2))?,
-            order: HashTable::create(cluster, &spec(d * orders, 4, 2))?,
-            new_order: PerWarehouse::create(cluster, scale.warehouses, 64)?,
-            order_by_customer: PerWarehouse::create(cluster, scale.warehouses, 64)?,
-            order_line: HashTable::create(cluster, &spec(d * orders, 1, 2))?,
-            item: HashTable::create(
-                cluster,
-                &TableSpec::with_capacity(machines.clone(), scale.items as u64, 2),
-            )?,
-            stock: HashTable::create(cluster, &spec(scale.items as u64, 1, 3))?,
+            warehouse: HashTable::create(cluster, &s.warehouse)?,
+            district: HashTable::create(cluster, &s.district)?,
+            customer: HashTable::create(cluster, &s.customer)?,
+            customer_by_name: PerWarehouse::create(cluster, scale.warehouses, NAME_FANOUT)?,
+            history: HashTable::create(cluster, &s.history)?,
+            order: HashTable::create(cluster, &s.order)?,
+            new_order: PerWarehouse::create(cluster, scale.warehouses, ORDER_FANOUT)?,
+            order_by_customer: PerWarehouse::create(cluster, scale.warehouses, ORDER_FANOUT)?,
+            order_line: HashTable::create(cluster, &s.order_line)?,
+            item: HashTable::create(cluster, &s.item)?,
+            stock: HashTable::create(cluster, &s.stock)?,
         }
         .partitioned(n))
+    }
+
+    /// At most how many bytes the tables for `scale` take on each of `machines` machines once
+    /// every NEW-ORDER they have room for ran: the hash tables' buckets (created at once) and
+    /// the B-trees of the machine's warehouses, full ([`TableSpec::bytes_per_partition`],
+    /// [`BTree::bytes_for`]); not the hash tables' overflow buckets, which their fill (a half
+    /// or a third) keeps rare. What to size a cluster's regions by.
+    pub fn bytes_per_machine(scale: Scale, machines: usize) -> u64 {
+        let s = Shapes::of(scale, machines);
+        let hash = s.warehouse.bytes_per_partition::<u32, Warehouse>()
+            + s.district.bytes_per_partition::<u64, District>()
+            + s.customer.bytes_per_partition::<u64, Customer>()
+            + s.history.bytes_per_partition::<u64, History>()
+            + s.order.bytes_per_partition::<u64, Order>()
+            + s.order_line.bytes_per_partition::<u64, OrderLines>()
+            + s.item.bytes_per_partition::<u32, Item>()
+            + s.stock.bytes_per_partition::<u64, Stock>();
+        let d = scale.districts as u64;
+        let orders = d * (scale.customers as u64 + scale.growth as u64);
+        let trees = BTree::<[u8; 40], u32>::bytes_for(NAME_FANOUT, d * scale.customers as u64)
+            + 2 * BTree::<u64, u8>::bytes_for(ORDER_FANOUT, orders);
+        hash + s.per_machine * trees
     }
 
     /// Rows partitioned by warehouse over `machines`: a warehouse's rows live on its machine.
