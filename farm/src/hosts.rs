@@ -772,11 +772,17 @@ impl Hosts {
                 addr,
                 why: "object is not allocated",
             })),
-            Err(e) if e.is_retryable() && *attempt < TXN_ATTEMPTS_MAX => {
-                *attempt += 1;
-                None
-            }
-            Err(e) => Some(Err(e)),
+            // The one retry rule of transactions: a conflict is retried up to
+            // `TXN_ATTEMPTS_MAX` times, a machine or region that recovery will bring back is
+            // waited for by time. (Counting those waits as attempts failed reads in the middle
+            // of a failover, on a busy thread that retries every few microseconds.)
+            Err(e) => match retry(&e, *attempt + 1, started) {
+                Retry::GiveUp => Some(Err(e)),
+                Retry::Recovery | Retry::Conflict => {
+                    *attempt += 1;
+                    None
+                }
+            },
         }
     }
 

@@ -641,3 +641,53 @@ fn metrics_follow_commits_lock_free_reads_and_a_reconfiguration() {
         }
     }
 }
+
+/// A lock-free read of an object whose primary was killed waits for the reconfiguration and
+/// reads the object at its new primary, as a transaction waits; it failed at once with
+/// "unavailable" (TATP's lookups on machine processes failed that way when a process was
+/// killed in the middle of a run).
+#[test]
+fn a_lock_free_read_waits_out_the_death_of_the_objects_primary() {
+    // Leases long enough that failing reads retried at every turn (about 130 us apart here)
+    // outnumber the conflict budget (`TXN_ATTEMPTS_MAX`) before the failure is suspected.
+    let c = Cluster::builder()
+        .machines(4)
+        .workers(2)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(Duration::from_millis(2500))
+        .build()
+        .unwrap();
+    let a = c.txn(MachineId(1), |tx| tx.alloc(&42u64, None)).unwrap();
+    let primary = c.view(MachineId(0)).map.get(a.region).unwrap().primary;
+    let reader = (0..4).map(MachineId).find(|m| *m != primary).unwrap();
+    let v: u64 = c.read(reader, a).unwrap();
+    assert_eq!(v, 42);
+    // An object of the reader's, which another task keeps reading meanwhile.
+    let b = c.txn(reader, |tx| tx.alloc(&0u64, None)).unwrap();
+    c.kill(primary);
+    // Among the tasks of a busy pipeline (a retry at every turn, and turns never idle), then
+    // blocking once the cluster is reconfigured.
+    let in_pipeline = std::sync::Mutex::new(None);
+    let read_done = std::sync::atomic::AtomicBool::new(false);
+    c.pipeline(2, async |p, k| {
+        if k == 0 {
+            *in_pipeline.lock().unwrap() = Some(p.read::<u64>(reader, a).await);
+            read_done.store(true, std::sync::atomic::Ordering::SeqCst);
+            return;
+        }
+        while !read_done.load(std::sync::atomic::Ordering::SeqCst) {
+            p.read::<u64>(reader, b).await.unwrap();
+            p.yield_now().await;
+        }
+    });
+    let v = in_pipeline.into_inner().unwrap().unwrap();
+    assert_eq!(
+        v.unwrap_or_else(|e| panic!("a read through {reader}: {e}")),
+        42
+    );
+    let v: u64 = c
+        .read(reader, a)
+        .unwrap_or_else(|e| panic!("a read through {reader}: {e}"));
+    assert_eq!(v, 42);
+}
