@@ -659,13 +659,11 @@ fn kill_report(t: &farm::Timeline, per_ms: &[u64], victim: MachineId, at_us: u64
         }
         _ => None,
     });
-    let kill_ms = (at_us / 1000) as usize;
-    let before = timeline::mean_before(per_ms, kill_ms, 100);
-    let back = match (suspect, before) {
-        (Some(s), Some(b)) => timeline::back_to(per_ms, (s / 1000) as usize, b, 0.8)
-            .map(|ms| (ms as u64 * 1000).saturating_sub(s)),
-        _ => None,
-    };
+    let back = farm_workloads::timeline::recovery(
+        per_ms,
+        (at_us / 1000) as usize,
+        suspect.map(|s| (s / 1000) as usize),
+    );
     let rereplicated = t
         .recovery
         .iter()
@@ -679,8 +677,8 @@ fn kill_report(t: &farm::Timeline, per_ms: &[u64], victim: MachineId, at_us: u64
         machine: victim.0,
         at_us,
         kill_to_suspect_ms: suspect.map(|s| ms(s - at_us)),
-        throughput_before_per_ms: before,
-        suspect_to_80_percent_ms: back.map(ms),
+        throughput_before_per_ms: back.before_per_ms,
+        suspect_to_80_percent_ms: back.suspected_to_80_percent_ms.map(|m| m as f64),
         suspect_to_rereplicated_ms: suspect
             .zip(rereplicated)
             .map(|(s, r)| ms(r.saturating_sub(s))),

@@ -6,25 +6,7 @@ use std::path::Path;
 
 use farm::{ReconfigEvent, RecoveryEvent, Timeline};
 
-/// Milliseconds over which throughput must be back to count as recovered.
-pub const WINDOW_MS: usize = 5;
-
-/// The first millisecond at or after `from_ms` that starts a [`WINDOW_MS`] window whose mean
-/// is at least `fraction` of `baseline` (operations per millisecond).
-pub fn back_to(per_ms: &[u64], from_ms: usize, baseline: f64, fraction: f64) -> Option<usize> {
-    (from_ms..per_ms.len().saturating_sub(WINDOW_MS)).find(|&ms| {
-        let w: u64 = per_ms[ms..ms + WINDOW_MS].iter().sum();
-        w as f64 / WINDOW_MS as f64 >= fraction * baseline
-    })
-}
-
-/// Mean operations per millisecond over the `ms` milliseconds before `until_ms`, if there
-/// were that many.
-pub fn mean_before(per_ms: &[u64], until_ms: usize, ms: usize) -> Option<f64> {
-    let from = until_ms.checked_sub(ms)?;
-    let window = per_ms.get(from..until_ms)?;
-    Some(window.iter().sum::<u64>() as f64 / ms as f64)
-}
+pub use farm_workloads::timeline::{back_to, mean_before, WINDOW_MS};
 
 /// A labelled instant on a chart, in microseconds on the cluster's clock.
 #[derive(Clone, Debug, PartialEq, Eq)]

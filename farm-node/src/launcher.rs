@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use clap::Subcommand;
 use farm::node::Secret;
 
-use crate::workload::{TatpArgs, TpccArgs, WorkloadResult};
+use crate::workload::{RunArgs, TatpArgs, TpccArgs, WorkloadResult};
 use farm_node::config::{ConfigArgs, Settings};
 
 #[derive(Subcommand, Debug)]
@@ -172,11 +172,12 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             let mut args = vec![format!("--subscribers={}", tatp.subscribers)];
             args.extend(tatp.run.flags());
             let title = format!("TATP: {} subscribers", tatp.subscribers);
+            let failure = Failure::of(&tatp.run, base.machines)?;
             run_workload(
                 &base,
                 "tatp",
                 &args,
-                keep,
+                (keep, failure),
                 &title,
                 "transactions that found their rows",
             )
@@ -197,9 +198,57 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             ];
             args.extend(tpcc.run.flags());
             let title = format!("TPC-C ({} mix): {} warehouses", tpcc.mix, tpcc.warehouses);
-            run_workload(&base, "tpcc", &args, keep, &title, "committed NEW-ORDERs")
+            let failure = Failure::of(&tpcc.run, base.machines)?;
+            run_workload(
+                &base,
+                "tpcc",
+                &args,
+                (keep, failure),
+                &title,
+                "committed NEW-ORDERs",
+            )
         }
     }
+}
+
+/// How the survivors came back from `f`: their transactions per millisecond summed on one
+/// clock, the victim's first suspicion after the signal, and the time from it to 80% of the
+/// throughput before (`farm_workloads::timeline::recovery`).
+fn failure_report(results: &[WorkloadResult], f: &Failure) -> String {
+    let how = if f.stop { "stopped" } else { "killed" };
+    let (Some(at), Some(origin)) = (
+        f.at_unix_us,
+        results.iter().map(|r| r.started_unix_us).min(),
+    ) else {
+        return format!("machine {} was not {how}: the run ended first", f.victim);
+    };
+    let mut per_ms: Vec<u64> = Vec::new();
+    for r in results {
+        let from = ((r.started_unix_us - origin) / 1000) as usize;
+        if per_ms.len() < from + r.completed_per_ms.len() {
+            per_ms.resize(from + r.completed_per_ms.len(), 0);
+        }
+        for (i, n) in r.completed_per_ms.iter().enumerate() {
+            per_ms[from + i] += n;
+        }
+    }
+    let suspected = (results.iter())
+        .flat_map(|r| &r.suspected)
+        .filter(|(m, t)| *m == f.victim && *t >= at)
+        .map(|(_, t)| *t)
+        .min();
+    let ms = |us: u64| (us.saturating_sub(origin) / 1000) as usize;
+    let r = farm_workloads::timeline::recovery(&per_ms, ms(at), suspected.map(ms));
+    let show = |v: Option<f64>| v.map_or("never".to_string(), |v| format!("{v:.1} ms"));
+    format!(
+        "{how} machine {} at {:.3} s: suspected after {}; back to 80% of {:.1} transactions/ms {} \
+         after the suspicion",
+        f.victim,
+        at.saturating_sub(origin) as f64 / 1e6,
+        show(suspected.map(|t| (t - at) as f64 / 1e3)),
+        r.before_per_ms.unwrap_or(0.0),
+        show(r.suspected_to_80_percent_ms.map(|m| m as f64)),
+    )
 }
 
 /// Where `local start` leaves its settings, in the cluster's directory.
@@ -521,10 +570,11 @@ fn run_workload(
     base: &Settings,
     workload: &str,
     args: &[String],
-    keep: bool,
+    (keep, failure): (bool, Option<Failure>),
     title: &str,
     counted: &str,
 ) -> anyhow::Result<()> {
+    let mut failure = failure;
     if let Some(program) = &base.program {
         bail!(
             "program = {}: `local {workload}` runs farm-node's own {workload} (drop the program \
@@ -551,7 +601,8 @@ fn run_workload(
         s.dir.display()
     );
     let mut children = start_all(&s, &[], &workload_args)?;
-    let outcome = collect(&s, workload, &mut children).and_then(|r| report(&s, &r, title, counted));
+    let outcome = collect(&s, workload, &mut children, &mut failure)
+        .and_then(|r| report(&s, &r, title, counted, failure.as_ref()));
     for (m, c) in children.iter_mut().enumerate() {
         let _ = c.kill();
         let _ = c.wait();
@@ -577,11 +628,40 @@ fn process_alive_in(s: &Settings, m: u16) -> bool {
     }
 }
 
-/// Every machine's result of `workload`, as they publish them in ZooKeeper.
+/// A machine failed in the middle of a run (`RunArgs::kill_after`): it fails itself on its
+/// own clock and publishes when.
+#[derive(Clone, Copy, Debug)]
+struct Failure {
+    victim: u16,
+    /// SIGSTOP rather than SIGKILL.
+    stop: bool,
+    /// When it failed, in microseconds since the Unix epoch, once it published it.
+    at_unix_us: Option<u64>,
+}
+
+impl Failure {
+    fn of(run: &RunArgs, machines: u16) -> anyhow::Result<Option<Self>> {
+        let Some(victim) = run.victim(machines) else {
+            return Ok(None);
+        };
+        if victim.0 >= machines || machines < 2 {
+            bail!("no machine {victim} to fail among {machines}");
+        }
+        Ok(Some(Self {
+            victim: victim.0,
+            stop: run.stop,
+            at_unix_us: None,
+        }))
+    }
+}
+
+/// Every machine's result of `workload`, as they publish them in ZooKeeper; with a
+/// `failure`, the victim is failed on time and its result not waited for.
 fn collect(
     s: &Settings,
     workload: &str,
     children: &mut [Child],
+    failure: &mut Option<Failure>,
 ) -> anyhow::Result<Vec<WorkloadResult>> {
     let store = s.store()?;
     let mut results: Vec<Option<WorkloadResult>> = vec![None; s.machines as usize];
@@ -590,7 +670,10 @@ fn collect(
     // Progress through the steps the machines publish: tables created, each machine loaded.
     let mut created = false;
     let mut loaded = vec![false; s.machines as usize];
-    while results.iter().any(Option::is_none) {
+    let awaited = |m: usize, failure: &Option<Failure>| {
+        failure.is_none_or(|f| f.at_unix_us.is_none() || f.victim as usize != m)
+    };
+    while (0..results.len()).any(|m| results[m].is_none() && awaited(m, failure)) {
         if !created && store.get(&format!("{workload}-roots"))?.is_some() {
             created = true;
             eprintln!("tables created ({:.0} s)", started.elapsed().as_secs_f64());
@@ -604,13 +687,33 @@ fn collect(
                 );
             }
         }
+        // Exits first, then the failure: the victim records its failure before it fails, so
+        // a victim seen gone here has its record seen below.
+        let exited: Vec<bool> = (children.iter_mut())
+            .map(|c| c.try_wait().map(|s| s.is_some()))
+            .collect::<Result<_, _>>()?;
+        if let Some(f) = failure.as_mut().filter(|f| f.at_unix_us.is_none()) {
+            let file = crate::workload::failed_file(&s.dir);
+            if let Ok(at) = std::fs::read_to_string(&file) {
+                let at = at
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("{}", file.display()))?;
+                f.at_unix_us = Some(at);
+                let how = if f.stop { "stopped" } else { "killed" };
+                eprintln!("machine {} {how} itself", f.victim);
+            }
+        }
         for m in 0..s.machines {
+            if !awaited(m as usize, failure) {
+                continue;
+            }
             if results[m as usize].is_none() {
                 if let Some(bytes) = store.get(&format!("{workload}-result-m{m}"))? {
                     results[m as usize] = Some(serde_json::from_slice(&bytes)?);
                 }
             }
-            if results[m as usize].is_none() && children[m as usize].try_wait()?.is_some() {
+            if results[m as usize].is_none() && exited[m as usize] {
                 bail!(
                     "machine {m} ended during the run; the end of {}:\n{}",
                     log_file(s, m).display(),
@@ -623,9 +726,9 @@ fn collect(
         }
         let done = results.iter().flatten().count();
         if done != reported {
+            let expected = (0..results.len()).filter(|m| awaited(*m, failure)).count();
             eprintln!(
-                "{done} of {} machines finished ({:.0} s)",
-                s.machines,
+                "{done} of {expected} machines finished ({:.0} s)",
                 started.elapsed().as_secs_f64()
             );
             reported = done;
@@ -644,6 +747,7 @@ fn report(
     results: &[WorkloadResult],
     title: &str,
     counted: &str,
+    failure: Option<&Failure>,
 ) -> anyhow::Result<()> {
     let seconds = results.iter().map(|r| r.seconds).fold(0.0, f64::max);
     println!(
@@ -676,6 +780,9 @@ fn report(
     );
     if let Some(check) = results.iter().find_map(|r| r.check.as_ref()) {
         println!("integrity check passed: {check}");
+    }
+    if let Some(f) = failure {
+        println!("{}", failure_report(results, f));
     }
     let errors: u64 = results.iter().map(|r| r.errors).sum();
     if results.iter().map(|r| r.transactions).sum::<u64>() == 0 {

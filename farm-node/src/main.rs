@@ -98,9 +98,12 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         let (name, result) = match w {
             Workload::Tatp(a) => (
                 "tatp",
-                workload::run_tatp(m.node, &store, a, &m.settings.fabric)?,
+                workload::run_tatp(m.node, &store, a, (&m.settings.fabric, &m.settings.dir))?,
             ),
-            Workload::Tpcc(a) => ("tpcc", workload::run_tpcc(m.node, &store, a)?),
+            Workload::Tpcc(a) => (
+                "tpcc",
+                workload::run_tpcc(m.node, &store, a, &m.settings.dir)?,
+            ),
         };
         println!("{name} result {}", serde_json::to_string(&result)?);
         Ok(())

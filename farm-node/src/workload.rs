@@ -61,6 +61,17 @@ pub struct RunArgs {
     /// Machine 0 checks the database's integrity after the run (TPC-C: conditions 1 to 4).
     #[arg(long)]
     pub check: bool,
+    /// Fail a machine this many seconds into the measured run: it kills itself (SIGKILL),
+    /// and `local` reports the time from its suspicion to 80% of the throughput before
+    /// (FaRM §6.4). Timed by the machine's own clock, not a launcher's that may be starved.
+    #[arg(long, value_name = "SECONDS")]
+    pub kill_after: Option<f64>,
+    /// Stop the machine (SIGSTOP) instead: a process that hangs, then is removed.
+    #[arg(long, requires = "kill_after")]
+    pub stop: bool,
+    /// The machine to fail [default: the last; the CM is machine 0].
+    #[arg(long, requires = "kill_after")]
+    pub victim: Option<u16>,
 }
 
 impl RunArgs {
@@ -77,8 +88,30 @@ impl RunArgs {
         if self.check {
             f.push("--check".into());
         }
+        if let Some(after) = self.kill_after {
+            f.push(format!("--kill-after={after}"));
+            if self.stop {
+                f.push("--stop".into());
+            }
+            if let Some(v) = self.victim {
+                f.push(format!("--victim={v}"));
+            }
+        }
         f
     }
+
+    /// The machine to fail in the middle of the run, among `machines`, if one is.
+    pub fn victim(&self, machines: u16) -> Option<MachineId> {
+        self.kill_after
+            .map(|_| MachineId(self.victim.unwrap_or(machines.saturating_sub(1))))
+    }
+}
+
+/// The file in the cluster's directory `dir` where the machine failed by `--kill-after`
+/// writes when it failed (µs since the Unix epoch, as text), just before it does: a file, not
+/// ZooKeeper, which machine processes busy on the same cores can starve for seconds.
+pub fn failed_file(dir: &std::path::Path) -> std::path::PathBuf {
+    dir.join("failed-at")
 }
 
 /// What one machine measured.
@@ -101,6 +134,17 @@ pub struct WorkloadResult {
     pub max_us: f64,
     /// What machine 0's integrity check found, with `--check`.
     pub check: Option<String>,
+    /// When the measured run started, in microseconds since the Unix epoch: the clock the
+    /// launcher lines the machines' timelines up on.
+    #[serde(default)]
+    pub started_unix_us: u64,
+    /// Transactions finished in each millisecond of the run.
+    #[serde(default)]
+    pub completed_per_ms: Vec<u64>,
+    /// The machines this one suspected (their lease expired here, or as the CM it set out to
+    /// remove them), and when, in microseconds since the Unix epoch.
+    #[serde(default)]
+    pub suspected: Vec<(u16, u64)>,
 }
 
 /// How long a machine waits for the others at each step.
@@ -108,6 +152,9 @@ const STEP_WAIT: Duration = Duration::from_secs(600);
 
 /// The machines of a run, meeting in ZooKeeper under names prefixed with the workload's.
 struct Meeting<'a> {
+    node: &'a Node,
+    /// The cluster's directory.
+    dir: &'a std::path::Path,
     store: &'a ZkStore,
     workload: &'static str,
     me: MachineId,
@@ -133,11 +180,22 @@ impl Meeting<'_> {
         }
     }
 
-    /// Waits until every machine got to `step`.
+    /// Waits until every machine got to `step`, or left the configuration (one failed in the
+    /// middle of the run: `local ... --kill-after`).
     fn barrier(&self, step: &str) -> anyhow::Result<()> {
         self.publish(&format!("{step}-m{}", self.me.0), b"")?;
-        for m in 0..self.machines {
-            self.wait(&format!("{step}-m{m}"))?;
+        let started = Instant::now();
+        for m in (0..self.machines).map(MachineId) {
+            let name = format!("{}-{step}-m{}", self.workload, m.0);
+            while self.store.get(&name)?.is_none() {
+                if !self.node.configuration().members.contains(&m) {
+                    break;
+                }
+                if started.elapsed() > STEP_WAIT {
+                    bail!("{name} did not appear in ZooKeeper within {STEP_WAIT:?}");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
         Ok(())
     }
@@ -164,6 +222,8 @@ impl Meeting<'_> {
 
 /// What the client threads of one machine measured.
 struct Measured {
+    started_unix_us: u64,
+    completed_per_ms: Vec<u64>,
     seconds: f64,
     hist: Histogram<u64>,
     transactions: u64,
@@ -175,6 +235,9 @@ struct Measured {
 /// One client thread's counts.
 struct Tally {
     client: u16,
+    /// When the run started (the millisecond of a completion counts from it).
+    started: Instant,
+    completed_per_ms: Vec<u64>,
     hist: Histogram<u64>,
     done: u64,
     counted: u64,
@@ -193,6 +256,11 @@ impl Tally {
                 self.done += 1;
                 self.counted += c as u64;
                 let _ = self.hist.record(t.elapsed().as_nanos() as u64);
+                let ms = self.started.elapsed().as_millis() as usize;
+                if self.completed_per_ms.len() <= ms {
+                    self.completed_per_ms.resize(ms + 1, 0);
+                }
+                self.completed_per_ms[ms] += 1;
             }
             Err(TxError::Evicted(_)) => self.evicted = true,
             Err(e) => {
@@ -208,11 +276,18 @@ impl Tally {
 /// Runs `client(client, going, tally)` on `clients` threads for `seconds`: each runs
 /// transactions while `going()` and counts them in its tally.
 fn measure(
+    meeting: &Meeting<'_>,
     run: &RunArgs,
     client: impl Fn(u16, &dyn Fn() -> bool, &RefCell<Tally>) + Sync,
 ) -> anyhow::Result<Measured> {
     let stop = AtomicBool::new(false);
+    let started_unix_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_micros() as u64;
+    let started = Instant::now();
     let total = Mutex::new(Measured {
+        started_unix_us,
+        completed_per_ms: Vec::new(),
         seconds: 0.0,
         hist: Histogram::new(3)?,
         transactions: 0,
@@ -220,13 +295,14 @@ fn measure(
         executions: 0,
         errors: 0,
     });
-    let started = Instant::now();
     std::thread::scope(|s| {
         for c in 0..run.clients {
             let (stop, total, client) = (&stop, &total, &client);
             s.spawn(move || {
                 let tally = RefCell::new(Tally {
                     client: c,
+                    started,
+                    completed_per_ms: Vec::new(),
                     hist: Histogram::<u64>::new(3).expect("histogram"),
                     done: 0,
                     counted: 0,
@@ -239,12 +315,19 @@ fn measure(
                 let tally = tally.into_inner();
                 let mut t = total.lock().expect("poisoned");
                 t.hist.add(&tally.hist).expect("same bounds");
+                if t.completed_per_ms.len() < tally.completed_per_ms.len() {
+                    t.completed_per_ms.resize(tally.completed_per_ms.len(), 0);
+                }
+                for (i, n) in tally.completed_per_ms.iter().enumerate() {
+                    t.completed_per_ms[i] += n;
+                }
                 t.transactions += tally.done;
                 t.counted += tally.counted;
                 t.executions += tally.executions;
                 t.errors += tally.errors;
             });
         }
+        s.spawn(|| fail_on_time(meeting, run, started));
         std::thread::sleep(Duration::from_secs_f64(run.seconds));
         stop.store(true, Ordering::Relaxed);
     });
@@ -262,7 +345,44 @@ fn check_args(run: &RunArgs) -> anyhow::Result<()> {
     if run.clients == 0 || run.seconds.is_nan() || run.seconds <= 0.0 {
         bail!("a run needs at least one client and a positive length");
     }
+    if let Some(after) = run.kill_after {
+        if !(after > 0.0 && after < run.seconds) {
+            bail!(
+                "--kill-after {after}: a machine fails within the run of {} s",
+                run.seconds
+            );
+        }
+    }
     Ok(())
+}
+
+/// On the victim of `--kill-after`, a thread that fails this process that long after
+/// `started` (the measured run's start), once it recorded when ([`failed_file`]).
+fn fail_on_time(meeting: &Meeting<'_>, run: &RunArgs, started: Instant) {
+    let (Some(after), Some(victim)) = (run.kill_after, run.victim(meeting.machines)) else {
+        return;
+    };
+    if victim != meeting.me {
+        return;
+    }
+    std::thread::sleep(Duration::from_secs_f64(after).saturating_sub(started.elapsed()));
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    if let Err(e) = std::fs::write(failed_file(meeting.dir), at.to_string()) {
+        tracing::error!(error = %e, "could not record the failure; failing anyway");
+    }
+    let (signal, what) = if run.stop {
+        (libc::SIGSTOP, "stopping")
+    } else {
+        (libc::SIGKILL, "killing")
+    };
+    tracing::warn!(
+        machine = meeting.me.0,
+        "{what} this machine process, as --kill-after asks"
+    );
+    // SAFETY: raise(3) with a valid signal.
+    unsafe { libc::raise(signal) };
 }
 
 /// Ends a run: waits for every machine, lets machine 0 check, publishes the result.
@@ -278,6 +398,20 @@ fn finish(
         .transpose()
         .map_err(|e| anyhow::anyhow!("integrity check failed: {e}"))?;
     let h = &measured.hist;
+    // Suspicions are timed on the node's clock: moved onto the Unix epoch's.
+    let unix_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_micros() as u64;
+    let offset = unix_now.saturating_sub(meeting.node.now_us());
+    // Lease expiries here, and (at the CM) machines a reconfiguration set out to remove.
+    let leases = (meeting.node.suspicions().into_iter()).map(|s| (s.suspect, s.at_us));
+    let removals = (meeting.node.reconfig_events().into_iter()).filter_map(|e| match e {
+        farm::ReconfigEvent::Suspect { machine, at_us } => Some((machine, at_us)),
+        _ => None,
+    });
+    let suspected = (leases.chain(removals))
+        .map(|(m, at)| (m.0, at + offset))
+        .collect();
     let result = WorkloadResult {
         machine: meeting.me.0,
         seconds: measured.seconds,
@@ -289,6 +423,9 @@ fn finish(
         p99_us: h.value_at_quantile(0.99) as f64 / 1e3,
         max_us: h.max() as f64 / 1e3,
         check,
+        started_unix_us: measured.started_unix_us,
+        completed_per_ms: measured.completed_per_ms,
+        suspected,
     };
     meeting.publish(
         &format!("result-m{}", meeting.me.0),
@@ -302,7 +439,7 @@ pub fn run_tatp(
     node: &Node,
     store: &ZkStore,
     args: &TatpArgs,
-    fabric: &str,
+    (fabric, dir): (&str, &std::path::Path),
 ) -> anyhow::Result<WorkloadResult> {
     check_args(&args.run)?;
     if args.subscribers == 0 {
@@ -310,6 +447,8 @@ pub fn run_tatp(
     }
     let me = node.id();
     let meeting = Meeting {
+        node,
+        dir,
         store,
         workload: "tatp",
         me,
@@ -338,7 +477,7 @@ pub fn run_tatp(
     meeting.barrier("loaded")?;
     let run = &args.run;
     let in_flight = farm_workloads::in_flight(run.in_flight, Some(tatp_in_flight_default(fabric)))?;
-    let measured = measure(run, |client, going, tally| {
+    let measured = measure(&meeting, run, |client, going, tally| {
         node.pipeline(in_flight, async |p, task| {
             let mut rng = client_rng(run, me, client, task);
             while going() {
@@ -365,7 +504,12 @@ pub fn run_tatp(
 
 /// TPC-C on this machine, as the module docs say: its clients serve the warehouses that live
 /// here.
-pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result<WorkloadResult> {
+pub fn run_tpcc(
+    node: &Node,
+    store: &ZkStore,
+    args: &TpccArgs,
+    dir: &std::path::Path,
+) -> anyhow::Result<WorkloadResult> {
     check_args(&args.run)?;
     let in_flight = farm_workloads::in_flight(args.run.in_flight, Some(TPCC_IN_FLIGHT_DEFAULT))?;
     if !(1..=255).contains(&args.warehouses) {
@@ -373,6 +517,8 @@ pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result
     }
     let me = node.id();
     let meeting = Meeting {
+        node,
+        dir,
         store,
         workload: "tpcc",
         me,
@@ -427,7 +573,7 @@ pub fn run_tpcc(node: &Node, store: &ZkStore, args: &TpccArgs) -> anyhow::Result
     };
     let new_order =
         |kind, outcome| kind == tpcc::Kind::NewOrder && outcome == tpcc::Outcome::Committed;
-    let measured = measure(&args.run, |client, going, tally| {
+    let measured = measure(&meeting, &args.run, |client, going, tally| {
         if in_flight == 1 {
             // One blocking transaction at a time, without an executor.
             let mut rng = client_rng(&args.run, me, client, 0);

@@ -117,6 +117,48 @@ fn tatp_runs_across_machine_processes() {
     assert!(left.is_empty(), "the run's directory was not removed");
 }
 
+/// A machine process killed in the middle of a TATP run (`--kill-after`, on its own clock):
+/// the others go on without a failed transaction, and the report times its suspicion and the
+/// return to 80% of the throughput before (both seen, within the run).
+#[test]
+fn a_machine_killed_mid_run_is_reported_with_its_recovery_time() {
+    let Some(zk) = zookeeper() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let local = Local::new(dir.path(), "kill", zk, 5, 16);
+    let out = local.ok(&[
+        "tatp",
+        "--subscribers",
+        "2000",
+        "--seconds",
+        "3",
+        "--kill-after",
+        "1",
+    ]);
+    for m in 0..2 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("  machine {m}: ")))
+            .unwrap_or_else(|| panic!("no line for machine {m}: {out}"));
+        assert!(line.contains(" 0 errors"), "{line}");
+    }
+    assert!(!out.contains("  machine 2: "), "{out}");
+    let report = out
+        .lines()
+        .find(|l| l.starts_with("killed machine 2 at "))
+        .unwrap_or_else(|| panic!("no failure report: {out}"));
+    let number_before = |what: &str| -> f64 {
+        let at = report.find(what).unwrap_or_else(|| panic!("{report}")) + what.len();
+        let word = report[at..].split(' ').next().unwrap();
+        word.parse()
+            .unwrap_or_else(|_| panic!("{what:?} is followed by {word:?}: {report}"))
+    };
+    let suspected = number_before("suspected after ");
+    assert!(suspected > 0.0 && suspected < 2000.0, "{report}");
+    let per_ms = number_before("back to 80% of ");
+    assert!(per_ms > 0.0, "{report}");
+    assert!(report.contains(" ms after the suspicion"), "{report}");
+}
+
 /// TPC-C from three machine processes, one warehouse each: no transaction fails, NEW-ORDERs
 /// commit on every machine, and consistency conditions 1 to 4 hold afterwards.
 #[test]

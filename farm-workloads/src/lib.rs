@@ -9,6 +9,7 @@ use farm::{Client, MachineId, Pipeline, TxError};
 use farm_ds::HashTable;
 
 pub mod tatp;
+pub mod timeline;
 pub mod tpcc;
 pub mod tpcc_input;
 

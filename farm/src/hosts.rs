@@ -90,6 +90,16 @@ pub(crate) fn retry(e: &TxError, attempt: u32, started: Instant) -> Retry {
     }
 }
 
+/// What [`Hosts::judge_read`] made of an attempt of a lock-free read.
+pub(crate) enum Judged {
+    /// The read's outcome.
+    Done(Result<(), TxError>),
+    /// Wait as this says, then try again (backing off from a conflict as a transaction
+    /// does: a lock-free read of an object locked by recovery retried at every turn of a busy
+    /// thread gave up long before the lock was released).
+    Again(Retry),
+}
+
 /// A commit started by [`Hosts::start_commit`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Committing {
@@ -726,11 +736,15 @@ impl Hosts {
         loop {
             let read = self.read_step(&mut host.workers[i], addr, buf, None);
             match self.judge_read(&host.workers[i], addr, read, &mut attempt, started) {
-                Some(done) => {
+                Judged::Done(done) => {
                     host.count_lock_free_read(i, &done);
                     return done;
                 }
-                None => self.wait_idle(host, &mut backoff),
+                Judged::Again(Retry::Conflict) => {
+                    host.poll_until_idle(|| self.now());
+                    backoff.conflict(attempt);
+                }
+                Judged::Again(_) => self.wait_idle(host, &mut backoff),
             }
         }
     }
@@ -749,8 +763,9 @@ impl Hosts {
         worker.read_object_into_posted(addr, buf, posted)
     }
 
-    /// The outcome of a lock-free read whose attempt on `worker` gave `read`, or `None` to
-    /// wait and try again; `attempt` counts the retries, since `started`.
+    /// The outcome of a lock-free read whose attempt on `worker` gave `read`, or how to wait
+    /// before trying again (never [`Retry::GiveUp`]); `attempt` counts the retries, since
+    /// `started`.
     pub(crate) fn judge_read(
         &self,
         worker: &Worker,
@@ -758,17 +773,17 @@ impl Hosts {
         read: Result<Header, TxError>,
         attempt: &mut u32,
         started: Instant,
-    ) -> Option<Result<(), TxError>> {
+    ) -> Judged {
         match read {
             // Told only if the lease held when the read ended (FaRM §5.1).
             Ok(_) if !worker.machine().serves_at(self.now()) => {
                 if started.elapsed() >= RECOVERY_WAIT_MAX {
-                    return Some(Err(TxError::LeaseLapsed(worker.machine().id)));
+                    return Judged::Done(Err(TxError::LeaseLapsed(worker.machine().id)));
                 }
-                None
+                Judged::Again(Retry::Recovery)
             }
-            Ok(h) if h.allocated() => Some(Ok(())),
-            Ok(_) => Some(Err(TxError::BadAddress {
+            Ok(h) if h.allocated() => Judged::Done(Ok(())),
+            Ok(_) => Judged::Done(Err(TxError::BadAddress {
                 addr,
                 why: "object is not allocated",
             })),
@@ -777,10 +792,10 @@ impl Hosts {
             // waited for by time. (Counting those waits as attempts failed reads in the middle
             // of a failover, on a busy thread that retries every few microseconds.)
             Err(e) => match retry(&e, *attempt + 1, started) {
-                Retry::GiveUp => Some(Err(e)),
-                Retry::Recovery | Retry::Conflict => {
+                Retry::GiveUp => Judged::Done(Err(e)),
+                how => {
                     *attempt += 1;
-                    None
+                    Judged::Again(how)
                 }
             },
         }

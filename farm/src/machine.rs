@@ -492,8 +492,26 @@ impl ControlThread {
         let mut all = self.events.lock().expect("poisoned");
         for (at_us, e) in events {
             all.push(match e {
-                // Suspicions are recorded from the lease threads, with their own time.
-                Event::Suspect(_) | Event::Attempt { .. } => continue,
+                // Suspicions are recorded from the lease threads, with their own time; an
+                // attempt also suspects the machines no lease expiry named since the last
+                // configuration (a link that broke to them: `Fabric::broken_members`).
+                Event::Attempt { suspects, .. } => {
+                    for machine in suspects {
+                        let since_commit = all
+                            .iter()
+                            .rev()
+                            .take_while(|e| !matches!(e, ReconfigEvent::Committed { .. }));
+                        let known = since_commit
+                            .filter(|e| matches!(e, ReconfigEvent::Suspect { machine: m, .. } if *m == machine))
+                            .count()
+                            > 0;
+                        if !known {
+                            all.push(ReconfigEvent::Suspect { machine, at_us });
+                        }
+                    }
+                    continue;
+                }
+                Event::Suspect(_) => continue,
                 Event::Probed => ReconfigEvent::Probed { at_us },
                 Event::Stored(config) => ReconfigEvent::Stored { config, at_us },
                 Event::Committed(c) => ReconfigEvent::Committed {

@@ -607,6 +607,12 @@ impl Node {
         crate::metrics::render(vec![sample], reconfigurations)
     }
 
+    /// Microseconds on the clock of [`Node::suspicions`] and [`Node::reconfig_events`]: since
+    /// the node started.
+    pub fn now_us(&self) -> u64 {
+        self.hosts.now()
+    }
+
     /// Machines this node's lease thread suspected, in order (time in µs since it started).
     pub fn suspicions(&self) -> Vec<Suspicion> {
         self.shared

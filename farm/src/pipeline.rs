@@ -24,7 +24,7 @@ use farm_core::{fabric, Addr, MachineId};
 use farm_txn::{TxCore, TxError, COMMITS_IN_FLIGHT_MAX};
 
 use crate::backoff::{conflict_rng, conflict_rounds, Backoff};
-use crate::hosts::{retry, Host, HostGuard, Hosts, Retry, STATS_PUBLISH_US};
+use crate::hosts::{retry, Host, HostGuard, Hosts, Judged, Retry, STATS_PUBLISH_US};
 use crate::txn::Transaction;
 
 /// How long a transaction waiting for reconfiguration and recovery lets the others run
@@ -184,20 +184,29 @@ impl<'a> Pipeline<'a> {
             attempt += 1;
             match self.attempt(machine, &mut f).await {
                 Err(e) => match retry(&e, attempt, started) {
-                    Retry::Recovery => {
-                        let until = Instant::now() + RECOVERY_PAUSE;
-                        self.until(|| Instant::now() >= until).await;
-                    }
-                    Retry::Conflict => {
-                        let rounds = conflict_rounds(attempt, &mut self.rng.borrow_mut());
-                        for _ in 0..rounds {
-                            self.yield_now().await;
-                        }
-                    }
                     Retry::GiveUp => return Err(e),
+                    how => self.back_off(how, attempt).await,
                 },
                 ok => return ok,
             }
+        }
+    }
+
+    /// Lets the other tasks run before a retry: a pause for recovery, a random number of
+    /// turns after the `attempt`-th conflict.
+    async fn back_off(&self, how: Retry, attempt: u32) {
+        match how {
+            Retry::Recovery => {
+                let until = Instant::now() + RECOVERY_PAUSE;
+                self.until(|| Instant::now() >= until).await;
+            }
+            Retry::Conflict => {
+                let rounds = conflict_rounds(attempt, &mut self.rng.borrow_mut());
+                for _ in 0..rounds {
+                    self.yield_now().await;
+                }
+            }
+            Retry::GiveUp => {}
         }
     }
 
@@ -268,19 +277,19 @@ impl<'a> Pipeline<'a> {
             if let Some(p) = &posted {
                 self.until(|| p.is_done()).await;
             }
-            let done = {
+            let judged = {
                 let mut host = self.host.borrow_mut();
                 let w = host.worker(i);
                 let read = self.hosts.read_step(w, addr, buf, posted);
-                let done = self.hosts.judge_read(w, addr, read, &mut attempt, started);
-                if let Some(done) = &done {
+                let judged = self.hosts.judge_read(w, addr, read, &mut attempt, started);
+                if let Judged::Done(done) = &judged {
                     host.count_lock_free_read(i, done);
                 }
-                done
+                judged
             };
-            match done {
-                Some(done) => return done,
-                None => self.yield_now().await,
+            match judged {
+                Judged::Done(done) => return done,
+                Judged::Again(how) => self.back_off(how, attempt).await,
             }
         }
     }
