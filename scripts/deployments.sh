@@ -8,7 +8,12 @@
 #
 #   scripts/with-zookeeper.sh scripts/deployments.sh [--rounds 2] [--seconds 5]
 #       [--subscribers 100000] [--warehouses 3] [--workloads tatp,tpcc] [--in-flight 16]
-#       [--tpcc-in-flight 4]
+#       [--tpcc-in-flight 4] [--kill-after 2]
+#
+# With --kill-after S, each round then runs TATP once more per deployment with machine 2
+# failing S seconds in (in one process: killed; machine processes: killed, and stopped with
+# SIGSTOP), all with `farm-node`'s 100 ms leases, and prints the time from its suspicion to 80%
+# of the throughput before, with the medians at the end.
 #
 # Shape: 3 machines x 2 workers, 3-way replication. Client threads: the in-process cluster
 # runs 2 (one per worker: a client keeps a worker thread of every machine), each machine
@@ -24,8 +29,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc in_flight=16 tpcc_in_flight=4
+kill_after=
 while [ $# -gt 0 ]; do
   case "$1" in
+    --kill-after) kill_after=$2; shift 2 ;;
     --in-flight) in_flight=$2; shift 2 ;;
     --tpcc-in-flight) tpcc_in_flight=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
@@ -83,6 +90,30 @@ processes() {
     END { print w, d, x, median(a), median(b) }' "$out" | tee -a "$results"
 }
 
+# A TATP run in which machine 2 fails `kill_after` seconds in, `how` being `kill` or `stop`:
+# `<deployment> <how> <suspected after ms> <suspicion to 80% ms>` ("-" where never).
+failure() {
+  local deployment=$1 how=$2 out=$work/out
+  if [ "$deployment" = in-process ]; then
+    "$bin/tatp" --subscribers "$subscribers" --seconds "$seconds" --clients 2 \
+      --in-flight $((in_flight * 3 / 2)) --kill "2@$kill_after" --lease-ms 100 > "$out" 2>&1
+  else
+    local stop=(); [ "$how" = stop ] && stop=(--stop)
+    "$bin/farm-node" local tatp --cluster "fail-$deployment" --dir "$work/$deployment" \
+      --zookeeper "$ZK_CONNECT" --fabric "$deployment" --seconds "$seconds" \
+      --subscribers "$subscribers" --in-flight "$in_flight" --kill-after "$kill_after" "${stop[@]}" \
+      > "$out" 2>&1
+  fi || { cat "$out" >&2; exit 1; }
+  awk -v d="$deployment" -v h="$how" '/suspected after / {
+      s = "-"; b = "-"
+      for (i = 1; i <= NF; i++) {
+        if ($i == "after" && $(i-1) == "suspected") s = $(i+1)
+        if ($i == "of" && $(i-1) == "80%") b = $(i+3)
+      }
+      if (s !~ /^[0-9.]+$/) s = "-"; if (b !~ /^[0-9.]+$/) b = "-"
+      print d, h, s, b }' "$out" | tee -a "$work/failures"
+}
+
 echo "workload deployment transactions/s p50_us p99_us"
 for round in $(seq "$rounds"); do
   for workload in ${workloads//,/ }; do
@@ -91,6 +122,19 @@ for round in $(seq "$rounds"); do
     processes "$workload" tcp
   done
 done
+
+if [ -n "$kill_after" ]; then
+  echo
+  echo "deployment failure suspected_after_ms suspicion_to_80%_ms (TATP, machine 2 at $kill_after s)"
+  : > "$work/failures"
+  for round in $(seq "$rounds"); do
+    failure in-process kill
+    for fabric in shm tcp; do
+      failure "$fabric" kill
+      failure "$fabric" stop
+    done
+  done
+fi
 
 echo
 echo "medians over $rounds rounds, ratios to the in-process median:"
@@ -107,3 +151,12 @@ awk "$MEDIAN"'
       }
     }
   }' "$results"
+
+if [ -n "$kill_after" ]; then
+  echo
+  echo "failures, medians over $rounds rounds:"
+  awk "$MEDIAN"'
+    { k = $1 " " $2; if ($3 != "-") s[k] = s[k] " " $3; if ($4 != "-") b[k] = b[k] " " $4; n[k]++ }
+    END { for (k in n) printf "%-15s suspected after %6.1f ms, back to 80%% %6.1f ms after (%d runs)\n", k, median(s[k]), median(b[k]), n[k] }' \
+    "$work/failures" | sort
+fi
