@@ -27,7 +27,9 @@
 //! queue pair in the error state does: reconnecting could land a later write to a log whose
 //! earlier one was lost. Once this machine removed the peer, the link connects again on its
 //! next use (reads: the CM probes a joiner), and a peer admitted again is a new incarnation
-//! whose rings start afresh. A peer never connected to is connected to on first use.
+//! whose rings start afresh. A peer never connected to is connected to on first use, by a
+//! probe (a read of its replicas list) if it is not a member. Sends never block (what the
+//! socket does not take waits in the link).
 //!
 //! What the NIC refuses, with a logged reason, changing nothing (each counted in
 //! [`TcpFabric::rejections`]): a connection from another cluster or for another machine, one
@@ -245,12 +247,15 @@ impl TcpFabric {
                         next_id: 1,
                         outbox: Vec::new(),
                         unsent: 0,
+                        sending: Vec::new(),
+                        sending_at: 0,
                     }),
                     acked: AtomicU64::new(0),
                     failed_any: AtomicBool::new(false),
                     failed: Mutex::new(Vec::new()),
                     waiters: Mutex::new(HashMap::new()),
                     current: Mutex::new(None),
+                    backed_up: AtomicBool::new(false),
                     traffic: TrafficCounters::default(),
                 })
             })
@@ -881,6 +886,9 @@ struct Link {
     waiters: Mutex<HashMap<u64, Arc<Waiter>>>,
     /// The answers of the connection that is up, if one is.
     current: Mutex<Option<Arc<Replies>>>,
+    /// Whether bytes of sent requests wait for the socket (`LinkInner::sending`), read
+    /// without the link's lock by polls.
+    backed_up: AtomicBool,
     /// Reads and writes posted to the peer.
     traffic: TrafficCounters,
 }
@@ -894,6 +902,12 @@ struct LinkInner {
     /// batch (`farm_core::fabric::Batch`) or about to go.
     outbox: Vec<u8>,
     unsent: u64,
+    /// Requests sent (in flight) whose bytes from `sending_at` on the socket did not take yet:
+    /// a send never blocks (a peer that stops reading would hold the link, and every thread
+    /// and membership change that needs it, for the whole timeout); the rest goes out as the
+    /// link is next used or polled, or at the ticker's next tick.
+    sending: Vec<u8>,
+    sending_at: usize,
 }
 
 #[derive(Debug)]
@@ -1036,6 +1050,15 @@ impl Link {
     ) -> Result<(u64, Arc<Replies>), FabricError> {
         let unreachable = FabricError::Unreachable(self.dst);
         let mut inner = self.inner.lock().expect("link poisoned");
+        // Only a probe (of the replicas list: the CM probing a joiner) connects to a machine
+        // outside this one's configuration. Anything else to it comes from a thread still on a
+        // view that named it, and fails at once: connecting would block that thread for the
+        // timeout when the machine is a stopped process (the kernel accepts, the hello is never
+        // answered), and halted the cluster's transactions for that long.
+        let member = self.admitted.contains(self.dst);
+        if self.may_connect(&inner) && key != MemKey::Replicas && !member {
+            return Err(unreachable);
+        }
         if self.may_connect(&inner) {
             self.connect(&mut inner).map_err(|e| {
                 tracing::debug!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
@@ -1078,10 +1101,11 @@ impl Link {
         Ok((id, replies))
     }
 
-    /// Sends the requests the outbox holds, in one write; a failure breaks the link.
+    /// Sends the requests the outbox holds, in one send as far as the socket takes them
+    /// without blocking (see `LinkInner::sending`); a failure breaks the link.
     fn write_out(&self, inner: &mut LinkInner) -> Result<(), ()> {
         if inner.unsent == 0 {
-            return Ok(());
+            return self.push(inner);
         }
         let LinkState::Up(conn) = &inner.state else {
             unreachable!("requests are held only on a connection that is up")
@@ -1093,13 +1117,66 @@ impl Link {
             .expect("in flight poisoned")
             .extend((inner.next_id - inner.unsent..inner.next_id).map(|id| (id, now)));
         inner.unsent = 0;
-        let sent = (&conn.stream).write_all(&inner.outbox);
-        inner.outbox.clear();
-        if let Err(e) = sent {
-            self.close_locked(inner, LinkState::Broken, &format!("sending: {e}"));
-            return Err(());
+        if inner.sending_at == inner.sending.len() {
+            inner.sending.clear();
+            inner.sending_at = 0;
+            std::mem::swap(&mut inner.sending, &mut inner.outbox);
+        } else {
+            let LinkInner {
+                outbox, sending, ..
+            } = inner;
+            sending.append(outbox);
         }
+        self.push(inner)
+    }
+
+    /// Gives the socket what it takes of the bytes waiting in `inner.sending`, without
+    /// blocking; a failure breaks the link.
+    fn push(&self, inner: &mut LinkInner) -> Result<(), ()> {
+        let LinkState::Up(conn) = &inner.state else {
+            return Ok(());
+        };
+        let fd = conn.stream.as_raw_fd();
+        while inner.sending_at < inner.sending.len() {
+            let rest = &inner.sending[inner.sending_at..];
+            // SAFETY: `rest` is valid for reads of its length.
+            let sent = unsafe {
+                libc::send(
+                    fd,
+                    rest.as_ptr().cast(),
+                    rest.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if sent >= 0 {
+                inner.sending_at += sent as usize;
+                continue;
+            }
+            match io::Error::last_os_error() {
+                e if e.kind() == io::ErrorKind::Interrupted => {}
+                e if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.backed_up.store(true, Ordering::Release);
+                    return Ok(());
+                }
+                e => {
+                    self.close_locked(inner, LinkState::Broken, &format!("sending: {e}"));
+                    return Err(());
+                }
+            }
+        }
+        inner.sending.clear();
+        inner.sending_at = 0;
+        self.backed_up.store(false, Ordering::Release);
         Ok(())
+    }
+
+    /// Pushes bytes waiting for the socket, if any and if the link is free.
+    fn try_push(&self) {
+        if self.backed_up.load(Ordering::Acquire) {
+            if let Ok(mut inner) = self.inner.try_lock() {
+                let _ = self.push(&mut inner);
+            }
+        }
     }
 
     /// Opens a connection: hello, acknowledgement, and a ticker.
@@ -1155,6 +1232,7 @@ impl Link {
             .spawn(move || {
                 while !ticked.closed.load(Ordering::SeqCst) {
                     std::thread::sleep(tick);
+                    link.try_push();
                     if let Ok(mut input) = ticked.input.try_lock() {
                         link.take(&ticked, &mut input, Take::Ticking);
                     }
@@ -1168,6 +1246,7 @@ impl Link {
     /// Takes what has arrived for the connection of `replies`, unless another thread is
     /// taking it, or this thread's batch found it empty this turn: a poll that never waits.
     fn poll(&self, replies: &Arc<Replies>) {
+        self.try_push();
         let source = Arc::as_ptr(replies) as *const ();
         if farm_core::fabric::polled_empty(source) {
             return;
@@ -1193,6 +1272,7 @@ impl Link {
                 return Reply::Lost;
             }
             let slice = left.min(LEAD_SLICE);
+            self.try_push();
             match replies.input.try_lock() {
                 Ok(mut input) => {
                     self.take(replies, &mut input, Take::Waiting(slice));
@@ -1358,6 +1438,9 @@ impl Link {
         unanswered.extend(inner.next_id - inner.unsent..inner.next_id);
         inner.unsent = 0;
         inner.outbox.clear();
+        inner.sending.clear();
+        inner.sending_at = 0;
+        self.backed_up.store(false, Ordering::Release);
         // A connection's requests have consecutive ids.
         if let (Some(first), Some(last)) = (unanswered.first(), unanswered.last()) {
             self.fail(*first, *last);

@@ -173,6 +173,9 @@ fn writes_from_machines_not_admitted_are_refused() {
     let (f1, mem1) = machine(root.path(), M1, &addrs);
     let (f2, _) = machine(root.path(), M2, &addrs);
     f1.admit(M1, &[M0, M1]);
+    // Machine 2 thinks machine 1 a member (a stale or forged view of its own): its write goes
+    // out, and machine 1's NIC refuses it.
+    f2.admit(M2, &[M1, M2]);
     assert!(!f2.ready(M1));
     let t = f2.write(ep(M2), M1, REGION, 8, &[5; 8]).unwrap();
     assert_eq!(settle(&f2, M2, M1, t), WriteStatus::Failed);
@@ -404,16 +407,29 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
     assert!(!f0.is_up(M1));
     // A new incarnation listens at the same address; the link stays down while machine 1 is
     // a member of machine 0's configuration (a later write must not land after an earlier one
-    // was lost), connects again once machine 0 removed it (the CM probes a joiner) and takes
-    // writes once machine 0 admits it again (as after a rejoin).
+    // was lost). Once machine 0 removed it, a probe (the CM probing a joiner: its replicas
+    // list) connects again, while reads and writes of its memory still fail at once (they
+    // come from threads on a view that named it; connecting could wait out the timeout on a
+    // stopped process's hello); and it takes writes once machine 0 admits it again (as after
+    // a rejoin).
     let (f1, mem1) = machine(root.path(), M1, &addrs);
     f1.admit(M1, &[M0, M1]);
+    f1.register(
+        M1,
+        MemKey::Replicas,
+        Arc::new(Nvram::anonymous(4096).unwrap()),
+    );
     assert_eq!(
         f0.write(ep(M0), M1, REGION, 8, &[2; 8]).map(|_| ()),
         Err(FabricError::Unreachable(M1))
     );
     assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1)));
     f0.admit(M0, &[M0]);
+    assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1)));
+    f0.remote(M0, M1, MemKey::Replicas)
+        .unwrap()
+        .read(0, &mut buf)
+        .unwrap();
     remote.read(0, &mut buf).unwrap();
     f0.admit(M0, &[M0, M1]);
     let t = f0.write(ep(M0), M1, REGION, 8, &[2; 8]).unwrap();
@@ -421,7 +437,7 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
     assert_eq!(word(&mem1, 8), u64::from_le_bytes([2; 8]));
     assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
 
-    // A machine 2 that accepts, proves the secret and acknowledges, but never answers: the
+    // A member 2 that accepts, proves the secret and acknowledges, but never answers: the
     // operation times out.
     let silent = TcpListener::bind(addrs[2]).unwrap();
     let hold = std::thread::spawn(move || {
@@ -450,6 +466,7 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
         let mut sink = [0u8; 1024];
         while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
     });
+    f0.admit(M0, &[M0, M1, M2]);
     let t = f0.write(ep(M0), M2, REGION, 0, &[3; 8]).unwrap();
     let started = Instant::now();
     assert_eq!(settle(&f0, M0, M2, t), WriteStatus::Failed);
@@ -895,4 +912,78 @@ fn threads_blocked_on_one_link_take_turns_and_a_polled_read_completes() {
     let mut buf = [0u8; 8];
     posted.complete(&mut buf).unwrap();
     assert_eq!(u64::from_le_bytes(buf), 0x5eed_0005);
+}
+
+/// A peer that stops reading (a stopped process: its connection open, its socket buffers
+/// full) holds nobody up once the configuration removes it: writes to it never block their
+/// thread (what the kernel does not take yet waits in the link), and removing it fails what
+/// is in flight to it at once. Before, a write blocked in `write_all` holding the link for the
+/// whole operation timeout, and the membership change that removed the peer waited behind it
+/// (over `tcp` a stopped machine halted every transaction for about 0.4 s). The timeout here
+/// is 30 s, so that waiting it out cannot pass for not waiting.
+#[test]
+fn a_peer_that_stops_reading_holds_up_no_writer_and_its_removal_fails_its_writes_at_once() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let dir = root.path().join("host0");
+    let long = Duration::from_secs(30);
+    let f0 = TcpFabric::start(&dir, CLUSTER, M0, addrs.clone(), long, secret()).unwrap();
+    f0.register(
+        M0,
+        REGION,
+        Arc::new(Nvram::anonymous(REGION_BYTES).unwrap()),
+    );
+    f0.admit(M0, &[M0, M2]);
+    // Machine 2 accepts, proves the secret, acknowledges, and then reads nothing ever again.
+    let silent = TcpListener::bind(addrs[2]).unwrap();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let hold = std::thread::spawn(move || {
+        let (mut s, _) = silent.accept().unwrap();
+        let mut hello = [0u8; 24 + 16];
+        s.read_exact(&mut hello).unwrap();
+        let secret = secret();
+        let handshake = Handshake {
+            secret: &secret,
+            hello: &hello[..24],
+            connecting: hello[24..].try_into().unwrap(),
+            accepting: auth::nonce(),
+        };
+        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
+        ack.extend_from_slice(&CHALLENGE.to_le_bytes());
+        ack.extend_from_slice(&handshake.accepting);
+        ack.extend_from_slice(&handshake.accepting_proof());
+        s.write_all(&ack).unwrap();
+        let mut proof = [0u8; 32];
+        s.read_exact(&mut proof).unwrap();
+        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
+        ack.extend_from_slice(&0u32.to_le_bytes());
+        s.write_all(&ack).unwrap();
+        let _ = released.recv();
+    });
+    // Far more than the sockets buffer: every write returns; none is done.
+    let chunk = vec![7u8; 32 << 10];
+    let started = Instant::now();
+    let tickets: Vec<WriteTicket> = (0..2000)
+        .map(|_| f0.write(ep(M0), M2, REGION, 0, &chunk).unwrap())
+        .collect();
+    assert!(
+        started.elapsed() < long / 3,
+        "writes to a peer that does not read blocked their thread"
+    );
+    assert_eq!(
+        f0.write_status(ep(M0), M2, tickets[1999]),
+        WriteStatus::Pending
+    );
+    // The configuration removes machine 2: its writes fail at once.
+    let removing = Instant::now();
+    f0.admit(M0, &[M0]);
+    for t in [tickets[0], tickets[1999]] {
+        assert_eq!(f0.write_status(ep(M0), M2, t), WriteStatus::Failed);
+    }
+    assert!(
+        removing.elapsed() < long / 3,
+        "the removal waited for a blocked write"
+    );
+    release.send(()).unwrap();
+    hold.join().unwrap();
 }

@@ -165,7 +165,7 @@ fn a_machine_killed_mid_run_is_reported_with_its_recovery_time() {
 fn tpcc_runs_across_machine_processes() {
     let Some(zk) = zookeeper() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let local = Local::new(dir.path(), "tpcc", zk, 3, 64);
+    let local = Local::new(dir.path(), "tpcc", zk, 6, 64);
     let out = local.ok(&["tpcc", "--warehouses", "3", "--seconds", "1", "--check"]);
     for m in 0..3 {
         let line = out
