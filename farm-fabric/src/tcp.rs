@@ -1050,13 +1050,14 @@ impl Link {
     ) -> Result<(u64, Arc<Replies>), FabricError> {
         let unreachable = FabricError::Unreachable(self.dst);
         let mut inner = self.inner.lock().expect("link poisoned");
-        // Only a probe (of the replicas list: the CM probing a joiner) connects to a machine
-        // outside this one's configuration. Anything else to it comes from a thread still on a
-        // view that named it, and fails at once: connecting would block that thread for the
-        // timeout when the machine is a stopped process (the kernel accepts, the hello is never
-        // answered), and halted the cluster's transactions for that long.
-        let member = self.admitted.contains(self.dst);
-        if self.may_connect(&inner) && key != MemKey::Replicas && !member {
+        // Only a probe (`ProcessFabric::ready`, or a read of the replicas list: the CM probing
+        // a joiner) connects to a machine outside this one's configuration. Anything else to
+        // it comes from a thread still on a view that named it, and fails at once: connecting
+        // would block that thread for the timeout when the machine is a stopped process (the
+        // kernel accepts, the hello is never answered), and halted the cluster's transactions
+        // for that long.
+        let probe = op == OP_PROBE || key == MemKey::Replicas;
+        if self.may_connect(&inner) && !probe && !self.admitted.contains(self.dst) {
             return Err(unreachable);
         }
         if self.may_connect(&inner) {
