@@ -68,6 +68,33 @@ fn word(mem: &Nvram, offset: usize) -> u64 {
     mem.load_u64(offset, std::sync::atomic::Ordering::Acquire)
 }
 
+/// Accepts a connection on `listener` as a machine of the cluster would: checks the peer's
+/// proof of the secret and acknowledges its hello. What happens next is the caller's.
+fn accept_proving(listener: &TcpListener) -> TcpStream {
+    let (mut s, _) = listener.accept().unwrap();
+    let mut hello = [0u8; 24 + 16];
+    s.read_exact(&mut hello).unwrap();
+    let secret = secret();
+    let handshake = Handshake {
+        secret: &secret,
+        hello: &hello[..24],
+        connecting: hello[24..].try_into().unwrap(),
+        accepting: auth::nonce(),
+    };
+    let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
+    ack.extend_from_slice(&CHALLENGE.to_le_bytes());
+    ack.extend_from_slice(&handshake.accepting);
+    ack.extend_from_slice(&handshake.accepting_proof());
+    s.write_all(&ack).unwrap();
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).unwrap();
+    assert!(handshake.connecting_proved(&proof));
+    let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
+    ack.extend_from_slice(&0u32.to_le_bytes());
+    s.write_all(&ack).unwrap();
+    s
+}
+
 /// Polls `ticket` until it is no longer pending.
 fn settle(f: &TcpFabric, src: MachineId, dst: MachineId, ticket: WriteTicket) -> WriteStatus {
     let deadline = Instant::now() + TIMEOUT * 10;
@@ -441,27 +468,7 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
     // operation times out.
     let silent = TcpListener::bind(addrs[2]).unwrap();
     let hold = std::thread::spawn(move || {
-        let (mut s, _) = silent.accept().unwrap();
-        let mut hello = [0u8; 24 + 16];
-        s.read_exact(&mut hello).unwrap();
-        let secret = secret();
-        let handshake = Handshake {
-            secret: &secret,
-            hello: &hello[..24],
-            connecting: hello[24..].try_into().unwrap(),
-            accepting: auth::nonce(),
-        };
-        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
-        ack.extend_from_slice(&CHALLENGE.to_le_bytes());
-        ack.extend_from_slice(&handshake.accepting);
-        ack.extend_from_slice(&handshake.accepting_proof());
-        s.write_all(&ack).unwrap();
-        let mut proof = [0u8; 32];
-        s.read_exact(&mut proof).unwrap();
-        assert!(handshake.connecting_proved(&proof));
-        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
-        ack.extend_from_slice(&0u32.to_le_bytes());
-        s.write_all(&ack).unwrap();
+        let mut s = accept_proving(&silent);
         // Reads what comes, answers nothing, until the peer gives up.
         let mut sink = [0u8; 1024];
         while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
@@ -938,26 +945,7 @@ fn a_peer_that_stops_reading_holds_up_no_writer_and_its_removal_fails_its_writes
     let silent = TcpListener::bind(addrs[2]).unwrap();
     let (release, released) = std::sync::mpsc::channel::<()>();
     let hold = std::thread::spawn(move || {
-        let (mut s, _) = silent.accept().unwrap();
-        let mut hello = [0u8; 24 + 16];
-        s.read_exact(&mut hello).unwrap();
-        let secret = secret();
-        let handshake = Handshake {
-            secret: &secret,
-            hello: &hello[..24],
-            connecting: hello[24..].try_into().unwrap(),
-            accepting: auth::nonce(),
-        };
-        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
-        ack.extend_from_slice(&CHALLENGE.to_le_bytes());
-        ack.extend_from_slice(&handshake.accepting);
-        ack.extend_from_slice(&handshake.accepting_proof());
-        s.write_all(&ack).unwrap();
-        let mut proof = [0u8; 32];
-        s.read_exact(&mut proof).unwrap();
-        let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
-        ack.extend_from_slice(&0u32.to_le_bytes());
-        s.write_all(&ack).unwrap();
+        let _s = accept_proving(&silent);
         let _ = released.recv();
     });
     // Far more than the sockets buffer: every write returns; none is done.

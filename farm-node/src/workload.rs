@@ -167,11 +167,19 @@ impl Meeting<'_> {
     }
 
     fn wait(&self, what: &str) -> anyhow::Result<Vec<u8>> {
+        Ok(self.wait_unless(what, || false)?.expect("waited for"))
+    }
+
+    /// What the machines published as `what`, once they did, or `None` once `gone()`.
+    fn wait_unless(&self, what: &str, gone: impl Fn() -> bool) -> anyhow::Result<Option<Vec<u8>>> {
         let name = format!("{}-{what}", self.workload);
         let started = Instant::now();
         loop {
             if let Some(data) = self.store.get(&name)? {
-                return Ok(data);
+                return Ok(Some(data));
+            }
+            if gone() {
+                return Ok(None);
             }
             if started.elapsed() > STEP_WAIT {
                 bail!("{name} did not appear in ZooKeeper within {STEP_WAIT:?}");
@@ -184,18 +192,9 @@ impl Meeting<'_> {
     /// middle of the run: `local ... --kill-after`).
     fn barrier(&self, step: &str) -> anyhow::Result<()> {
         self.publish(&format!("{step}-m{}", self.me.0), b"")?;
-        let started = Instant::now();
         for m in (0..self.machines).map(MachineId) {
-            let name = format!("{}-{step}-m{}", self.workload, m.0);
-            while self.store.get(&name)?.is_none() {
-                if !self.node.configuration().members.contains(&m) {
-                    break;
-                }
-                if started.elapsed() > STEP_WAIT {
-                    bail!("{name} did not appear in ZooKeeper within {STEP_WAIT:?}");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            let left = || !self.node.configuration().members.contains(&m);
+            self.wait_unless(&format!("{step}-m{}", m.0), left)?;
         }
         Ok(())
     }

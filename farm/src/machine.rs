@@ -497,14 +497,11 @@ impl ControlThread {
                 // configuration (a link that broke to them: `Fabric::broken_members`).
                 Event::Attempt { suspects, .. } => {
                     for machine in suspects {
-                        let since_commit = all
-                            .iter()
-                            .rev()
-                            .take_while(|e| !matches!(e, ReconfigEvent::Committed { .. }));
-                        let known = since_commit
-                            .filter(|e| matches!(e, ReconfigEvent::Suspect { machine: m, .. } if *m == machine))
-                            .count()
-                            > 0;
+                        let known = (all.iter().rev())
+                            .take_while(|e| !matches!(e, ReconfigEvent::Committed { .. }))
+                            .any(|e| {
+                                matches!(e, ReconfigEvent::Suspect { machine: m, .. } if *m == machine)
+                            });
                         if !known {
                             all.push(ReconfigEvent::Suspect { machine, at_us });
                         }
