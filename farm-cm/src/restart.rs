@@ -113,14 +113,28 @@ pub enum RestartError {
 
 /// Decides the restart of a cluster of `machines` (ids below it) whose store holds
 /// configuration `stored`, from what each machine left (`persisted`, by id): the view to
-/// resume from ([`restart_view`]) under the next configuration id. The caller stores it with a
-/// compare-and-set at the version it read.
+/// resume from ([`restart_view`]) under the next configuration id, without the members that
+/// left nothing (did not come back) if `leave_out` allows ([`without`]). The caller stores it
+/// with a compare-and-set at the version it read.
 pub fn decide(
     stored: ConfigId,
     persisted: &[Option<Persisted>],
     machines: u16,
+    leave_out: Option<LeaveOut>,
 ) -> Result<RestartPlan, String> {
-    let from = restart_view(stored, persisted)?;
+    let mut from = restart_view(stored, persisted)?;
+    let absent: Vec<MachineId> = (from.config.members.iter().copied())
+        .filter(|m| left_nothing(persisted, *m))
+        .collect();
+    if !absent.is_empty() {
+        let Some(leave_out) = leave_out else {
+            return Err(format!(
+                "members {absent:?} of configuration {} left nothing to restart from",
+                from.config.id.0
+            ));
+        };
+        from = without(from, &absent, persisted, leave_out, ConfigId(stored.0 + 1))?;
+    }
     // The view travels in every Restart message and each member persists it before the
     // restart configuration: what the codec refuses would never be announced.
     let encoded = farm_core::codec::encode_view(&from.config, &from.map, &from.changes);
@@ -209,7 +223,10 @@ pub fn restart_view(
         if complete(placement.primary, region) {
             continue;
         }
-        if placement.replicas().all(|m| !installed(m, region)) {
+        // Of a replica that left nothing (it did not come back) nobody knows what it
+        // installed: its region is never taken for one that no replica installed.
+        let known_uninstalled = |m: MachineId| !left_nothing(persisted, m) && !installed(m, region);
+        if placement.replicas().all(known_uninstalled) {
             // A region in use has a replica that installed a view holding it: its replicas
             // did when it was allocated, and every remap keeps one that held it (§5.2).
             view.map.remove(region);
@@ -222,11 +239,21 @@ pub fn restart_view(
             .copied()
             .find(|b| complete(*b, region))
         else {
+            let replicas: Vec<MachineId> = placement.replicas().collect();
+            let absent: Vec<MachineId> = (replicas.iter().copied())
+                .filter(|m| left_nothing(persisted, *m))
+                .collect();
+            if !absent.is_empty() {
+                return Err(format!(
+                    "region {} has no complete replica among {replicas:?} (primary {}) but \
+                     perhaps on {absent:?}, which did not come back",
+                    region.0, placement.primary
+                ));
+            }
             return Err(format!(
-                "region {} has no complete replica among {:?} (primary {}): its data is lost",
-                region.0,
-                placement.replicas().collect::<Vec<_>>(),
-                placement.primary
+                "region {} has no complete replica among {replicas:?} (primary {}): its data \
+                 is lost",
+                region.0, placement.primary
             ));
         };
         let mut backups: Vec<MachineId> = placement
@@ -250,6 +277,73 @@ pub fn restart_view(
     Ok(view)
 }
 
+/// Whether machine `m` left nothing to restart from (it did not come back, or never ran).
+fn left_nothing(persisted: &[Option<Persisted>], m: MachineId) -> bool {
+    persisted.get(m.0 as usize).is_none_or(Option::is_none)
+}
+
+/// The restart view `view` ([`restart_view`]) without the members `absent`, which did not come
+/// back, for restart configuration `restart`: they leave the configuration (its CM too, for
+/// the first member that stays) and their replicas the map, which is remapped as a
+/// reconfiguration that removes them would ([`crate::remap::remap`]: `f + 1` replicas again
+/// where capacity allows, each new one copied after the restart, §5.4). The view's changes
+/// stay its own: every region's primary and replicas change at the restart anyway.
+/// Refused, naming them, when fewer than a majority of its members came back, or when a region
+/// has no complete replica on a machine that came back.
+pub fn without(
+    view: StoredView,
+    absent: &[MachineId],
+    persisted: &[Option<Persisted>],
+    leave_out: LeaveOut,
+    restart: ConfigId,
+) -> Result<StoredView, String> {
+    let mut config = view.config.clone();
+    config.members.retain(|m| !absent.contains(m));
+    config.failure_domains.retain(|m, _| !absent.contains(m));
+    // A majority of the newest configuration's members, as a reconfiguration needs to go on
+    // (§5.2): a minority that came back restarts nothing on its own.
+    if config.members.len() * 2 <= view.config.members.len() {
+        return Err(format!(
+            "only {:?} of configuration {}'s members {:?} came back: a restart without \
+             {absent:?} needs a majority",
+            config.members, view.config.id.0, view.config.members
+        ));
+    }
+    let first = config.members[0];
+    if absent.contains(&config.cm) {
+        config.cm = first;
+    }
+    let copying: BTreeMap<MachineId, BTreeSet<RegionId>> = (config.members.iter())
+        .map(|m| {
+            let p = persisted[m.0 as usize]
+                .as_ref()
+                .expect("a member that came back");
+            let incomplete = (view.map.iter())
+                .filter(|(r, q)| q.holds(*m) && !p.complete(*m, *r))
+                .map(|(r, _)| r)
+                .collect();
+            (*m, incomplete)
+        })
+        .collect();
+    let remapped = crate::remap::remap(
+        &view.map,
+        &view.changes,
+        &Configuration {
+            id: restart,
+            ..config.clone()
+        },
+        &copying,
+        leave_out.replicas,
+        leave_out.regions_max,
+    )
+    .map_err(|e| format!("without machines {absent:?}, which did not come back: {e}"))?;
+    Ok(StoredView {
+        config,
+        map: remapped.map,
+        changes: view.changes,
+    })
+}
+
 /// Where a machine found each peer's rings to it after reopening its NVRAM, per peer (itself
 /// included): per worker thread, `[log head, log tail, queue head, queue tail]`.
 pub type RingStarts = BTreeMap<MachineId, Vec<[u64; 4]>>;
@@ -263,6 +357,26 @@ pub struct ExchangeParams {
     /// starts, in the caller's time unit. What a machine left is repeated
     /// `PERSISTED_REPEAT_FACTOR` times less often.
     pub repeat: u64,
+    /// Whether machine 0 restarts without machines it has not heard from, and when (`None`:
+    /// it waits for every machine).
+    pub leave_out: Option<LeaveOut>,
+}
+
+/// A restart without the machines that do not come back (a disk that died with the power):
+/// after `after` (in the caller's time unit) machine 0 decides from what the others left,
+/// leaving the silent ones out of the restart configuration as a reconfiguration removes a
+/// failed machine (§5.2): each of their regions keeps a complete replica on a machine that
+/// came back, or the restart is refused naming it, and gets `f + 1` replicas again where
+/// capacity allows. A machine left out that comes back later learns it is out (its NVRAM is
+/// stale) and can join as a new machine.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaveOut {
+    /// How long machine 0 waits for every machine first.
+    pub after: u64,
+    /// Replicas per region (`f + 1`).
+    pub replicas: usize,
+    /// Most region replicas one machine may hold.
+    pub regions_max: usize,
 }
 
 /// What the caller does for the exchange.
@@ -356,6 +470,12 @@ pub struct RestartExchange {
     sent_since_tick: bool,
     /// When this machine last told machine 0 what it left.
     last_told: Option<u64>,
+    /// Machine 0: when it started gathering (its first tick), and the machines it heard from
+    /// when it decided (those that did not come back never learn the plan from it).
+    gathering_since: Option<u64>,
+    heard: BTreeSet<MachineId>,
+    /// Machine 0: why the last restart without the machines not heard from was refused.
+    not_left_out: Option<String>,
     effects: Vec<Effect>,
 }
 
@@ -386,6 +506,9 @@ impl RestartExchange {
             outcome: None,
             last_repeat: None,
             refusals: BTreeMap::new(),
+            gathering_since: None,
+            heard: BTreeSet::new(),
+            not_left_out: None,
             sent_since_tick: false,
             last_told: None,
             effects: Vec::new(),
@@ -435,6 +558,16 @@ impl RestartExchange {
         }
     }
 
+    /// Machine 0: why it still waits for the machines [`RestartExchange::waiting_for`] names
+    /// although [`LeaveOut::after`] passed (a restart without them would lose a region's
+    /// every complete replica, or lack a majority).
+    pub fn not_left_out(&self) -> Option<&str> {
+        match self.phase {
+            Phase::Gathering(_) => self.not_left_out.as_deref(),
+            _ => None,
+        }
+    }
+
     /// Advances the exchange to `now`: repeats what has not been answered.
     pub fn tick(&mut self, now: u64) {
         if self.outcome.is_some() {
@@ -452,6 +585,18 @@ impl RestartExchange {
                     copying: p.copying.clone(),
                 };
                 self.send(LEADER, msg, PERSISTED_MESSAGE_ID);
+            }
+            return;
+        }
+        if let Phase::Gathering(all) = &self.phase {
+            let since = *self.gathering_since.get_or_insert(now);
+            let waited = self
+                .params
+                .leave_out
+                .is_some_and(|l| now.saturating_sub(since) >= l.after);
+            if waited && all.iter().any(Option::is_none) {
+                // Restart without the machines that did not come back.
+                self.decide_now();
             }
             return;
         }
@@ -678,13 +823,27 @@ impl RestartExchange {
             }
         };
         match std::mem::replace(&mut self.phase, Phase::Decided) {
-            Phase::Reading(all) => match decide(stored.1.id, &all, self.params.machines) {
+            Phase::Reading(all) => match decide(
+                stored.1.id,
+                &all,
+                self.params.machines,
+                self.params.leave_out,
+            ) {
                 Ok(plan) => {
                     self.effects.push(Effect::CompareAndSet {
                         expected: stored.0,
                         config: plan.config.clone(),
                     });
                     self.phase = Phase::Storing(plan);
+                }
+                Err(e) if all.iter().any(Option::is_none) => {
+                    // Without the machines not heard from, the restart would lose data or
+                    // lack a majority: wait for them, and decide again when they come back or
+                    // after another `LeaveOut::after`.
+                    self.gathering_since = None;
+                    self.phase = Phase::Gathering(all);
+                    self.not_left_out = Some(e);
+                    self.gathered();
                 }
                 Err(e) => self.fail(RestartError::Invalid(e)),
             },
@@ -782,14 +941,23 @@ impl RestartExchange {
     fn gathered(&mut self) {
         if let Phase::Gathering(all) = &self.phase {
             if all.iter().all(Option::is_some) {
-                let Phase::Gathering(all) = std::mem::replace(&mut self.phase, Phase::Decided)
-                else {
-                    unreachable!()
-                };
-                self.phase = Phase::Reading(all);
-                self.effects.push(Effect::ReadStore);
+                self.decide_now();
             }
         }
+    }
+
+    /// Machine 0: decides from what the machines it heard from left (all of them, or, once
+    /// [`LeaveOut::after`] passed, those that came back): reads the store first.
+    fn decide_now(&mut self) {
+        let Phase::Gathering(all) = std::mem::replace(&mut self.phase, Phase::Decided) else {
+            panic!("deciding outside the gathering phase");
+        };
+        self.heard = (0..self.params.machines)
+            .map(MachineId)
+            .filter(|m| all[m.0 as usize].is_some())
+            .collect();
+        self.phase = Phase::Reading(all);
+        self.effects.push(Effect::ReadStore);
     }
 
     /// Ends the exchange once this machine has done its part: a member once every member's
@@ -808,7 +976,7 @@ impl RestartExchange {
                 self.effects.push(Effect::Commit(plan.config.id));
                 self.outcome = Some(Outcome::Restarted(plan));
             }
-        } else if self.me != LEADER || self.learnt.len() == self.params.machines as usize {
+        } else if self.me != LEADER || self.heard.iter().all(|m| self.learnt.contains(m)) {
             self.outcome = Some(Outcome::Removed(plan));
         }
     }

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::restart::{
-    Effect, ExchangeParams, Outcome, Persisted, RestartError, RestartExchange, RestartPlan,
+    Effect, ExchangeParams, LeaveOut, Outcome, Persisted, RestartError, RestartExchange,
+    RestartPlan,
 };
 use farm_cm::{CasOutcome, ConfigurationStore, EmbeddedStore};
 use farm_core::codec::StoredView;
@@ -129,11 +130,23 @@ struct Cluster {
     threads: Vec<usize>,
     /// A machine that reads another store than the cluster's (an operator's mistake).
     misled: Option<(MachineId, EmbeddedStore)>,
+    /// Machines that do not run (did not come back): datagrams to them are lost.
+    silent: Vec<MachineId>,
 }
 
 impl Cluster {
     /// A cluster whose machines left `persisted` (by id), with `stored` in its store.
     fn new(persisted: &[Persisted], stored: &Configuration, seed: u64) -> Self {
+        Self::leaving_out(persisted, stored, seed, None)
+    }
+
+    /// The same, machine 0 restarting without silent machines as `leave_out` says.
+    fn leaving_out(
+        persisted: &[Persisted],
+        stored: &Configuration,
+        seed: u64,
+        leave_out: Option<LeaveOut>,
+    ) -> Self {
         let store = EmbeddedStore::new();
         assert_eq!(
             store.cas_config(None, stored),
@@ -142,6 +155,7 @@ impl Cluster {
         let params = ExchangeParams {
             machines: persisted.len() as u16,
             repeat: 3,
+            leave_out,
         };
         let machines = persisted
             .iter()
@@ -168,11 +182,14 @@ impl Cluster {
             now: 0,
             threads: vec![2; persisted.len()],
             misled: None,
+            silent: Vec::new(),
         }
     }
 
     fn done(&self) -> bool {
-        self.machines.iter().all(|m| m.exchange.outcome().is_some())
+        (self.machines.iter())
+            .filter(|m| !self.silent.contains(&m.exchange.machine()))
+            .all(|m| m.exchange.outcome().is_some())
     }
 
     /// Runs until every machine has an outcome (or `steps` pass), then `after` more steps.
@@ -204,6 +221,9 @@ impl Cluster {
             }
         });
         for (_, from, to, datagram) in due {
+            if self.silent.contains(&to) {
+                continue;
+            }
             let m = &mut self.machines[to.0 as usize];
             if let Some(msg) = m.pieces.accept(from, &datagram) {
                 m.exchange.on_message(from, msg);
@@ -211,6 +231,9 @@ impl Cluster {
             self.execute(to);
         }
         for i in 0..self.machines.len() {
+            if self.silent.contains(&MachineId(i as u16)) {
+                continue;
+            }
             self.machines[i].exchange.tick(now);
             self.execute(MachineId(i as u16));
         }
@@ -516,6 +539,135 @@ fn a_machine_outside_the_plan_that_refuses_it_stops_nobody() {
         assert!(e.contains("not restart configuration 6"), "{e}");
         if !members.contains(&0) {
             assert_eq!(c.outcome(0), &Outcome::Removed(plan.clone()));
+        }
+    }
+}
+
+/// Machine 3 does not come back (its disk died with the power). Machine 0 waits for it as
+/// long as `LeaveOut::after` says, then restarts the others without it: its replicas are
+/// remapped onto them, two per region again, every region keeps a complete replica, and the
+/// restart configuration's CM is a machine that came back. When machine 3 runs again later, it
+/// learns it is out. Without `LeaveOut`, machine 0 waits.
+#[test]
+fn machines_that_do_not_come_back_are_left_out_after_a_while() {
+    let v = view(4, &[0, 1, 2, 3]);
+    let mut v3 = v.clone();
+    v3.config.cm = MachineId(3);
+    let persisted: Vec<Persisted> = (0..4).map(|_| left(&v3)).collect();
+    let mut waiting = Cluster::new(&persisted, &v3.config, 9);
+    waiting.silent = vec![MachineId(3)];
+    waiting.run(2_000, 0);
+    assert_eq!(waiting.machines[0].exchange.outcome(), None);
+    assert_eq!(
+        waiting.machines[0].exchange.waiting_for(),
+        vec![MachineId(3)]
+    );
+    let leave_out = LeaveOut {
+        after: 100,
+        replicas: 2,
+        regions_max: 64,
+    };
+    for seed in 0..20 {
+        let mut c = Cluster::leaving_out(&persisted, &v3.config, seed, Some(leave_out));
+        c.net.loss = 10;
+        c.silent = vec![MachineId(3)];
+        c.run(5_000, 50);
+        assert!(c.done(), "seed {seed}: waiting");
+        let Outcome::Restarted(plan) = c.outcome(0).clone() else {
+            panic!("seed {seed}: {:?}", c.outcome(0));
+        };
+        assert!(c.now > 100, "seed {seed}: decided before waiting");
+        assert_eq!(plan.config.id, ConfigId(5));
+        let three = [MachineId(0), MachineId(1), MachineId(2)];
+        assert_eq!(plan.config.members, three);
+        assert_eq!(plan.config.cm, MachineId(0));
+        for (r, p) in plan.from.map.iter() {
+            let replicas: Vec<MachineId> = p.replicas().collect();
+            assert_eq!(
+                replicas.len(),
+                2,
+                "seed {seed}: region {r:?} on {replicas:?}"
+            );
+            assert!(replicas.iter().all(|m| three.contains(m)));
+            // The primary held it complete before the stop.
+            assert!(v.map.get(r).unwrap().holds(p.primary), "seed {seed}: {r:?}");
+        }
+        assert_eq!(plan.from.map.iter().count(), v.map.iter().count());
+        c.check_restarted(&plan);
+        // Machine 3 comes back late: machine 0's finished exchange tells it it is out.
+        c.silent.clear();
+        c.run(5_000, 0);
+        assert_eq!(c.outcome(3), &Outcome::Removed(plan), "seed {seed}");
+    }
+}
+
+/// A restart without the machines not heard from goes on only when it loses nothing: every
+/// region keeps a complete replica on a machine that came back, and those are a majority of
+/// the newest configuration's members. Otherwise machine 0 keeps waiting past
+/// `LeaveOut::after`, says why (`not_left_out`), and restarts with every machine once the
+/// missing ones run.
+#[test]
+fn a_restart_without_machines_that_would_lose_data_or_a_majority_keeps_waiting() {
+    let v = view(4, &[0, 1, 2, 3]);
+    let leave_out = LeaveOut {
+        after: 100,
+        replicas: 2,
+        regions_max: 64,
+    };
+    // A region of machine 3's whose one backup was still copying it.
+    let (r3, p3) = (v.map.iter())
+        .find(|(_, p)| p.primary == MachineId(3))
+        .expect("machine 3 is a primary");
+    let mut copying: Vec<Persisted> = (0..4).map(|_| left(&v)).collect();
+    copying[p3.backups[0].0 as usize].copying.insert(r3, true);
+    // Every region on machines 0 and 1 alone: machines 2 and 3 hold nothing, but are half
+    // the members.
+    let mut on_two = v.clone();
+    for (r, p) in v.map.iter() {
+        let mut p = p.clone();
+        p.primary = MachineId(r.0 as u16 % 2);
+        p.backups = vec![MachineId(1 - r.0 as u16 % 2)];
+        on_two.map.insert(r, p);
+    }
+    let two: Vec<Persisted> = (0..4).map(|_| left(&on_two)).collect();
+    let cases = [
+        (
+            copying,
+            vec![MachineId(3)],
+            "but perhaps on [MachineId(3)], which did not come back",
+        ),
+        (two, vec![MachineId(2), MachineId(3)], "needs a majority"),
+    ];
+    for (persisted, silent, why) in cases {
+        for seed in 0..5 {
+            let mut c = Cluster::leaving_out(&persisted, &v.config, seed, Some(leave_out));
+            c.net.loss = 10;
+            c.silent = silent.clone();
+            c.run(2_000, 0);
+            let m0 = &c.machines[0].exchange;
+            assert_eq!(m0.outcome(), None, "seed {seed}: {silent:?} left out");
+            assert_eq!(m0.waiting_for(), silent, "seed {seed}");
+            let reason = m0.not_left_out().expect("says why it waits");
+            assert!(reason.contains(why), "seed {seed}: {reason}");
+            assert!(c.machines.iter().all(|m| m.committed.is_empty()));
+            c.silent.clear();
+            c.run(5_000, 50);
+            assert!(c.done(), "seed {seed}: waiting once all run");
+            let Outcome::Restarted(plan) = c.outcome(0).clone() else {
+                panic!("seed {seed}: {:?}", c.outcome(0));
+            };
+            // Machine 3 holds the one complete replica of a region; machines 2 and 3 hold
+            // nothing in the second case, where the machine whose datagrams keep being lost
+            // after the others came back may be left out.
+            let members = &plan.config.members;
+            if silent.len() == 1 {
+                assert_eq!(members, &v.config.members, "seed {seed}");
+            } else {
+                assert!(members.len() >= 3, "seed {seed}: {members:?}");
+            }
+            assert_eq!(plan.from.map.iter().count(), v.map.iter().count());
+            assert_eq!(c.machines[0].exchange.not_left_out(), None);
+            c.check_restarted(&plan);
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use farm_cm::control::ControlMsg;
-use farm_cm::restart::{restart_view, Persisted};
+use farm_cm::restart::{decide, restart_view, LeaveOut, Persisted};
 use farm_core::codec::StoredView;
 use farm_core::config::{Configuration, Placement, RegionMap};
 use farm_core::{ConfigId, MachineId, RegionId};
@@ -156,4 +156,65 @@ fn refuses_what_cannot_be_restarted() {
     let e = restart_view(ConfigId(3), &vec![left(view(4, &[0, 1, 2], 1)); 3]).unwrap_err();
     assert!(e.contains("the store the cluster ran with"), "{e}");
     assert!(restart_view(ConfigId(1), &[None, None]).is_err());
+}
+
+/// A view of configuration 4 with `members` and regions placed as `placements` says
+/// (primary first).
+fn placed(members: &[u16], placements: &[&[u16]]) -> StoredView {
+    let mut v = view(4, members, 1);
+    v.map = RegionMap::default();
+    for (r, p) in placements.iter().enumerate() {
+        v.map.insert(
+            RegionId(r as u32),
+            Placement {
+                primary: MachineId(p[0]),
+                backups: p[1..].iter().map(|m| MachineId(*m)).collect(),
+            },
+        );
+    }
+    v
+}
+
+/// A restart without a member that did not come back (machine 2 here) needs a complete replica
+/// of each of its regions elsewhere: a region whose other replica was still copying is lost,
+/// and so is one held only by machines that did not come back; neither is taken for a region
+/// that no replica installed. Without `LeaveOut` the restart waits for every member instead.
+#[test]
+fn a_restart_without_a_machine_needs_a_complete_replica_of_its_regions() {
+    let leave_out = LeaveOut {
+        after: 1,
+        replicas: 2,
+        regions_max: 64,
+    };
+    let v = placed(&[0, 1, 2], &[&[0, 1], &[1, 2], &[2, 0]]);
+    let persisted = [left(v.clone()), left(v.clone()), None];
+    let e = decide(ConfigId(4), &persisted, 3, None).unwrap_err();
+    assert!(e.contains("left nothing"), "{e}");
+    let plan = decide(ConfigId(4), &persisted, 3, Some(leave_out)).unwrap();
+    assert_eq!(plan.config.members, [MachineId(0), MachineId(1)]);
+    let p = |r: u32| plan.from.map.get(RegionId(r)).unwrap().clone();
+    assert_eq!(
+        (p(1).primary, p(1).backups.clone()),
+        (MachineId(1), vec![MachineId(0)])
+    );
+    assert_eq!(
+        (p(2).primary, p(2).backups.clone()),
+        (MachineId(0), vec![MachineId(1)])
+    );
+    // Machine 0 was still copying region 2, whose primary did not come back.
+    let persisted = copying(&v, RegionId(2), &[MachineId(0)]);
+    let persisted = [persisted[0].clone(), persisted[1].clone(), None];
+    let e = decide(ConfigId(4), &persisted, 3, Some(leave_out)).unwrap_err();
+    assert!(e.contains("region 2 has no complete replica"), "{e}");
+    // Regions on pairs of five machines; 3 and 4 do not come back: region 2 (3 and 4) is lost.
+    let v = placed(&[0, 1, 2, 3, 4], &[&[0, 1], &[2, 3], &[3, 4]]);
+    let persisted = [
+        left(v.clone()),
+        left(v.clone()),
+        left(v.clone()),
+        None,
+        None,
+    ];
+    let e = decide(ConfigId(4), &persisted, 5, Some(leave_out)).unwrap_err();
+    assert!(e.contains("region 2 has no complete replica"), "{e}");
 }

@@ -84,6 +84,13 @@ pub struct Overrides {
     /// datagram with it) [default: <dir>/secret; `local start` makes it when absent].
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
+    /// With a whole-cluster restart (`--restart`): seconds machine 0 waits for every machine
+    /// before it restarts without those that did not come back (a machine whose disk died),
+    /// if every region keeps a complete replica among the machines that did and they are a
+    /// majority of the members; otherwise it goes on waiting, and says why [default: off,
+    /// every machine is waited for].
+    #[arg(long)]
+    pub restart_without_seconds: Option<u64>,
 }
 
 impl Overrides {
@@ -109,6 +116,9 @@ impl Overrides {
             program: self.program.or(other.program),
             metrics_addr: self.metrics_addr.or(other.metrics_addr),
             secret_file: self.secret_file.or(other.secret_file),
+            restart_without_seconds: self
+                .restart_without_seconds
+                .or(other.restart_without_seconds),
         }
     }
 }
@@ -148,6 +158,7 @@ pub struct Settings {
     /// Where machine 0 serves its metrics; machine m at port + m.
     pub metrics_addr: Option<std::net::SocketAddr>,
     pub secret_file: PathBuf,
+    pub restart_without_seconds: Option<u64>,
 }
 
 impl ConfigArgs {
@@ -209,6 +220,7 @@ impl ConfigArgs {
                 })?),
                 None => None,
             },
+            restart_without_seconds: o.restart_without_seconds,
         };
         s.check()?;
         Ok(s)
@@ -239,6 +251,15 @@ impl Settings {
                 "cluster name {:?}: use letters, digits, '-' and '_' (it names a znode)",
                 self.cluster
             );
+        }
+        if let Some(t) = self.restart_without_seconds {
+            if t >= self.start_timeout_seconds {
+                bail!(
+                    "restart_without_seconds = {t}: a restart fails after start_timeout_seconds \
+                     = {}, so it must be shorter",
+                    self.start_timeout_seconds
+                );
+            }
         }
         if self.machines == 0 {
             bail!("machines = 0: a cluster needs at least one machine");
@@ -306,7 +327,7 @@ impl Settings {
             "cluster = {:?}\ndir = {:?}\nmachines = {}\nworkers = {}\nbase_port = {}\n\
              lease_ms = {}\nregions_per_machine = {}\nreplicas = {}\nregion_mb = {}\n\
              zookeeper = {:?}\nstats_seconds = {}\nstart_timeout_seconds = {}\nfabric = {:?}\n\
-             tcp_timeout_ms = {}\nsecret_file = {:?}\n{}{}{}{}",
+             tcp_timeout_ms = {}\nsecret_file = {:?}\n{}{}{}{}{}",
             self.cluster,
             self.dir.display().to_string(),
             self.machines,
@@ -343,6 +364,10 @@ impl Settings {
                 "metrics_addr = {:?}\n",
                 a.to_string()
             )),
+            self.restart_without_seconds
+                .map_or(String::new(), |t| format!(
+                    "restart_without_seconds = {t}\n"
+                )),
         )
     }
 
@@ -403,6 +428,7 @@ impl Settings {
             region_bytes: self.region_mb << 20,
             zookeeper: Some((self.zookeeper.clone(), self.root())),
             restart,
+            restart_without_after: self.restart_without_seconds.map(Duration::from_secs),
             join,
             transport: if self.fabric == "tcp" {
                 Transport::Tcp {

@@ -95,9 +95,13 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             } else {
                 config.resolve()?
             };
-            let flag = if restart { vec!["--restart"] } else { vec![] };
+            let (flag, machines) = if restart {
+                (vec!["--restart"], restarting(&s)?)
+            } else {
+                (vec![], (0..s.machines).collect())
+            };
             // They run on after the launcher exits.
-            drop(start_all(&s, &flag, &args)?);
+            drop(start_machines(&s, &machines, &flag, &args)?);
             std::fs::write(s.dir.join(SAVED), s.to_toml())?;
             status(&s)
         }
@@ -372,6 +376,9 @@ fn settings_flags(s: &Settings) -> Vec<String> {
     if let Some(a) = s.metrics_addr {
         push("metrics-addr", a.to_string());
     }
+    if let Some(t) = s.restart_without_seconds {
+        push("restart-without-seconds", t.to_string());
+    }
     f
 }
 
@@ -461,7 +468,59 @@ fn tail(text: &str, n: usize) -> String {
 
 /// Starts every machine with `flags` and `args` (a workload, or the program's own), and waits
 /// until all run; returns their processes.
+/// The machines a whole-cluster restart starts: those that left NVRAM under the cluster's
+/// directory. Without `restart_without_seconds` every machine must have; with it, the others
+/// restart without those that did not, if that loses nothing.
+fn restarting(s: &Settings) -> anyhow::Result<Vec<u16>> {
+    let mut present = Vec::new();
+    let mut missing = Vec::new();
+    for m in 0..s.machines {
+        let left = farm::node::left_state(&s.dir, farm::MachineId(m))
+            .with_context(|| format!("reading machine {m}'s NVRAM in {}", s.dir.display()))?;
+        if left {
+            present.push(m);
+        } else {
+            missing.push(m);
+        }
+    }
+    if present.is_empty() {
+        bail!(
+            "no machine left NVRAM in {}: nothing to restart",
+            s.dir.display()
+        );
+    }
+    if !missing.is_empty() {
+        let Some(after) = s.restart_without_seconds else {
+            bail!(
+                "machines {missing:?} left no NVRAM in {} (a disk that died?): bring it back, \
+                 or restart without them with --restart-without-seconds S (the others go on \
+                 without them after S seconds if every region keeps a complete replica among \
+                 them and they are a majority)",
+                s.dir.display()
+            );
+        };
+        println!(
+            "machines {missing:?} left no NVRAM in {}: machines {present:?} restart without \
+             them after {after} s if every region keeps a complete replica among them and they \
+             are a majority (`farm-node local restart M` brings one back as a new machine)",
+            s.dir.display()
+        );
+    }
+    Ok(present)
+}
+
 fn start_all(s: &Settings, flags: &[&str], args: &[String]) -> anyhow::Result<Vec<Child>> {
+    let all: Vec<u16> = (0..s.machines).collect();
+    start_machines(s, &all, flags, args)
+}
+
+/// Starts `machines` of the cluster and waits until each says it runs.
+fn start_machines(
+    s: &Settings,
+    machines: &[u16],
+    flags: &[&str],
+    args: &[String],
+) -> anyhow::Result<Vec<Child>> {
     ensure_secret(s)?;
     for m in 0..s.machines {
         if let Some(pid) = running(s, m) {
@@ -476,11 +535,11 @@ fn start_all(s: &Settings, flags: &[&str], args: &[String]) -> anyhow::Result<Ve
         let _ = std::fs::remove_file(log_file(s, m));
     }
     let mut children = Vec::new();
-    for m in 0..s.machines {
-        children.push(spawn(s, m, flags, args)?);
+    for m in machines {
+        children.push(spawn(s, *m, flags, args)?);
     }
-    for (m, child) in children.iter_mut().enumerate() {
-        if let Err(e) = wait_running(s, m as u16, child, 0) {
+    for (m, child) in machines.iter().zip(&mut children) {
+        if let Err(e) = wait_running(s, *m, child, 0) {
             for c in &mut children {
                 let _ = c.kill();
             }

@@ -94,21 +94,8 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str], metrics_por
     };
     let value = |m: u16, name: &str| sample(&scrape(m), name, &format!("machine=\"{m}\""));
     let _stop = StopOnDrop(&local);
-    // The most transfers machine `m` said were acknowledged (`bank: acked N`).
-    let acked = |m: u16| -> u64 {
-        (local.log(m).lines())
-            .filter_map(|l| l.strip_prefix("bank: acked ")?.parse().ok())
-            .max()
-            .unwrap_or(0)
-    };
-    // Transfers in rounds, one per slot, 5 ms apart: machine processes that saturate two cores
-    // halted on the power signal too far apart (the first to halt was removed by the others:
-    // README, What survives what) and starved the test's ZooKeeper server for seconds.
-    let pace = ["--pause-ms", "5"];
-    local.ok_with(&["start"], &pace);
-    local.wait_until("every machine acknowledged transfers", || {
-        (0..3).all(|m| acked(m) > 0)
-    });
+    let acked = |m: u16| acked(&local, m);
+    start_transfers(&local);
     if metrics_port.is_some() {
         for m in 0..3 {
             let text = scrape(m);
@@ -164,7 +151,7 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str], metrics_por
     });
     let before_rejoin = acked(2);
     assert!(local
-        .ok_with(&["restart", "2"], &pace)
+        .ok_with(&["restart", "2"], &PACE)
         .contains("machine 2 rejoined"));
     local.wait_until("machine 2 transfers again", || {
         acked(2) > before_rejoin + 100
@@ -191,16 +178,43 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str], metrics_por
     let acked: Vec<u64> = (0..3).map(acked).collect();
 
     local.ok_with(&["start", "--restart"], &["--audit"]);
+    audits_find_the_money_whole(&local, 3, &acked);
+}
+
+/// Transfers in rounds, one per slot, 5 ms apart: machine processes that saturate two cores
+/// halted on the power signal too far apart (the first to halt was removed by the others:
+/// README, What survives what) and starved the test's ZooKeeper server for seconds.
+const PACE: [&str; 2] = ["--pause-ms", "5"];
+
+/// Starts the bank's three machines at `PACE`, and waits until each acknowledged transfers.
+fn start_transfers(local: &Local<'_>) {
+    local.ok_with(&["start"], &PACE);
+    local.wait_until("every machine acknowledged transfers", || {
+        (0..3).all(|m| acked(local, m) > 0)
+    });
+}
+
+/// The most transfers machine `m` said were acknowledged (`bank: acked N`).
+fn acked(local: &Local<'_>, m: u16) -> u64 {
+    (local.log(m).lines())
+        .filter_map(|l| l.strip_prefix("bank: acked ")?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Waits until machines `0..machines` audited the restarted bank, and checks that each audit
+/// finds the money whole and at least the transfers each machine acknowledged (`acked`).
+fn audits_find_the_money_whole(local: &Local<'_>, machines: u16, acked: &[u64]) {
     let mut audits = Vec::new();
-    local.wait_until("every machine audited the bank", || {
-        audits = (0..3)
+    local.wait_until("the machines audited the bank", || {
+        audits = (0..machines)
             .filter_map(|m| {
                 let log = local.log(m);
                 let line = log.lines().find(|l| l.starts_with("bank: audit: "))?;
                 Some(line.to_string())
             })
             .collect();
-        audits.len() == 3
+        audits.len() == machines as usize
     });
     for audit in &audits {
         assert!(
@@ -220,4 +234,58 @@ fn bank_through_a_kill_and_a_power_signal(test: u16, flags: &[&str], metrics_por
             );
         }
     }
+}
+
+/// A whole-cluster restart without a machine whose disk died: three processes of the bank
+/// transfer money and are stopped with the power signal, and machine 2's NVRAM is removed.
+/// `start --restart` refuses, naming it; with `--restart-without-seconds`, machines 0 and 1
+/// restart without machine 2 after that wait (three-way replication left a complete replica
+/// of every region on each), and their audit finds the money whole and every transfer each
+/// machine acknowledged, machine 2's included. `local restart 2` then brings machine 2 back
+/// as a new machine, and its transfers go on.
+#[test]
+fn a_cluster_restarts_without_a_machine_whose_disk_died() {
+    let Some(zk) = zookeeper() else { return };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .unwrap();
+    let mut local = Local::new(dir.path(), "lost", zk, 7, 16);
+    local
+        .args
+        .extend(["--program".to_string(), example("bank")]);
+    let _stop = StopOnDrop(&local);
+    start_transfers(&local);
+    local.ok(&["stop"]);
+    let acked: Vec<u64> = (0..3).map(|m| acked(&local, m)).collect();
+    let data = dir.path().join("farm-data").join(&local.args[1]);
+    std::fs::remove_dir_all(data.join("m2")).unwrap();
+
+    let refused = local.run_with(&["start", "--restart"], &["--audit"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("machines [2] left no NVRAM"),
+        "{stderr}"
+    );
+    let started = local.ok_with(
+        &["start", "--restart", "--restart-without-seconds", "2"],
+        &["--audit"],
+    );
+    assert!(
+        started.contains("machines [0, 1] restart without them after 2 s"),
+        "{started}"
+    );
+    local.wait_status("members [0, 1], CM 0");
+    audits_find_the_money_whole(&local, 2, &acked);
+    assert!(local
+        .log(0)
+        .contains("restarted without machines that did not come back"));
+
+    assert!(local
+        .ok_with(&["restart", "2"], &PACE)
+        .contains("machine 2 rejoined"));
+    local.wait_status("members [0, 1, 2], CM 0");
+    local.wait_until("machine 2 transfers again", || {
+        (local.log(2).lines()).any(|l| l.starts_with("bank: acked "))
+    });
 }

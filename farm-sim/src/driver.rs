@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use farm_cm::restart::{ExchangeParams, Outcome, Persisted};
+use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, Persisted};
+use farm_cm::ConfigurationStore;
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::fabric::{Endpoint, Fabric};
 use farm_core::ring::RingLayout;
@@ -106,6 +107,11 @@ pub struct SimConfig {
     /// transaction at a time, their executions and commits interleaved as the seed says (the
     /// commits of one worker are in flight together, `Worker::start_commit`).
     pub clients_per_worker: u16,
+    /// At each power loss, one machine other than machine 0 (which decides the restart) loses
+    /// its NVRAM with the power and never comes back, when the failures so far leave room for
+    /// one more (fewer than `replicas - 1`): machine 0 restarts the others without it
+    /// ([`farm_cm::restart::LeaveOut`]).
+    pub disk_losses: bool,
 }
 
 impl Default for SimConfig {
@@ -129,6 +135,7 @@ impl Default for SimConfig {
             store_timeouts: false,
             allocations: 0,
             clients_per_worker: 1,
+            disk_losses: false,
         }
     }
 }
@@ -170,6 +177,8 @@ pub struct SimOutcome {
     /// Restarts the power cut short, during the exchange, and of those, the ones after which
     /// some machine had reopened its NVRAM.
     pub restarts_cut: (u64, u64),
+    /// Machines whose NVRAM a power loss took ([`SimConfig::disk_losses`]).
+    pub disks_lost: u64,
     /// Machines paused.
     pub paused: u64,
     /// Machines that stopped because their own lease told them they had been removed.
@@ -305,6 +314,7 @@ pub struct Sim {
     restarts: u64,
     restarts_mid: (u64, u64, u64),
     restarts_cut: (u64, u64),
+    disks_lost: u64,
     params: Params,
     step_no: u64,
 }
@@ -461,6 +471,7 @@ impl Sim {
             restarts: 0,
             restarts_mid: (0, 0, 0),
             restarts_cut: (0, 0),
+            disks_lost: 0,
             params,
             step_no: 0,
         };
@@ -795,6 +806,43 @@ impl Sim {
         // reopened their NVRAM by then.
         let mut cut_after =
             (self.rng.below(3) == 0).then(|| 1 + self.rng.below(RESTART_CUT_TICKS_MAX));
+        // A disk that dies with the power: a member other than machine 0, if one more failure
+        // than the run plans (crashes, and pauses, which get machines removed) and the disks
+        // lost before leaves room for the failures still to come, and if the restart can go
+        // on without it (`farm_cm::restart::decide`: a complete replica of every region and a
+        // majority among the machines that come back; machines still copying count).
+        let failures =
+            (self.config.crashes + self.config.pauses) as usize + self.disks_lost as usize;
+        let lost = (self.config.disk_losses && failures + 1 < self.config.replicas as usize)
+            .then(|| {
+                let stored = (self.cm.restart_store().read_config())
+                    .expect("the simulated store answers reads at a power loss")
+                    .expect("a configuration is stored")
+                    .1
+                    .id;
+                let persisted: Vec<Option<Persisted>> = self
+                    .machines
+                    .iter()
+                    .map(|m| Some(persisted_of(m)))
+                    .collect();
+                let leave_out = leave_out_of(&self.config);
+                let candidates: Vec<MachineId> = (members.iter().copied())
+                    .filter(|m| *m != MachineId(0))
+                    .filter(|m| {
+                        let mut without = persisted.clone();
+                        without[m.0 as usize] = None;
+                        let machines = self.config.machines;
+                        farm_cm::restart::decide(stored, &without, machines, leave_out).is_ok()
+                    })
+                    .collect();
+                (!candidates.is_empty())
+                    .then(|| candidates[self.rng.below(candidates.len() as u64) as usize])
+            })
+            .flatten();
+        if let Some(m) = lost {
+            self.disks_lost += 1;
+            self.crashed.push(m);
+        }
         let mut stopped = std::mem::take(&mut self.machines);
         let (fabric, restarts) = loop {
             let fabric = Arc::new(MemFabric::new(MemFabricConfig {
@@ -807,10 +855,17 @@ impl Sim {
             fabric.set_datagram_policy(self.datagram_policy());
             let store = self.cm.restart_store();
             let mut restarts = restarts_of(&stopped, &fabric, store, self.params, &self.config);
+            if let Some(m) = lost {
+                // It never runs again: nothing reaches it, and it sends nothing.
+                fabric.kill(m);
+            }
             let cut = cut_after.take().map(|t| self.now + t);
             // Every machine's process starts again and takes part, in an order that turns.
             let deadline = self.now + RESTART_TICKS_MAX;
-            while restarts.iter().any(|r| r.outcome().is_none()) && cut != Some(self.now) {
+            let running = |r: &MachineRestart<'_>| Some(r.machine()) != lost;
+            while restarts.iter().any(|r| running(r) && r.outcome().is_none())
+                && cut != Some(self.now)
+            {
                 if self.now > deadline {
                     let waiting: Vec<_> = restarts.iter().map(|r| r.waiting_for()).collect();
                     panic!(
@@ -821,6 +876,9 @@ impl Sim {
                 let n = restarts.len();
                 for k in 0..n {
                     let r = &mut restarts[(self.now as usize + k) % n];
+                    if !running(r) {
+                        continue;
+                    }
                     r.step(self.now);
                     if let Some(Outcome::Failed(e)) = r.outcome() {
                         panic!("seed {seed}: restart refused at {}: {e}", r.machine());
@@ -828,7 +886,9 @@ impl Sim {
                 }
             }
             if cut != Some(self.now) {
-                let finished: Vec<Finished> = restarts.into_iter().map(|r| r.finish()).collect();
+                let finished: Vec<Option<Finished>> = (restarts.into_iter())
+                    .map(|r| running(&r).then(|| r.finish()))
+                    .collect();
                 break (fabric, finished);
             }
             // The power went: what each machine reopened is its NVRAM now.
@@ -848,9 +908,17 @@ impl Sim {
         let mut machines = Vec::new();
         let mut workers = Vec::new();
         let mut exchanges = Vec::new();
+        let plan = restarts
+            .iter()
+            .flatten()
+            .find_map(|r| match r {
+                Finished::Restarted(r) => Some(r.machine.view().config.clone()),
+                _ => None,
+            })
+            .expect("a member restarted");
         for r in restarts {
             match r {
-                Finished::Restarted(r) => {
+                Some(Finished::Restarted(r)) => {
                     machines.push(r.machine);
                     workers.extend(r.workers.into_iter().map(|mut w| {
                         w.set_check_invariants(true);
@@ -858,8 +926,8 @@ impl Sim {
                     }));
                     exchanges.push(r.exchange);
                 }
-                Finished::Removed(plan) => {
-                    // Removed before the power went: it stays down.
+                // Removed before the power went, or its NVRAM is gone: it stays down.
+                Some(Finished::Removed(_)) | None => {
                     let id = MachineId(machines.len() as u16);
                     fabric.kill(id);
                     self.down.insert(id);
@@ -867,7 +935,7 @@ impl Sim {
                     let m = MachineState::new(
                         id,
                         self.params,
-                        plan.config,
+                        plan.clone(),
                         RegionMap::default(),
                         f,
                         None,
@@ -876,7 +944,7 @@ impl Sim {
                     workers.extend((0..threads).map(|t| sim_worker(&m, ThreadId(t))));
                     machines.push(m);
                 }
-                Finished::Failed(e) => panic!("seed {seed}: restart refused: {e}"),
+                Some(Finished::Failed(e)) => panic!("seed {seed}: restart refused: {e}"),
             }
         }
         drop(stopped);
@@ -1304,6 +1372,7 @@ impl Sim {
             restarts: self.restarts,
             restarts_mid: self.restarts_mid,
             restarts_cut: self.restarts_cut,
+            disks_lost: self.disks_lost,
             paused: self.pauses_done,
             evicted: self.evicted,
             stalls: self.stalls_done,
@@ -1605,19 +1674,12 @@ fn restarts_of<'a>(
     let exchange = ExchangeParams {
         machines: config.machines,
         repeat: REPEAT_TICKS,
+        leave_out: leave_out_of(config),
     };
     stopped
         .iter()
         .map(|m| {
-            let v = m.view();
-            let persisted = Persisted {
-                view: farm_core::codec::StoredView {
-                    config: v.config.clone(),
-                    map: v.map.clone(),
-                    changes: v.changes.clone(),
-                },
-                copying: m.regions_to_copy(),
-            };
+            let persisted = persisted_of(m);
             let mut r = MachineRestart::new(
                 m.id,
                 exchange,
@@ -1631,6 +1693,30 @@ fn restarts_of<'a>(
             r
         })
         .collect()
+}
+
+/// When a disk may be gone, machine 0 waits four leases for every machine (four repeats of
+/// what each left, so that lost datagrams leave out no machine that runs), then restarts
+/// without those it has not heard from.
+fn leave_out_of(config: &SimConfig) -> Option<LeaveOut> {
+    config.disk_losses.then_some(LeaveOut {
+        after: 4 * LEASE_TICKS,
+        replicas: config.replicas as usize,
+        regions_max: farm_txn::control::REGIONS_PER_MACHINE_MAX,
+    })
+}
+
+/// What a stopped machine left in its NVRAM: its newest view, and the regions it was copying.
+fn persisted_of(m: &MachineState) -> Persisted {
+    let v = m.view();
+    Persisted {
+        view: farm_core::codec::StoredView {
+            config: v.config.clone(),
+            map: v.map.clone(),
+            changes: v.changes.clone(),
+        },
+        copying: m.regions_to_copy(),
+    }
 }
 
 fn sim_worker(machine: &Arc<MachineState>, thread: ThreadId) -> Worker {

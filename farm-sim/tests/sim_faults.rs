@@ -61,6 +61,7 @@ fn config(seed: u64) -> SimConfig {
         store_timeouts: seed % 8 >= 6,
         allocations: 0,
         clients_per_worker: 1 + (seed / 7 % 4) as u16,
+        disk_losses: false,
     }
 }
 
@@ -132,11 +133,13 @@ fn allocation_config(seed: u64) -> SimConfig {
     }
 }
 
-/// Power losses: one or two, a third of the seeds with a machine crashed (and recovered) before.
+/// Power losses: one or two, a third of the seeds with a machine crashed (and recovered) before,
+/// and a third with a disk that dies with the power (the cluster restarts without it).
 fn power_config(seed: u64) -> SimConfig {
     SimConfig {
         crashes: seed.is_multiple_of(3) as u16,
         power_losses: 1 + (seed % 2) as u16,
+        disk_losses: (seed / 2).is_multiple_of(3),
         ..config(seed)
     }
 }
@@ -180,6 +183,16 @@ fn varied_config(seed: u64) -> SimConfig {
         store_timeouts: r.below(3) == 0,
         allocations: r.below(3) as u16,
         clients_per_worker: 1 + r.below(4) as u16,
+        disk_losses: r.below(3) == 0,
+    }
+}
+
+/// A seed's configuration as it was when the seed was found, before the power took disks
+/// (`disk_losses` changes what a seed runs).
+fn as_found(config: SimConfig) -> SimConfig {
+    SimConfig {
+        disk_losses: false,
+        ..config
     }
 }
 
@@ -341,7 +354,7 @@ fn a_vote_requested_before_the_coordinator_drained_does_not_abort_a_commit() {
 /// checks go again on another running member.
 #[test]
 fn a_final_check_whose_machine_is_removed_goes_again_elsewhere() {
-    check(35335, varied_config(35335));
+    check(35335, as_found(varied_config(35335)));
 }
 
 /// Machine 3 asked for regions, was removed (paused past its lease) before the CM committed
@@ -350,7 +363,7 @@ fn a_final_check_whose_machine_is_removed_goes_again_elsewhere() {
 /// removed meanwhile learns from the store that it was removed.
 #[test]
 fn a_machine_removed_while_it_waits_for_regions_is_not_answered() {
-    check(3918, varied_config(3918));
+    check(3918, as_found(varied_config(3918)));
 }
 
 /// A write that fails between two live machines (here: to a machine paused, cut off, for less
@@ -376,7 +389,7 @@ fn a_link_that_broke_to_a_live_member_gets_it_removed() {
 /// 0's copy of region 1 retried the locked object forever: seed 699 never quiesced.
 #[test]
 fn a_restart_leaves_no_lock_from_the_previous_life() {
-    check(699, varied_config(699));
+    check(699, as_found(varied_config(699)));
 }
 
 /// A restart whose newest view names a primary that was still copying its region promotes a
@@ -387,15 +400,9 @@ fn a_restart_leaves_no_lock_from_the_previous_life() {
 /// finish: machines wait for [[1, 2, 3, 4, 5], [0], [0], [0], [0], [0]]".
 #[test]
 fn a_restart_that_promotes_a_complete_backup_finishes() {
-    check(4553, varied_config(4553));
+    check(4553, as_found(varied_config(4553)));
 }
 
-/// The power went while machine 0 committed a region allocation that only machine 0, the
-/// region's primary, had installed. The restart kept the region (a replica installed it) with
-/// its two backups to be copied from machine 0; machine 0 crashed before the copies were done,
-/// and every reconfiguration failed with "regions [6] lost every complete replica": seed 33827
-/// of the varied shapes never finished its clients. The view that allocated the region never
-/// committed, so nothing was ever written in it: the restart leaves it out.
 /// Two commits in flight on one worker: the newer committed, and was truncated by explicit id
 /// at some replicas while the older was still open (the truncation bound stays below it). The
 /// power went; after the restart a replica promoted since had no record of the newer
@@ -407,7 +414,7 @@ fn a_restart_that_promotes_a_complete_backup_finishes() {
 /// its log space (so one waiting for space holds nothing back).
 #[test]
 fn a_transaction_truncated_by_id_past_an_open_commit_survives_a_power_loss() {
-    check(1719, power_config(1719));
+    check(1719, as_found(power_config(1719)));
     check(2536, allocation_config(2536));
 }
 
@@ -420,13 +427,31 @@ fn a_transaction_truncated_by_id_past_an_open_commit_survives_a_power_loss() {
 /// a block.
 #[test]
 fn a_region_keeps_its_blocks_while_slots_are_free() {
-    check(261, varied_config(261));
-    check(1134, varied_config(1134));
+    check(261, as_found(varied_config(261)));
+    check(1134, as_found(varied_config(1134)));
 }
 
+/// The power went while machine 0 committed a region allocation that only machine 0, the
+/// region's primary, had installed. The restart kept the region (a replica installed it) with
+/// its two backups to be copied from machine 0; machine 0 crashed before the copies were done,
+/// and every reconfiguration failed with "regions [6] lost every complete replica": seed 33827
+/// of the varied shapes never finished its clients. The view that allocated the region never
+/// committed, so nothing was ever written in it: the restart leaves it out.
 #[test]
 fn a_restart_leaves_out_a_region_whose_allocation_never_committed() {
-    check(33827, varied_config(33827));
+    check(33827, as_found(varied_config(33827)));
+}
+
+/// A disk died with the power and the cluster restarted without its machine. The restart
+/// view (the newest configuration without that machine) was installed under the newest
+/// configuration's id over the view each member had really installed, and records that
+/// landed after a member's last drain are judged by the view under that id: a backup took a
+/// transaction the lost machine coordinated for one of a configuration it was not in and
+/// rejected its COMMIT-BACKUP, which its primary had applied ("backup m2 differs from primary
+/// m1"). Seed 301314 of the power losses.
+#[test]
+fn a_restart_without_a_machine_judges_late_records_by_the_view_each_member_installed() {
+    check(301314, power_config(301314));
 }
 
 /// Losing the CM and its first backup CM at once still reconfigures: the next in line takes
@@ -508,7 +533,9 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
     let (mut unknown, mut unknown_committed, mut recovered, mut restarts) = (0, 0, 0, 0);
     let (mut mid_reconfiguration, mut mid_txn_recovery, mut mid_data_recovery) = (0, 0, 0);
     let (mut late_rejected, mut cut, mut cut_after_reopening) = (0, 0, 0);
+    let mut disks_lost = 0;
     let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 500, power_config, |_, out| {
+        disks_lost += out.disks_lost;
         cut += out.restarts_cut.0;
         cut_after_reopening += out.restarts_cut.1;
         unknown += out.unknown.0;
@@ -528,8 +555,10 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
          data or allocator recovery), {recovered} transactions decided by recovery, {unknown} \
          in flight at a power loss or crash ({unknown_committed} committed); {late_rejected} \
          records that landed after a drain rejected again at a restart; {cut} restarts cut short \
-         by the power ({cut_after_reopening} after a machine reopened its NVRAM)"
+         by the power ({cut_after_reopening} after a machine reopened its NVRAM); {disks_lost} \
+         restarts without a machine whose NVRAM the power took"
     );
+    assert!(disks_lost > 0, "no restart went on without a machine");
     assert!(
         cut_after_reopening > 0,
         "the power never went during a restart after a machine reopened its NVRAM"

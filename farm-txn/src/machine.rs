@@ -394,7 +394,15 @@ impl MachineState {
                 .collect()
         };
         *state.to_copy.lock().expect("poisoned") = incomplete;
+        let genuine = state.installed_view(config.id);
         state.install_view(config.clone(), map.clone(), changes, false)?;
+        // A restart without machines that did not come back gives the newest configuration
+        // without them, under its own id. Records that landed after this machine's last drain
+        // are judged by the view it installed under that id (a transaction those machines
+        // coordinated is no recovering one), so that view is what stays kept under it.
+        if let Some(v) = genuine.filter(|v| v.config != config) {
+            state.persist_stored_view(&v.config, &v.map, &v.changes)?;
+        }
         // Every region changes primary at the restart: lock recovery locks again what the
         // recovering transactions wrote, and no lock bit of the previous life has a holder.
         let view = state.view();

@@ -137,6 +137,12 @@ impl<'a> MachineRestart<'a> {
         self.exchange.waiting_for()
     }
 
+    /// Machine 0: why it still waits for the machines that did not come back although its
+    /// `LeaveOut::after` passed (`RestartExchange::not_left_out`).
+    pub fn not_left_out(&self) -> Option<&str> {
+        self.exchange.not_left_out()
+    }
+
     /// The end of the restart, once [`MachineRestart::outcome`] has one.
     pub fn finish(self) -> Finished {
         match self.exchange.outcome().cloned() {

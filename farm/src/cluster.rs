@@ -24,7 +24,7 @@ use crate::lease_thread::{LeaseLength, Suspicion};
 use crate::machine::{ReconfigEvent, Request, Runtime, RuntimeConfig, Shared};
 use crate::pipeline::Pipeline;
 use crate::txn::Txn;
-use farm_cm::restart::{ExchangeParams, Outcome, RestartExchange};
+use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, RestartExchange, LEADER};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 
 /// Errors building a cluster: bad parameters or NVRAM that cannot be mapped.
@@ -167,6 +167,7 @@ pub struct ClusterBuilder {
     store: Option<Arc<dyn CoordinationStore>>,
     reconfigure: bool,
     restart: bool,
+    restart_without_lost: bool,
     replication: Replication,
 }
 
@@ -189,6 +190,7 @@ impl Default for ClusterBuilder {
             store: None,
             reconfigure: true,
             restart: false,
+            restart_without_lost: false,
             replication: Replication::OneSided,
         }
     }
@@ -303,6 +305,18 @@ impl ClusterBuilder {
     /// behind the NVRAM (another store), or when a region has no complete replica left.
     pub fn restart(mut self) -> Self {
         self.restart = true;
+        self
+    }
+
+    /// With [`restart`](ClusterBuilder::restart): a machine whose NVRAM holds nothing (its
+    /// disk was lost with the power) is left out of the restart configuration instead of
+    /// refusing the restart, as a reconfiguration removes a failed machine (§5.2): each of its
+    /// regions must keep a complete replica on another machine (else the restart is refused,
+    /// naming the region), and gets `f + 1` replicas again where capacity allows, copied
+    /// after the restart (§5.4). The machine starts empty, outside the configuration. Off by
+    /// default: an empty directory is more often a mistake than a lost disk.
+    pub fn restart_without_lost(mut self, on: bool) -> Self {
+        self.restart_without_lost = on;
         self
     }
 
@@ -514,21 +528,43 @@ impl ClusterBuilder {
         };
         let invalid = BuildError::Invalid;
         let all = self.machines + self.spare_machines;
+        // Machines here all take part at once, over datagrams that are not lost: machine 0 has
+        // heard from every machine with a state well before it leaves out those without.
         let exchange = ExchangeParams {
             machines: all,
             repeat: crate::node_restart::REPEAT.as_micros() as u64,
+            leave_out: self.restart_without_lost.then_some(LeaveOut {
+                after: LOST_AFTER.as_micros() as u64,
+                replicas: self.replicas as usize,
+                regions_max: farm_txn::control::REGIONS_PER_MACHINE_MAX,
+            }),
         };
-        let mut restarts = Vec::new();
+        // By machine; `None` for a machine whose NVRAM holds nothing, left out.
+        let mut restarts: Vec<Option<MachineRestart<'_>>> = Vec::new();
         for m in (0..all).map(MachineId) {
             let persisted = farm_txn::machine::read_persisted(dir, m)
-                .map_err(|e| invalid(format!("reading machine {m}'s NVRAM: {e}")))?
-                .ok_or_else(|| {
-                    invalid(format!(
-                        "{} holds no state of machine {m}: a restart runs the machines that ran",
-                        dir.display()
-                    ))
-                })?;
-            restarts.push(MachineRestart::new(
+                .map_err(|e| invalid(format!("reading machine {m}'s NVRAM: {e}")))?;
+            let persisted = match persisted {
+                Some(p) => p,
+                None if self.restart_without_lost && m != LEADER => {
+                    tracing::warn!(machine = m.0, "no NVRAM state: restarting without it");
+                    restarts.push(None);
+                    continue;
+                }
+                None => {
+                    return Err(invalid(format!(
+                        "{} holds no state of machine {m}: a restart runs the machines that \
+                         ran{}",
+                        dir.display(),
+                        if m == LEADER {
+                            " (machine 0, which decides the restart, cannot be left out)"
+                        } else {
+                            ""
+                        }
+                    )))
+                }
+            };
+            restarts.push(Some(MachineRestart::new(
                 m,
                 exchange,
                 persisted,
@@ -536,15 +572,21 @@ impl ClusterBuilder {
                 fabric.clone() as Arc<dyn Fabric>,
                 store,
                 Reopen::Dir(dir),
-            ));
+            )));
         }
         let started = Instant::now();
         let failed = |r: &MachineRestart<'_>| matches!(r.outcome(), Some(Outcome::Failed(_)));
-        while restarts.iter().any(|r| r.outcome().is_none()) && !restarts.iter().any(failed) {
+        while restarts.iter().flatten().any(|r| r.outcome().is_none())
+            && !restarts.iter().flatten().any(failed)
+        {
             if started.elapsed() > RESTART_TIMEOUT {
                 let waiting: Vec<(MachineId, Vec<MachineId>)> = (0..all)
                     .map(MachineId)
-                    .zip(restarts.iter().map(|r| r.waiting_for()))
+                    .zip(
+                        restarts
+                            .iter()
+                            .map(|r| r.as_ref().map_or(Vec::new(), |r| r.waiting_for())),
+                    )
                     .filter(|(_, w)| !w.is_empty())
                     .collect();
                 return Err(invalid(format!(
@@ -553,27 +595,37 @@ impl ClusterBuilder {
                 )));
             }
             let now = started.elapsed().as_micros() as u64;
-            for r in &mut restarts {
+            for r in restarts.iter_mut().flatten() {
                 r.step(now);
             }
             std::thread::sleep(RESTART_POLL);
         }
         if let Some(Outcome::Failed(e)) = restarts
             .iter()
+            .flatten()
             .find(|r| failed(r))
             .and_then(|r| r.outcome())
         {
             return Err(invalid(format!("restarting from {}: {e}", dir.display())));
         }
+        let plan = restarts
+            .iter()
+            .flatten()
+            .find_map(|r| match r.outcome() {
+                Some(Outcome::Restarted(p) | Outcome::Removed(p)) => Some(p.config.clone()),
+                _ => None,
+            })
+            .expect("machine 0 restarted");
         let (mut machines, mut workers, mut exchanges) = (Vec::new(), Vec::new(), Vec::new());
         for (m, r) in (0..all).map(MachineId).zip(restarts) {
-            match r.finish() {
-                Finished::Restarted(r) => {
+            match r.map(MachineRestart::finish) {
+                Some(Finished::Restarted(r)) => {
                     machines.push(r.machine);
                     workers.push(Some(r.workers));
                     exchanges.push(r.exchange);
                 }
-                Finished::Removed(plan) => {
+                // Removed before the stop (its NVRAM is stale), or its NVRAM is gone.
+                Some(Finished::Removed(_)) | None => {
                     let stale = farm_txn::machine::machine_dir(dir, m);
                     if stale.exists() {
                         std::fs::remove_dir_all(&stale)?;
@@ -581,7 +633,7 @@ impl ClusterBuilder {
                     let state = MachineState::new(
                         m,
                         params,
-                        plan.config.clone(),
+                        plan.clone(),
                         RegionMap::default(),
                         fabric.clone() as Arc<dyn Fabric>,
                         Some(dir),
@@ -590,7 +642,7 @@ impl ClusterBuilder {
                     machines.push(state);
                     workers.push(None);
                 }
-                Finished::Failed(e) => unreachable!("failures returned above: {e}"),
+                Some(Finished::Failed(e)) => unreachable!("failures returned above: {e}"),
             }
         }
         let config = machines[0].view().config.clone();
@@ -779,6 +831,10 @@ const RESTART_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How often the restart steps its machines' exchanges.
 const RESTART_POLL: Duration = Duration::from_micros(50);
+
+/// How long machine 0 of an in-process restart waits for what the others left before it
+/// restarts without the machines whose NVRAM holds nothing ([`ClusterBuilder::restart_without_lost`]).
+const LOST_AFTER: Duration = Duration::from_millis(100);
 
 impl Cluster {
     /// A builder with the defaults (3 machines, 2 workers each, 3-way replication).

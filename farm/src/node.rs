@@ -18,7 +18,7 @@
 //! restarts from its NVRAM (`node_restart`), and with [`NodeConfig::join`] a new incarnation
 //! of a removed machine joins the running cluster.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -76,6 +76,15 @@ pub struct NodeConfig {
     /// needs), and each member recovers what its logs hold (§5.3). Without it, a node refuses
     /// a directory that holds its machine's state.
     pub restart: bool,
+    /// With `restart`: how long machine 0 waits for every machine before it restarts without
+    /// those that did not come back (a machine whose disk died with the power), which it does
+    /// only if every region keeps a complete replica among the machines that came back and they
+    /// are a majority of the newest configuration's members (`farm_cm::restart::LeaveOut`);
+    /// otherwise it goes on waiting until `start_timeout`, and says why. Those left out are
+    /// removed as a reconfiguration removes a failed machine, and their regions get new
+    /// replicas, copied after the restart (§5.4); a machine left out joins again later as a
+    /// new incarnation (`join`). `None`: every machine is waited for.
+    pub restart_without_after: Option<Duration>,
     /// Join the running cluster in ZooKeeper (which a join needs) as a new incarnation of
     /// this machine: whatever its NVRAM holds is forgotten, it waits until the cluster removed
     /// any earlier life of it, then asks the CM to add it (§5.2) and receives replicas of
@@ -625,6 +634,13 @@ impl Node {
 
 /// Waits until `ok` holds for every machine of `machines`, failing with those it does not hold
 /// for after `timeout`.
+/// Whether machine `machine` left its state under the NVRAM directory `dir` (a view it
+/// installed), as a machine that restarts from it must have: a machine whose disk died left
+/// none.
+pub fn left_state(dir: &Path, machine: MachineId) -> std::io::Result<bool> {
+    Ok(farm_txn::machine::read_persisted(dir, machine)?.is_some())
+}
+
 pub(crate) fn wait_for_machines(
     machines: &[MachineId],
     ok: impl Fn(MachineId) -> bool,

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use farm_cm::restart::{ExchangeParams, Persisted, RestartError};
+use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, Persisted, RestartError, LEADER};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::Fabric;
 use farm_core::MachineId;
@@ -30,8 +30,9 @@ pub(crate) const REPEAT: Duration = Duration::from_millis(2);
 const POLL: Duration = Duration::from_micros(200);
 
 /// Restarts this node's machine, which left `persisted` in NVRAM (the node read it at start),
-/// once every machine's process runs. Fails if this machine is not a member of the restart
-/// configuration, or peers stay silent past the start timeout.
+/// once every machine's process runs, or, with [`NodeConfig::restart_without_after`], without
+/// those that did not come back within it. Fails if this machine is not a member of the
+/// restart configuration, or peers stay silent past the start timeout.
 pub(crate) fn restart(
     config: &NodeConfig,
     params: Params,
@@ -40,12 +41,24 @@ pub(crate) fn restart(
     persisted: Persisted,
 ) -> Result<Restarted, NodeError> {
     let me = config.machine;
-    let all: Vec<MachineId> = (0..config.machines).map(MachineId).collect();
-    crate::node::wait_for_machines(&all, |m| fabric.is_up(m), config.start_timeout)?;
+    let leave_out = config.restart_without_after.map(|after| LeaveOut {
+        after: after.as_micros() as u64,
+        replicas: config.replicas as usize,
+        regions_max: farm_txn::control::REGIONS_PER_MACHINE_MAX,
+    });
+    // Machine 0 hears from whoever comes back; the others need it.
+    let first: Vec<MachineId> = match leave_out {
+        None => (0..config.machines).map(MachineId).collect(),
+        Some(_) if me == LEADER => Vec::new(),
+        Some(_) => vec![LEADER],
+    };
+    crate::node::wait_for_machines(&first, |m| fabric.is_up(m), config.start_timeout)?;
     let exchange = ExchangeParams {
         machines: config.machines,
         repeat: REPEAT.as_micros() as u64,
+        leave_out,
     };
+    let members = persisted.view.config.members.clone();
     let mut restart = MachineRestart::new(
         me,
         exchange,
@@ -56,18 +69,49 @@ pub(crate) fn restart(
         Reopen::Dir(&config.dir),
     );
     let started = Instant::now();
+    let mut said = None;
     while restart.outcome().is_none() {
+        let why = restart.not_left_out().map(str::to_string);
         if started.elapsed() > config.start_timeout {
-            return Err(NodeError::PeersMissing {
-                missing: restart.waiting_for(),
-                waited: config.start_timeout,
+            let missing = restart.waiting_for();
+            let waited = config.start_timeout;
+            return Err(match why {
+                Some(why) => NodeError::Invalid(format!(
+                    "machines {missing:?} did not come back within {waited:?}, and the \
+                     restart cannot go on without them: {why}"
+                )),
+                None => NodeError::PeersMissing { missing, waited },
             });
+        }
+        if why.is_some() && why != said {
+            tracing::warn!(
+                missing = ?restart.waiting_for(),
+                why = why.as_deref().unwrap_or_default(),
+                "not restarting without the machines that did not come back: waiting for them"
+            );
+            said = why;
         }
         restart.step(started.elapsed().as_micros() as u64);
         std::thread::sleep(POLL);
     }
     match restart.finish() {
-        Finished::Restarted(r) => Ok(*r),
+        Finished::Restarted(r) => {
+            if let Some(Outcome::Restarted(plan)) = r.exchange.outcome() {
+                let out: Vec<MachineId> = (members.iter().copied())
+                    .filter(|m| !plan.config.contains(*m))
+                    .collect();
+                if !out.is_empty() {
+                    tracing::warn!(
+                        machine = me.0,
+                        left_out = ?out,
+                        config = plan.config.id.0,
+                        "restarted without machines that did not come back; their regions are \
+                         copied again, and they join again as new incarnations"
+                    );
+                }
+            }
+            Ok(*r)
+        }
         Finished::Removed(plan) => Err(NodeError::Invalid(format!(
             "machine {me} is not a member of restart configuration {} (members {:?}): it was \
              removed before the cluster stopped, so its NVRAM is stale",

@@ -108,6 +108,7 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
             (connect.to_string(), root.to_string())
         }),
         restart: mode == "restarted",
+        restart_without_after: None,
         join: false,
         secret: secret(),
     }
