@@ -868,8 +868,8 @@ impl Cluster {
     }
 
     /// Runs `f` as a strictly serializable transaction coordinated on `machine`, retrying with
-    /// backoff on conflicts (up to [`crate::TXN_ATTEMPTS_MAX`] attempts) and while the cluster
-    /// reconfigures and recovers (up to 30 s). Returns the closure's value once the transaction
+    /// backoff on conflicts (until [`crate::TXN_ATTEMPTS_MAX`] attempts were made and 30 s
+    /// passed) and while the cluster reconfigures and recovers (up to 30 s). Returns the closure's value once the transaction
     /// committed, or why it could not. The closure may run several times;
     /// returning an error from it aborts the transaction (use [`Txn::abort`] for a reason).
     pub fn txn<R>(

@@ -29,7 +29,12 @@ use crate::backoff::Backoff;
 use crate::metrics::Counters;
 use crate::txn::Txn;
 
-/// Most attempts of one `txn()` call at a conflict before it gives up with the last one.
+/// Attempts of one `txn()` call at conflicts before it may give up with the last one: it
+/// gives up once it made this many and [`RECOVERY_WAIT_MAX`] passed since it began. A conflict
+/// may be a lock that recovery holds (§5.3: lock recovery locks what the recovering
+/// transactions wrote until each is decided), which lasts as long as recovery, not a number of
+/// attempts: over `tcp`, transactions gave up with "locked when read" while recovery from a
+/// stopped machine held such locks.
 pub const TXN_ATTEMPTS_MAX: u32 = 10_000;
 
 /// How long a `txn()` call waits for reconfiguration and recovery (a blocked region, a
@@ -83,7 +88,9 @@ pub(crate) fn retry(e: &TxError, attempt: u32, started: Instant) -> Retry {
         } else {
             Retry::GiveUp
         }
-    } else if e.is_retryable() && attempt < TXN_ATTEMPTS_MAX {
+    } else if e.is_retryable()
+        && (attempt < TXN_ATTEMPTS_MAX || started.elapsed() < RECOVERY_WAIT_MAX)
+    {
         Retry::Conflict
     } else {
         Retry::GiveUp
@@ -530,7 +537,7 @@ impl Hosts {
     }
 
     /// Runs `f` as a transaction coordinated by `machine`'s worker on `host`, retrying it:
-    /// conflicts with backoff, up to [`TXN_ATTEMPTS_MAX`] attempts; errors that a new
+    /// conflicts with backoff (see [`TXN_ATTEMPTS_MAX`]); errors that a new
     /// configuration and recovery end, for up to [`RECOVERY_WAIT_MAX`]. Allocations that name
     /// no locality hint go near `place` if given. Between attempts the host is polled until
     /// idle: the conflicting commit or the recovery waited for may need its workers.
@@ -787,8 +794,8 @@ impl Hosts {
                 addr,
                 why: "object is not allocated",
             })),
-            // The one retry rule of transactions: a conflict is retried up to
-            // `TXN_ATTEMPTS_MAX` times, a machine or region that recovery will bring back is
+            // The one retry rule of transactions: a conflict is retried with backoff (see
+            // `TXN_ATTEMPTS_MAX`), a machine or region that recovery will bring back is
             // waited for by time. (Counting those waits as attempts failed reads in the middle
             // of a failover, on a busy thread that retries every few microseconds.)
             Err(e) => match retry(&e, *attempt + 1, started) {
@@ -922,5 +929,28 @@ impl Hosts {
             }
         }
         per_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use farm_txn::Conflict;
+
+    /// A conflict is tried again past `TXN_ATTEMPTS_MAX` attempts until `RECOVERY_WAIT_MAX`
+    /// passed (it may be a lock recovery holds), and given up on once both did.
+    #[test]
+    fn conflicts_are_given_up_on_after_attempts_and_time_both() {
+        let e = TxError::Conflict(Conflict::ReadLocked(Addr::new(farm_core::RegionId(0), 64)));
+        let now = Instant::now();
+        assert_eq!(retry(&e, 1, now), Retry::Conflict);
+        assert_eq!(retry(&e, TXN_ATTEMPTS_MAX, now), Retry::Conflict);
+        let long_ago = now
+            .checked_sub(RECOVERY_WAIT_MAX)
+            .expect("a clock this old");
+        assert_eq!(retry(&e, 1, long_ago), Retry::Conflict);
+        assert_eq!(retry(&e, TXN_ATTEMPTS_MAX, long_ago), Retry::GiveUp);
+        let aborted = TxError::Aborted("by the application".into());
+        assert_eq!(retry(&aborted, 1, now), Retry::GiveUp);
     }
 }

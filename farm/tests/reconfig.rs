@@ -691,3 +691,51 @@ fn a_lock_free_read_waits_out_the_death_of_the_objects_primary() {
         .unwrap_or_else(|e| panic!("a read through {reader}: {e}"));
     assert_eq!(v, 42);
 }
+
+/// An object that recovery holds locked (lock recovery locks what the recovering transactions
+/// wrote until each is decided, §5.3) stays locked as long as recovery takes: a wait, not a
+/// conflict to give up on. A transaction that reads it tries again until the lock is gone,
+/// past `TXN_ATTEMPTS_MAX` attempts: over `tcp`, transactions gave up with "locked when read"
+/// while recovery from a stopped machine held such locks. Here the lock bit is set at the
+/// primary as lock recovery sets it, and released once the reader has made more attempts
+/// than that, or after a few seconds where the machine is too busy for that many (a
+/// transaction waits out a lock for `RECOVERY_WAIT_MAX`, 30 s).
+#[test]
+fn a_transaction_waits_out_a_lock_that_recovery_holds() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    let c = Cluster::builder().machines(3).workers(1).build().unwrap();
+    let a = c.txn(MachineId(0), |tx| tx.alloc(&42u64, None)).unwrap();
+    let primary = c.view(MachineId(0)).map.get(a.region).unwrap().primary;
+    let reader = (0..3).map(MachineId).find(|m| *m != primary).unwrap();
+    let mem = c.view(primary).region(a.region).unwrap().clone();
+    let offset = a.offset as u64;
+    let header = farm_core::object::Header(mem.load_u64(offset as usize, SeqCst));
+    farm_core::object::try_lock(&mem, offset, header).unwrap();
+    let attempts = AtomicU32::new(0);
+    let ended = AtomicBool::new(false);
+    let read = std::thread::scope(|s| {
+        s.spawn(|| {
+            let locked = Instant::now();
+            while attempts.load(SeqCst) <= farm::TXN_ATTEMPTS_MAX
+                && locked.elapsed() < Duration::from_secs(5)
+                && !ended.load(SeqCst)
+            {
+                std::thread::yield_now();
+            }
+            // Recovery decided the transaction that wrote it.
+            farm_core::object::unlock(&mem, offset, header);
+        });
+        let read = c.txn(reader, |tx| {
+            attempts.fetch_add(1, SeqCst);
+            tx.read::<u64>(a)
+        });
+        ended.store(true, SeqCst);
+        read
+    });
+    let tried = attempts.load(SeqCst);
+    assert_eq!(
+        read.unwrap_or_else(|e| panic!("gave up after {tried} attempts: {e}")),
+        42
+    );
+    assert!(tried > 1, "{tried} attempts");
+}
