@@ -51,6 +51,11 @@ const DIR_PAGE_ADDRS: usize = 1024;
 /// Allocation of buckets at creation: bytes of buckets per transaction.
 const CREATE_TXN_BYTES: usize = 32 * 1024;
 
+/// Bytes a log record spends on each object it writes beyond the payload (its address, the
+/// header read, flags and length), with room to spare: a transaction of many small buckets
+/// outgrew a record when only payloads counted.
+const ENTRY_OVERHEAD_BYTES: usize = 32;
+
 /// First word of a table's root object.
 const ROOT_MAGIC: u64 = u64::from_le_bytes(*b"farmhash");
 
@@ -78,6 +83,12 @@ impl TableSpec {
         self.buckets as u64 * object as u64
     }
 
+    /// Directory pages that list one partition's buckets: a partition's pages are its own,
+    /// so that each machine can create its partitions ([`HashTable::create_partition`]).
+    pub fn pages_per_partition(&self) -> usize {
+        (self.buckets as usize).div_ceil(DIR_PAGE_ADDRS)
+    }
+
     /// A table for `capacity` entries spread over `partitions`, with buckets of `slots`
     /// entries: twice as many slots as entries, so that inserts do not run out of room before
     /// `capacity` even where hashing is uneven (an insert fails when its home bucket and the
@@ -92,6 +103,44 @@ impl TableSpec {
             slots,
         }
     }
+}
+
+/// Refuses a spec [`HashTable::create`] cannot make for `K` and `V` on `cluster`, saying why.
+fn check_spec<K: Pod, V: Pod>(cluster: &impl Client, spec: &TableSpec) -> Result<(), TxError> {
+    let invalid = |why: String| Err(TxError::Aborted(format!("hash table spec: {why}")));
+    if spec.partitions.is_empty() {
+        return invalid("no partitions".into());
+    }
+    if spec.slots == 0 || spec.slots > SLOTS_MAX {
+        return invalid(format!(
+            "{} slots per bucket; 1 to {SLOTS_MAX} are possible",
+            spec.slots
+        ));
+    }
+    if spec.buckets == 0 {
+        return invalid("no buckets".into());
+    }
+    let bucket_bytes = bucket_bytes::<K, V>(spec.slots as usize);
+    if bucket_bytes > BUCKET_BYTES_MAX {
+        return invalid(format!(
+            "a bucket of {} entries of {} bytes is {bucket_bytes} bytes, more than an \
+             object's {BUCKET_BYTES_MAX}; use fewer slots",
+            spec.slots,
+            slot_bytes::<K, V>()
+        ));
+    }
+    if let Some(m) = spec.partitions.iter().find(|m| m.0 >= cluster.machines()) {
+        return invalid(format!("partition on machine {m}, which does not exist"));
+    }
+    let pages = spec.partitions.len() * spec.pages_per_partition();
+    if ROOT_HEADER_WORDS + pages > BUCKET_BYTES_MAX / 8 {
+        return invalid(format!(
+            "{} partitions of {} buckets need {pages} directory pages, more than a root holds",
+            spec.partitions.len(),
+            spec.buckets
+        ));
+    }
+    Ok(())
 }
 
 /// Which partition a key belongs to.
@@ -149,59 +198,54 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
     /// machine, the root and directory on the first partition's machine. Keys go to partitions
     /// by their hash; see [`HashTable::with_partitioner`].
     pub fn create(cluster: &impl Client, spec: &TableSpec) -> Result<Self, TxError> {
-        let invalid = |why: String| TxError::Aborted(format!("hash table spec: {why}"));
-        if spec.partitions.is_empty() {
-            return Err(invalid("no partitions".into()));
+        let mut dir = Vec::new();
+        let mut pages = Vec::with_capacity(spec.partitions.len());
+        for partition in 0..spec.partitions.len() {
+            let (buckets, p) = Self::alloc_partition(cluster, spec, partition)?;
+            dir.extend(buckets);
+            pages.push(p);
         }
-        if spec.slots == 0 || spec.slots > SLOTS_MAX {
-            return Err(invalid(format!(
-                "{} slots per bucket; 1 to {SLOTS_MAX} are possible",
-                spec.slots
+        let root = Self::create_root(cluster, spec, &pages)?;
+        Ok(Self::from_parts(
+            root,
+            spec.slots as usize,
+            spec.buckets,
+            dir,
+        ))
+    }
+
+    /// The first half of [`HashTable::create`], for one partition: allocates partition
+    /// `partition`'s empty buckets in regions of its machine, and the directory pages that list
+    /// them ([`TableSpec::pages_per_partition`]), which it returns for
+    /// [`HashTable::create_root`]. The machines of a cluster can each create their own
+    /// partitions at once, where they are primaries.
+    pub fn create_partition(
+        cluster: &impl Client,
+        spec: &TableSpec,
+        partition: usize,
+    ) -> Result<Vec<Addr>, TxError> {
+        Ok(Self::alloc_partition(cluster, spec, partition)?.1)
+    }
+
+    /// The second half of [`HashTable::create`]: the table's root, on the first partition's
+    /// machine, from every partition's directory pages ([`HashTable::create_partition`], by
+    /// partition). [`HashTable::open`] opens it.
+    pub fn create_root(
+        cluster: &impl Client,
+        spec: &TableSpec,
+        pages: &[Vec<Addr>],
+    ) -> Result<Addr, TxError> {
+        check_spec::<K, V>(cluster, spec)?;
+        let per_partition = spec.pages_per_partition();
+        if pages.len() != spec.partitions.len() || pages.iter().any(|p| p.len() != per_partition) {
+            return Err(TxError::Aborted(format!(
+                "hash table root: {} partitions of {per_partition} directory pages each, not \
+                 {:?}",
+                spec.partitions.len(),
+                pages.iter().map(Vec::len).collect::<Vec<_>>()
             )));
         }
-        if spec.buckets == 0 {
-            return Err(invalid("no buckets".into()));
-        }
-        let bucket_bytes = bucket_bytes::<K, V>(spec.slots as usize);
-        if bucket_bytes > BUCKET_BYTES_MAX {
-            return Err(invalid(format!(
-                "a bucket of {} entries of {} bytes is {bucket_bytes} bytes, more than an \
-                 object's {BUCKET_BYTES_MAX}; use fewer slots",
-                spec.slots,
-                slot_bytes::<K, V>()
-            )));
-        }
-        if let Some(m) = spec.partitions.iter().find(|m| m.0 >= cluster.machines()) {
-            return Err(invalid(format!(
-                "partition on machine {m}, which does not exist"
-            )));
-        }
-        let total = spec.partitions.len() as u64 * spec.buckets as u64;
-        let pages = (total as usize).div_ceil(DIR_PAGE_ADDRS);
-        if ROOT_HEADER_WORDS + pages > BUCKET_BYTES_MAX / 8 {
-            return Err(invalid(format!(
-                "{total} buckets need {pages} directory pages, more than a root holds"
-            )));
-        }
-        let empty = vec![0u8; bucket_bytes];
-        let per_txn = (CREATE_TXN_BYTES / bucket_bytes).max(1);
-        let mut dir = Vec::with_capacity(total as usize);
-        for &machine in &spec.partitions {
-            let mut left = spec.buckets as usize;
-            while left > 0 {
-                let n = left.min(per_txn);
-                let got = cluster.txn(machine, |tx| tx.alloc_bytes_many(&empty, n, None))?;
-                dir.extend(got);
-                left -= n;
-            }
-        }
-        let home = spec.partitions[0];
-        let mut page_addrs = Vec::with_capacity(pages);
-        for page in dir.chunks(DIR_PAGE_ADDRS) {
-            let bytes: Vec<u8> = page.iter().flat_map(|a| a.to_u64().to_le_bytes()).collect();
-            page_addrs.push(cluster.txn(home, |tx| tx.alloc_bytes(&bytes, None))?);
-        }
-        let mut root = Vec::with_capacity((ROOT_HEADER_WORDS + pages) * 8);
+        let mut root = Vec::with_capacity((ROOT_HEADER_WORDS + pages.len() * per_partition) * 8);
         for word in [
             ROOT_MAGIC,
             std::mem::size_of::<K>() as u64,
@@ -212,16 +256,41 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
         ] {
             root.extend_from_slice(&word.to_le_bytes());
         }
-        for a in &page_addrs {
+        for a in pages.iter().flatten() {
             root.extend_from_slice(&a.to_u64().to_le_bytes());
         }
-        let root = cluster.txn(home, |tx| tx.alloc_bytes(&root, None))?;
-        Ok(Self::from_parts(
-            root,
-            spec.slots as usize,
-            spec.buckets,
-            dir,
-        ))
+        cluster.txn(spec.partitions[0], |tx| tx.alloc_bytes(&root, None))
+    }
+
+    /// Partition `partition`'s buckets and directory pages.
+    fn alloc_partition(
+        cluster: &impl Client,
+        spec: &TableSpec,
+        partition: usize,
+    ) -> Result<(Vec<Addr>, Vec<Addr>), TxError> {
+        check_spec::<K, V>(cluster, spec)?;
+        let machine = *spec.partitions.get(partition).ok_or_else(|| {
+            TxError::Aborted(format!(
+                "hash table spec: no partition {partition} of {}",
+                spec.partitions.len()
+            ))
+        })?;
+        let bucket_bytes = bucket_bytes::<K, V>(spec.slots as usize);
+        let empty = vec![0u8; bucket_bytes];
+        let per_txn = (CREATE_TXN_BYTES / (bucket_bytes + ENTRY_OVERHEAD_BYTES)).max(1);
+        let mut buckets = Vec::with_capacity(spec.buckets as usize);
+        let mut left = spec.buckets as usize;
+        while left > 0 {
+            let n = left.min(per_txn);
+            buckets.extend(cluster.txn(machine, |tx| tx.alloc_bytes_many(&empty, n, None))?);
+            left -= n;
+        }
+        let mut pages = Vec::with_capacity(spec.pages_per_partition());
+        for page in buckets.chunks(DIR_PAGE_ADDRS) {
+            let bytes: Vec<u8> = page.iter().flat_map(|a| a.to_u64().to_le_bytes()).collect();
+            pages.push(cluster.txn(machine, |tx| tx.alloc_bytes(&bytes, None))?);
+        }
+        Ok((buckets, pages))
     }
 
     /// A handle on the table whose root is at `root` (see [`HashTable::root`]), read through
@@ -246,8 +315,8 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
                     std::mem::size_of::<V>()
                 )));
             }
-            let total = (partitions * buckets) as usize;
-            let pages = total.div_ceil(DIR_PAGE_ADDRS);
+            let per_partition = (buckets as usize).div_ceil(DIR_PAGE_ADDRS);
+            let pages = partitions as usize * per_partition;
             let words = tx
                 .read_bytes(root, (ROOT_HEADER_WORDS + pages) * 8)?
                 .to_vec();
@@ -255,9 +324,11 @@ impl<K: Pod, V: Pod> HashTable<K, V> {
                 .chunks(8)
                 .map(|c| Addr::from_u64(u64::from_le_bytes(c.try_into().unwrap())))
                 .collect();
-            let mut dir = Vec::with_capacity(total);
+            let mut dir = Vec::with_capacity((partitions * buckets) as usize);
             for (i, page) in page_addrs.into_iter().enumerate() {
-                let n = (total - i * DIR_PAGE_ADDRS).min(DIR_PAGE_ADDRS);
+                // Each partition's pages list its buckets alone, the last one the rest.
+                let first = (i % per_partition) * DIR_PAGE_ADDRS;
+                let n = (buckets as usize - first).min(DIR_PAGE_ADDRS);
                 let bytes = tx.read_bytes(page, n * 8)?.to_vec();
                 dir.extend(
                     bytes

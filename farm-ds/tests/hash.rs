@@ -295,3 +295,43 @@ fn churn(c: &impl Client, t: &HashTable<u64, u64>, id: u64) -> Vec<u64> {
     }
     mine
 }
+
+/// Each machine creates its own partition (its buckets and their directory pages, where it is
+/// primary), all at once, and a root made from their pages opens as one table: how
+/// `farm-node` creates TPC-C's tables. Partitions of several directory pages, the last one
+/// partly full; a root refuses pages of the wrong partitions.
+#[test]
+fn partitions_created_apart_make_one_table() {
+    let c = cluster();
+    let spec = TableSpec {
+        partitions: ALL.to_vec(),
+        buckets: 2 * 1024 + 100,
+        slots: 1,
+    };
+    assert_eq!(spec.pages_per_partition(), 3);
+    let pages: Vec<Vec<farm::Addr>> = std::thread::scope(|s| {
+        let made: Vec<_> = (0..ALL.len())
+            .rev()
+            .map(|p| {
+                let (c, spec) = (&c, &spec);
+                s.spawn(move || HashTable::<u64, u64>::create_partition(c, spec, p).unwrap())
+            })
+            .collect();
+        made.into_iter().rev().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(pages.iter().all(|p| p.len() == 3), "{pages:?}");
+    let e = HashTable::<u64, u64>::create_root(&c, &spec, &pages[..2]).unwrap_err();
+    assert!(e.to_string().contains("directory pages each"), "{e}");
+    let root = HashTable::<u64, u64>::create_root(&c, &spec, &pages).unwrap();
+    let t: HashTable<u64, u64> = HashTable::open(&c, ALL[1], root).unwrap();
+    assert_eq!(t.capacity(), 3 * (2 * 1024 + 100));
+    for k in 0..3000u64 {
+        assert!(c
+            .txn(ALL[(k % 3) as usize], |tx| t.insert(tx, &k, &(k + 1)))
+            .unwrap());
+    }
+    let u: HashTable<u64, u64> = HashTable::open(&c, ALL[2], root).unwrap();
+    for k in 0..3000u64 {
+        assert_eq!(u.get(&c, ALL[0], &k).unwrap(), Some(k + 1), "{k}");
+    }
+}

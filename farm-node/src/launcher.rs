@@ -732,13 +732,26 @@ fn collect(
     let awaited = |m: usize, failure: &Option<Failure>| {
         failure.is_none_or(|f| f.at_unix_us.is_none() || f.victim as usize != m)
     };
+    // A ZooKeeper that does not answer (busy machine processes on a host they share with it
+    // starve it for seconds) is asked again at the next round: the machines' exits and the
+    // deadline below still end the wait.
+    let mut unanswered = false;
+    let mut get = |name: &str| match store.get(name) {
+        Ok(data) => data,
+        Err(e) => {
+            if !std::mem::replace(&mut unanswered, true) {
+                eprintln!("ZooKeeper did not answer ({e}); asking again");
+            }
+            None
+        }
+    };
     while (0..results.len()).any(|m| results[m].is_none() && awaited(m, failure)) {
-        if !created && store.get(&format!("{workload}-roots"))?.is_some() {
+        if !created && get(&format!("{workload}-roots")).is_some() {
             created = true;
             eprintln!("tables created ({:.0} s)", started.elapsed().as_secs_f64());
         }
         for m in 0..s.machines {
-            if !loaded[m as usize] && store.get(&format!("{workload}-loaded-m{m}"))?.is_some() {
+            if !loaded[m as usize] && get(&format!("{workload}-loaded-m{m}")).is_some() {
                 loaded[m as usize] = true;
                 eprintln!(
                     "machine {m} loaded its partition ({:.0} s)",
@@ -768,7 +781,7 @@ fn collect(
                 continue;
             }
             if results[m as usize].is_none() {
-                if let Some(bytes) = store.get(&format!("{workload}-result-m{m}"))? {
+                if let Some(bytes) = get(&format!("{workload}-result-m{m}")) {
                     results[m as usize] = Some(serde_json::from_slice(&bytes)?);
                 }
             }

@@ -162,8 +162,22 @@ struct Meeting<'a> {
 }
 
 impl Meeting<'_> {
+    /// Publishes `data` as `what`. A ZooKeeper that does not answer is asked again until
+    /// `STEP_WAIT` (busy machine processes on a host they share with it starve it for seconds;
+    /// writing the same data again is harmless).
     fn publish(&self, what: &str, data: &[u8]) -> anyhow::Result<()> {
-        Ok(self.store.put(&format!("{}-{what}", self.workload), data)?)
+        let name = format!("{}-{what}", self.workload);
+        let started = Instant::now();
+        loop {
+            match self.store.put(&name, data) {
+                Ok(()) => return Ok(()),
+                Err(e) if started.elapsed() < STEP_WAIT => {
+                    tracing::warn!(name, error = %e, "publishing in ZooKeeper: asking again");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e).with_context(|| format!("publishing {name}")),
+            }
+        }
     }
 
     fn wait(&self, what: &str) -> anyhow::Result<Vec<u8>> {
@@ -175,8 +189,14 @@ impl Meeting<'_> {
         let name = format!("{}-{what}", self.workload);
         let started = Instant::now();
         loop {
-            if let Some(data) = self.store.get(&name)? {
-                return Ok(Some(data));
+            // A ZooKeeper that does not answer is asked again (see `publish`).
+            match self.store.get(&name) {
+                Ok(Some(data)) => return Ok(Some(data)),
+                Ok(None) => {}
+                Err(e) if started.elapsed() < STEP_WAIT => {
+                    tracing::warn!(name, error = %e, "reading ZooKeeper: asking again");
+                }
+                Err(e) => return Err(e).with_context(|| format!("waiting for {name}")),
             }
             if gone() {
                 return Ok(None);
@@ -200,17 +220,27 @@ impl Meeting<'_> {
     }
 
     fn publish_roots(&self, roots: &[Addr]) -> anyhow::Result<()> {
-        let bytes: Vec<u8> = roots
-            .iter()
-            .flat_map(|a| a.to_u64().to_le_bytes())
-            .collect();
-        self.publish("roots", &bytes)
+        self.publish_addrs("roots", roots)
     }
 
     fn roots(&self) -> anyhow::Result<Vec<Addr>> {
-        let bytes = self.wait("roots")?;
+        self.addrs("roots")
+    }
+
+    /// Publishes `addrs` as `what`.
+    fn publish_addrs(&self, what: &str, addrs: &[Addr]) -> anyhow::Result<()> {
+        let bytes: Vec<u8> = addrs
+            .iter()
+            .flat_map(|a| a.to_u64().to_le_bytes())
+            .collect();
+        self.publish(what, &bytes)
+    }
+
+    /// The addresses published as `what`, once they are.
+    fn addrs(&self, what: &str) -> anyhow::Result<Vec<Addr>> {
+        let bytes = self.wait(what)?;
         if bytes.len() % 8 != 0 {
-            bail!("the published roots are {} bytes", bytes.len());
+            bail!("the published {what} are {} bytes", bytes.len());
         }
         Ok(bytes
             .chunks(8)
@@ -527,18 +557,28 @@ pub fn run_tpcc(
     let scale = tpcc::Scale::for_run(args.warehouses, args.run.seconds);
     let seed = args.run.seed;
     let started = Instant::now();
+    // Each machine creates its partition of every hash table at once, where it is primary;
+    // machine 0 makes the roots from every machine's directory pages.
+    let pages = tpcc::Tables::create_partition(node, scale, me)
+        .context("creating this machine's partitions")?;
+    meeting.publish_addrs(&format!("pages-m{}", me.0), &pages)?;
     let tables = if me.0 == 0 {
-        let tables = tpcc::Tables::create(node, scale, seed).context("creating the tables")?;
+        let pages = (0..meeting.machines)
+            .map(|m| meeting.addrs(&format!("pages-m{m}")))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let tables =
+            tpcc::Tables::create_from(node, scale, seed, &pages).context("creating the tables")?;
         tracing::info!(seconds = started.elapsed().as_secs_f64(), "tables created");
         meeting.publish_roots(&tables.roots())?;
-        tables
-            .populate_items(node, 40, seed)
-            .context("loading ITEM")?;
         tables
     } else {
         tpcc::Tables::open(node, me, scale, seed, &meeting.roots()?)
             .context("opening the tables")?
     };
+    // Every machine loads a share of ITEM, then its own warehouses.
+    tables
+        .populate_item_share(node, 40, seed, me.0 as u32, meeting.machines as u32)
+        .context("loading ITEM")?;
     let mine: Vec<u32> = (1..=args.warehouses)
         .filter(|w| tables.machine_of(node, *w) == me)
         .collect();

@@ -375,6 +375,28 @@ impl Shapes {
     }
 }
 
+/// Creates partition `p` of the hash table of `spec` and adds its directory pages to `pages`.
+fn partition_pages<K: Pod, V: Pod>(
+    cluster: &impl Client,
+    spec: &TableSpec,
+    p: usize,
+    pages: &mut Vec<Addr>,
+) -> Result<(), TxError> {
+    pages.extend(HashTable::<K, V>::create_partition(cluster, spec, p)?);
+    Ok(())
+}
+
+/// The hash table of `spec` whose partitions' directory pages are `pages` (by partition): its
+/// root, made on the first partition's machine, opened there.
+fn rooted<K: Pod, V: Pod>(
+    cluster: &impl Client,
+    spec: &TableSpec,
+    pages: &[Vec<Addr>],
+) -> Result<HashTable<K, V>, TxError> {
+    let root = HashTable::<K, V>::create_root(cluster, spec, pages)?;
+    HashTable::open(cluster, spec.partitions[0], root)
+}
+
 /// One B-tree per warehouse, each created on the warehouse's machine so that its nodes (splits
 /// allocate next to the node they split) live with the warehouse's rows: a warehouse's
 /// transactions then lock and replicate at one primary (§6.1 co-partitions TPC-C by
@@ -446,22 +468,92 @@ pub struct Tables {
 impl Tables {
     /// Creates empty tables for `scale` on every machine of `cluster`.
     pub fn create(cluster: &impl Client, scale: Scale, seed: u64) -> Result<Self, TxError> {
+        let pages = (0..cluster.machines())
+            .map(|m| Self::create_partition(cluster, scale, MachineId(m)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::create_from(cluster, scale, seed, &pages)
+    }
+
+    /// The first half of [`Tables::create`], for the machines of a cluster to do at once:
+    /// machine `me`'s partition of every hash table (its buckets and their directory pages, in
+    /// regions it is primary of), whose pages [`Tables::create_from`] takes.
+    pub fn create_partition(
+        cluster: &impl Client,
+        scale: Scale,
+        me: MachineId,
+    ) -> Result<Vec<Addr>, TxError> {
+        let s = Shapes::of(scale, cluster.machines() as usize);
+        let p = me.0 as usize;
+        let mut pages = Vec::new();
+        partition_pages::<u32, Warehouse>(cluster, &s.warehouse, p, &mut pages)?;
+        partition_pages::<u64, District>(cluster, &s.district, p, &mut pages)?;
+        partition_pages::<u64, Customer>(cluster, &s.customer, p, &mut pages)?;
+        partition_pages::<u64, History>(cluster, &s.history, p, &mut pages)?;
+        partition_pages::<u64, Order>(cluster, &s.order, p, &mut pages)?;
+        partition_pages::<u64, OrderLines>(cluster, &s.order_line, p, &mut pages)?;
+        partition_pages::<u32, Item>(cluster, &s.item, p, &mut pages)?;
+        partition_pages::<u64, Stock>(cluster, &s.stock, p, &mut pages)?;
+        Ok(pages)
+    }
+
+    /// The second half of [`Tables::create`]: the hash tables' roots from every machine's
+    /// [`Tables::create_partition`] (by machine), and the B-trees.
+    pub fn create_from(
+        cluster: &impl Client,
+        scale: Scale,
+        seed: u64,
+        pages: &[Vec<Addr>],
+    ) -> Result<Self, TxError> {
         let n = cluster.machines() as usize;
         let s = Shapes::of(scale, n);
+        let specs = [
+            &s.warehouse,
+            &s.district,
+            &s.customer,
+            &s.history,
+            &s.order,
+            &s.order_line,
+            &s.item,
+            &s.stock,
+        ];
+        let expected: usize = specs.iter().map(|s| s.pages_per_partition()).sum();
+        if pages.len() != n || pages.iter().any(|p| p.len() != expected) {
+            return Err(TxError::Aborted(format!(
+                "TPC-C tables: {n} machines' partitions of {expected} directory pages each, not \
+                 {:?}",
+                pages.iter().map(Vec::len).collect::<Vec<_>>()
+            )));
+        }
+        // Table `t`'s pages, by machine.
+        let mut at = 0;
+        let mut of = |spec: &TableSpec| {
+            let k = spec.pages_per_partition();
+            let table: Vec<Vec<Addr>> = pages.iter().map(|p| p[at..at + k].to_vec()).collect();
+            at += k;
+            table
+        };
+        let warehouse = rooted(cluster, &s.warehouse, &of(&s.warehouse))?;
+        let district = rooted(cluster, &s.district, &of(&s.district))?;
+        let customer = rooted(cluster, &s.customer, &of(&s.customer))?;
+        let history = rooted(cluster, &s.history, &of(&s.history))?;
+        let order = rooted(cluster, &s.order, &of(&s.order))?;
+        let order_line = rooted(cluster, &s.order_line, &of(&s.order_line))?;
+        let item = rooted(cluster, &s.item, &of(&s.item))?;
+        let stock = rooted(cluster, &s.stock, &of(&s.stock))?;
         Ok(Self {
             scale,
             constants: NuRandConstants::draw(&mut Rand::new(seed)),
-            warehouse: HashTable::create(cluster, &s.warehouse)?,
-            district: HashTable::create(cluster, &s.district)?,
-            customer: HashTable::create(cluster, &s.customer)?,
+            warehouse,
+            district,
+            customer,
             customer_by_name: PerWarehouse::create(cluster, scale.warehouses, NAME_FANOUT)?,
-            history: HashTable::create(cluster, &s.history)?,
-            order: HashTable::create(cluster, &s.order)?,
+            history,
+            order,
             new_order: PerWarehouse::create(cluster, scale.warehouses, ORDER_FANOUT)?,
             order_by_customer: PerWarehouse::create(cluster, scale.warehouses, ORDER_FANOUT)?,
-            order_line: HashTable::create(cluster, &s.order_line)?,
-            item: HashTable::create(cluster, &s.item)?,
-            stock: HashTable::create(cluster, &s.stock)?,
+            order_line,
+            item,
+            stock,
         }
         .partitioned(n))
     }
@@ -580,12 +672,27 @@ impl Tables {
         batch: u32,
         seed: u64,
     ) -> Result<(), TxError> {
-        let mut i = 1;
-        while i <= self.scale.items {
-            let end = (i + batch).min(self.scale.items + 1);
-            let m = MachineId((i % cluster.machines() as u32) as u16);
+        self.populate_item_share(cluster, batch, seed, 0, 1)
+    }
+
+    /// Loads share `share` of `shares` of ITEM, the items whose id is `share` more than a
+    /// multiple of `shares` (so that the machines of a cluster load it together), in
+    /// transactions of `batch` rows.
+    pub fn populate_item_share(
+        &self,
+        cluster: &impl Client,
+        batch: u32,
+        seed: u64,
+        share: u32,
+        shares: u32,
+    ) -> Result<(), TxError> {
+        let ids: Vec<u32> = (1..=self.scale.items)
+            .filter(|i| i % shares == share)
+            .collect();
+        for (k, chunk) in ids.chunks(batch.max(1) as usize).enumerate() {
+            let m = MachineId((k % cluster.machines() as usize) as u16);
             cluster.txn(m, |tx| {
-                for id in i..end {
+                for &id in chunk {
                     let mut rng = Rand::new(seed ^ 0x17e3 ^ (id as u64) << 24);
                     let item = Item {
                         price: rng.range(100, 10_000) as i64,
@@ -598,7 +705,6 @@ impl Tables {
                 }
                 Ok(())
             })?;
-            i = end;
         }
         Ok(())
     }
