@@ -454,6 +454,23 @@ fn a_restart_without_a_machine_judges_late_records_by_the_view_each_member_insta
     check(301314, power_config(301314));
 }
 
+/// After a restart (configuration 2), machine 4 was removed while still running (the seed
+/// loses lease datagrams; it has no crash or pause), and two compare-and-sets that timed out
+/// after taking effect used up ids 3 and 4: the next configuration was 5, without machine 4,
+/// which kept running on view 2 until its lease told it it was out. Machine 1 decided a
+/// transaction on a vote of configuration 2 that the first poll of its round of 5 processed,
+/// so the decision was to go to the replicas of configuration 2, machine 4 among them; it
+/// went out once 5 was drained, under 5's id, and machine 4 refused it as naming a
+/// configuration more than one ahead of its view ("recovery messages refused as too far
+/// ahead"). (TRUNCATE-RECOVERY, sent to every replica the decision reached, could go the same
+/// way.) A machine outside a configuration never installs it, so nothing sent to it under
+/// that id is ever read: a coordinator sends a configuration's decisions and truncations to
+/// its members only. Seed 22942 of the power losses.
+#[test]
+fn a_recovery_decision_goes_to_no_machine_that_left_its_configuration() {
+    check(22942, as_found(power_config(22942)));
+}
+
 /// Losing the CM and its first backup CM at once still reconfigures: the next in line takes
 /// over at its turn, and the survivors recover and re-replicate with nothing lost.
 #[test]

@@ -813,7 +813,12 @@ impl Worker {
     /// configuration's recovery messages only once it committed it, and to its members, each
     /// of which acknowledged NEW-CONFIG only after installing it (§5.2): so at most one beyond
     /// the newest view installed here (one: a whole-cluster restart's configuration, which
-    /// peers may start recovering before this machine installs it). Messages of a
+    /// peers may start recovering before this machine installs it). Not to a machine that
+    /// left: one removed keeps running on its stale view until its lease tells it it is out,
+    /// and configuration ids skip (a compare-and-set that timed out after taking effect), so
+    /// it may be any number behind; a recovery coordinator's decisions and truncations for
+    /// replicas of an earlier view therefore go to members of the configuration they name
+    /// only (`Worker::coordinate`). Messages of a
     /// configuration not drained yet are kept until it is (`RecoveryState::early`); without
     /// this, a peer naming ever newer configurations would grow that without limit.
     pub(crate) fn recovery_too_far_ahead(&mut self, sender: MachineId, config: ConfigId) -> bool {
@@ -1416,6 +1421,16 @@ impl Worker {
                     let mut left = Vec::new();
                     let mut placed = Vec::new();
                     for m in to_send {
+                        // A replica of an earlier configuration's view (the decision made on
+                        // a vote that this round's first poll processed, or held back by a
+                        // full queue) that is not a member of `c` has left: it never installs
+                        // `c`, so nothing sent under `c` is ever read there (it is refused as
+                        // too far ahead, `recovery_too_far_ahead`), and no recovery of `c` or
+                        // later reads its logs (a machine joins again only as a new
+                        // incarnation). Its holding the decision is not waited for either.
+                        if !view.config.contains(m) {
+                            continue;
+                        }
                         let msg = Message::Recovery {
                             config: c,
                             region: region0,
@@ -1447,7 +1462,12 @@ impl Worker {
                     if !missing.is_empty() {
                         continue;
                     }
-                    for (m, _) in tickets {
+                    // Only to members of `c`, as the decision above: a replica the decision
+                    // reached in an earlier configuration may have left since.
+                    for (m, _) in tickets
+                        .into_iter()
+                        .filter(|(m, _)| view.config.contains(*m))
+                    {
                         let msg = Message::Recovery {
                             config: c,
                             region: region0,
