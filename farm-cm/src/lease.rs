@@ -257,6 +257,16 @@ impl CmLeases {
         self.timing = timing;
     }
 
+    /// Takes the requests of the members this CM suspects again (its plane could not remove
+    /// them: `farm_cm::Effect::ForgiveMember`): each gets one lease period from `now` to
+    /// renew, and is suspected again if it does not.
+    pub fn forgive_suspects(&mut self, now: u64) {
+        for m in self.members.values_mut().filter(|m| m.suspected) {
+            m.suspected = false;
+            m.member_expires = m.member_expires.max(now + self.timing.lease_ticks);
+        }
+    }
+
     /// This CM's lease manager did not run for `ticks` past its round (its thread was not
     /// scheduled): the leases it granted are extended by as much, as if its clock had stopped.
     /// A machine that stalls cannot tell a silent peer from its own silence, and every peer's
@@ -505,6 +515,14 @@ impl LeaseRole {
         }
     }
 
+    /// A CM takes the requests of the members it suspected and could not remove again
+    /// ([`CmLeases::forgive_suspects`]).
+    pub fn forgive_members(&mut self, now: u64) {
+        if let LeaseRole::Cm(c) = self {
+            c.forgive_suspects(now);
+        }
+    }
+
     /// Until when this machine may tell an application what it read (FaRM §5.1): while the
     /// leases it holds may not have run out at the machines that could remove it. A member,
     /// while its lease at the CM holds (it runs from the REQUEST's sending, so it ends here no
@@ -690,6 +708,34 @@ mod tests {
         let mut uncredited = CmLeases::new(ConfigId(1), t, &[m], 0);
         let mut ev = Vec::new();
         uncredited.tick(150, &mut ev);
+        assert_eq!(ev, vec![LeaseEvent::Suspect(m)]);
+    }
+
+    /// A CM whose plane could not remove a suspected member (a configuration of two) forgives
+    /// it: the member's requests are granted again, and it is suspected again only if it stays
+    /// silent for a lease after the forgiveness.
+    #[test]
+    fn a_cm_forgives_a_suspected_member_and_renews_with_it() {
+        let t = LeaseConfig::new(100);
+        let m = MachineId(1);
+        let mut c = CmLeases::new(ConfigId(1), t, &[m], 0);
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        c.tick(101, &mut ev);
+        assert_eq!(ev, vec![LeaseEvent::Suspect(m)]);
+        let req = LeaseMsg::Request {
+            config: ConfigId(1),
+            seq: 1,
+        };
+        c.on_datagram(m, req, 110, &mut out);
+        assert!(out.is_empty(), "a suspected member's request granted");
+        c.forgive_suspects(120);
+        c.on_datagram(m, req, 130, &mut out);
+        assert_eq!(out.len(), 1, "the forgiven member's request not granted");
+        assert_eq!(c.member_expires(m), Some(230));
+        ev.clear();
+        c.tick(230, &mut ev);
+        assert!(ev.is_empty());
+        c.tick(231, &mut ev);
         assert_eq!(ev, vec![LeaseEvent::Suspect(m)]);
     }
 

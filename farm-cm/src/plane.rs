@@ -210,8 +210,18 @@ pub enum Effect {
     /// a region would be left without a complete replica. It renews leases with the CM again
     /// (`MemberLease::forgive`), and suspects it again if that lease runs out. The CM stays
     /// the CM of the configuration, which no attempt changed. (Without a majority a member
-    /// keeps its suspicion: it may be cut off with a CM the majority removed.)
+    /// keeps its suspicion: it may be cut off with a CM the majority removed; but see
+    /// [`Effect::ForgiveMember`] for a configuration of two.)
     ForgiveCm(MachineId),
+    /// This CM could not remove a member it suspected, the other machine of a configuration
+    /// of two, for want of a majority: with two members nobody can ever be removed without
+    /// both answering, so the suspicion can never be acted on. Its lease manager takes the
+    /// requests of the members it suspects again (`CmLeases::forgive_suspects`), giving them
+    /// one lease period; a member that has really failed is suspected again when it runs out.
+    /// The member does the same with its CM ([`Effect::ForgiveCm`]). Before, a live member
+    /// suspected once (a lease request lost) was refused for good, suspected the CM in turn,
+    /// and neither machine ever served or stopped reconfiguring.
+    ForgiveMember(MachineId),
     /// PREPARE of region allocation at this machine (§3): map and register NVRAM for
     /// `regions`; report with [`ControlPlane::on_regions_prepared`].
     PrepareRegions {
@@ -252,6 +262,8 @@ enum Change {
 struct Attempt {
     reconfig: Reconfig,
     change: Change,
+    /// The configuration the attempt changes (the installed one, or a newer one stored).
+    base: ConfigId,
     /// NEW-CONFIG messages not acknowledged yet, repeated.
     pending: BTreeMap<MachineId, ControlMsg>,
     last_repeat: u64,
@@ -1058,6 +1070,7 @@ impl ControlPlane {
         let c = local.config;
         let me = self.me;
         let base = attempt_base(c, &stored);
+        let base_id = base.id;
         let change = if c.cm == me {
             let suspects: BTreeSet<MachineId> = self
                 .suspects
@@ -1142,6 +1155,7 @@ impl ControlPlane {
         self.attempt = Some(Attempt {
             reconfig: r,
             change,
+            base: base_id,
             pending: BTreeMap::new(),
             last_repeat: now,
             stored: false,
@@ -1222,14 +1236,15 @@ impl ControlPlane {
         let Some(outcome) = a.reconfig.outcome().cloned() else {
             return;
         };
-        let change = a.change.clone();
+        let (change, base) = (a.change.clone(), a.base);
         self.attempt = None;
-        self.finish(change, outcome, now, local);
+        self.finish(change, base, outcome, now, local);
     }
 
     fn finish(
         &mut self,
         change: Change,
+        base: ConfigId,
         outcome: Result<NewConfig, ReconfigError>,
         now: u64,
         local: &Local<'_>,
@@ -1295,6 +1310,15 @@ impl ControlPlane {
                 // nobody would commit it (§5.2 step 6 needs every member's ack).
                 let at = now + self.params.takeover_ticks();
                 let mut forgiven = BTreeSet::new();
+                // The installed configuration has two members, this machine and the one it
+                // suspects: no majority of it leaves out either, and every configuration after
+                // it is driven by its CM with both answering. The suspicion can never be acted
+                // on, and nobody can have removed the other machine behind this one's back
+                // (the CM installs any configuration that leaves its member out as it drives
+                // it). Standing, it made each machine refuse the other's leases for good.
+                let pair = matches!(e, ReconfigError::NoMajority { .. })
+                    && base == local.config.id
+                    && local.config.members.len() == 2;
                 match &e {
                     ReconfigError::NotAcknowledged { config, missing }
                         if local.config.id == *config =>
@@ -1317,8 +1341,9 @@ impl ControlPlane {
                 // complete replica. Not for want of a majority: a member cut off from it may
                 // have been removed meanwhile with its CM, and renewing with that CM would let
                 // it serve what the majority has overwritten; it keeps suspecting (its lease
-                // lapses, and it serves nothing) and tries again.
-                let removal_impossible = matches!(e, ReconfigError::Remap(_));
+                // lapses, and it serves nothing) and tries again. Unless the configuration has
+                // two members (`pair`): then nobody can have removed either.
+                let removal_impossible = pair || matches!(e, ReconfigError::Remap(_));
                 match self.cm_suspicion.as_mut() {
                     // The CM cannot be removed: a CM that came back from a pause would
                     // otherwise never be renewed here, and this member would stop serving for
@@ -1331,6 +1356,14 @@ impl ControlPlane {
                         self.effects.push(Effect::ForgiveCm(cm));
                     }
                     Some(s) => s.not_before = at,
+                    // The CM of a configuration of two: its member is forgiven, and renews
+                    // with it again (`Effect::ForgiveMember`).
+                    None if pair => {
+                        forgiven.extend(suspects.iter().chain(&self.suspects).copied());
+                        for m in forgiven.clone() {
+                            self.effects.push(Effect::ForgiveMember(m));
+                        }
+                    }
                     None => self.suspects.extend(suspects),
                 }
                 self.suspects.retain(|m| !forgiven.contains(m));

@@ -91,6 +91,8 @@ struct Cluster {
     all_active_sent: Vec<(u64, ConfigId)>,
     /// CMs forgiven (`Effect::ForgiveCm`): when, by whom, which.
     forgiven: Vec<(u64, MachineId, MachineId)>,
+    /// Members forgiven by their CM (`Effect::ForgiveMember`): when, by whom, which.
+    members_forgiven: Vec<(u64, MachineId, MachineId)>,
     rng: u64,
 }
 
@@ -139,6 +141,7 @@ impl Cluster {
             cas_answers_lost: 0,
             all_active_sent: Vec::new(),
             forgiven: Vec::new(),
+            members_forgiven: Vec::new(),
             rng: 0x9e37_79b9_7f4a_7c15,
         }
     }
@@ -226,6 +229,7 @@ impl Cluster {
                     Effect::AllRegionsActive(id) => self.machines[i].all_active = id,
                     Effect::Evicted(_) => self.machines[i].evicted = true,
                     Effect::ForgiveCm(cm) => self.forgiven.push((now, m, cm)),
+                    Effect::ForgiveMember(x) => self.members_forgiven.push((now, m, x)),
                     Effect::PrepareRegions {
                         cm,
                         config,
@@ -858,6 +862,49 @@ fn a_member_without_a_majority_keeps_suspecting_its_cm() {
         .any(|(_, m, e)| *m == MachineId(1)
             && matches!(e, Event::Failed(f) if f.contains("majority"))));
     assert!(c.forgiven.is_empty(), "forgave {:?}", c.forgiven);
+}
+
+/// In a configuration of two nobody can be removed: neither machine is a majority alone, and
+/// a suspect is not probed. The CM that suspects its member (a lease request lost, or the
+/// member paused) forgives it once its attempt fails (`Effect::ForgiveMember`: its lease
+/// manager takes the member's requests again), and the member that suspects its CM forgives it
+/// likewise (`Effect::ForgiveCm`); neither is busy afterwards, and the configuration stays.
+/// Before, both suspicions stood for good: the CM refused the member's lease requests, the
+/// member refused the CM's grants, and both attempted every takeover period forever
+/// (simulator seed 23870 of the paused machines).
+#[test]
+fn in_a_configuration_of_two_a_suspicion_is_forgiven() {
+    let mut c = Cluster::with_map(2, RegionMap::striped(2, 1, 1));
+    let (cm, member) = (MachineId(0), MachineId(1));
+    c.suspect(cm, member);
+    assert!(
+        c.run_until(LEASE, |c| !c.members_forgiven.is_empty()),
+        "{:#?}",
+        c.events
+    );
+    assert!(c
+        .members_forgiven
+        .iter()
+        .all(|(_, by, m)| (*by, *m) == (cm, member)));
+    assert!(c
+        .events
+        .iter()
+        .any(|(_, m, e)| *m == cm && matches!(e, Event::Failed(f) if f.contains("majority"))));
+    assert!(!c.machines[0].plane.busy(), "the CM is still busy");
+    c.suspect(member, cm);
+    assert!(
+        c.run_until(LEASE, |c| !c.forgiven.is_empty()),
+        "{:#?}",
+        c.events
+    );
+    assert!(c
+        .forgiven
+        .iter()
+        .all(|(_, by, x)| (*by, *x) == (member, cm)));
+    assert!(!c.machines[1].plane.busy(), "the member is still busy");
+    c.run_until(5 * LEASE, |_| false);
+    assert!(c.machines.iter().all(|m| m.config.id == ConfigId(1)));
+    assert_eq!(c.attempts().len(), 2, "{:#?}", c.events);
 }
 
 /// A member that cannot write to its CM (a broken link: `on_unreachable` every tick) and cannot

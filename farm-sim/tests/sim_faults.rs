@@ -383,6 +383,20 @@ fn a_link_that_broke_to_a_live_member_gets_it_removed() {
     }
 }
 
+/// Machine 0, the CM of three, paused and was removed; machine 1 became the CM of a
+/// configuration of two and gave machine 2 one lease from its own install to ask for a lease.
+/// Machine 2 installed 41 ticks later (NEW-CONFIG delayed, the control planes not scheduled)
+/// and its first request was lost: machine 1 suspected it, and machine 2, refused from then
+/// on, suspected machine 1. With two members neither can be removed (one machine is no
+/// majority), and neither suspicion was ever withdrawn: each refused the other's leases and
+/// attempted every takeover period for good, and seed 23870 of the paused machines never
+/// quiesced ("CM busy true"). In a configuration of two a removal that fails for want of a
+/// majority now forgives the suspect (`Effect::ForgiveMember`, `Effect::ForgiveCm`).
+#[test]
+fn a_configuration_of_two_forgives_a_suspicion_it_cannot_act_on() {
+    check(23870, pause_config(23870));
+}
+
 /// Lock bits are NVRAM, the locks' owners are not: after a whole-cluster restart, a lock bit
 /// the previous life left (here machine 1's recovery lock on an object of region 1, taken for
 /// a transaction whose recovery the power loss interrupted) belonged to nobody, and machine

@@ -354,6 +354,14 @@ impl MachineControl {
                         );
                         self.machine.forgive_cm();
                     }
+                    Effect::ForgiveMember(m) => {
+                        tracing::info!(
+                            machine = me.0,
+                            member = m.0,
+                            "could not remove a member: taking its lease requests again"
+                        );
+                        self.machine.forgive_members();
+                    }
                     Effect::PrepareRegions {
                         cm,
                         config,

@@ -30,6 +30,9 @@ pub struct MachineLease {
     generation: u64,
     /// The forgiveness of the CM the role last took (`MachineState::cm_forgiven`).
     forgiven: u64,
+    /// The forgiveness of suspected members the role last took
+    /// (`MachineState::members_forgiven`).
+    members_forgiven: u64,
     /// When the last round ran (`None` before the first, or after the machine was down).
     last_round: Option<u64>,
     out: Vec<(MachineId, LeaseMsg)>,
@@ -43,6 +46,7 @@ impl MachineLease {
     pub fn new(machine: Arc<MachineState>, timing: LeaseConfig, interval: u64, now: u64) -> Self {
         let generation = machine.view_generation();
         let forgiven = machine.cm_forgiven();
+        let members_forgiven = machine.members_forgiven();
         let role = LeaseRole::new(machine.id, &machine.view().config, timing, now);
         Self {
             machine,
@@ -51,6 +55,7 @@ impl MachineLease {
             interval,
             generation,
             forgiven,
+            members_forgiven,
             last_round: None,
             out: Vec::with_capacity(ROUND_CAPACITY),
             events: Vec::with_capacity(ROUND_CAPACITY),
@@ -101,6 +106,11 @@ impl MachineLease {
         if forgiven != self.forgiven {
             self.forgiven = forgiven;
             self.role.forgive_cm(now);
+        }
+        let forgiven = self.machine.members_forgiven();
+        if forgiven != self.members_forgiven {
+            self.members_forgiven = forgiven;
+            self.role.forgive_members(now);
         }
         let fabric = self.machine.fabric.clone();
         while let Some(from) = fabric.recv_datagram(me, now, &mut self.buf) {

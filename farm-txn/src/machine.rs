@@ -202,6 +202,10 @@ pub struct MachineState {
     /// Increases each time the control plane forgives the CM it could not remove
     /// (`farm_cm::Effect::ForgiveCm`); the lease manager renews with it again.
     cm_forgiven: AtomicU64,
+    /// Increases each time the control plane, as CM, forgives the members it suspected and
+    /// could not remove (`farm_cm::Effect::ForgiveMember`); the lease manager takes their
+    /// requests again.
+    members_forgiven: AtomicU64,
     nvram_dir: Option<PathBuf>,
     /// Regions prepared for allocation (§3) and not yet committed into a view.
     prepared: Mutex<std::collections::BTreeMap<RegionId, Arc<Nvram>>>,
@@ -544,6 +548,7 @@ impl MachineState {
             copying: Mutex::new(Arc::default()),
             view_generation: AtomicU64::new(0),
             cm_forgiven: AtomicU64::new(0),
+            members_forgiven: AtomicU64::new(0),
             nvram_dir,
             prepared: Mutex::new(prepared),
             committed: AtomicU64::new(config.id.0),
@@ -790,6 +795,17 @@ impl MachineState {
     /// How many times the CM was forgiven ([`MachineState::forgive_cm`]).
     pub fn cm_forgiven(&self) -> u64 {
         self.cm_forgiven.load(Ordering::Acquire)
+    }
+
+    /// The control plane, as CM, forgave the members it suspected and could not remove: the
+    /// lease manager takes their requests again ([`MachineState::members_forgiven`]).
+    pub fn forgive_members(&self) {
+        self.members_forgiven.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How many times suspected members were forgiven ([`MachineState::forgive_members`]).
+    pub fn members_forgiven(&self) -> u64 {
+        self.members_forgiven.load(Ordering::Acquire)
     }
 
     /// Increases with every installed view; workers compare it to refresh their copy cheaply.
