@@ -80,7 +80,9 @@ pub enum ControlMsg {
         copying: BTreeMap<RegionId, bool>,
     },
     /// A member to its CM: this member can no longer write to `machine`, a member of
-    /// configuration `config` (its connection broke); the CM suspects it. Repeated while so.
+    /// configuration `config` (its connection broke), and one of the two must leave it: the CM
+    /// removes `machine`, or this member when `machine` cannot be removed (it is the CM, or the
+    /// last complete replica of a region). Repeated while so.
     Unreachable {
         /// The configuration both are members of.
         config: ConfigId,

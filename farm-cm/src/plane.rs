@@ -277,8 +277,28 @@ struct CmState {
     regions_active: BTreeSet<MachineId>,
     /// Machines outside the configuration that asked to join.
     joins: BTreeSet<MachineId>,
-    /// Members that this machine, or a member that told it, cannot write to.
-    unreachable: BTreeSet<MachineId>,
+    /// Members that cannot be written to, each with the members that cannot write to it (this
+    /// machine among them when it is one). A broken link stays broken while both ends are
+    /// members, so one of them must leave: the unreachable one, unless it is this CM or it is
+    /// `irremovable`; then those that cannot reach it ([`CmState::cut_off`]).
+    unreachable: BTreeMap<MachineId, BTreeSet<MachineId>>,
+    /// Unreachable members whose removal failed for want of a complete replica of a region.
+    irremovable: BTreeSet<MachineId>,
+}
+
+impl CmState {
+    /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]).
+    fn cut_off(&self, me: MachineId) -> BTreeSet<MachineId> {
+        let mut out = BTreeSet::new();
+        for (m, by) in &self.unreachable {
+            if *m == me || self.irremovable.contains(m) {
+                out.extend(by.iter().filter(|b| **b != me));
+            } else {
+                out.insert(*m);
+            }
+        }
+        out
+    }
 }
 
 /// A CM this machine suspects.
@@ -296,6 +316,9 @@ struct CmSuspicion {
     /// interval after that.
     next_check: u64,
     check_every: u64,
+    /// This machine cannot write to the CM (not only a lease that ran out): a link that stays
+    /// broken while both are members.
+    unreachable: bool,
 }
 
 /// Why the store is being read (several reasons may share one read).
@@ -407,7 +430,12 @@ impl ControlPlane {
             ("suspects", &self.suspects),
             ("regions active", &self.cm.regions_active),
             ("joins", &self.cm.joins),
-            ("unreachable", &self.cm.unreachable),
+            (
+                "unreachable",
+                &self.cm.unreachable.keys().copied().collect(),
+            ),
+            ("cut off", &self.cm.cut_off(self.me)),
+            ("irremovable", &self.cm.irremovable),
         ];
         for (name, set) in ids {
             assert!(
@@ -582,13 +610,15 @@ impl ControlPlane {
             }
             ControlMsg::Unreachable { config, machine } => {
                 let c = local.config;
+                // `machine` may be this CM: a member that cannot reach it and could not remove
+                // it (`CmSuspicion::unreachable`).
                 if config == c.id
                     && c.cm == me
-                    && machine != me
+                    && machine != from
                     && c.contains(machine)
                     && c.contains(from)
                 {
-                    self.cm.unreachable.insert(machine);
+                    self.cm.unreachable.entry(machine).or_default().insert(from);
                 }
             }
             ControlMsg::Join(_) => {
@@ -928,6 +958,7 @@ impl ControlPlane {
                 deferred_for: None,
                 next_check: now,
                 check_every: self.params.takeover_ticks(),
+                unreachable: false,
             });
         }
     }
@@ -972,10 +1003,13 @@ impl ControlPlane {
             return;
         }
         if c.cm == self.me {
-            self.cm.unreachable.insert(m);
+            self.cm.unreachable.entry(m).or_default().insert(self.me);
         } else if m == c.cm {
             if self.cm_suspicion.is_none() {
                 self.on_suspect(m, now, local);
+            }
+            if let Some(s) = self.cm_suspicion.as_mut() {
+                s.unreachable = true;
             }
         } else {
             let every = self.params.takeover_ticks();
@@ -1075,8 +1109,8 @@ impl ControlPlane {
             let suspects: BTreeSet<MachineId> = self
                 .suspects
                 .iter()
-                .chain(&self.cm.unreachable)
                 .copied()
+                .chain(self.cm.cut_off(me))
                 .filter(|m| *m != me && base.contains(*m))
                 .collect();
             if !suspects.is_empty() || local.committed < c.id || stored.id > c.id {
@@ -1349,11 +1383,22 @@ impl ControlPlane {
                     // otherwise never be renewed here, and this member would stop serving for
                     // good (its own lease at the CM lapses). Forgiven, it gets a lease period;
                     // if it is really gone, the lease runs out and suspects it again.
+                    // If this member cannot write to it either, that stays so while both are
+                    // members: the CM is asked to remove this member instead (repeated with
+                    // every attempt that fails so).
                     Some(s) if removal_impossible => {
-                        let cm = s.cm;
+                        let (cm, unreachable) = (s.cm, s.unreachable);
                         self.cm_suspicion = None;
                         self.cm_retry_at = at;
                         self.effects.push(Effect::ForgiveCm(cm));
+                        if unreachable && !pair {
+                            let config = local.config.id;
+                            let msg = ControlMsg::Unreachable {
+                                config,
+                                machine: cm,
+                            };
+                            self.effects.push(Effect::Send(cm, msg));
+                        }
                     }
                     Some(s) => s.not_before = at,
                     // The CM of a configuration of two: its member is forgiven, and renews
@@ -1364,7 +1409,19 @@ impl ControlPlane {
                             self.effects.push(Effect::ForgiveMember(m));
                         }
                     }
-                    None => self.suspects.extend(suspects),
+                    None => {
+                        self.suspects.extend(suspects.iter().copied());
+                        // Unreachable members that cannot go without a region's last complete
+                        // replica: those that cannot reach them go instead (`cut_off`).
+                        if matches!(e, ReconfigError::Remap(_)) {
+                            let stuck = suspects
+                                .iter()
+                                .filter(|m| self.cm.unreachable.contains_key(m));
+                            self.cm.irremovable.extend(stuck);
+                            let irremovable = &self.cm.irremovable;
+                            self.suspects.retain(|m| !irremovable.contains(m));
+                        }
+                    }
                 }
                 self.suspects.retain(|m| !forgiven.contains(m));
                 self.retry_at = at;
@@ -1424,7 +1481,7 @@ impl ControlPlane {
         }
         if c.cm == me {
             let uncommitted = local.committed < c.id;
-            let due = (!self.suspects.is_empty() || !self.cm.unreachable.is_empty() || uncommitted)
+            let due = (!self.suspects.is_empty() || !self.cm.cut_off(me).is_empty() || uncommitted)
                 && now >= self.retry_at;
             let settled = local.all_active >= c.id && self.suspects.is_empty();
             self.allocation_tick(settled && !due, now, local);

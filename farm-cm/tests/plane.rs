@@ -939,3 +939,86 @@ fn a_member_that_can_neither_reach_nor_remove_its_cm_retries_at_the_takeover_pac
     );
     assert!(!c.forgiven.is_empty(), "the CM was never forgiven");
 }
+
+/// Runs `ticks` ticks in which `from` cannot write to `to` (`on_unreachable` every tick, as the
+/// runtime reports a broken link), until `done`.
+fn unreachable_until(
+    c: &mut Cluster,
+    from: MachineId,
+    to: MachineId,
+    ticks: u64,
+    done: impl Fn(&Cluster) -> bool,
+) -> bool {
+    for _ in 0..ticks {
+        if done(c) {
+            return true;
+        }
+        let now = c.now;
+        c.with_plane(from, |p, l| p.on_unreachable(to, now, l));
+        c.run_effects(from);
+        c.step();
+    }
+    done(c)
+}
+
+/// Whether `m` committed a configuration of exactly `members` with CM `cm`.
+fn committed_as(c: &Cluster, m: MachineId, members: &[MachineId], cm: MachineId) -> bool {
+    let m = &c.machines[m.0 as usize];
+    m.config.members == members && m.config.cm == cm && m.committed == m.config.id
+}
+
+/// A member that cannot write to its CM (its link broke while the CM paused, and stays broken
+/// while both are members) and cannot remove it (the CM holds region 0's last complete replica)
+/// asks the CM to remove it instead, and the CM does. Before, the member forgave the CM and
+/// suspected it again every takeover period for good, and transaction recovery waited for what
+/// it could not send (simulator seed 40455 of the paused machines).
+#[test]
+fn a_member_that_can_neither_reach_nor_remove_its_cm_is_removed_by_it() {
+    let mut c = Cluster::new(3);
+    let (cm, member) = (MachineId(0), MachineId(1));
+    c.machines[1].copying.insert(RegionId(0));
+    c.machines[2].copying.insert(RegionId(0));
+    let out = [MachineId(0), MachineId(2)];
+    assert!(
+        unreachable_until(&mut c, member, cm, 10 * LEASE, |c| {
+            committed_as(c, cm, &out, cm) && committed_as(c, MachineId(2), &out, cm)
+        }),
+        "{:#?}",
+        c.events
+    );
+    assert!(c
+        .events
+        .iter()
+        .any(|(_, m, e)| *m == member
+            && matches!(e, Event::Failed(f) if f.contains("complete replica"))));
+    assert!(c.machines[1].evicted || c.machines[1].config.id < c.machines[0].config.id);
+}
+
+/// The same between two members: machine 2 cannot write to machine 1, which holds region 1's
+/// last complete replica. The CM tries to remove machine 1, fails, and removes machine 2, the
+/// one that cannot reach it, instead.
+#[test]
+fn a_member_that_cannot_reach_a_member_that_cannot_be_removed_is_removed_instead() {
+    let mut c = Cluster::new(3);
+    let (cm, from, to) = (MachineId(0), MachineId(2), MachineId(1));
+    c.machines[0].copying.insert(RegionId(1));
+    c.machines[2].copying.insert(RegionId(1));
+    let out = [MachineId(0), MachineId(1)];
+    assert!(
+        unreachable_until(&mut c, from, to, 10 * LEASE, |c| {
+            committed_as(c, cm, &out, cm) && committed_as(c, to, &out, cm)
+        }),
+        "{:#?}",
+        c.events
+    );
+    let attempts: Vec<_> = c
+        .events
+        .iter()
+        .filter_map(|(_, m, e)| match e {
+            Event::Attempt { suspects, .. } if *m == cm => Some(suspects.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(attempts.first(), Some(&vec![to]), "{:#?}", c.events);
+    assert_eq!(attempts.last(), Some(&vec![from]), "{:#?}", c.events);
+}

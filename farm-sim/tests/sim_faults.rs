@@ -397,6 +397,20 @@ fn a_configuration_of_two_forgives_a_suspicion_it_cannot_act_on() {
     check(23870, pause_config(23870));
 }
 
+/// Machine 1 paused with its memory out of reach: machine 2's write to it failed and the link
+/// stayed broken (it stays so while machine 1 is a member). Machine 1 came back, took over from
+/// machine 0 and became the CM of {1, 2, 3}, holding the one complete replica of region 0 (machine
+/// 0 held the other). Machine 2 could not write to its CM, suspected it, and could not remove it
+/// (removing it would lose region 0), forgave it and suspected it again, every takeover period
+/// for good, while recovery waited for what machine 2 could not send machine 1: seed 40455 of
+/// the paused machines never finished ("clients did not finish"). One of two members whose link
+/// broke must leave, and when the unreachable one cannot (the CM, or the last complete replica of
+/// a region), the one that cannot reach it goes (`ControlMsg::Unreachable`).
+#[test]
+fn a_member_that_cannot_reach_a_machine_that_cannot_be_removed_is_removed_instead() {
+    check(40455, pause_config(40455));
+}
+
 /// Lock bits are NVRAM, the locks' owners are not: after a whole-cluster restart, a lock bit
 /// the previous life left (here machine 1's recovery lock on an object of region 1, taken for
 /// a transaction whose recovery the power loss interrupted) belonged to nobody, and machine
