@@ -31,18 +31,20 @@ pub enum ControlMsg {
     /// CM to member: every member's regions are active; data and allocator recovery may
     /// start (§5.4-5.5).
     AllRegionsActive(ConfigId),
-    /// Machine 0 to every machine of a whole-cluster restart: the cluster restarts as
-    /// configuration `restart` (stored in the coordination store) from the view `from`, the
-    /// newest any machine left in NVRAM. Repeated until the machine sends its
+    /// The machine that decided a whole-cluster restart to every machine: the cluster
+    /// restarts as configuration `restart` (stored in the coordination store) from the view
+    /// `from`, the newest any machine left in NVRAM. Repeated until the machine sends its
     /// [`ControlMsg::RingStarts`].
     Restart {
         /// The restart configuration's id.
         restart: ConfigId,
         /// The view restarted from.
         from: StoredView,
+        /// The decider's life (`codec::RestartMark::life`).
+        life: u64,
     },
-    /// Any machine to machine 0 of a whole-cluster restart: it learnt restart configuration
-    /// `0` ([`ControlMsg::Restart`]), which machine 0 then stops repeating to it.
+    /// Any machine to the decider of a whole-cluster restart: it learnt restart configuration
+    /// `0` ([`ControlMsg::Restart`]), which the decider then stops repeating to it.
     RestartAck(ConfigId),
     /// A machine whose part of a whole-cluster restart failed, to every other machine (and
     /// again to one that asks it anything of the restart): why. `restart` is the restart
@@ -69,15 +71,17 @@ pub enum ControlMsg {
     /// configuration the machine read from the coordination store. Repeated until NEW-CONFIG
     /// adds it.
     Join(ConfigId),
-    /// Every other machine to machine 0 of a whole-cluster restart: what it left in NVRAM,
-    /// the newest view it installed and the regions it was still copying (with whether
-    /// aggressively), from which machine 0 decides the restart. Repeated until
-    /// [`ControlMsg::Restart`] arrives.
+    /// Every machine to every other of a whole-cluster restart: what it left in NVRAM, the
+    /// newest view it installed and the regions it was still copying (with whether
+    /// aggressively), from which the restart is decided, and its life (a number drawn at
+    /// every start: `codec::RestartMark`). Repeated until it knows the decision.
     Persisted {
         /// The newest view the machine installed.
         view: StoredView,
         /// Regions whose replica it was still copying.
         copying: BTreeMap<RegionId, bool>,
+        /// The sender's life.
+        life: u64,
     },
     /// A member to its CM: this member can no longer write to `machine`, a member of
     /// configuration `config` (its connection broke), and one of the two must leave it: the CM
@@ -203,7 +207,11 @@ impl ControlMsg {
         let mut out = vec![CONTROL_TAG, kind];
         out.extend_from_slice(&id.0.to_le_bytes());
         match self {
-            ControlMsg::NewConfig(v) | ControlMsg::Restart { from: v, .. } => {
+            ControlMsg::NewConfig(v) => {
+                out.extend_from_slice(&encode_view(&v.config, &v.map, &v.changes))
+            }
+            ControlMsg::Restart { from: v, life, .. } => {
+                out.extend_from_slice(&life.to_le_bytes());
                 out.extend_from_slice(&encode_view(&v.config, &v.map, &v.changes))
             }
             ControlMsg::RingStarts { starts, .. } => {
@@ -211,7 +219,12 @@ impl ControlMsg {
                     out.extend_from_slice(&word.to_le_bytes());
                 }
             }
-            ControlMsg::Persisted { view, copying } => {
+            ControlMsg::Persisted {
+                view,
+                copying,
+                life,
+            } => {
+                out.extend_from_slice(&life.to_le_bytes());
                 out.extend_from_slice(&(copying.len() as u32).to_le_bytes());
                 for (r, aggressive) in copying {
                     out.extend_from_slice(&r.0.to_le_bytes());
@@ -265,11 +278,16 @@ impl ControlMsg {
             (4, true) => ControlMsg::RegionsActive(id),
             (5, true) => ControlMsg::AllRegionsActive(id),
             (6, false) => {
-                let from = decode_view(rest).ok()?;
+                let life = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+                let from = decode_view(&rest[8..]).ok()?;
                 if from.config.id >= id {
                     return None;
                 }
-                ControlMsg::Restart { restart: id, from }
+                ControlMsg::Restart {
+                    restart: id,
+                    from,
+                    life,
+                }
             }
             (7, true) => ControlMsg::RestartAck(id),
             (8 | 9, false) if rest.len().is_multiple_of(32) => ControlMsg::RingStarts {
@@ -286,6 +304,8 @@ impl ControlMsg {
             },
             (10, true) => ControlMsg::Join(id),
             (11, false) => {
+                let life = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+                let rest = &rest[8..];
                 let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
                 let entries = rest.get(4..4 + n.checked_mul(5)?)?;
                 let mut copying = BTreeMap::new();
@@ -302,7 +322,11 @@ impl ControlMsg {
                 if view.config.id != id || copying.len() != n {
                     return None;
                 }
-                ControlMsg::Persisted { view, copying }
+                ControlMsg::Persisted {
+                    view,
+                    copying,
+                    life,
+                }
             }
             (12, false) if rest.len() == 2 => ControlMsg::Unreachable {
                 config: id,
@@ -520,6 +544,7 @@ mod tests {
                     map: map.clone(),
                     changes: changes.clone(),
                 },
+                life: 7,
             },
             ControlMsg::RingStarts {
                 config: ConfigId(9),
@@ -539,6 +564,7 @@ mod tests {
                     changes: changes.clone(),
                 },
                 copying: BTreeMap::from([(RegionId(1), true), (RegionId(4), false)]),
+                life: u64::MAX,
             },
             ControlMsg::Unreachable {
                 config: ConfigId(5),

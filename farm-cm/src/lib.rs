@@ -27,6 +27,6 @@ pub mod store;
 
 pub use lease::{CmLeases, LeaseConfig, LeaseEvent, LeaseMsg, LeaseRole, MemberLease};
 pub use store::{
-    CasOutcome, ConfigurationStore, CoordinationStore, EmbeddedStore, ReadConfigError, StoreError,
-    StoreVersion,
+    CasOutcome, ConfigurationStore, CoordinationStore, EmbeddedStore, MarkedConfig,
+    ReadConfigError, StoreError, StoreVersion,
 };

@@ -2,15 +2,28 @@
 //! every machine): what the machines exchange to restart from their NVRAM, as a deterministic
 //! state machine ([`RestartExchange`]) that every deployment and the simulator run.
 //!
-//! 1. Every machine but machine 0 sends machine 0 what it left in NVRAM
-//!    ([`ControlMsg::Persisted`]), repeated until machine 0 announces its decision.
-//! 2. Machine 0 decides ([`decide`]): the newest view any machine left ([`restart_view`]),
-//!    which refuses a region without a complete replica, under the next configuration id,
-//!    compare-and-set in the coordination store at the version it read (a cluster that still
-//!    reconfigures makes that fail). It announces it ([`ControlMsg::Restart`]) to every machine
-//!    until each acknowledges ([`ControlMsg::RestartAck`]); the others check it against the
-//!    store. A machine outside the decided configuration was removed before the cluster
-//!    stopped: its NVRAM is stale, and it stays out.
+//! 1. Every machine sends every other what it left in NVRAM ([`ControlMsg::Persisted`]),
+//!    repeated until it knows the decision.
+//! 2. One machine decides ([`decide`]): machine 0 once it heard from every machine, or, with
+//!    a [`LeaveOut`], the lowest machine heard from once [`LeaveOut::after`] passed, without
+//!    the machines it did not hear from (machine 0 among them, if its disk died). The plan is
+//!    the newest view any machine left ([`restart_view`]), which refuses a region without a
+//!    complete replica, under the next configuration id, compare-and-set in the coordination
+//!    store at the version it read (a cluster that still reconfigures makes that fail) and
+//!    marked as its decision in its life ([`RestartMark`]). It announces it
+//!    ([`ControlMsg::Restart`]) to every machine until each acknowledges
+//!    ([`ControlMsg::RestartAck`]); the others check it against the store. A machine outside
+//!    the decided configuration was removed before the cluster stopped: its NVRAM is stale,
+//!    and it stays out.
+//!
+//!    Two machines may both decide (one did not hear the other in time). The store settles
+//!    it: one compare-and-set wins, and a decider that finds the store marked by a machine it
+//!    heard from in the life of the mark, or by one it has not heard from, decides nothing and
+//!    waits for that machine's announcement. A mark of a machine heard from in another life
+//!    was left by a restart that an earlier power loss cut short before anyone installed it,
+//!    and is decided over like any stored configuration. The limit: a restart whose decision
+//!    was stored and whose decider then never came back does not finish (its plan's view is
+//!    known only to the decider); it says so.
 //! 3. Each member reopens its NVRAM with that view ([`Effect::Restore`]): its readers resume
 //!    every inbound ring at its head word, keeping the complete records after it.
 //! 4. A sender continues each ring where its receiver found the tail, which only the receiver
@@ -27,9 +40,11 @@
 //! A machine whose part fails (the store moved on or is another, its NVRAM does not reopen,
 //! peers run other worker counts) tells every other machine why
 //! ([`ControlMsg::RestartRefused`]) and answers anything they ask later with it. A machine
-//! whose restart cannot finish without it (it is machine 0, or a member of the plan) fails at
-//! once, naming it ([`RestartError::Refused`]); a refusal lost with every repeat leaves the
-//! caller's timeout to end the wait.
+//! whose restart cannot finish without it (the plan's decider or a member of it, or, before a
+//! plan, machine 0 of a restart that waits for every machine) fails at once, naming it
+//! ([`RestartError::Refused`]); with a [`LeaveOut`], a machine that refused before a plan
+//! counts as one that did not come back. A refusal lost with every repeat leaves the caller's
+//! timeout to end the wait.
 //!
 //! The exchange reads no clock and does no IO: `now` comes from the caller, and the store
 //! reads, the compare-and-set and the reopening of NVRAM are effects the caller carries out and
@@ -37,15 +52,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use farm_core::codec::StoredView;
+use farm_core::codec::{RestartMark, StoredView};
 use farm_core::config::Configuration;
 use farm_core::{ConfigId, MachineId, RegionId};
 
 use crate::control::ControlMsg;
-use crate::store::{CasOutcome, StoreVersion};
-
-/// The machine that decides a restart.
-pub const LEADER: MachineId = MachineId(0);
+use crate::store::{CasOutcome, MarkedConfig, StoreVersion};
 
 /// Message ids of the restart's messages, apart from those of the control plane, which count
 /// up from zero. A repeat reuses its id: a piece of a long message lost once is made up by the
@@ -357,21 +369,21 @@ pub struct ExchangeParams {
     /// starts, in the caller's time unit. What a machine left is repeated
     /// `PERSISTED_REPEAT_FACTOR` times less often.
     pub repeat: u64,
-    /// Whether machine 0 restarts without machines it has not heard from, and when (`None`:
-    /// it waits for every machine).
+    /// Whether the restart goes on without machines not heard from, and when (`None`: it
+    /// waits for every machine).
     pub leave_out: Option<LeaveOut>,
 }
 
 /// A restart without the machines that do not come back (a disk that died with the power):
-/// after `after` (in the caller's time unit) machine 0 decides from what the others left,
-/// leaving the silent ones out of the restart configuration as a reconfiguration removes a
-/// failed machine (§5.2): each of their regions keeps a complete replica on a machine that
-/// came back, or the restart is refused naming it, and gets `f + 1` replicas again where
-/// capacity allows. A machine left out that comes back later learns it is out (its NVRAM is
-/// stale) and can join as a new machine.
+/// after `after` (in the caller's time unit) the lowest machine heard from decides from what
+/// the others left, leaving the silent ones out of the restart configuration as a
+/// reconfiguration removes a failed machine (§5.2): each of their regions keeps a complete
+/// replica on a machine that came back, or the restart is refused naming it, and gets `f + 1`
+/// replicas again where capacity allows. A machine left out that comes back later learns it
+/// is out (its NVRAM is stale) and can join as a new machine.
 #[derive(Clone, Copy, Debug)]
 pub struct LeaveOut {
-    /// How long machine 0 waits for every machine first.
+    /// How long a machine waits for every machine first.
     pub after: u64,
     /// Replicas per region (`f + 1`).
     pub replicas: usize,
@@ -391,15 +403,18 @@ pub enum Effect {
         /// Its message id: the same for each repeat.
         id: u64,
     },
-    /// Read the coordination store; report with [`RestartExchange::on_store_read`].
+    /// Read the coordination store with its restart mark; report with
+    /// [`RestartExchange::on_store_read`].
     ReadStore,
-    /// Store the restart configuration if the store still holds `expected`; report with
-    /// [`RestartExchange::on_cas`].
+    /// Store the restart configuration, marked as this machine's decision, if the store still
+    /// holds `expected`; report with [`RestartExchange::on_cas`].
     CompareAndSet {
         /// The version read.
         expected: StoreVersion,
         /// The restart configuration.
         config: Configuration,
+        /// This machine in its life.
+        mark: RestartMark,
     },
     /// Reopen this machine's NVRAM with the plan's view in the restart configuration; report
     /// where its inbound rings resume with [`RestartExchange::on_restored`].
@@ -428,20 +443,23 @@ pub enum Outcome {
     Failed(RestartError),
 }
 
-/// Where a machine is in its restart.
+/// Where a machine is in its restart. `all` is what every machine left, by id, as far as this
+/// one heard.
 #[derive(Debug)]
 enum Phase {
-    /// Machine 0: gathering what every machine left, by id.
+    /// Hearing what every machine left and telling every other what this one left, until a
+    /// decision is known or this machine's turn to decide comes.
     Gathering(Vec<Option<Persisted>>),
-    /// Machine 0: reading the store, with what every machine left.
+    /// Deciding here: reading the store.
     Reading(Vec<Option<Persisted>>),
-    /// Machine 0: storing the plan.
-    Storing(RestartPlan),
-    /// Any other machine: telling machine 0 what it left, until machine 0 announces a plan.
-    Telling(Persisted),
-    /// Any other machine: checking machine 0's plan against the store.
-    Checking(RestartPlan),
-    /// Decided: a member reopens its NVRAM, machine 0 announces the plan.
+    /// Storing the plan decided here.
+    Storing(RestartPlan, Vec<Option<Persisted>>),
+    /// The store changed under this machine's decision: reading it again to learn whether
+    /// another machine decided.
+    Rereading(Vec<Option<Persisted>>),
+    /// Checking a plan that its decider announced against the store.
+    Checking(RestartPlan, MachineId),
+    /// Decided: a member reopens its NVRAM, the decider announces the plan.
     Decided,
 }
 
@@ -450,10 +468,19 @@ enum Phase {
 pub struct RestartExchange {
     me: MachineId,
     params: ExchangeParams,
+    /// This machine's life: drawn by the caller at every start, so that a restart
+    /// configuration marked with it is told from one an earlier life stored.
+    life: u64,
     phase: Phase,
-    /// The plan, once decided here.
-    plan: Option<RestartPlan>,
-    /// Machine 0: the machines that learnt the plan (itself included).
+    /// The plan, once decided here, and the machine that decided it.
+    plan: Option<(RestartPlan, MachineId)>,
+    /// The life of every machine heard from in this restart (itself included).
+    lives: BTreeMap<MachineId, u64>,
+    /// A decision marked in the store by a machine of this restart, or by one not heard from
+    /// (perhaps of an earlier life): no decision here while it stands; its decider's
+    /// announcement is awaited.
+    deferred: Option<RestartMark>,
+    /// The decider: the machines that learnt the plan (itself included).
     learnt: BTreeSet<MachineId>,
     /// A member, once its NVRAM is open: where it found each member's rings to it.
     mine: Option<RingStarts>,
@@ -468,38 +495,38 @@ pub struct RestartExchange {
     /// Whether it sent announcements or ring-start requests since its last tick (on deciding
     /// or reopening), which the next tick counts as its repeat.
     sent_since_tick: bool,
-    /// When this machine last told machine 0 what it left.
+    /// When this machine last told the others what it left.
     last_told: Option<u64>,
-    /// Machine 0: when it started gathering (its first tick), and the machines it heard from
-    /// when it decided (those that did not come back never learn the plan from it).
+    /// When it started gathering (its first tick, or when a restart without the machines not
+    /// heard from was last refused), and, as decider, the machines it heard from when it
+    /// decided (those that did not come back never learn the plan from it).
     gathering_since: Option<u64>,
     heard: BTreeSet<MachineId>,
-    /// Machine 0: why the last restart without the machines not heard from was refused.
+    /// Why this machine, whose turn to decide came, still waits ([`LeaveOut::after`] passed).
     not_left_out: Option<String>,
     effects: Vec<Effect>,
 }
 
 impl RestartExchange {
-    /// Machine `me`'s restart, which left `persisted` in its NVRAM.
-    pub fn new(me: MachineId, params: ExchangeParams, persisted: Persisted) -> Self {
+    /// Machine `me`'s restart, which left `persisted` in its NVRAM, in its life `life` (a
+    /// number the caller draws afresh at every start of the machine).
+    pub fn new(me: MachineId, params: ExchangeParams, persisted: Persisted, life: u64) -> Self {
         assert!(
             me.0 < params.machines,
             "{me} is outside a cluster of {}",
             params.machines
         );
         assert!(params.repeat > 0, "a repeat interval of zero");
-        let phase = if me == LEADER {
-            let mut all: Vec<Option<Persisted>> = vec![None; params.machines as usize];
-            all[me.0 as usize] = Some(persisted);
-            Phase::Gathering(all)
-        } else {
-            Phase::Telling(persisted)
-        };
+        let mut all: Vec<Option<Persisted>> = vec![None; params.machines as usize];
+        all[me.0 as usize] = Some(persisted);
         let mut exchange = Self {
             me,
             params,
-            phase,
+            life,
+            phase: Phase::Gathering(all),
             plan: None,
+            lives: BTreeMap::from([(me, life)]),
+            deferred: None,
             learnt: BTreeSet::new(),
             mine: None,
             resumed: BTreeSet::new(),
@@ -539,11 +566,19 @@ impl RestartExchange {
         }
         let all = (0..self.params.machines).map(MachineId);
         match &self.phase {
-            Phase::Gathering(p) => all.filter(|m| p[m.0 as usize].is_none()).collect(),
-            Phase::Telling(_) => vec![LEADER],
-            Phase::Reading(_) | Phase::Storing(_) | Phase::Checking(_) => Vec::new(),
+            Phase::Gathering(p) => {
+                let silent: Vec<MachineId> = all.filter(|m| p[m.0 as usize].is_none()).collect();
+                match self.deferred {
+                    Some(mark) => vec![mark.decider],
+                    // Everyone came back: the decision is machine 0's.
+                    None if silent.is_empty() && self.me != MachineId(0) => vec![MachineId(0)],
+                    None => silent,
+                }
+            }
+            Phase::Reading(_) | Phase::Storing(..) | Phase::Rereading(_) => Vec::new(),
+            Phase::Checking(_, decider) => vec![*decider],
             Phase::Decided => {
-                let plan = self.plan.as_ref().expect("decided");
+                let (plan, decider) = self.plan.as_ref().expect("decided");
                 if plan.config.contains(self.me) {
                     plan.config
                         .members
@@ -551,16 +586,20 @@ impl RestartExchange {
                         .copied()
                         .filter(|m| !self.resumed.contains(m))
                         .collect()
-                } else {
+                } else if *decider == self.me {
                     all.filter(|m| !self.learnt.contains(m)).collect()
+                } else {
+                    Vec::new()
                 }
             }
         }
     }
 
-    /// Machine 0: why it still waits for the machines [`RestartExchange::waiting_for`] names
-    /// although [`LeaveOut::after`] passed (a restart without them would lose a region's
-    /// every complete replica, or lack a majority).
+    /// Why this machine, whose turn to decide came ([`LeaveOut::after`] passed and no lower
+    /// machine was heard from), still waits for the machines [`RestartExchange::waiting_for`]
+    /// names: a restart without them would lose a region's every complete replica or lack a
+    /// majority, or the store holds another machine's decision whose announcement has not
+    /// come.
     pub fn not_left_out(&self) -> Option<&str> {
         match self.phase {
             Phase::Gathering(_) => self.not_left_out.as_deref(),
@@ -568,34 +607,43 @@ impl RestartExchange {
         }
     }
 
-    /// Advances the exchange to `now`: repeats what has not been answered.
+    /// Advances the exchange to `now`: repeats what has not been answered, and decides when
+    /// this machine's turn came.
     pub fn tick(&mut self, now: u64) {
         if self.outcome.is_some() {
             return;
         }
         let repeat = self.params.repeat;
-        if let Phase::Telling(p) = &self.phase {
+        if let Phase::Gathering(all) = &self.phase {
             if self
                 .last_told
                 .is_none_or(|at| now.saturating_sub(at) >= repeat * PERSISTED_REPEAT_FACTOR)
             {
                 self.last_told = Some(now);
+                let p = all[self.me.0 as usize].clone().expect("its own");
                 let msg = ControlMsg::Persisted {
-                    view: p.view.clone(),
-                    copying: p.copying.clone(),
+                    view: p.view,
+                    copying: p.copying,
+                    life: self.life,
                 };
-                self.send(LEADER, msg, PERSISTED_MESSAGE_ID);
+                for m in (0..self.params.machines).map(MachineId) {
+                    if m != self.me {
+                        self.send(m, msg.clone(), PERSISTED_MESSAGE_ID);
+                    }
+                }
             }
-            return;
-        }
-        if let Phase::Gathering(all) = &self.phase {
+            let Phase::Gathering(all) = &self.phase else {
+                unreachable!()
+            };
             let since = *self.gathering_since.get_or_insert(now);
             let waited = self
                 .params
                 .leave_out
                 .is_some_and(|l| now.saturating_sub(since) >= l.after);
-            if waited && all.iter().any(Option::is_none) {
-                // Restart without the machines that did not come back.
+            // A restart without the machines that did not come back, decided by the lowest
+            // machine that did.
+            let lowest = all[..self.me.0 as usize].iter().all(Option::is_none);
+            if waited && lowest && self.deferred.is_none() && all.iter().any(Option::is_none) {
                 self.decide_now();
             }
             return;
@@ -618,12 +666,17 @@ impl RestartExchange {
         self.request_ring_starts();
     }
 
-    /// Machine 0: announces the plan to every machine that has not acknowledged it.
+    /// Whether this machine decided the plan.
+    fn deciding(&self) -> bool {
+        self.plan.as_ref().is_some_and(|(_, d)| *d == self.me)
+    }
+
+    /// The decider: announces the plan to every machine that has not acknowledged it.
     fn announce_unlearnt(&mut self) {
-        if self.me != LEADER {
+        if !self.deciding() {
             return;
         }
-        let plan = self.plan.clone().expect("decided");
+        let (plan, _) = self.plan.clone().expect("decided");
         for m in (0..self.params.machines).map(MachineId) {
             if !self.learnt.contains(&m) {
                 self.announce(m, &plan);
@@ -633,7 +686,7 @@ impl RestartExchange {
 
     /// A reopened member: asks every member whose ring starts have not arrived for them.
     fn request_ring_starts(&mut self) {
-        let plan = self.plan.clone().expect("decided");
+        let (plan, _) = self.plan.clone().expect("decided");
         if let Some(mine) = &self.mine {
             let requests: Vec<(MachineId, Vec<[u64; 4]>)> = mine
                 .iter()
@@ -646,8 +699,21 @@ impl RestartExchange {
         }
     }
 
+    /// `from` is heard from in its life `life`. A deferral to a decision of `from` marked with
+    /// another life ends: an earlier life of `from` stored it, and never finished it.
+    fn heard_life(&mut self, from: MachineId, life: u64) {
+        self.lives.insert(from, life);
+        if self
+            .deferred
+            .is_some_and(|d| d.decider == from && d.life != life)
+        {
+            self.deferred = None;
+            self.not_left_out = None;
+        }
+    }
+
     /// A control message of the restart from `from` (others are ignored). After the outcome,
-    /// it still answers: machine 0 announces the plan to a machine that missed it, and a
+    /// it still answers: the decider announces the plan to a machine that missed it, and a
     /// member gives a peer the ring starts it asks for again.
     pub fn on_message(&mut self, from: MachineId, msg: ControlMsg) {
         if from == self.me || from.0 >= self.params.machines {
@@ -665,19 +731,29 @@ impl RestartExchange {
             ControlMsg::RestartRefused { restart, reason } => {
                 self.on_refused(from, restart, reason)
             }
-            ControlMsg::Persisted { view, copying } if self.me == LEADER => {
+            ControlMsg::Persisted {
+                view,
+                copying,
+                life,
+            } => {
+                self.heard_life(from, life);
                 if let Phase::Gathering(all) = &mut self.phase {
-                    all[from.0 as usize].get_or_insert(Persisted { view, copying });
+                    if !self.refusals.contains_key(&from) {
+                        all[from.0 as usize] = Some(Persisted { view, copying });
+                    }
                     self.gathered();
-                } else if let Some(plan) = self.plan.clone() {
+                } else if self.deciding() {
                     // It missed the announcement (or its acknowledgement was lost).
+                    let (plan, _) = self.plan.clone().expect("deciding");
                     self.announce(from, &plan);
                 }
             }
             ControlMsg::Restart {
                 restart,
                 from: view,
-            } if from == LEADER => {
+                life,
+            } => {
+                self.heard_life(from, life);
                 let plan = RestartPlan {
                     config: Configuration {
                         id: restart,
@@ -685,21 +761,21 @@ impl RestartExchange {
                     },
                     from: view,
                 };
-                if matches!(self.phase, Phase::Telling(_)) {
-                    self.phase = Phase::Checking(plan);
+                if matches!(self.phase, Phase::Gathering(_)) {
+                    self.phase = Phase::Checking(plan, from);
                     self.effects.push(Effect::ReadStore);
                 }
-                let id = match (&self.phase, &self.plan) {
-                    (Phase::Checking(p), _) => p.config.id,
-                    (_, Some(p)) => p.config.id,
-                    _ => return,
+                let known = match (&self.phase, &self.plan) {
+                    (Phase::Checking(p, d), _) | (_, Some((p, d))) => Some((p.config.id, *d)),
+                    _ => None,
                 };
-                if id == restart {
-                    self.send(LEADER, ControlMsg::RestartAck(restart), ACK_MESSAGE_ID);
+                if known == Some((restart, from)) {
+                    self.send(from, ControlMsg::RestartAck(restart), ACK_MESSAGE_ID);
                 }
             }
             ControlMsg::RestartAck(id)
-                if self.me == LEADER && self.plan.as_ref().is_some_and(|p| p.config.id == id) =>
+                if self.deciding()
+                    && self.plan.as_ref().is_some_and(|(p, _)| p.config.id == id) =>
             {
                 self.learnt.insert(from);
                 self.finish_if_done();
@@ -714,21 +790,31 @@ impl RestartExchange {
     }
 
     /// `from`'s part of the restart failed in restart configuration `restart` (0: before it
-    /// knew one). This machine fails too if its restart cannot finish without `from`:
-    /// `from` is machine 0 (no plan will come, or none will be announced again) or a member
-    /// of the plan (its rings will not resume). Machine 0 outside the plan counts the refusal
-    /// of a machine that knew the plan as its acknowledgement. Other refusals are kept for a
-    /// plan learnt later.
+    /// knew one). This machine fails too if its restart cannot finish without `from`: `from`
+    /// decided the plan this machine knows or is a member of it, or, before a plan, the
+    /// restart waits for every machine (no [`LeaveOut`]) and `from` is machine 0, which
+    /// decides it. With a [`LeaveOut`], a machine that refused before a plan is one that did
+    /// not come back. The decider outside the plan counts the refusal of a machine that knew
+    /// the plan as its acknowledgement. Other refusals are kept for a plan learnt later.
     fn on_refused(&mut self, from: MachineId, restart: ConfigId, reason: String) {
         if self.outcome.is_some() {
             return;
         }
         self.refusals.insert(from, (restart, reason));
+        if let Phase::Gathering(all) = &mut self.phase {
+            if self.params.leave_out.is_some() {
+                all[from.0 as usize] = None;
+            }
+        }
         self.check_refusals();
-        if self.outcome.is_some() || self.me != LEADER {
+        if self.outcome.is_some() || !self.deciding() {
             return;
         }
-        if self.plan.as_ref().is_some_and(|p| p.config.id == restart) {
+        if self
+            .plan
+            .as_ref()
+            .is_some_and(|(p, _)| p.config.id == restart)
+        {
             self.learnt.insert(from);
             self.finish_if_done();
         }
@@ -740,8 +826,12 @@ impl RestartExchange {
             return;
         }
         let plan = self.known_plan();
-        let blocking = self.refusals.iter().find(|(m, (restart, _))| {
-            **m == LEADER || plan.is_some_and(|p| p.config.id == *restart && p.config.contains(**m))
+        let waits_for_all = self.params.leave_out.is_none();
+        let blocking = self.refusals.iter().find(|(m, (restart, _))| match plan {
+            Some((p, decider)) => {
+                p.config.id == *restart && (p.config.contains(**m) || decider == **m)
+            }
+            None => waits_for_all && m.0 == 0,
         });
         if let Some((machine, (_, reason))) = blocking {
             let e = RestartError::Refused {
@@ -753,17 +843,18 @@ impl RestartExchange {
         }
     }
 
-    /// The plan this machine knows: decided, or being checked or stored.
-    fn known_plan(&self) -> Option<&RestartPlan> {
+    /// The plan this machine knows, with its decider: decided, or being checked or stored.
+    fn known_plan(&self) -> Option<(&RestartPlan, MachineId)> {
         match &self.phase {
-            Phase::Checking(p) | Phase::Storing(p) => Some(p),
-            _ => self.plan.as_ref(),
+            Phase::Checking(p, d) => Some((p, *d)),
+            Phase::Storing(p, _) => Some((p, self.me)),
+            _ => self.plan.as_ref().map(|(p, d)| (p, *d)),
         }
     }
 
     /// The refusal this machine sends, with the restart configuration it knew.
     fn refusal(&self, reason: String) -> ControlMsg {
-        let restart = self.known_plan().map_or(ConfigId(0), |p| p.config.id);
+        let restart = self.known_plan().map_or(ConfigId(0), |(p, _)| p.config.id);
         ControlMsg::RestartRefused { restart, reason }
     }
 
@@ -774,7 +865,7 @@ impl RestartExchange {
         reply: bool,
         starts: Vec<[u64; 4]>,
     ) {
-        let Some(plan) = self.plan.as_ref().filter(|p| p.config.id == config) else {
+        let Some((plan, _)) = self.plan.as_ref().filter(|(p, _)| p.config.id == config) else {
             return;
         };
         // Before its NVRAM is open, a member has nothing to answer with: the peer repeats.
@@ -794,7 +885,7 @@ impl RestartExchange {
         if !reply {
             self.send_starts(from, id, true, answer);
         }
-        if self.me == LEADER {
+        if self.deciding() {
             // A member asks for ring starts only once it learnt the plan.
             self.learnt.insert(from);
         }
@@ -807,9 +898,33 @@ impl RestartExchange {
         self.finish_if_done();
     }
 
-    /// What the store holds (`Ok(None)`: nothing), or why it could not be read.
-    pub fn on_store_read(&mut self, stored: Result<Option<(StoreVersion, Configuration)>, String>) {
-        let stored = match stored {
+    /// Whether a restart configuration marked `mark` in the store is a decision this machine
+    /// must not decide over: one of a machine heard from in the life it was stored in (this
+    /// restart's), or of a machine not heard from, which may be deciding this restart too. A
+    /// decision marked by a machine heard from in another life was stored by an earlier life
+    /// and never finished: nobody installed it (a member's view would be at least as new), and
+    /// a restart decides over it as over any stored configuration.
+    fn stands(&self, mark: RestartMark) -> bool {
+        self.lives
+            .get(&mark.decider)
+            .is_none_or(|life| *life == mark.life)
+    }
+
+    /// Waits for the decision `mark` names instead of deciding, back to gathering.
+    fn defer(&mut self, all: Vec<Option<Persisted>>, mark: RestartMark, stored: ConfigId) {
+        self.not_left_out = Some(format!(
+            "machine {} decided restart configuration {} in the coordination store; waiting \
+             for its announcement",
+            mark.decider, stored.0
+        ));
+        self.deferred = Some(mark);
+        self.phase = Phase::Gathering(all);
+    }
+
+    /// What the store holds (`Ok(None)`: nothing), with its restart mark, or why it could not
+    /// be read.
+    pub fn on_store_read(&mut self, stored: Result<Option<MarkedConfig>, String>) {
+        let (version, config, mark) = match stored {
             Ok(Some(s)) => s,
             Ok(None) => {
                 return self.fail(RestartError::Store(
@@ -823,38 +938,52 @@ impl RestartExchange {
             }
         };
         match std::mem::replace(&mut self.phase, Phase::Decided) {
-            Phase::Reading(all) => match decide(
-                stored.1.id,
-                &all,
-                self.params.machines,
-                self.params.leave_out,
-            ) {
-                Ok(plan) => {
-                    self.effects.push(Effect::CompareAndSet {
-                        expected: stored.0,
-                        config: plan.config.clone(),
-                    });
-                    self.phase = Phase::Storing(plan);
+            Phase::Reading(all) => {
+                if let Some(mark) = mark.filter(|m| self.stands(*m)) {
+                    return self.defer(all, mark, config.id);
                 }
-                Err(e) if all.iter().any(Option::is_none) => {
-                    // Without the machines not heard from, the restart would lose data or
-                    // lack a majority: wait for them, and decide again when they come back or
-                    // after another `LeaveOut::after`.
-                    self.gathering_since = None;
-                    self.phase = Phase::Gathering(all);
-                    self.not_left_out = Some(e);
-                    self.gathered();
+                match decide(config.id, &all, self.params.machines, self.params.leave_out) {
+                    Ok(plan) => {
+                        self.effects.push(Effect::CompareAndSet {
+                            expected: version,
+                            config: plan.config.clone(),
+                            mark: RestartMark {
+                                decider: self.me,
+                                life: self.life,
+                            },
+                        });
+                        self.phase = Phase::Storing(plan, all);
+                    }
+                    Err(e) if all.iter().any(Option::is_none) => {
+                        // Without the machines not heard from, the restart would lose data or
+                        // lack a majority: wait for them, and decide again when they come
+                        // back or after another `LeaveOut::after`.
+                        self.gathering_since = None;
+                        self.phase = Phase::Gathering(all);
+                        self.not_left_out = Some(e);
+                        self.gathered();
+                    }
+                    Err(e) => self.fail(RestartError::Invalid(e)),
                 }
-                Err(e) => self.fail(RestartError::Invalid(e)),
+            }
+            Phase::Rereading(all) => match mark.filter(|m| self.stands(*m)) {
+                // Another machine decided meanwhile: its announcement comes.
+                Some(mark) => self.defer(all, mark, config.id),
+                None => self.fail(RestartError::Store(
+                    "the stored configuration changed during the restart: is the cluster \
+                     running?"
+                        .into(),
+                )),
             },
-            Phase::Checking(plan) => {
-                if stored.1 == plan.config {
-                    self.decided(plan);
+            Phase::Checking(plan, decider) => {
+                if config == plan.config && mark.is_some_and(|m| m.decider == decider) {
+                    self.decided(plan, decider);
                 } else {
                     self.fail(RestartError::Store(format!(
                         "the coordination store holds configuration {} (members {:?}), not \
-                         restart configuration {} (members {:?}) that machine 0 announced",
-                        stored.1.id.0, stored.1.members, plan.config.id.0, plan.config.members
+                         restart configuration {} (members {:?}) that machine {decider} \
+                         announced",
+                        config.id.0, config.members, plan.config.id.0, plan.config.members
                     )));
                 }
             }
@@ -864,22 +993,23 @@ impl RestartExchange {
 
     /// The outcome of the compare-and-set of the plan, or why it is unknown.
     pub fn on_cas(&mut self, result: Result<CasOutcome, String>) {
-        let Phase::Storing(plan) = std::mem::replace(&mut self.phase, Phase::Decided) else {
+        let Phase::Storing(plan, all) = std::mem::replace(&mut self.phase, Phase::Decided) else {
             panic!("a compare-and-set outside the storing phase");
         };
         match result {
             Ok(CasOutcome::Written(_)) => {
                 // Announced before this machine reopens its own NVRAM.
                 self.learnt.insert(self.me);
-                self.plan = Some(plan.clone());
+                self.plan = Some((plan.clone(), self.me));
                 self.announce_unlearnt();
                 self.sent_since_tick = true;
-                self.decided(plan);
+                self.decided(plan, self.me);
             }
-            Ok(CasOutcome::Conflict) => self.fail(RestartError::Store(
-                "the stored configuration changed during the restart: is the cluster running?"
-                    .into(),
-            )),
+            Ok(CasOutcome::Conflict) => {
+                // Another machine's decision (both turns came), or a cluster that runs.
+                self.phase = Phase::Rereading(all);
+                self.effects.push(Effect::ReadStore);
+            }
             Err(e) => self.fail(RestartError::Store(format!(
                 "storing the restart configuration: {e}"
             ))),
@@ -889,7 +1019,7 @@ impl RestartExchange {
     /// This member's NVRAM is open: where it found each member's rings to it, or why it could
     /// not be opened.
     pub fn on_restored(&mut self, starts: Result<RingStarts, String>) {
-        let plan = self.plan.clone().expect("restored without a plan");
+        let (plan, _) = self.plan.clone().expect("restored without a plan");
         let starts = match starts {
             Ok(s) => s,
             Err(e) => {
@@ -922,10 +1052,10 @@ impl RestartExchange {
         self.finish_if_done();
     }
 
-    /// The plan is decided here (stored by machine 0, or checked against the store).
-    fn decided(&mut self, plan: RestartPlan) {
+    /// The plan `decider` decided is decided here (stored here, or checked against the store).
+    fn decided(&mut self, plan: RestartPlan, decider: MachineId) {
         self.phase = Phase::Decided;
-        self.plan = Some(plan.clone());
+        self.plan = Some((plan.clone(), decider));
         self.check_refusals();
         if self.outcome.is_some() {
             return;
@@ -940,13 +1070,13 @@ impl RestartExchange {
     /// Machine 0 with what every machine left: reads the store to decide.
     fn gathered(&mut self) {
         if let Phase::Gathering(all) = &self.phase {
-            if all.iter().all(Option::is_some) {
+            if self.me.0 == 0 && self.deferred.is_none() && all.iter().all(Option::is_some) {
                 self.decide_now();
             }
         }
     }
 
-    /// Machine 0: decides from what the machines it heard from left (all of them, or, once
+    /// Decides from what the machines it heard from left (all of them, or, once
     /// [`LeaveOut::after`] passed, those that came back): reads the store first.
     fn decide_now(&mut self) {
         let Phase::Gathering(all) = std::mem::replace(&mut self.phase, Phase::Decided) else {
@@ -961,14 +1091,14 @@ impl RestartExchange {
     }
 
     /// Ends the exchange once this machine has done its part: a member once every member's
-    /// ring starts arrived (machine 0 then also knows every member learnt the plan, and it
+    /// ring starts arrived (the decider then also knows every member learnt the plan, and it
     /// answers the others as they ask); a machine outside the configuration once it learnt
-    /// the plan, or, as machine 0, once every machine did.
+    /// the plan, or, as the decider, once every machine it heard from did.
     fn finish_if_done(&mut self) {
         if self.outcome.is_some() {
             return;
         }
-        let Some(plan) = self.plan.clone() else {
+        let Some((plan, _)) = self.plan.clone() else {
             return;
         };
         if plan.config.contains(self.me) {
@@ -976,7 +1106,7 @@ impl RestartExchange {
                 self.effects.push(Effect::Commit(plan.config.id));
                 self.outcome = Some(Outcome::Restarted(plan));
             }
-        } else if self.me != LEADER || self.heard.iter().all(|m| self.learnt.contains(m)) {
+        } else if !self.deciding() || self.heard.iter().all(|m| self.learnt.contains(m)) {
             self.outcome = Some(Outcome::Removed(plan));
         }
     }
@@ -998,6 +1128,7 @@ impl RestartExchange {
         let msg = ControlMsg::Restart {
             restart: plan.config.id,
             from: plan.from.clone(),
+            life: self.life,
         };
         self.send(to, msg, RESTART_MESSAGE_ID);
     }
@@ -1024,10 +1155,15 @@ impl RestartExchange {
             self.learnt
         );
         assert!(
-            self.me == LEADER || self.learnt.is_empty(),
-            "only machine 0 tracks who learnt the plan"
+            self.deciding() || self.learnt.is_empty(),
+            "only the decider tracks who learnt the plan"
         );
-        if let Some(plan) = &self.plan {
+        assert_eq!(
+            self.lives.get(&self.me),
+            Some(&self.life),
+            "its own life forgotten"
+        );
+        if let Some((plan, _)) = &self.plan {
             assert!(
                 plan.config.id > plan.from.config.id
                     && plan.config.members == plan.from.config.members,

@@ -19,7 +19,7 @@
 
 use std::sync::Mutex;
 
-use farm_core::codec::{self, CodecError};
+use farm_core::codec::{self, CodecError, RestartMark};
 use farm_core::config::Configuration;
 
 /// Version of the stored value (the znode version for ZooKeeper).
@@ -117,7 +117,24 @@ pub trait ConfigurationStore {
         expected: Option<StoreVersion>,
         config: &Configuration,
     ) -> Result<CasOutcome, StoreError>;
+
+    /// The stored configuration and its version, with the [`RestartMark`] of the
+    /// whole-cluster restart that stored it, if one did.
+    fn read_marked_config(&self) -> Result<Option<MarkedConfig>, ReadConfigError>;
+
+    /// Stores `config` marked as a whole-cluster restart's decision, if the version is still
+    /// `expected`.
+    fn cas_marked_config(
+        &self,
+        expected: StoreVersion,
+        config: &Configuration,
+        mark: RestartMark,
+    ) -> Result<CasOutcome, StoreError>;
 }
+
+/// A stored configuration with its version and restart mark
+/// ([`ConfigurationStore::read_marked_config`]).
+pub type MarkedConfig = (StoreVersion, Configuration, Option<RestartMark>);
 
 impl<S: CoordinationStore + ?Sized> ConfigurationStore for S {
     fn read_config(&self) -> Result<Option<(StoreVersion, Configuration)>, ReadConfigError> {
@@ -133,6 +150,25 @@ impl<S: CoordinationStore + ?Sized> ConfigurationStore for S {
         config: &Configuration,
     ) -> Result<CasOutcome, StoreError> {
         self.compare_and_set(expected, &codec::encode(config))
+    }
+
+    fn read_marked_config(&self) -> Result<Option<MarkedConfig>, ReadConfigError> {
+        match self.read()? {
+            Some((v, bytes)) => {
+                let (config, mark) = codec::decode_marked(&bytes)?;
+                Ok(Some((v, config, mark)))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn cas_marked_config(
+        &self,
+        expected: StoreVersion,
+        config: &Configuration,
+        mark: RestartMark,
+    ) -> Result<CasOutcome, StoreError> {
+        self.compare_and_set(Some(expected), &codec::encode_marked(config, mark))
     }
 }
 

@@ -11,8 +11,8 @@ use farm_cm::restart::{
     Effect, ExchangeParams, LeaveOut, Outcome, Persisted, RestartError, RestartExchange,
     RestartPlan,
 };
-use farm_cm::{CasOutcome, ConfigurationStore, EmbeddedStore};
-use farm_core::codec::StoredView;
+use farm_cm::{CasOutcome, ConfigurationStore, EmbeddedStore, MarkedConfig};
+use farm_core::codec::{RestartMark, StoredView};
 use farm_core::config::{Configuration, RegionMap};
 use farm_core::{ConfigId, MachineId};
 
@@ -45,6 +45,11 @@ fn left(view: &StoredView) -> Persisted {
         view: view.clone(),
         copying: BTreeMap::new(),
     }
+}
+
+/// Machine `m`'s life in these tests.
+fn life(m: usize) -> u64 {
+    1_000 + m as u64
 }
 
 /// Where machine `receiver` found `sender`'s ring of worker `t`: a value that names all three.
@@ -132,6 +137,8 @@ struct Cluster {
     misled: Option<(MachineId, EmbeddedStore)>,
     /// Machines that do not run (did not come back): datagrams to them are lost.
     silent: Vec<MachineId>,
+    /// Pairs of machines whose datagrams to each other are lost (both ways).
+    apart: Vec<(MachineId, MachineId)>,
 }
 
 impl Cluster {
@@ -161,7 +168,7 @@ impl Cluster {
             .iter()
             .enumerate()
             .map(|(m, p)| Machine {
-                exchange: RestartExchange::new(MachineId(m as u16), params, p.clone()),
+                exchange: RestartExchange::new(MachineId(m as u16), params, p.clone(), life(m)),
                 pieces: Reassembly::new(),
                 sent: Vec::new(),
                 restored: None,
@@ -183,6 +190,7 @@ impl Cluster {
             threads: vec![2; persisted.len()],
             misled: None,
             silent: Vec::new(),
+            apart: Vec::new(),
         }
     }
 
@@ -252,7 +260,9 @@ impl Cluster {
                 match e {
                     Effect::Send { to, msg, id } => {
                         assert_ne!(to, me, "a restart message to itself: {msg:?}");
-                        for d in msg.datagrams(id) {
+                        let apart = (self.apart.iter())
+                            .any(|(a, b)| (*a, *b) == (me, to) || (*b, *a) == (me, to));
+                        for d in msg.datagrams(id).into_iter().filter(|_| !apart) {
                             self.net.send(self.now, me, to, d);
                         }
                         m.sent.push((self.now, to, msg));
@@ -262,11 +272,15 @@ impl Cluster {
                             Some((who, other)) if *who == me => other,
                             _ => &self.store,
                         };
-                        let read = store.read_config().map_err(|e| e.to_string());
+                        let read = store.read_marked_config().map_err(|e| e.to_string());
                         m.exchange.on_store_read(read);
                     }
-                    Effect::CompareAndSet { expected, config } => {
-                        let r = self.store.cas_config(Some(expected), &config);
+                    Effect::CompareAndSet {
+                        expected,
+                        config,
+                        mark,
+                    } => {
+                        let r = self.store.cas_marked_config(expected, &config, mark);
                         m.exchange.on_cas(r.map_err(|e| e.to_string()));
                     }
                     Effect::Restore(plan) => {
@@ -299,6 +313,38 @@ impl Cluster {
                 }
             }
         }
+    }
+
+    /// Runs the other machines, and delivers machine 0 what they send without letting it tick,
+    /// until it decides: returns what the store holds when it asks, which the test hands it
+    /// (after changing the store, if it likes).
+    fn until_machine_0_reads_the_store(&mut self) -> Result<Option<MarkedConfig>, String> {
+        while self.now < 1_000 {
+            self.now += 1;
+            let now = self.now;
+            for i in 1..self.machines.len() {
+                self.machines[i].exchange.tick(now);
+                self.execute(MachineId(i as u16));
+            }
+            let mut due = Vec::new();
+            self.net.queue.retain(|d| {
+                let take = d.0 <= now && d.2 == MachineId(0);
+                if take {
+                    due.push(d.clone());
+                }
+                !take
+            });
+            for (_, from, _, d) in due {
+                if let Some(msg) = self.machines[0].pieces.accept(from, &d) {
+                    self.machines[0].exchange.on_message(from, msg);
+                }
+                let effects = self.machines[0].exchange.take_effects();
+                if effects.contains(&Effect::ReadStore) {
+                    return self.store.read_marked_config().map_err(|e| e.to_string());
+                }
+            }
+        }
+        panic!("machine 0 never read the store");
     }
 
     fn outcome(&self, m: u16) -> &Outcome {
@@ -429,41 +475,17 @@ fn a_store_that_changes_under_the_restart_fails_it() {
     let v = view(4, &[0, 1, 2]);
     let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 3);
     // Machine 0 reads the store once it heard from everyone; then the store moves on.
-    while c.store.read_config().unwrap().unwrap().0 .0 == 0 && c.now < 1_000 {
-        c.now += 1;
-        let now = c.now;
-        for i in 1..3 {
-            c.machines[i].exchange.tick(now);
-            c.execute(MachineId(i as u16));
-        }
-        let mut due = Vec::new();
-        c.net.queue.retain(|d| {
-            let take = d.0 <= now && d.2 == MachineId(0);
-            if take {
-                due.push(d.clone());
-            }
-            !take
-        });
-        for (_, from, _, d) in due {
-            if let Some(msg) = c.machines[0].pieces.accept(from, &d) {
-                c.machines[0].exchange.on_message(from, msg);
-            }
-            let effects = c.machines[0].exchange.take_effects();
-            if effects.contains(&Effect::ReadStore) {
-                let read = c.store.read_config().map_err(|e| e.to_string());
-                let Ok(Some((version, config))) = read.clone() else {
-                    panic!("stored");
-                };
-                let moved = Configuration {
-                    id: ConfigId(5),
-                    ..config
-                };
-                c.store.cas_config(Some(version), &moved).unwrap();
-                c.machines[0].exchange.on_store_read(read);
-                c.execute(MachineId(0));
-            }
-        }
-    }
+    let read = c.until_machine_0_reads_the_store();
+    let Ok(Some((version, config, _))) = read.clone() else {
+        panic!("stored");
+    };
+    let moved = Configuration {
+        id: ConfigId(5),
+        ..config
+    };
+    c.store.cas_config(Some(version), &moved).unwrap();
+    c.machines[0].exchange.on_store_read(read);
+    c.execute(MachineId(0));
     let Outcome::Failed(RestartError::Store(e)) = c.outcome(0) else {
         panic!("{:?}", c.machines[0].exchange.outcome());
     };
@@ -707,6 +729,7 @@ fn a_finished_machine_answers_late_requests() {
         ControlMsg::Persisted {
             view: p.view,
             copying: p.copying,
+            life: life(2),
         },
     );
     let effects = c.machines[0].exchange.take_effects();
@@ -742,4 +765,183 @@ fn a_finished_machine_answers_late_requests() {
         }]
     );
     c.check_restarted(&plan);
+}
+
+/// Machine 0 does not come back (its disk died with the power). The others wait for it as long
+/// as `LeaveOut::after` says, then machine 1, the lowest machine that came back, restarts them
+/// without it: the store holds its decision, marked with its life, and machine 0 learns it is
+/// out when it runs again. Without `LeaveOut` everyone waits for machine 0.
+#[test]
+fn machine_0_that_does_not_come_back_is_left_out_by_the_lowest_machine_that_did() {
+    let v = view(4, &[0, 1, 2, 3]);
+    let persisted: Vec<Persisted> = (0..4).map(|_| left(&v)).collect();
+    let mut waiting = Cluster::new(&persisted, &v.config, 9);
+    waiting.silent = vec![MachineId(0)];
+    waiting.run(2_000, 0);
+    for m in 1..4 {
+        let exchange = &waiting.machines[m].exchange;
+        assert_eq!(exchange.outcome(), None);
+        assert_eq!(exchange.waiting_for(), vec![MachineId(0)]);
+    }
+    let leave_out = LeaveOut {
+        after: 100,
+        replicas: 2,
+        regions_max: 64,
+    };
+    for seed in 0..20 {
+        let mut c = Cluster::leaving_out(&persisted, &v.config, seed, Some(leave_out));
+        c.net.loss = 10;
+        c.silent = vec![MachineId(0)];
+        c.run(5_000, 50);
+        assert!(c.done(), "seed {seed}: waiting");
+        let Outcome::Restarted(plan) = c.outcome(1).clone() else {
+            panic!("seed {seed}: {:?}", c.outcome(1));
+        };
+        assert!(c.now > 100, "seed {seed}: decided before waiting");
+        let three = [MachineId(1), MachineId(2), MachineId(3)];
+        assert_eq!(plan.config.members, three, "seed {seed}");
+        assert!(three.contains(&plan.config.cm), "seed {seed}");
+        assert!(plan.from.map.iter().all(|(_, p)| !p.holds(MachineId(0))));
+        c.check_restarted(&plan);
+        let stored = c.store.read_marked_config().unwrap().unwrap();
+        let mark = RestartMark {
+            decider: MachineId(1),
+            life: life(1),
+        };
+        assert_eq!((stored.1, stored.2), (plan.config.clone(), Some(mark)));
+        // Machine 0 runs again: the decider's finished exchange tells it it is out.
+        c.silent.clear();
+        c.run(5_000, 0);
+        assert_eq!(c.outcome(0), &Outcome::Removed(plan), "seed {seed}");
+    }
+}
+
+/// Machines 0 and 1 cannot hear each other, the others hear both: each is the lowest machine
+/// it heard from, and both decide, each without the other (machine 0 starting later in half
+/// the seeds). The store settles it: one compare-and-set wins, and the other, finding the
+/// store marked by a machine it has not heard from, decides nothing more and waits for its
+/// announcement. Machines 2 and 3 restart with the winner's plan; once the two hear each
+/// other, the loser learns it is out.
+#[test]
+fn two_machines_that_both_decide_are_settled_by_the_store() {
+    let v = view(4, &[0, 1, 2, 3]);
+    let persisted: Vec<Persisted> = (0..4).map(|_| left(&v)).collect();
+    let leave_out = LeaveOut {
+        after: 100,
+        replicas: 2,
+        regions_max: 64,
+    };
+    let mut winners = [0; 2];
+    for seed in 0..40 {
+        let mut c = Cluster::leaving_out(&persisted, &v.config, seed, Some(leave_out));
+        c.net.loss = 10;
+        c.apart = vec![(MachineId(0), MachineId(1))];
+        if seed % 2 == 1 {
+            c.silent = vec![MachineId(0)];
+            c.run(20, 0);
+            c.silent.clear();
+        }
+        c.run(5_000, 50);
+        let (_, stored, mark) = c.store.read_marked_config().unwrap().unwrap();
+        let mark = mark.expect("a decision is marked");
+        let (winner, loser) = match mark.decider {
+            MachineId(0) => (0, 1),
+            MachineId(1) => (1, 0),
+            other => panic!("seed {seed}: decided by {other}"),
+        };
+        winners[winner as usize] += 1;
+        assert_eq!(mark.life, life(winner as usize));
+        let Outcome::Restarted(plan) = c.outcome(winner).clone() else {
+            panic!("seed {seed}: {:?}", c.outcome(winner));
+        };
+        assert_eq!(plan.config, stored, "seed {seed}");
+        assert!(!plan.config.contains(MachineId(loser)), "seed {seed}");
+        c.check_restarted(&plan);
+        let l = &c.machines[loser as usize];
+        assert_eq!(l.exchange.outcome(), None, "seed {seed}");
+        assert!(
+            l.restored.is_none() && l.committed.is_empty(),
+            "seed {seed}"
+        );
+        assert_eq!(l.exchange.waiting_for(), vec![MachineId(winner)]);
+        let why = l.exchange.not_left_out().expect("says why it waits");
+        assert!(
+            why.contains(&format!("machine {}", MachineId(winner))),
+            "{why}"
+        );
+        c.apart.clear();
+        c.run(5_000, 0);
+        assert_eq!(c.outcome(loser), &Outcome::Removed(plan), "seed {seed}");
+    }
+    assert!(
+        winners.iter().all(|w| *w > 0),
+        "one machine always won: {winners:?}"
+    );
+}
+
+/// The store holds a restart decision that machine 1 stored in an earlier life (the power went
+/// again before anyone installed it). Machine 1 runs again in another life, so the decision is
+/// no longer anyone's: machine 0, hearing from everyone, decides over it as over any stored
+/// configuration, under the next id.
+#[test]
+fn a_decision_an_earlier_life_stored_is_decided_over() {
+    let v = view(4, &[0, 1, 2]);
+    let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 2);
+    let earlier = plan_of(&v, 5);
+    let old = RestartMark {
+        decider: MachineId(1),
+        life: 7,
+    };
+    let version = c.store.read_config().unwrap().unwrap().0;
+    assert!(c
+        .store
+        .cas_marked_config(version, &earlier.config, old)
+        .is_ok());
+    c.run(1_000, 0);
+    assert!(c.done());
+    let plan = plan_of(&v, 6);
+    c.check_restarted(&plan);
+    let (_, stored, mark) = c.store.read_marked_config().unwrap().unwrap();
+    assert_eq!(stored, plan.config);
+    assert_eq!(
+        mark,
+        Some(RestartMark {
+            decider: MachineId(0),
+            life: life(0)
+        })
+    );
+}
+
+/// Machine 1's decision reaches the store between machine 0's read and its compare-and-set
+/// (both decided; machine 1's announcement is late). Machine 0's compare-and-set fails; it
+/// reads the store again, finds the decision of a machine it heard from in the life the
+/// decision is marked with, and waits for its announcement instead of failing or deciding
+/// over it.
+#[test]
+fn a_decider_that_loses_the_store_to_another_waits_for_its_announcement() {
+    let v = view(4, &[0, 1, 2]);
+    let mut c = Cluster::new(&[left(&v), left(&v), left(&v)], &v.config, 3);
+    let theirs = plan_of(&v, 5);
+    let read = c.until_machine_0_reads_the_store();
+    c.machines[0].exchange.on_store_read(read);
+    let mark = RestartMark {
+        decider: MachineId(1),
+        life: life(1),
+    };
+    let version = c.store.read_config().unwrap().unwrap().0;
+    assert!(c
+        .store
+        .cas_marked_config(version, &theirs.config, mark)
+        .is_ok());
+    c.execute(MachineId(0));
+    let m0 = &c.machines[0].exchange;
+    assert_eq!(m0.outcome(), None);
+    assert_eq!(m0.waiting_for(), vec![MachineId(1)]);
+    let why = m0.not_left_out().expect("says why it waits");
+    assert!(
+        why.contains("machine m1 decided restart configuration 5"),
+        "{why}"
+    );
+    let (_, stored, kept) = c.store.read_marked_config().unwrap().unwrap();
+    assert_eq!((stored, kept), (theirs.config, Some(mark)));
 }

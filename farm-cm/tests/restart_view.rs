@@ -96,6 +96,7 @@ fn an_incomplete_primary_gives_way_to_a_complete_backup() {
     let msg = ControlMsg::Restart {
         restart: ConfigId(5),
         from: out.clone(),
+        life: 3,
     };
     assert_eq!(ControlMsg::decode(&msg.encode()), Some(msg));
     // No replica complete: the data is gone, and the restart says so.

@@ -58,17 +58,58 @@ fn encode_config_into(config: &Configuration, out: &mut Vec<u8>) {
     }
 }
 
+/// Marks a configuration stored by a whole-cluster restart: which machine decided it, in which
+/// of its lives (a number it draws at every start). A machine that finds a restart
+/// configuration in the store can tell the restart under way, whose decider it hears from in
+/// that life, from one that an earlier life decided and never finished.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct RestartMark {
+    /// The machine that decided the restart.
+    pub decider: MachineId,
+    /// Its life when it decided.
+    pub life: u64,
+}
+
+/// Tag of a [`RestartMark`] after the configuration.
+const RESTART_MARK_TAG: u8 = 1;
+
+/// Encodes `config` with a [`RestartMark`] after it.
+pub fn encode_marked(config: &Configuration, mark: RestartMark) -> Vec<u8> {
+    let mut out = encode(config);
+    out.push(RESTART_MARK_TAG);
+    out.extend_from_slice(&mark.decider.0.to_le_bytes());
+    out.extend_from_slice(&mark.life.to_le_bytes());
+    out
+}
+
 /// Decodes a configuration, checking its invariants: members sorted and distinct, the CM a
-/// member, and a failure domain for every member.
+/// member, and a failure domain for every member. A [`RestartMark`] after it is skipped.
 pub fn decode(bytes: &[u8]) -> Result<Configuration, CodecError> {
+    decode_marked(bytes).map(|(c, _)| c)
+}
+
+/// Decodes a configuration as [`decode`] does, with its [`RestartMark`] if it has one.
+pub fn decode_marked(bytes: &[u8]) -> Result<(Configuration, Option<RestartMark>), CodecError> {
     let mut r = Reader { bytes, at: 0 };
     let version = r.u8()?;
     if version != CONFIG_CODEC_VERSION {
         return Err(CodecError::Version(version));
     }
     let config = r.config()?;
+    let mark = if r.at < bytes.len() {
+        if r.u8()? != RESTART_MARK_TAG {
+            r.at -= 1;
+            r.end()?;
+        }
+        Some(RestartMark {
+            decider: MachineId(r.u16()?),
+            life: r.u64()?,
+        })
+    } else {
+        None
+    };
     r.end()?;
-    Ok(config)
+    Ok((config, mark))
 }
 
 /// A machine's view as it persists it: the configuration it installed, the region map and
@@ -274,6 +315,28 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("CM m9 is not a member"));
+    }
+
+    #[test]
+    fn a_restart_mark_round_trips_and_plain_decoding_skips_it() {
+        let c = Configuration::initial(3);
+        let mark = RestartMark {
+            decider: MachineId(2),
+            life: 0xfeed_f00d,
+        };
+        let bytes = encode_marked(&c, mark);
+        assert_eq!(decode_marked(&bytes).unwrap(), (c.clone(), Some(mark)));
+        assert_eq!(decode(&bytes).unwrap(), c);
+        assert_eq!(decode_marked(&encode(&c)).unwrap(), (c.clone(), None));
+        for cut in encode(&c).len() + 1..bytes.len() {
+            assert!(decode_marked(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(decode(&longer)
+            .unwrap_err()
+            .to_string()
+            .contains("trailing"));
     }
 
     #[test]

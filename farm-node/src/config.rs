@@ -84,8 +84,9 @@ pub struct Overrides {
     /// datagram with it) [default: <dir>/secret; `local start` makes it when absent].
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
-    /// With a whole-cluster restart (`--restart`): seconds machine 0 waits for every machine
-    /// before it restarts without those that did not come back (a machine whose disk died),
+    /// With a whole-cluster restart (`--restart`): seconds the machines wait for every machine
+    /// before the lowest that came back restarts without those that did not (a machine whose
+    /// disk died, machine 0 included),
     /// if every region keeps a complete replica among the machines that did and they are a
     /// majority of the members; otherwise it goes on waiting, and says why [default: off,
     /// every machine is waited for].

@@ -107,10 +107,10 @@ pub struct SimConfig {
     /// transaction at a time, their executions and commits interleaved as the seed says (the
     /// commits of one worker are in flight together, `Worker::start_commit`).
     pub clients_per_worker: u16,
-    /// At each power loss, one machine other than machine 0 (which decides the restart) loses
-    /// its NVRAM with the power and never comes back, when the failures so far leave room for
-    /// one more (fewer than `replicas - 1`): machine 0 restarts the others without it
-    /// ([`farm_cm::restart::LeaveOut`]).
+    /// At each power loss, one member (machine 0 among them) loses its NVRAM with the power
+    /// and never comes back, when the failures so far leave room for one more (fewer than
+    /// `replicas - 1`) and the restart can go on without it: the lowest machine that came back
+    /// restarts the others without it ([`farm_cm::restart::LeaveOut`]).
     pub disk_losses: bool,
 }
 
@@ -177,8 +177,9 @@ pub struct SimOutcome {
     /// Restarts the power cut short, during the exchange, and of those, the ones after which
     /// some machine had reopened its NVRAM.
     pub restarts_cut: (u64, u64),
-    /// Machines whose NVRAM a power loss took ([`SimConfig::disk_losses`]).
-    pub disks_lost: u64,
+    /// Machines whose NVRAM a power loss took ([`SimConfig::disk_losses`]), and of those,
+    /// machine 0 (which decides a restart when every machine comes back).
+    pub disks_lost: (u64, u64),
     /// Machines paused.
     pub paused: u64,
     /// Machines that stopped because their own lease told them they had been removed.
@@ -314,7 +315,7 @@ pub struct Sim {
     restarts: u64,
     restarts_mid: (u64, u64, u64),
     restarts_cut: (u64, u64),
-    disks_lost: u64,
+    disks_lost: (u64, u64),
     params: Params,
     step_no: u64,
 }
@@ -471,7 +472,7 @@ impl Sim {
             restarts: 0,
             restarts_mid: (0, 0, 0),
             restarts_cut: (0, 0),
-            disks_lost: 0,
+            disks_lost: (0, 0),
             params,
             step_no: 0,
         };
@@ -806,13 +807,13 @@ impl Sim {
         // reopened their NVRAM by then.
         let mut cut_after =
             (self.rng.below(3) == 0).then(|| 1 + self.rng.below(RESTART_CUT_TICKS_MAX));
-        // A disk that dies with the power: a member other than machine 0, if one more failure
+        // A disk that dies with the power: a member (machine 0 too), if one more failure
         // than the run plans (crashes, and pauses, which get machines removed) and the disks
         // lost before leaves room for the failures still to come, and if the restart can go
         // on without it (`farm_cm::restart::decide`: a complete replica of every region and a
         // majority among the machines that come back; machines still copying count).
         let failures =
-            (self.config.crashes + self.config.pauses) as usize + self.disks_lost as usize;
+            (self.config.crashes + self.config.pauses) as usize + self.disks_lost.0 as usize;
         let lost = (self.config.disk_losses && failures + 1 < self.config.replicas as usize)
             .then(|| {
                 let stored = (self.cm.restart_store().read_config())
@@ -827,7 +828,6 @@ impl Sim {
                     .collect();
                 let leave_out = leave_out_of(&self.config);
                 let candidates: Vec<MachineId> = (members.iter().copied())
-                    .filter(|m| *m != MachineId(0))
                     .filter(|m| {
                         let mut without = persisted.clone();
                         without[m.0 as usize] = None;
@@ -840,7 +840,8 @@ impl Sim {
             })
             .flatten();
         if let Some(m) = lost {
-            self.disks_lost += 1;
+            self.disks_lost.0 += 1;
+            self.disks_lost.1 += (m == MachineId(0)) as u64;
             self.crashed.push(m);
         }
         let mut stopped = std::mem::take(&mut self.machines);
@@ -854,7 +855,11 @@ impl Sim {
             // The restart's datagrams are as lossy as any.
             fabric.set_datagram_policy(self.datagram_policy());
             let store = self.cm.restart_store();
-            let mut restarts = restarts_of(&stopped, &fabric, store, self.params, &self.config);
+            // Each round of the exchange is a new life of every machine, drawn apart from the
+            // run's random sequence so that the seeds of earlier builds replay the same.
+            let round = (self.restarts << 32) | self.restarts_cut.0;
+            let mut restarts =
+                restarts_of(&stopped, &fabric, store, self.params, &self.config, round);
             if let Some(m) = lost {
                 // It never runs again: nothing reaches it, and it sends nothing.
                 fabric.kill(m);
@@ -1663,14 +1668,16 @@ pub fn run_seed(config: SimConfig) -> SimOutcome {
 
 /// Worker `thread` of `machine`, checking its invariants after every poll.
 /// The restart of each machine of `stopped` (by id), from what it left in its memory (as NVRAM
-/// outlives a power loss), over `fabric`.
+/// outlives a power loss), over `fabric`, in lives drawn from the seed and `round`.
 fn restarts_of<'a>(
     stopped: &'a [Arc<MachineState>],
     fabric: &Arc<MemFabric>,
     store: &'a dyn farm_cm::CoordinationStore,
     params: Params,
     config: &SimConfig,
+    round: u64,
 ) -> Vec<MachineRestart<'a>> {
+    let mut lives = Rng::new(config.seed ^ round.rotate_left(17) ^ 0x11fe);
     let exchange = ExchangeParams {
         machines: config.machines,
         repeat: REPEAT_TICKS,
@@ -1684,6 +1691,7 @@ fn restarts_of<'a>(
                 m.id,
                 exchange,
                 persisted,
+                lives.next_u64(),
                 params,
                 fabric.clone() as Arc<dyn Fabric>,
                 store,
@@ -1695,9 +1703,9 @@ fn restarts_of<'a>(
         .collect()
 }
 
-/// When a disk may be gone, machine 0 waits four leases for every machine (four repeats of
-/// what each left, so that lost datagrams leave out no machine that runs), then restarts
-/// without those it has not heard from.
+/// When a disk may be gone, the machines wait four leases for every machine (four repeats of
+/// what each left, so that lost datagrams leave out no machine that runs), then the lowest
+/// machine heard from restarts without those it has not heard from.
 fn leave_out_of(config: &SimConfig) -> Option<LeaveOut> {
     config.disk_losses.then_some(LeaveOut {
         after: 4 * LEASE_TICKS,

@@ -578,9 +578,10 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
     let (mut unknown, mut unknown_committed, mut recovered, mut restarts) = (0, 0, 0, 0);
     let (mut mid_reconfiguration, mut mid_txn_recovery, mut mid_data_recovery) = (0, 0, 0);
     let (mut late_rejected, mut cut, mut cut_after_reopening) = (0, 0, 0);
-    let mut disks_lost = 0;
+    let (mut disks_lost, mut machine_0_lost) = (0, 0);
     let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 500, power_config, |_, out| {
-        disks_lost += out.disks_lost;
+        disks_lost += out.disks_lost.0;
+        machine_0_lost += out.disks_lost.1;
         cut += out.restarts_cut.0;
         cut_after_reopening += out.restarts_cut.1;
         unknown += out.unknown.0;
@@ -601,9 +602,11 @@ fn power_losses_lose_nothing_and_the_cluster_restarts_from_nvram() {
          in flight at a power loss or crash ({unknown_committed} committed); {late_rejected} \
          records that landed after a drain rejected again at a restart; {cut} restarts cut short \
          by the power ({cut_after_reopening} after a machine reopened its NVRAM); {disks_lost} \
-         restarts without a machine whose NVRAM the power took"
+         restarts without a machine whose NVRAM the power took ({machine_0_lost} without machine \
+         0)"
     );
     assert!(disks_lost > 0, "no restart went on without a machine");
+    assert!(machine_0_lost > 0, "no restart went on without machine 0");
     assert!(
         cut_after_reopening > 0,
         "the power never went during a restart after a machine reopened its NVRAM"

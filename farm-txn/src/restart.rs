@@ -77,18 +77,22 @@ impl std::fmt::Debug for MachineRestart<'_> {
 
 impl<'a> MachineRestart<'a> {
     /// The restart of machine `me`, which left `persisted` in `nvram`, in a cluster of
-    /// `exchange.machines` machines that each run `params.layout.threads` workers.
+    /// `exchange.machines` machines that each run `params.layout.threads` workers; `life` is
+    /// drawn afresh at every start of the machine (the runtime draws it at random, the
+    /// simulator from its seed).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         me: MachineId,
         exchange: ExchangeParams,
         persisted: Persisted,
+        life: u64,
         params: Params,
         fabric: Arc<dyn Fabric>,
         store: &'a dyn CoordinationStore,
         nvram: Reopen<'a>,
     ) -> Self {
         Self {
-            exchange: RestartExchange::new(me, exchange, persisted),
+            exchange: RestartExchange::new(me, exchange, persisted, life),
             params,
             fabric,
             store,
@@ -137,8 +141,8 @@ impl<'a> MachineRestart<'a> {
         self.exchange.waiting_for()
     }
 
-    /// Machine 0: why it still waits for the machines that did not come back although its
-    /// `LeaveOut::after` passed (`RestartExchange::not_left_out`).
+    /// Why this machine, whose turn to decide came, still waits for the machines that did not
+    /// come back (`RestartExchange::not_left_out`).
     pub fn not_left_out(&self) -> Option<&str> {
         self.exchange.not_left_out()
     }
@@ -181,11 +185,15 @@ impl<'a> MachineRestart<'a> {
                 match e {
                     Effect::Send { to, msg, id } => send(&*self.fabric, me, to, &msg, id, now),
                     Effect::ReadStore => {
-                        let read = self.store.read_config().map_err(|e| e.to_string());
+                        let read = self.store.read_marked_config().map_err(|e| e.to_string());
                         self.exchange.on_store_read(read);
                     }
-                    Effect::CompareAndSet { expected, config } => {
-                        let r = self.store.cas_config(Some(expected), &config);
+                    Effect::CompareAndSet {
+                        expected,
+                        config,
+                        mark,
+                    } => {
+                        let r = self.store.cas_marked_config(expected, &config, mark);
                         self.exchange.on_cas(r.map_err(|e| e.to_string()));
                     }
                     Effect::Restore(plan) => {

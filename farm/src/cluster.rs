@@ -24,7 +24,7 @@ use crate::lease_thread::{LeaseLength, Suspicion};
 use crate::machine::{ReconfigEvent, Request, Runtime, RuntimeConfig, Shared};
 use crate::pipeline::Pipeline;
 use crate::txn::Txn;
-use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, RestartExchange, LEADER};
+use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, RestartExchange};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 
 /// Errors building a cluster: bad parameters or NVRAM that cannot be mapped.
@@ -502,7 +502,8 @@ impl ClusterBuilder {
 impl ClusterBuilder {
     /// The machines of a restart ([`ClusterBuilder::restart`]), each restarted by the restart
     /// exchange every deployment runs (`farm_cm::restart`), here over the in-process fabric's
-    /// datagrams: machine 0 decides from what every machine left and stores the restart
+    /// datagrams: machine 0 (or the lowest machine with a state, leaving out those without)
+    /// decides from what every machine left and stores the restart
     /// configuration, the members reopen their NVRAM, continue their rings where the receivers
     /// found them and commit it. Machines outside the configuration start empty (their NVRAM is
     /// stale: they were removed). Returns the machines, the members' workers by thread, and
@@ -528,7 +529,7 @@ impl ClusterBuilder {
         };
         let invalid = BuildError::Invalid;
         let all = self.machines + self.spare_machines;
-        // Machines here all take part at once, over datagrams that are not lost: machine 0 has
+        // Machines here all take part at once, over datagrams that are not lost: the decider has
         // heard from every machine with a state well before it leaves out those without.
         let exchange = ExchangeParams {
             machines: all,
@@ -546,21 +547,15 @@ impl ClusterBuilder {
                 .map_err(|e| invalid(format!("reading machine {m}'s NVRAM: {e}")))?;
             let persisted = match persisted {
                 Some(p) => p,
-                None if self.restart_without_lost && m != LEADER => {
+                None if self.restart_without_lost => {
                     tracing::warn!(machine = m.0, "no NVRAM state: restarting without it");
                     restarts.push(None);
                     continue;
                 }
                 None => {
                     return Err(invalid(format!(
-                        "{} holds no state of machine {m}: a restart runs the machines that \
-                         ran{}",
+                        "{} holds no state of machine {m}: a restart runs the machines that ran",
                         dir.display(),
-                        if m == LEADER {
-                            " (machine 0, which decides the restart, cannot be left out)"
-                        } else {
-                            ""
-                        }
                     )))
                 }
             };
@@ -568,6 +563,7 @@ impl ClusterBuilder {
                 m,
                 exchange,
                 persisted,
+                crate::node_restart::fresh_life(),
                 params,
                 fabric.clone() as Arc<dyn Fabric>,
                 store,
@@ -615,7 +611,7 @@ impl ClusterBuilder {
                 Some(Outcome::Restarted(p) | Outcome::Removed(p)) => Some(p.config.clone()),
                 _ => None,
             })
-            .expect("machine 0 restarted");
+            .expect("a machine restarted");
         let (mut machines, mut workers, mut exchanges) = (Vec::new(), Vec::new(), Vec::new());
         for (m, r) in (0..all).map(MachineId).zip(restarts) {
             match r.map(MachineRestart::finish) {
@@ -832,8 +828,8 @@ const RESTART_TIMEOUT: Duration = Duration::from_secs(120);
 /// How often the restart steps its machines' exchanges.
 const RESTART_POLL: Duration = Duration::from_micros(50);
 
-/// How long machine 0 of an in-process restart waits for what the others left before it
-/// restarts without the machines whose NVRAM holds nothing ([`ClusterBuilder::restart_without_lost`]).
+/// How long the machines of an in-process restart wait for what the others left before the
+/// lowest with a state restarts without the machines whose NVRAM holds nothing ([`ClusterBuilder::restart_without_lost`]).
 const LOST_AFTER: Duration = Duration::from_millis(100);
 
 impl Cluster {

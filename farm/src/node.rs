@@ -76,8 +76,8 @@ pub struct NodeConfig {
     /// needs), and each member recovers what its logs hold (§5.3). Without it, a node refuses
     /// a directory that holds its machine's state.
     pub restart: bool,
-    /// With `restart`: how long machine 0 waits for every machine before it restarts without
-    /// those that did not come back (a machine whose disk died with the power), which it does
+    /// With `restart`: how long the machines wait for every machine before the lowest that came
+    /// back (machine 0 if it did) restarts without those that did not come back (a machine whose disk died with the power), which it does
     /// only if every region keeps a complete replica among the machines that came back and they
     /// are a majority of the newest configuration's members (`farm_cm::restart::LeaveOut`);
     /// otherwise it goes on waiting until `start_timeout`, and says why. Those left out are
@@ -138,7 +138,7 @@ pub enum NodeError {
     #[error("coordination store: {0}")]
     Store(String),
     /// Another machine's part of a whole-cluster restart failed, one this machine cannot
-    /// restart without (machine 0, or a member of the restart configuration).
+    /// restart without (the restart's decider, or a member of the restart configuration).
     #[error("machine {machine} refused the restart: {reason}")]
     PeerRefused {
         /// The machine whose part failed.

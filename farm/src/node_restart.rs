@@ -2,8 +2,9 @@
 //! transactions survive the loss of power of every machine), the multi-process form of
 //! `ClusterBuilder::restart`. Every machine's process starts with `restart`; each holds its
 //! machine's `alive` lock, so once all run, no process of the previous life does. Then each
-//! runs its part of the restart exchange (`farm_cm::restart`: machine 0 decides from what every
-//! machine left and stores the decision in ZooKeeper, members reopen their NVRAM and tell each
+//! runs its part of the restart exchange (`farm_cm::restart`: machine 0, or the lowest machine
+//! that came back when one is left out, decides from what every machine left and stores the
+//! decision in ZooKeeper, members reopen their NVRAM and tell each
 //! other where their rings resume) through `farm_txn::restart::MachineRestart`, as the
 //! in-process cluster and the simulator do, here over the process fabric's datagrams and with
 //! this process's clock.
@@ -11,7 +12,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, Persisted, RestartError, LEADER};
+use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, Persisted, RestartError};
 use farm_cm::CoordinationStore;
 use farm_core::fabric::Fabric;
 use farm_core::MachineId;
@@ -46,11 +47,10 @@ pub(crate) fn restart(
         replicas: config.replicas as usize,
         regions_max: farm_txn::control::REGIONS_PER_MACHINE_MAX,
     });
-    // Machine 0 hears from whoever comes back; the others need it.
+    // Without a leave-out every machine is needed; with one, each hears whoever comes back.
     let first: Vec<MachineId> = match leave_out {
         None => (0..config.machines).map(MachineId).collect(),
-        Some(_) if me == LEADER => Vec::new(),
-        Some(_) => vec![LEADER],
+        Some(_) => Vec::new(),
     };
     crate::node::wait_for_machines(&first, |m| fabric.is_up(m), config.start_timeout)?;
     let exchange = ExchangeParams {
@@ -63,6 +63,7 @@ pub(crate) fn restart(
         me,
         exchange,
         persisted,
+        fresh_life(),
         params,
         fabric.clone() as Arc<dyn Fabric>,
         store,
@@ -123,4 +124,14 @@ pub(crate) fn restart(
             Err(NodeError::PeerRefused { machine, reason })
         }
     }
+}
+
+/// A machine's life for a restart exchange (`farm_cm::restart::RestartExchange::new`): a
+/// number drawn at random at every start, so that a restart decision an earlier life stored
+/// is told from this one's.
+pub(crate) fn fresh_life() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.finish()
 }
