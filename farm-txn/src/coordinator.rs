@@ -78,8 +78,10 @@ pub(crate) struct CoordinatorState {
     /// down, so that no replica votes them truncated (§5.3 step 6).
     pub(crate) recovering: BTreeSet<u64>,
     /// Commits in flight, by handle. One being advanced is taken out meanwhile (and counted
-    /// by the caller of `piggyback`).
-    active: BTreeMap<CommitHandle, Commit>,
+    /// by the caller of `piggyback`). Boxed: every poll of a commit takes it out and puts it
+    /// back, and a B-tree shifts its neighbours' values in a node as it does; a commit is
+    /// hundreds of bytes, and those moves were a tenth of a `shm` machine's TATP time.
+    active: BTreeMap<CommitHandle, Box<Commit>>,
     /// The next commit handle.
     next_handle: u64,
 }
@@ -678,7 +680,7 @@ impl<'w> Tx<'w> {
 fn take_replies(
     replies: &mut Vec<(MachineId, Message)>,
     txn: TxnId,
-    in_flight: &BTreeMap<CommitHandle, Commit>,
+    in_flight: &BTreeMap<CommitHandle, Box<Commit>>,
     awaiting: &mut BTreeSet<MachineId>,
     failed: &mut bool,
     kind: impl Fn(&Message) -> Option<(TxnId, bool)>,
@@ -1136,7 +1138,7 @@ impl Worker {
         self.coord.next_handle += 1;
         let prev = self.coord.active.insert(
             handle,
-            Commit {
+            Box::new(Commit {
                 handle,
                 txn,
                 state,
@@ -1146,7 +1148,7 @@ impl Worker {
                 phase: Phase::Reserve,
                 // Zero: checked against the current view at the first poll.
                 view_generation: 0,
-            },
+            }),
         );
         assert!(prev.is_none(), "{handle} started twice");
         handle
