@@ -22,11 +22,15 @@ pub fn zookeeper() -> Option<String> {
 
 /// A cluster name no other run used (the znodes stay in ZooKeeper).
 pub fn unique(test: &str) -> String {
+    // Tests of one binary start together and may read the same time: a count tells them
+    // apart.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos();
-    format!("{test}-{}-{nanos}", std::process::id())
+    format!("{test}-{}-{call}-{nanos}", std::process::id())
 }
 
 /// Ports of a test's machines (UDP, and TCP over the tcp fabric): tests run in parallel.

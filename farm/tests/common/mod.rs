@@ -78,12 +78,16 @@ pub fn zookeeper(test: &str) -> Option<(String, String)> {
         eprintln!("skipping {test} against ZooKeeper: ZK_CONNECT is not set (scripts/with-zookeeper.sh sets it)");
         return None;
     };
+    // Tests of one binary start together and may read the same time: a count tells them
+    // apart (two that shared a znode found each other's configuration).
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos();
     Some((
         connect,
-        format!("/farm-test/{test}-{}-{nanos}", std::process::id()),
+        format!("/farm-test/{test}-{}-{call}-{nanos}", std::process::id()),
     ))
 }
