@@ -1702,8 +1702,6 @@ impl Worker {
     ) -> Result<Option<WriteTicket>, TxError> {
         // The active commit is `c`, held outside `coord` while it advances: count it.
         let (below, ids) = self.piggyback(dst, Some(c.txn.local));
-        self.scratch.clear();
-        LogRecord::encode_parts(c.txn, below, &ids, body, &mut self.scratch);
         let reservation = RingWriter::reservation(framed_len(match body {
             LogBody::Lock(ws) | LogBody::CommitBackup(ws) => {
                 header_bytes()
@@ -1711,9 +1709,14 @@ impl Worker {
             }
             _ => header_bytes(),
         }));
-        assert!(self.scratch.len() <= RECORD_BYTES_MAX);
         *c.reserved.get_mut(&dst).expect("reserved before sending") -= reservation;
-        match self.append(dst, RingKind::Log, true, reservation)? {
+        let txn = c.txn;
+        let encode = |out: &mut Vec<u8>| {
+            let at = out.len();
+            LogRecord::encode_parts(txn, below, &ids, body, out);
+            assert!(out.len() - at <= RECORD_BYTES_MAX);
+        };
+        match self.append_record(dst, RingKind::Log, reservation, encode)? {
             Some(ticket) => Ok(ticket),
             None => panic!("log to {dst} full despite a reservation for {}", c.txn),
         }
@@ -1890,9 +1893,7 @@ impl Worker {
                 truncated: ids,
                 body: LogBody::Truncate,
             };
-            self.scratch.clear();
-            rec.encode(&mut self.scratch);
-            match self.append(dst, RingKind::Log, true, small) {
+            match self.append_record(dst, RingKind::Log, small, |out| rec.encode(out)) {
                 Ok(Some(_)) => self.stats.truncates_sent += 1,
                 Ok(None) => panic!("log to {dst} full despite a TRUNCATE reservation"),
                 Err(_) => {} // Dead participant: recovery's business.

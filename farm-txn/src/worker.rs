@@ -14,7 +14,8 @@ use std::sync::Arc;
 use farm_alloc::{block_header_offset, block_of, slot_bytes_of, AllocError, Slabs};
 use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
 use farm_core::object;
-use farm_core::ring::{frame, skip_marker, HeadWord, RecordPos, RingKind, RingReader, RingWriter};
+use farm_core::ring::{frame_in_place, frame_start, skip_marker, HeadWord, RecordPos, RingKind};
+use farm_core::ring::{RingReader, RingWriter};
 use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, RecoveryBody, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
@@ -200,8 +201,8 @@ pub struct Worker {
     backlog: std::collections::VecDeque<(MachineId, Vec<u8>)>,
     /// ALLOC-REPLYs waiting for their block header to reach the backups.
     alloc_replies: Vec<PendingAllocReply>,
-    /// Encoding and framing buffers of outgoing messages.
-    msg_bufs: (Vec<u8>, Vec<u8>),
+    /// The buffer outgoing messages are encoded and framed in.
+    msg_framed: Vec<u8>,
     /// Transaction state recovery (§5.3) of the transactions this thread coordinates.
     pub(crate) recovery: crate::recovery::RecoveryState,
     /// Recovery messages a whole-cluster restart must still see ([`crate::recovery_log`]).
@@ -300,7 +301,7 @@ impl Worker {
             framed: Vec::new(),
             backlog: std::collections::VecDeque::new(),
             alloc_replies: Vec::new(),
-            msg_bufs: (Vec::new(), Vec::new()),
+            msg_framed: Vec::new(),
             // After a restart, the restart configuration is still to be drained (§5.3 step 2).
             recovery: crate::recovery::RecoveryState::new(match restart {
                 Some(c) if c == view_config => ConfigId(c.0 - 1),
@@ -1379,26 +1380,22 @@ impl Worker {
         }
     }
 
-    /// Appends `payload` to the ring of `kind` at `dst`, consuming `reserved` bytes of
-    /// reservation. Local destinations are written with local memory, not the fabric (§4).
-    /// Returns the write's ticket (`None` for a local write, which is complete at once) or `Ok`
-    /// with no placement when the ring is full.
-    pub(crate) fn append(
+    /// Appends the record `encode` writes (its payload) to the ring of `kind` at `dst`,
+    /// consuming `reserved` bytes of reservation; the payload is encoded where it is framed,
+    /// with no copy in between. Local destinations are written with local memory, not the
+    /// fabric (§4). Returns the write's ticket (`None` for a local write, which is complete at
+    /// once) or `Ok` with no placement when the ring is full.
+    pub(crate) fn append_record(
         &mut self,
         dst: MachineId,
         kind: RingKind,
-        payload_from_scratch: bool,
         reserved: usize,
+        encode: impl FnOnce(&mut Vec<u8>),
     ) -> Result<Option<Option<WriteTicket>>, FabricError> {
         let mut framed = std::mem::take(&mut self.framed);
-        frame(
-            if payload_from_scratch {
-                &self.scratch
-            } else {
-                &[]
-            },
-            &mut framed,
-        );
+        frame_start(&mut framed);
+        encode(&mut framed);
+        frame_in_place(&mut framed);
         let result = self.append_framed(dst, kind, &framed, reserved);
         self.framed = framed;
         result
@@ -1461,11 +1458,9 @@ impl Worker {
     /// queue to `dst` is full the message waits in a bounded backlog that [`Worker::poll`]
     /// retries, so a handler never blocks on a slow peer.
     pub(crate) fn send_message(&mut self, dst: MachineId, msg: &Message) {
-        // Reused buffers: a LOCK-REPLY goes out for every LOCK, so this is a hot path.
-        let (mut payload, mut framed) = std::mem::take(&mut self.msg_bufs);
-        payload.clear();
-        msg.encode(&mut payload);
-        frame(&payload, &mut framed);
+        // A reused buffer: a LOCK-REPLY goes out for every LOCK, so this is a hot path.
+        let mut framed = std::mem::take(&mut self.msg_framed);
+        frame_message(msg, &mut framed);
         if self.queue_full(dst) || !self.try_send_framed(dst, &framed) {
             if dst != self.machine.id
                 && self.outbound[dst.0 as usize].backlogged >= BACKLOG_PER_PEER_MAX
@@ -1477,7 +1472,7 @@ impl Worker {
                 self.backlog.push_back((dst, framed.clone()));
             }
         }
-        self.msg_bufs = (payload, framed);
+        self.msg_framed = framed;
     }
 
     /// Cuts the link to `dst`, which let [`BACKLOG_PER_PEER_MAX`] messages pile up here: they
@@ -1513,12 +1508,10 @@ impl Worker {
         if self.queue_full(dst) {
             return None;
         }
-        let (mut payload, mut framed) = std::mem::take(&mut self.msg_bufs);
-        payload.clear();
-        msg.encode(&mut payload);
-        frame(&payload, &mut framed);
+        let mut framed = std::mem::take(&mut self.msg_framed);
+        frame_message(msg, &mut framed);
         let placed = self.append_framed(dst, RingKind::Queue, &framed, 0);
-        self.msg_bufs = (payload, framed);
+        self.msg_framed = framed;
         match placed {
             Ok(Some(ticket)) => Some(ticket),
             Ok(None) => None,
@@ -1697,4 +1690,11 @@ impl Worker {
             local: self.coord.next_local,
         }
     }
+}
+
+/// Frames `msg` into `out` (cleared first), encoded where it is framed.
+fn frame_message(msg: &Message, out: &mut Vec<u8>) {
+    frame_start(out);
+    msg.encode(out);
+    frame_in_place(out);
 }
