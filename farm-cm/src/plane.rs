@@ -1405,9 +1405,7 @@ impl ControlPlane {
                     // with it again (`Effect::ForgiveMember`).
                     None if pair => {
                         forgiven.extend(suspects.iter().chain(&self.suspects).copied());
-                        for m in forgiven.clone() {
-                            self.effects.push(Effect::ForgiveMember(m));
-                        }
+                        (self.effects).extend(forgiven.iter().map(|m| Effect::ForgiveMember(*m)));
                     }
                     None => {
                         self.suspects.extend(suspects.iter().copied());

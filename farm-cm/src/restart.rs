@@ -615,26 +615,10 @@ impl RestartExchange {
         }
         let repeat = self.params.repeat;
         if let Phase::Gathering(all) = &self.phase {
-            if self
+            let told = self
                 .last_told
-                .is_none_or(|at| now.saturating_sub(at) >= repeat * PERSISTED_REPEAT_FACTOR)
-            {
-                self.last_told = Some(now);
-                let p = all[self.me.0 as usize].clone().expect("its own");
-                let msg = ControlMsg::Persisted {
-                    view: p.view,
-                    copying: p.copying,
-                    life: self.life,
-                };
-                for m in (0..self.params.machines).map(MachineId) {
-                    if m != self.me {
-                        self.send(m, msg.clone(), PERSISTED_MESSAGE_ID);
-                    }
-                }
-            }
-            let Phase::Gathering(all) = &self.phase else {
-                unreachable!()
-            };
+                .is_some_and(|at| now.saturating_sub(at) < repeat * PERSISTED_REPEAT_FACTOR);
+            let mine = (!told).then(|| all[self.me.0 as usize].clone().expect("its own"));
             let since = *self.gathering_since.get_or_insert(now);
             let waited = self
                 .params
@@ -643,7 +627,12 @@ impl RestartExchange {
             // A restart without the machines that did not come back, decided by the lowest
             // machine that did.
             let lowest = all[..self.me.0 as usize].iter().all(Option::is_none);
-            if waited && lowest && self.deferred.is_none() && all.iter().any(Option::is_none) {
+            let missing = all.iter().any(Option::is_none);
+            if let Some(p) = mine {
+                self.last_told = Some(now);
+                self.tell_others(p);
+            }
+            if waited && lowest && self.deferred.is_none() && missing {
                 self.decide_now();
             }
             return;
@@ -664,6 +653,20 @@ impl RestartExchange {
         self.last_repeat = Some(now);
         self.announce_unlearnt();
         self.request_ring_starts();
+    }
+
+    /// Tells every other machine what this one left, `p`.
+    fn tell_others(&mut self, p: Persisted) {
+        let msg = ControlMsg::Persisted {
+            view: p.view,
+            copying: p.copying,
+            life: self.life,
+        };
+        for m in (0..self.params.machines).map(MachineId) {
+            if m != self.me {
+                self.send(m, msg.clone(), PERSISTED_MESSAGE_ID);
+            }
+        }
     }
 
     /// Whether this machine decided the plan.

@@ -138,10 +138,7 @@ pub type MarkedConfig = (StoreVersion, Configuration, Option<RestartMark>);
 
 impl<S: CoordinationStore + ?Sized> ConfigurationStore for S {
     fn read_config(&self) -> Result<Option<(StoreVersion, Configuration)>, ReadConfigError> {
-        match self.read()? {
-            Some((v, bytes)) => Ok(Some((v, codec::decode(&bytes)?))),
-            None => Ok(None),
-        }
+        Ok(self.read_marked_config()?.map(|(v, config, _)| (v, config)))
     }
 
     fn cas_config(

@@ -97,10 +97,10 @@ pub fn decode_marked(bytes: &[u8]) -> Result<(Configuration, Option<RestartMark>
     }
     let config = r.config()?;
     let mark = if r.at < bytes.len() {
-        if r.u8()? != RESTART_MARK_TAG {
-            r.at -= 1;
-            r.end()?;
+        if bytes[r.at] != RESTART_MARK_TAG {
+            r.end()?; // Trailing bytes that are no mark.
         }
+        r.u8()?;
         Some(RestartMark {
             decider: MachineId(r.u16()?),
             life: r.u64()?,

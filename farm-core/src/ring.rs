@@ -123,21 +123,15 @@ fn trailer(bytes: &[u8]) -> u32 {
 
 /// Frames `payload` into `out` (cleared first): the exact bytes to append.
 pub fn frame(payload: &[u8], out: &mut Vec<u8>) {
-    frame_start(out);
-    out.extend_from_slice(payload);
-    frame_in_place(out);
+    frame_with(out, |o| o.extend_from_slice(payload));
 }
 
-/// Starts a record in `out` (cleared first): room for its length word, after which the caller
-/// encodes the payload, then [`frame_in_place`]. Saves [`frame`]'s copy of the payload.
-pub fn frame_start(out: &mut Vec<u8>) {
+/// Frames into `out` (cleared first) the payload `encode` appends to it, encoded where it is
+/// framed: [`frame`] without its copy of the payload.
+pub fn frame_with(out: &mut Vec<u8>, encode: impl FnOnce(&mut Vec<u8>)) {
     out.clear();
     out.extend_from_slice(&[0; 4]);
-}
-
-/// Frames the record [`frame_start`] began in `out`, its payload encoded after the length
-/// word: the exact bytes to append.
-pub fn frame_in_place(out: &mut Vec<u8>) {
+    encode(out);
     let len = framed_len(out.len() - 4);
     out[..4].copy_from_slice(&(len as u32).to_le_bytes());
     out.resize(len - 4, 0);

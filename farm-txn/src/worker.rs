@@ -14,8 +14,8 @@ use std::sync::Arc;
 use farm_alloc::{block_header_offset, block_of, slot_bytes_of, AllocError, Slabs};
 use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
 use farm_core::object;
-use farm_core::ring::{frame_in_place, frame_start, skip_marker, HeadWord, RecordPos, RingKind};
-use farm_core::ring::{RingReader, RingWriter};
+use farm_core::ring::RingWriter;
+use farm_core::ring::{frame_with, skip_marker, HeadWord, RecordPos, RingKind, RingReader};
 use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, RecoveryBody, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
@@ -1393,9 +1393,7 @@ impl Worker {
         encode: impl FnOnce(&mut Vec<u8>),
     ) -> Result<Option<Option<WriteTicket>>, FabricError> {
         let mut framed = std::mem::take(&mut self.framed);
-        frame_start(&mut framed);
-        encode(&mut framed);
-        frame_in_place(&mut framed);
+        frame_with(&mut framed, encode);
         let result = self.append_framed(dst, kind, &framed, reserved);
         self.framed = framed;
         result
@@ -1460,7 +1458,7 @@ impl Worker {
     pub(crate) fn send_message(&mut self, dst: MachineId, msg: &Message) {
         // A reused buffer: a LOCK-REPLY goes out for every LOCK, so this is a hot path.
         let mut framed = std::mem::take(&mut self.msg_framed);
-        frame_message(msg, &mut framed);
+        frame_with(&mut framed, |o| msg.encode(o));
         if self.queue_full(dst) || !self.try_send_framed(dst, &framed) {
             if dst != self.machine.id
                 && self.outbound[dst.0 as usize].backlogged >= BACKLOG_PER_PEER_MAX
@@ -1509,7 +1507,7 @@ impl Worker {
             return None;
         }
         let mut framed = std::mem::take(&mut self.msg_framed);
-        frame_message(msg, &mut framed);
+        frame_with(&mut framed, |o| msg.encode(o));
         let placed = self.append_framed(dst, RingKind::Queue, &framed, 0);
         self.msg_framed = framed;
         match placed {
@@ -1690,11 +1688,4 @@ impl Worker {
             local: self.coord.next_local,
         }
     }
-}
-
-/// Frames `msg` into `out` (cleared first), encoded where it is framed.
-fn frame_message(msg: &Message, out: &mut Vec<u8>) {
-    frame_start(out);
-    msg.encode(out);
-    frame_in_place(out);
 }
