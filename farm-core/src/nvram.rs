@@ -141,6 +141,13 @@ impl Nvram {
         self._map.flush()
     }
 
+    /// The mapping's first byte, for registering it with an RDMA device
+    /// (`farm_fabric::verbs`), which then reads and writes it directly, as peers' one-sided
+    /// operations do through the other fabrics.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.len

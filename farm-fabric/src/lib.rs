@@ -12,7 +12,10 @@
 //! - [`process`]: what the two process fabrics share (directory claim, doorbell, UDP
 //!   datagrams) and [`ProcessFabric`](process::ProcessFabric), the interface a node runs on;
 //! - [`auth`]: the cluster's shared secret, which every `tcp` connection proves in its hello
-//!   and every datagram carries a tag of.
+//!   and every datagram carries a tag of;
+//! - `verbs` (cargo feature `verbs`): real RDMA hardware through libibverbs, so far its
+//!   queue-pair layer (devices, registration, RC queue pairs posting READs and WRITEs in
+//!   batches, completion polling).
 //!
 //! They live apart from the protocol crates, which hold no socket, thread or file of their
 //! own: a protocol touches other machines only through the `Fabric` handle it is given.
@@ -40,3 +43,5 @@ pub mod mem;
 pub mod process;
 pub mod shm;
 pub mod tcp;
+#[cfg(feature = "verbs")]
+pub mod verbs;
