@@ -76,19 +76,16 @@ impl Device {
     pub fn open() -> Result<Result<Self, String>, VerbsError> {
         let list = match DeviceList::new() {
             Ok(list) => list,
-            Err(e) => {
-                let GetDeviceListErrorKind::Ibverbs(ref io) = e.0 else {
-                    return Err(failed("listing RDMA devices")(format!("{e:?}")));
-                };
-                // EOPNOTSUPP: libibverbs.so.1 could not be loaded; ENOSYS: the kernel has no
-                // RDMA support.
-                if io.kind() == io::ErrorKind::Unsupported {
+            // EOPNOTSUPP: libibverbs.so.1 could not be loaded; ENOSYS: the kernel has no RDMA
+            // support.
+            Err(e) => match e.0 {
+                GetDeviceListErrorKind::Ibverbs(io) if io.kind() == io::ErrorKind::Unsupported => {
                     return Ok(Err(format!(
                         "no RDMA support here (libibverbs or the kernel's verbs: {io})"
-                    )));
+                    )))
                 }
-                return Err(failed("listing RDMA devices")(io));
-            }
+                other => return Err(failed("listing RDMA devices")(format!("{other:?}"))),
+            },
         };
         let Some(device) = list.get(0) else {
             return Ok(Err("no RDMA device".into()));
@@ -159,7 +156,9 @@ impl Device {
             qp,
             cq,
             psn,
-            address: (self.lid, self.gid, self.mtu),
+            lid: self.lid,
+            gid: self.gid,
+            mtu: self.mtu,
         })
     }
 }
@@ -280,7 +279,10 @@ pub struct QueuePair {
     qp: GenericQueuePair,
     cq: Arc<ExtendedCompletionQueue>,
     psn: u32,
-    address: (u16, Gid, Mtu),
+    /// The device port's address and path MTU.
+    lid: u16,
+    gid: Gid,
+    mtu: Mtu,
 }
 
 impl fmt::Debug for QueuePair {
@@ -297,8 +299,8 @@ impl QueuePair {
         Address {
             qpn: self.qp.qp_number(),
             psn: self.psn,
-            lid: self.address.0,
-            gid: self.address.1.raw,
+            lid: self.lid,
+            gid: self.gid.raw,
         }
     }
 
@@ -322,7 +324,7 @@ impl QueuePair {
             .setup_grh_hop_limit(64);
         let mut rtr = QueuePairAttribute::new();
         rtr.setup_state(QueuePairState::ReadyToReceive)
-            .setup_path_mtu(self.address.2)
+            .setup_path_mtu(self.mtu)
             .setup_dest_qp_num(remote.qpn)
             .setup_rq_psn(remote.psn)
             .setup_max_dest_read_atomic(READS_OUTSTANDING)
@@ -353,7 +355,8 @@ impl QueuePair {
                 WorkRequestFlags::none()
             };
             assert!(
-                w.offset + w.local.len as u64 <= w.remote.len as u64,
+                (w.offset.checked_add(w.local.len.into()))
+                    .is_some_and(|end| end <= w.remote.len as u64),
                 "a work request past the remote area"
             );
             let wr = guard.construct_wr(w.id, flags);

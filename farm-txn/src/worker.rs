@@ -14,8 +14,9 @@ use std::sync::Arc;
 use farm_alloc::{block_header_offset, block_of, slot_bytes_of, AllocError, Slabs};
 use farm_core::fabric::{Endpoint, FabricError, MemKey, RemoteMemory, WriteStatus, WriteTicket};
 use farm_core::object;
-use farm_core::ring::RingWriter;
-use farm_core::ring::{frame_with, skip_marker, HeadWord, RecordPos, RingKind, RingReader};
+use farm_core::ring::{
+    frame_with, skip_marker, HeadWord, RecordPos, RingKind, RingReader, RingWriter,
+};
 use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, RecoveryBody, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
