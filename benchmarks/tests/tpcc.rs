@@ -2,7 +2,7 @@
 //! (clause 3.3.2), and the check names each one it finds broken.
 
 use farm::{Cluster, MachineId};
-use farm_workloads::tpcc::{c_key, d_key, h_key, o_key, s_key, Scale, Tables};
+use farm_workloads::tpcc::{c_key, d_key, h_key, i_key, o_key, s_key, Scale, Tables};
 
 fn populated() -> (Cluster, Tables) {
     let c = Cluster::builder()
@@ -47,6 +47,19 @@ fn population_is_consistent_and_broken_invariants_are_named() {
         assert_eq!(primary(t.stock.home_bucket(&s_key(w, 17))), at);
         assert_eq!(primary(t.history.home_bucket(&h_key(w, 2, 5))), at);
     }
+    // ITEM has a copy on every machine, each in its machine's regions, with the same rows.
+    let copies: Vec<_> = (0..3)
+        .map(|copy| {
+            assert_eq!(
+                primary(t.item.home_bucket(&i_key(copy, 17))),
+                MachineId(copy as u16)
+            );
+            c.txn(m, |tx| t.item.get_in(tx, &i_key(copy, 17)))
+                .unwrap()
+                .expect("item 17 in every copy")
+        })
+        .collect();
+    assert!(copies.windows(2).all(|p| p[0] == p[1]), "{copies:?}");
     // Condition 4: an order line goes missing.
     let lines = c
         .txn(m, |tx| t.order_line.get_in(tx, &o_key(1, 2, 7)))
@@ -156,6 +169,34 @@ fn customers_are_indexed_by_last_name() {
 /// The full mix from two threads (one in a session, both on random machines, home warehouses
 /// at random) keeps conditions 1 to 4, and the money adds up: every warehouse's YTD grew by
 /// the payments made there, and NEW-ORDER rollbacks left no order behind.
+#[test]
+fn a_new_order_reads_its_items_where_it_runs() {
+    use farm_workloads::tpcc::{Kind, Outcome};
+    use farm_workloads::Rand;
+    let (c, t) = populated();
+    // Warehouse 2 lives on machine 1, and so do its NEW-ORDERs' items (machine 1's copy of
+    // ITEM): a NEW-ORDER reads at another machine only the STOCK rows of a remote supply
+    // warehouse (1% of its lines). With ITEM spread over the machines, about two thirds of
+    // a NEW-ORDER's items were remote: well over one remote read per NEW-ORDER.
+    let before = c.stats();
+    let mut rng = Rand::new(3);
+    let mut committed = 0;
+    for _ in 0..40 {
+        let outcome = t
+            .run(&c, None, (Kind::NewOrder, 2), &mut rng, 1, &mut 0)
+            .unwrap();
+        committed += (outcome == Outcome::Committed) as u32;
+    }
+    let after = c.stats();
+    assert!(committed >= 30, "{committed} of 40 NEW-ORDERs committed");
+    let remote = after.reads_remote - before.reads_remote;
+    assert!(
+        after.reads > before.reads + 40 * 5 && remote < 40,
+        "40 NEW-ORDERs of warehouse 2 read {remote} objects at other machines (of {})",
+        after.reads - before.reads
+    );
+}
+
 #[test]
 fn the_mix_keeps_the_consistency_conditions() {
     use farm_workloads::tpcc::{Kind, Outcome};

@@ -575,9 +575,9 @@ pub fn run_tpcc(
         tpcc::Tables::open(node, me, scale, seed, &meeting.roots()?)
             .context("opening the tables")?
     };
-    // Every machine loads a share of ITEM, then its own warehouses.
+    // Every machine loads its copy of ITEM, then its own warehouses.
     tables
-        .populate_item_share(node, 40, seed, me.0 as u32, meeting.machines as u32)
+        .populate_item_copy(node, 40, seed, me.0 as usize)
         .context("loading ITEM")?;
     let mine: Vec<u32> = (1..=args.warehouses)
         .filter(|w| tables.machine_of(node, *w) == me)

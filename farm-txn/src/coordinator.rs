@@ -895,6 +895,7 @@ impl Worker {
             match outcome {
                 ReadOutcome::Consistent(h) => {
                     self.stats.reads += 1;
+                    self.stats.reads_remote += !local as u64;
                     return Ok(h);
                 }
                 ReadOutcome::Locked(_) => {

@@ -19,6 +19,8 @@ pub struct Stats {
     pub aborts_other: u64,
     /// Consistent object reads.
     pub reads: u64,
+    /// Of `reads`, those from another machine's primary (one-sided reads over the fabric).
+    pub reads_remote: u64,
     /// Reads that found a lock.
     pub reads_locked: u64,
     /// Reads that were torn and retried.
@@ -109,6 +111,7 @@ impl Stats {
             aborts_validate,
             aborts_other,
             reads,
+            reads_remote,
             reads_locked,
             reads_torn,
             reads_posted,

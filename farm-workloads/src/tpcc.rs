@@ -301,6 +301,12 @@ pub fn h_key(w: u32, d: u8, n: u64) -> u64 {
     d_key(w, d) << 40 | (n & ((1 << 40) - 1))
 }
 
+/// ITEM's key: item `i` of the copy of machine `copy` (every machine keeps a copy of ITEM,
+/// which no transaction writes, so that NEW-ORDER reads and validates its items locally).
+pub fn i_key(copy: usize, i: u32) -> u64 {
+    (copy as u64) << 32 | i as u64
+}
+
 /// STOCK's key.
 pub fn s_key(w: u32, i: u32) -> u64 {
     (w as u64) << 20 | i as u64
@@ -369,7 +375,8 @@ impl Shapes {
             history: spec(d * orders, 2, 2),
             order: spec(d * orders, 4, 2),
             order_line: spec(d * orders, 1, 2),
-            item: TableSpec::with_capacity(machines.clone(), scale.items as u64, 2),
+            // A copy of ITEM per machine, each at half fill: partition m is machine m's copy.
+            item: TableSpec::with_capacity(machines.clone(), scale.items as u64 * n as u64, 2),
             stock: spec(scale.items as u64, 1, 3),
         }
     }
@@ -459,10 +466,13 @@ pub struct Tables {
     pub order_by_customer: PerWarehouse<u64, u8>,
     /// ORDER-LINE, clustered by order: an order's rows by [`o_key`].
     pub order_line: HashTable<u64, OrderLines>,
-    /// ITEM by `I_ID`.
-    pub item: HashTable<u32, Item>,
+    /// ITEM by [`i_key`]: a copy on every machine (FaRM's TPC-C reads remote data in about 10%
+    /// of its transactions, §6.3: remote customers and stock, not items).
+    pub item: HashTable<u64, Item>,
     /// STOCK by [`s_key`].
     pub stock: HashTable<u64, Stock>,
+    /// The machines the tables are partitioned over.
+    machines: usize,
 }
 
 impl Tables {
@@ -491,7 +501,7 @@ impl Tables {
         partition_pages::<u64, History>(cluster, &s.history, p, &mut pages)?;
         partition_pages::<u64, Order>(cluster, &s.order, p, &mut pages)?;
         partition_pages::<u64, OrderLines>(cluster, &s.order_line, p, &mut pages)?;
-        partition_pages::<u32, Item>(cluster, &s.item, p, &mut pages)?;
+        partition_pages::<u64, Item>(cluster, &s.item, p, &mut pages)?;
         partition_pages::<u64, Stock>(cluster, &s.stock, p, &mut pages)?;
         Ok(pages)
     }
@@ -554,6 +564,7 @@ impl Tables {
             order_line,
             item,
             stock,
+            machines: n,
         }
         .partitioned(n))
     }
@@ -571,7 +582,7 @@ impl Tables {
             + s.history.bytes_per_partition::<u64, History>()
             + s.order.bytes_per_partition::<u64, Order>()
             + s.order_line.bytes_per_partition::<u64, OrderLines>()
-            + s.item.bytes_per_partition::<u32, Item>()
+            + s.item.bytes_per_partition::<u64, Item>()
             + s.stock.bytes_per_partition::<u64, Stock>();
         let d = scale.districts as u64;
         let orders = d * (scale.customers as u64 + scale.growth as u64);
@@ -595,6 +606,7 @@ impl Tables {
                 .order_line
                 .with_partitioner(move |k: &u64| by_w(k >> 40)),
             stock: self.stock.with_partitioner(move |k: &u64| by_w(k >> 20)),
+            item: self.item.with_partitioner(|k: &u64| (k >> 32) as usize),
             ..self
         }
     }
@@ -651,6 +663,7 @@ impl Tables {
             customer_by_name: PerWarehouse::open(cluster, machine, &trees[..w])?,
             new_order: PerWarehouse::open(cluster, machine, &trees[w..2 * w])?,
             order_by_customer: PerWarehouse::open(cluster, machine, &trees[2 * w..])?,
+            machines: cluster.machines() as usize,
         }
         .partitioned(cluster.machines() as usize))
     }
@@ -665,32 +678,28 @@ impl Tables {
         MachineId(warehouse_machine(w as u64, machines as usize) as u16)
     }
 
-    /// Loads ITEM (clause 4.3.3.1), in transactions of `batch` rows.
+    /// Loads ITEM (clause 4.3.3.1), every machine's copy, in transactions of `batch` rows.
     pub fn populate_items(
         &self,
         cluster: &impl Client,
         batch: u32,
         seed: u64,
     ) -> Result<(), TxError> {
-        self.populate_item_share(cluster, batch, seed, 0, 1)
+        (0..self.machines).try_for_each(|m| self.populate_item_copy(cluster, batch, seed, m))
     }
 
-    /// Loads share `share` of `shares` of ITEM, the items whose id is `share` more than a
-    /// multiple of `shares` (so that the machines of a cluster load it together), in
-    /// transactions of `batch` rows.
-    pub fn populate_item_share(
+    /// Loads machine `copy`'s copy of ITEM, coordinated there, in transactions of `batch` rows
+    /// (so that the machines of a cluster load their copies at once).
+    pub fn populate_item_copy(
         &self,
         cluster: &impl Client,
         batch: u32,
         seed: u64,
-        share: u32,
-        shares: u32,
+        copy: usize,
     ) -> Result<(), TxError> {
-        let ids: Vec<u32> = (1..=self.scale.items)
-            .filter(|i| i % shares == share)
-            .collect();
-        for (k, chunk) in ids.chunks(batch.max(1) as usize).enumerate() {
-            let m = MachineId((k % cluster.machines() as usize) as u16);
+        let ids: Vec<u32> = (1..=self.scale.items).collect();
+        let m = MachineId(copy as u16);
+        for chunk in ids.chunks(batch.max(1) as usize) {
             cluster.txn(m, |tx| {
                 for &id in chunk {
                     let mut rng = Rand::new(seed ^ 0x17e3 ^ (id as u64) << 24);
@@ -701,7 +710,7 @@ impl Tables {
                         data: data_with_original(&mut rng),
                         _pad: [0; 2],
                     };
-                    self.item.insert(tx, &id, &item)?;
+                    self.item.insert(tx, &i_key(copy, id), &item)?;
                 }
                 Ok(())
             })?;
@@ -1366,8 +1375,9 @@ impl Tables {
         self.warehouse.prefetch(tx, &w);
         self.district.prefetch(tx, &d_key(w, d));
         self.customer.prefetch(tx, &c_key(w, d, c));
+        let copy = warehouse_machine(w as u64, self.machines);
         for &(item_id, supply, _) in lines {
-            self.item.prefetch(tx, &item_id);
+            self.item.prefetch(tx, &i_key(copy, item_id));
             self.stock.prefetch(tx, &s_key(supply, item_id));
         }
         // W_TAX and C_DISCOUNT are read for the total the terminal shows (clause 2.4.2.2),
@@ -1409,7 +1419,7 @@ impl Tables {
             .await?;
         let mut rows = OrderLines::zeroed();
         for (i, &(item_id, supply, qty)) in lines.iter().enumerate() {
-            let Some(item) = self.item.get_in_async(tx, &item_id).await? else {
+            let Some(item) = self.item.get_in_async(tx, &i_key(copy, item_id)).await? else {
                 return Err(tx.abort(ROLLBACK));
             };
             let key = s_key(supply, item_id);

@@ -319,6 +319,12 @@ impl Collector for Samples {
         )?;
         self.counter(
             e,
+            "farm_object_reads_remote",
+            "Of those, reads from another machine's primary (one-sided, over the fabric)",
+            |s| s.counters.stats.reads_remote,
+        )?;
+        self.counter(
+            e,
             "farm_allocations",
             "Objects allocated at this machine's primaries",
             |s| s.counters.stats.allocs,
