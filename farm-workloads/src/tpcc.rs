@@ -329,6 +329,39 @@ fn warehouse_machine(w: u64, machines: usize) -> usize {
     (w.saturating_sub(1)) as usize % machines
 }
 
+/// Transactions in flight while loading: the load waits for replication round trips side by
+/// side, not one after another. Rows of ITEM and STOCK no two of them share; B-tree inserts
+/// (customers by name, orders) sometimes conflict and are retried.
+const LOAD_IN_FLIGHT: usize = 8;
+
+/// Runs `load(tx, k)` for every `k` below `n`, each in a transaction of its own coordinated by
+/// `m`, [`LOAD_IN_FLIGHT`] at a time on the calling thread, and `done(k)` once `k` committed;
+/// the first error ends the load.
+fn load_in_flight(
+    cluster: &impl Client,
+    m: MachineId,
+    n: usize,
+    load: impl AsyncFn(&mut farm::AsyncTxn<'_, '_>, usize) -> Result<(), TxError>,
+    done: impl Fn(usize),
+) -> Result<(), TxError> {
+    let next = std::cell::Cell::new(0);
+    let failed = std::cell::RefCell::new(None);
+    cluster.pipeline(LOAD_IN_FLIGHT.min(n), async |p, _| loop {
+        let k = next.get();
+        if k >= n || failed.borrow().is_some() {
+            return;
+        }
+        next.set(k + 1);
+        match p.txn(m, async |tx| load(tx, k).await).await {
+            Ok(()) => done(k),
+            Err(e) => {
+                failed.borrow_mut().get_or_insert(e);
+            }
+        }
+    });
+    failed.into_inner().map_or(Ok(()), Err)
+}
+
 /// Entries per node of the customer-by-name B-trees.
 const NAME_FANOUT: usize = 32;
 /// Entries per node of the NEW-ORDER and orders-by-customer B-trees.
@@ -698,24 +731,22 @@ impl Tables {
         copy: usize,
     ) -> Result<(), TxError> {
         let ids: Vec<u32> = (1..=self.scale.items).collect();
-        let m = MachineId(copy as u16);
-        for chunk in ids.chunks(batch.max(1) as usize) {
-            cluster.txn(m, |tx| {
-                for &id in chunk {
-                    let mut rng = Rand::new(seed ^ 0x17e3 ^ (id as u64) << 24);
-                    let item = Item {
-                        price: rng.range(100, 10_000) as i64,
-                        im_id: rng.range(1, 10_000) as u32,
-                        name: a_string(&mut rng, 14, 24),
-                        data: data_with_original(&mut rng),
-                        _pad: [0; 2],
-                    };
-                    self.item.insert(tx, &i_key(copy, id), &item)?;
-                }
-                Ok(())
-            })?;
-        }
-        Ok(())
+        let chunks: Vec<&[u32]> = ids.chunks(batch.max(1) as usize).collect();
+        let load = async |tx: &mut farm::AsyncTxn<'_, '_>, k: usize| {
+            for &id in chunks[k] {
+                let mut rng = Rand::new(seed ^ 0x17e3 ^ (id as u64) << 24);
+                let item = Item {
+                    price: rng.range(100, 10_000) as i64,
+                    im_id: rng.range(1, 10_000) as u32,
+                    name: a_string(&mut rng, 14, 24),
+                    data: data_with_original(&mut rng),
+                    _pad: [0; 2],
+                };
+                self.item.insert_async(tx, &i_key(copy, id), &item).await?;
+            }
+            Ok(())
+        };
+        load_in_flight(cluster, MachineId(copy as u16), chunks.len(), load, |_| {})
     }
 
     /// Loads warehouse `w`: its row, its stock, its districts with their customers, history,
@@ -749,25 +780,26 @@ impl Tables {
             self.warehouse.insert(tx, &w, &warehouse).map(|_| ())
         })?;
         let items: Vec<u32> = (1..=s.items).collect();
-        for chunk in items.chunks(16) {
-            cluster.txn(m, |tx| {
-                for &i in chunk {
-                    let mut rng = Rand::new(seed ^ (w as u64) << 40 ^ i as u64);
-                    let stock = Stock {
-                        ytd: 0,
-                        quantity: rng.range(10, 100) as u32,
-                        order_cnt: 0,
-                        remote_cnt: 0,
-                        dist: std::array::from_fn(|_| a_string(&mut rng, 24, 24)),
-                        data: data_with_original(&mut rng),
-                        _pad: [0; 2],
-                    };
-                    self.stock.insert(tx, &s_key(w, i), &stock)?;
-                }
-                Ok(())
-            })?;
-            progress(chunk.len() as u64);
-        }
+        let chunks: Vec<&[u32]> = items.chunks(16).collect();
+        let load = async |tx: &mut farm::AsyncTxn<'_, '_>, k: usize| {
+            for &i in chunks[k] {
+                let mut rng = Rand::new(seed ^ (w as u64) << 40 ^ i as u64);
+                let stock = Stock {
+                    ytd: 0,
+                    quantity: rng.range(10, 100) as u32,
+                    order_cnt: 0,
+                    remote_cnt: 0,
+                    dist: std::array::from_fn(|_| a_string(&mut rng, 24, 24)),
+                    data: data_with_original(&mut rng),
+                    _pad: [0; 2],
+                };
+                self.stock.insert_async(tx, &s_key(w, i), &stock).await?;
+            }
+            Ok(())
+        };
+        load_in_flight(cluster, m, chunks.len(), load, |k| {
+            progress(chunks[k].len() as u64)
+        })?;
         for d in 1..=s.districts {
             self.populate_district(cluster, m, w, d, &mut rng, progress)?;
         }
@@ -803,37 +835,53 @@ impl Tables {
                 .insert(tx, &d_key(w, d), &district)
                 .map(|_| ())
         })?;
-        // Customers, each with a history row.
+        // Customers, each with a history row; the rows are drawn first, in order, and loaded
+        // several transactions at a time (their B-tree inserts may conflict: retried).
         let ids: Vec<u32> = (1..=s.customers).collect();
-        for chunk in ids.chunks(4) {
-            let rows: Vec<Customer> = chunk.iter().map(|&c| self.new_customer(c, rng)).collect();
-            cluster.txn(m, |tx| {
-                for (&c, row) in chunk.iter().zip(&rows) {
-                    self.customer.insert(tx, &c_key(w, d, c), row)?;
-                    let key = name_key(w, d, &row.last, &row.first, c);
-                    self.customer_by_name.of(w).insert(tx, &key, &c)?;
-                    let h = History {
-                        amount: 1000,
-                        date: 0,
-                        c_w_id: w,
-                        w_id: w,
-                        c_id: c,
-                        c_d_id: d,
-                        d_id: d,
-                        data: [b'h'; 24],
-                        _pad: [0; 2],
-                    };
-                    self.history.insert(tx, &h_key(w, d, c as u64), &h)?;
-                }
-                Ok(())
-            })?;
-            progress(chunk.len() as u64);
-        }
+        let customers: Vec<Vec<(u32, Customer)>> = ids
+            .chunks(4)
+            .map(|chunk| {
+                chunk
+                    .iter()
+                    .map(|&c| (c, self.new_customer(c, rng)))
+                    .collect()
+            })
+            .collect();
+        let load = async |tx: &mut farm::AsyncTxn<'_, '_>, k: usize| {
+            for (c, row) in &customers[k] {
+                let c = *c;
+                self.customer.insert_async(tx, &c_key(w, d, c), row).await?;
+                let key = name_key(w, d, &row.last, &row.first, c);
+                self.customer_by_name
+                    .of(w)
+                    .insert_async(tx, &key, &c)
+                    .await?;
+                let h = History {
+                    amount: 1000,
+                    date: 0,
+                    c_w_id: w,
+                    w_id: w,
+                    c_id: c,
+                    c_d_id: d,
+                    d_id: d,
+                    data: [b'h'; 24],
+                    _pad: [0; 2],
+                };
+                self.history
+                    .insert_async(tx, &h_key(w, d, c as u64), &h)
+                    .await?;
+            }
+            Ok(())
+        };
+        load_in_flight(cluster, m, customers.len(), load, |k| {
+            progress(customers[k].len() as u64)
+        })?;
         // Orders: customers in a random permutation, one order each.
         let mut perm: Vec<u32> = (1..=s.customers).collect();
         for i in (1..perm.len()).rev() {
             perm.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
         }
+        let mut orders_by_chunk = Vec::new();
         for chunk in (1..=s.customers).collect::<Vec<u32>>().chunks(3) {
             let orders: Vec<(u32, Order, Vec<OrderLine>)> = chunk
                 .iter()
@@ -865,22 +913,29 @@ impl Tables {
                     (o, order, lines)
                 })
                 .collect();
-            cluster.txn(m, |tx| {
-                for (o, order, lines) in &orders {
-                    self.order.insert(tx, &o_key(w, d, *o), order)?;
-                    let by_customer = co_key(w, d, order.c_id, *o);
-                    self.order_by_customer.of(w).insert(tx, &by_customer, &0)?;
-                    self.order_line
-                        .insert(tx, &o_key(w, d, *o), &OrderLines::new(lines))?;
-                    if *o >= s.new_order_from {
-                        self.new_order.of(w).insert(tx, &o_key(w, d, *o), &0)?;
-                    }
-                }
-                Ok(())
-            })?;
-            progress(chunk.len() as u64);
+            orders_by_chunk.push(orders);
         }
-        Ok(())
+        let load = async |tx: &mut farm::AsyncTxn<'_, '_>, k: usize| {
+            for (o, order, lines) in &orders_by_chunk[k] {
+                let key = o_key(w, d, *o);
+                self.order.insert_async(tx, &key, order).await?;
+                let by_customer = co_key(w, d, order.c_id, *o);
+                self.order_by_customer
+                    .of(w)
+                    .insert_async(tx, &by_customer, &0)
+                    .await?;
+                self.order_line
+                    .insert_async(tx, &key, &OrderLines::new(lines))
+                    .await?;
+                if *o >= s.new_order_from {
+                    self.new_order.of(w).insert_async(tx, &key, &0).await?;
+                }
+            }
+            Ok(())
+        };
+        load_in_flight(cluster, m, orders_by_chunk.len(), load, |k| {
+            progress(orders_by_chunk[k].len() as u64)
+        })
     }
 
     fn new_customer(&self, c: u32, rng: &mut Rand) -> Customer {
