@@ -166,18 +166,19 @@ fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let tables = Tables::create(&cluster, scale, common.seed).context("creating tables")?;
     let per_warehouse = (scale.items + 3 * scale.districts as u32 * scale.customers) as u64;
-    let bar =
-        indicatif::ProgressBar::new(scale.items as u64 + per_warehouse * args.warehouses as u64)
-            .with_style(
-                indicatif::ProgressStyle::with_template(
-                    "populating {bar:40} {pos}/{len} rows ({per_sec}, {eta} left)",
-                )
-                .expect("template"),
-            );
+    // ITEM: a copy per machine.
+    let items = scale.items as u64 * cluster.machines() as u64;
+    let bar = indicatif::ProgressBar::new(items + per_warehouse * args.warehouses as u64)
+        .with_style(
+            indicatif::ProgressStyle::with_template(
+                "populating {bar:40} {pos}/{len} rows ({per_sec}, {eta} left)",
+            )
+            .expect("template"),
+        );
     tables
         .populate_items(&cluster, 40, common.seed)
         .context("populating items")?;
-    bar.inc(scale.items as u64);
+    bar.inc(items);
     let warehouses: Vec<u32> = (1..=args.warehouses).collect();
     runner::load_in_parallel(&warehouses, common.clients as usize, |&w| {
         tables

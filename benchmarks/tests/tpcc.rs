@@ -166,18 +166,15 @@ fn customers_are_indexed_by_last_name() {
     }
 }
 
-/// The full mix from two threads (one in a session, both on random machines, home warehouses
-/// at random) keeps conditions 1 to 4, and the money adds up: every warehouse's YTD grew by
-/// the payments made there, and NEW-ORDER rollbacks left no order behind.
+/// Warehouse 2 lives on machine 1, and so do its NEW-ORDERs' items (machine 1's copy of ITEM):
+/// a NEW-ORDER reads at another machine only the STOCK rows of a remote supply warehouse (1%
+/// of its lines). With ITEM spread over the machines, about two thirds of a NEW-ORDER's items
+/// were remote: well over one remote read per NEW-ORDER.
 #[test]
 fn a_new_order_reads_its_items_where_it_runs() {
     use farm_workloads::tpcc::{Kind, Outcome};
     use farm_workloads::Rand;
     let (c, t) = populated();
-    // Warehouse 2 lives on machine 1, and so do its NEW-ORDERs' items (machine 1's copy of
-    // ITEM): a NEW-ORDER reads at another machine only the STOCK rows of a remote supply
-    // warehouse (1% of its lines). With ITEM spread over the machines, about two thirds of
-    // a NEW-ORDER's items were remote: well over one remote read per NEW-ORDER.
     let before = c.stats();
     let mut rng = Rand::new(3);
     let mut committed = 0;
@@ -197,6 +194,9 @@ fn a_new_order_reads_its_items_where_it_runs() {
     );
 }
 
+/// The full mix from two threads (one in a session, both on random machines, home warehouses
+/// at random) keeps conditions 1 to 4, and the money adds up: every warehouse's YTD grew by
+/// the payments made there, and NEW-ORDER rollbacks left no order behind.
 #[test]
 fn the_mix_keeps_the_consistency_conditions() {
     use farm_workloads::tpcc::{Kind, Outcome};

@@ -5,7 +5,8 @@
 //! one database transaction per district.
 //!
 //! As in FaRM (§6), point indexes are hash tables co-partitioned by warehouse (warehouse `w`
-//! lives on machine `(w - 1) % machines`) and the ordered ones are B-trees: NEW-ORDER, whose
+//! lives on machine `(w - 1) % machines`), except ITEM, copied on every machine, and the
+//! ordered ones are B-trees: NEW-ORDER, whose
 //! Delivery transaction takes the oldest order of a district, and customers by last name.
 //! Money is in cents, rates in ten-thousandths.
 //!
@@ -330,8 +331,8 @@ fn warehouse_machine(w: u64, machines: usize) -> usize {
 }
 
 /// Transactions in flight while loading: the load waits for replication round trips side by
-/// side, not one after another. Rows of ITEM and STOCK no two of them share; B-tree inserts
-/// (customers by name, orders) sometimes conflict and are retried.
+/// side, not one after another. The transactions write disjoint rows but may share a hash
+/// bucket or a B-tree leaf; such conflicts are retried.
 const LOAD_IN_FLIGHT: usize = 8;
 
 /// Runs `load(tx, k)` for every `k` below `n`, each in a transaction of its own coordinated by
@@ -504,8 +505,6 @@ pub struct Tables {
     pub item: HashTable<u64, Item>,
     /// STOCK by [`s_key`].
     pub stock: HashTable<u64, Stock>,
-    /// The machines the tables are partitioned over.
-    machines: usize,
 }
 
 impl Tables {
@@ -597,7 +596,6 @@ impl Tables {
             order_line,
             item,
             stock,
-            machines: n,
         }
         .partitioned(n))
     }
@@ -696,7 +694,6 @@ impl Tables {
             customer_by_name: PerWarehouse::open(cluster, machine, &trees[..w])?,
             new_order: PerWarehouse::open(cluster, machine, &trees[w..2 * w])?,
             order_by_customer: PerWarehouse::open(cluster, machine, &trees[2 * w..])?,
-            machines: cluster.machines() as usize,
         }
         .partitioned(cluster.machines() as usize))
     }
@@ -718,7 +715,8 @@ impl Tables {
         batch: u32,
         seed: u64,
     ) -> Result<(), TxError> {
-        (0..self.machines).try_for_each(|m| self.populate_item_copy(cluster, batch, seed, m))
+        (0..self.item.partitions())
+            .try_for_each(|m| self.populate_item_copy(cluster, batch, seed, m))
     }
 
     /// Loads machine `copy`'s copy of ITEM, coordinated there, in transactions of `batch` rows
@@ -730,6 +728,12 @@ impl Tables {
         seed: u64,
         copy: usize,
     ) -> Result<(), TxError> {
+        if copy >= self.item.partitions() {
+            return Err(TxError::Aborted(format!(
+                "no copy {copy} of ITEM: the tables have {}",
+                self.item.partitions()
+            )));
+        }
         let ids: Vec<u32> = (1..=self.scale.items).collect();
         let chunks: Vec<&[u32]> = ids.chunks(batch.max(1) as usize).collect();
         let load = async |tx: &mut farm::AsyncTxn<'_, '_>, k: usize| {
@@ -1430,7 +1434,8 @@ impl Tables {
         self.warehouse.prefetch(tx, &w);
         self.district.prefetch(tx, &d_key(w, d));
         self.customer.prefetch(tx, &c_key(w, d, c));
-        let copy = warehouse_machine(w as u64, self.machines);
+        // The warehouse's machine's copy (the machine of its WAREHOUSE row).
+        let copy = self.warehouse.partition_of(&w);
         for &(item_id, supply, _) in lines {
             self.item.prefetch(tx, &i_key(copy, item_id));
             self.stock.prefetch(tx, &s_key(supply, item_id));

@@ -320,7 +320,7 @@ impl Collector for Samples {
         self.counter(
             e,
             "farm_object_reads_remote",
-            "Of those, reads from another machine's primary (one-sided, over the fabric)",
+            "Consistent object reads inside transactions from another machine's primary (over the fabric)",
             |s| s.counters.stats.reads_remote,
         )?;
         self.counter(
