@@ -207,6 +207,34 @@ fn another_handle_opens_the_table_from_its_root() {
     );
 }
 
+/// A table with more directory pages than a root object can list (here 2,100 partitions of one
+/// bucket, each its own page; TPC-C's STOCK at seven warehouses on three machines had 2,637):
+/// the root lists page lists, and another handle opens the same table.
+#[test]
+fn a_table_of_more_directory_pages_than_a_root_holds_opens_from_its_root() {
+    let c = cluster();
+    let spec = TableSpec {
+        partitions: (0..2100).map(|p| ALL[p % 3]).collect(),
+        buckets: 1,
+        slots: 4,
+    };
+    let t: HashTable<u64, u64> = HashTable::create(&c, &spec).unwrap();
+    assert_eq!(t.partitions(), 2100);
+    for k in 0..500u64 {
+        assert!(c.txn(ALL[0], |tx| t.insert(tx, &k, &(k + 1))).unwrap());
+    }
+    let u: HashTable<u64, u64> = HashTable::open(&c, ALL[1], t.root()).unwrap();
+    assert_eq!(
+        (u.partitions(), u.capacity()),
+        (t.partitions(), t.capacity())
+    );
+    for k in 0..500u64 {
+        assert_eq!(u.home_bucket(&k), t.home_bucket(&k));
+        assert_eq!(u.get(&c, ALL[1], &k).unwrap(), Some(k + 1));
+    }
+    assert_eq!(u.get(&c, ALL[1], &500).unwrap(), None);
+}
+
 /// Keys go to the partition a partitioner names, and partitions live on their machines.
 #[test]
 fn partitions_place_keys_on_their_machines() {
