@@ -49,7 +49,13 @@ for b in tatp tpcc farm-node; do
   [ -x "$bin/$b" ] || { echo "$bin/$b is missing: cargo build --release -p farm-benchmarks -p farm-node" >&2; exit 1; }
 done
 work=$(mktemp -d "${TMPDIR:-/tmp}/farm-deployments.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+# The machine processes' NVRAM files go to memory (/dev/shm), as the in-process cluster's
+# regions are memory: on a disk-backed directory the kernel writes the shared mappings back to
+# the disk while the run measures (FARM_NVRAM_DIR names another place).
+nvram_root=${FARM_NVRAM_DIR:-/dev/shm}
+[ -d "$nvram_root" ] && [ -w "$nvram_root" ] || nvram_root=$work
+nvram=$(mktemp -d "$nvram_root/farm-deployments.XXXXXX")
+trap 'rm -rf "$work" "$nvram"' EXIT
 results=$work/results   # workload deployment per_second p50_us p99_us
 : > "$results"
 
@@ -81,7 +87,7 @@ processes() {
   local workload=$1 fabric=$2 out=$work/out
   local size=(--subscribers "$subscribers" --in-flight "$in_flight")
   [ "$workload" = tpcc ] && size=(--warehouses "$warehouses" --in-flight "$tpcc_in_flight")
-  "$bin/farm-node" local "$workload" --cluster "deploy-$fabric" --dir "$work/$fabric" \
+  "$bin/farm-node" local "$workload" --cluster "deploy-$fabric" --dir "$nvram/$fabric" \
     --zookeeper "$ZK_CONNECT" --fabric "$fabric" --seconds "$seconds" "${size[@]}" > "$out" 2>&1 \
     || { cat "$out" >&2; exit 1; }
   awk -v w="$workload" -v d="$fabric" "$MEDIAN"'
@@ -99,7 +105,7 @@ failure() {
       --in-flight $((in_flight * 3 / 2)) --kill "2@$kill_after" --lease-ms 100 > "$out" 2>&1
   else
     local stop=(); [ "$how" = stop ] && stop=(--stop)
-    "$bin/farm-node" local tatp --cluster "fail-$deployment" --dir "$work/$deployment" \
+    "$bin/farm-node" local tatp --cluster "fail-$deployment" --dir "$nvram/$deployment" \
       --zookeeper "$ZK_CONNECT" --fabric "$deployment" --seconds "$seconds" \
       --subscribers "$subscribers" --in-flight "$in_flight" --kill-after "$kill_after" "${stop[@]}" \
       > "$out" 2>&1
