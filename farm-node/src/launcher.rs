@@ -144,15 +144,26 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
                     stopping.push((m, pid));
                 }
             }
+            // A machine has stopped once its liveness lock is free: its main thread shows as a
+            // zombie as soon as it exited, while the process's other threads may still be
+            // tearing down (unmapping NVRAM) with the lock held, and a `start --restart` then
+            // found the machine running.
+            let stopped = |m: u16, pid: i32| !alive(pid) && !process_alive_in(&s, m);
             let deadline = Instant::now() + STOP_WAIT;
             let mut killed = Vec::new();
             for &(m, pid) in &stopping {
-                while alive(pid) && Instant::now() < deadline {
+                while !stopped(m, pid) && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                if alive(pid) {
-                    signal(pid, libc::SIGKILL)?;
+                if !stopped(m, pid) {
+                    if alive(pid) {
+                        signal(pid, libc::SIGKILL)?;
+                    }
                     killed.push(m);
+                    let deadline = Instant::now() + STOP_WAIT;
+                    while !stopped(m, pid) && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
                 }
             }
             for m in 0..s.machines {
