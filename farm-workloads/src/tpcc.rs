@@ -841,18 +841,12 @@ impl Tables {
         })?;
         // Customers, each with a history row; the rows are drawn first, in order, and loaded
         // several transactions at a time (their B-tree inserts may conflict: retried).
-        let ids: Vec<u32> = (1..=s.customers).collect();
-        let customers: Vec<Vec<(u32, Customer)>> = ids
-            .chunks(4)
-            .map(|chunk| {
-                chunk
-                    .iter()
-                    .map(|&c| (c, self.new_customer(c, rng)))
-                    .collect()
-            })
+        let customers: Vec<(u32, Customer)> = (1..=s.customers)
+            .map(|c| (c, self.new_customer(c, rng)))
             .collect();
+        let customers: Vec<&[(u32, Customer)]> = customers.chunks(4).collect();
         let load = async |tx: &mut farm::AsyncTxn<'_, '_>, k: usize| {
-            for (c, row) in &customers[k] {
+            for (c, row) in customers[k] {
                 let c = *c;
                 self.customer.insert_async(tx, &c_key(w, d, c), row).await?;
                 let key = name_key(w, d, &row.last, &row.first, c);
@@ -885,42 +879,38 @@ impl Tables {
         for i in (1..perm.len()).rev() {
             perm.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
         }
-        let mut orders_by_chunk = Vec::new();
-        for chunk in (1..=s.customers).collect::<Vec<u32>>().chunks(3) {
-            let orders: Vec<(u32, Order, Vec<OrderLine>)> = chunk
-                .iter()
-                .map(|&o| {
-                    let delivered = o < s.new_order_from;
-                    let order = Order {
-                        entry_d: 1,
-                        c_id: perm[o as usize - 1],
-                        carrier_id: if delivered { rng.range(1, 10) as u8 } else { 0 },
-                        ol_cnt: rng.range(5, 15) as u8,
-                        all_local: 1,
-                        _pad: 0,
-                    };
-                    let lines = (0..order.ol_cnt)
-                        .map(|_| OrderLine {
-                            delivery_d: delivered as u64,
-                            amount: if delivered {
-                                0
-                            } else {
-                                rng.range(1, 999_999) as i64
-                            },
-                            i_id: rng.range(1, s.items as u64) as u32,
-                            supply_w_id: w,
-                            quantity: 5,
-                            dist_info: a_string(rng, 24, 24),
-                            _pad: [0; 4],
-                        })
-                        .collect();
-                    (o, order, lines)
-                })
-                .collect();
-            orders_by_chunk.push(orders);
-        }
+        let orders: Vec<(u32, Order, Vec<OrderLine>)> = (1..=s.customers)
+            .map(|o| {
+                let delivered = o < s.new_order_from;
+                let order = Order {
+                    entry_d: 1,
+                    c_id: perm[o as usize - 1],
+                    carrier_id: if delivered { rng.range(1, 10) as u8 } else { 0 },
+                    ol_cnt: rng.range(5, 15) as u8,
+                    all_local: 1,
+                    _pad: 0,
+                };
+                let lines = (0..order.ol_cnt)
+                    .map(|_| OrderLine {
+                        delivery_d: delivered as u64,
+                        amount: if delivered {
+                            0
+                        } else {
+                            rng.range(1, 999_999) as i64
+                        },
+                        i_id: rng.range(1, s.items as u64) as u32,
+                        supply_w_id: w,
+                        quantity: 5,
+                        dist_info: a_string(rng, 24, 24),
+                        _pad: [0; 4],
+                    })
+                    .collect();
+                (o, order, lines)
+            })
+            .collect();
+        let orders: Vec<&[(u32, Order, Vec<OrderLine>)]> = orders.chunks(3).collect();
         let load = async |tx: &mut farm::AsyncTxn<'_, '_>, k: usize| {
-            for (o, order, lines) in &orders_by_chunk[k] {
+            for (o, order, lines) in orders[k] {
                 let key = o_key(w, d, *o);
                 self.order.insert_async(tx, &key, order).await?;
                 let by_customer = co_key(w, d, order.c_id, *o);
@@ -937,8 +927,8 @@ impl Tables {
             }
             Ok(())
         };
-        load_in_flight(cluster, m, orders_by_chunk.len(), load, |k| {
-            progress(orders_by_chunk[k].len() as u64)
+        load_in_flight(cluster, m, orders.len(), load, |k| {
+            progress(orders[k].len() as u64)
         })
     }
 
