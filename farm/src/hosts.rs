@@ -81,16 +81,16 @@ pub(crate) enum Retry {
     GiveUp,
 }
 
-pub(crate) fn retry(e: &TxError, attempt: u32, started: Instant) -> Retry {
+/// `waited_us` is how long since the first attempt began, in microseconds.
+pub(crate) fn retry(e: &TxError, attempt: u32, waited_us: u64) -> Retry {
+    let in_time = waited_us < RECOVERY_WAIT_MAX.as_micros() as u64;
     if waits_for_recovery(e) {
-        if started.elapsed() < RECOVERY_WAIT_MAX {
+        if in_time {
             Retry::Recovery
         } else {
             Retry::GiveUp
         }
-    } else if e.is_retryable()
-        && (attempt < TXN_ATTEMPTS_MAX || started.elapsed() < RECOVERY_WAIT_MAX)
-    {
+    } else if e.is_retryable() && (attempt < TXN_ATTEMPTS_MAX || in_time) {
         Retry::Conflict
     } else {
         Retry::GiveUp
@@ -550,11 +550,11 @@ impl Hosts {
     ) -> Result<R, TxError> {
         let mut backoff = Backoff::new();
         let mut attempt = 0;
-        let started = Instant::now();
+        let started = self.now();
         loop {
             attempt += 1;
             match self.attempt(host, machine, place, &mut f) {
-                Err(e) => match retry(&e, attempt, started) {
+                Err(e) => match retry(&e, attempt, self.now().saturating_sub(started)) {
                     Retry::Recovery => self.wait_idle(host, &mut backoff),
                     Retry::Conflict => {
                         host.poll_until_idle(|| self.now());
@@ -593,7 +593,7 @@ impl Hosts {
             let value = f(&mut txn);
             (value, txn.into_state())
         };
-        let (value, commit) = self.start_commit(host, i, value, state)?;
+        let (value, commit) = self.start_commit(host, i, value, state, self.now())?;
         let mut backoff = Backoff::new();
         let started = commit.started;
         let mut reported = false;
@@ -642,19 +642,20 @@ impl Hosts {
     }
 
     /// Ends the execution of an attempt on worker `i` of `host` whose closure returned
-    /// `value`: aborts it on an error, or starts its commit.
+    /// `value`: aborts it on an error, or starts its commit, at `now` on the hosts' clock.
     pub(crate) fn start_commit<R>(
         &self,
         host: &mut Host,
         i: usize,
         value: Result<R, TxError>,
         state: TxState,
+        now: u64,
     ) -> Result<(R, Committing), TxError> {
         match value {
             Ok(v) => {
                 let read_only = state.is_read_only();
                 let handle = host.workers[i].start_commit(state);
-                let started = self.now();
+                let started = now;
                 Ok((
                     v,
                     Committing {
@@ -739,7 +740,7 @@ impl Hosts {
         let i = host.index_of(machine);
         let mut backoff = Backoff::new();
         let mut attempt = 0;
-        let started = Instant::now();
+        let started = self.now();
         loop {
             let read = self.read_step(&mut host.workers[i], addr, buf, None);
             match self.judge_read(&host.workers[i], addr, read, &mut attempt, started) {
@@ -772,19 +773,22 @@ impl Hosts {
 
     /// The outcome of a lock-free read whose attempt on `worker` gave `read`, or how to wait
     /// before trying again (never [`Retry::GiveUp`]); `attempt` counts the retries, since
-    /// `started`.
+    /// `started` (on the hosts' clock, [`Hosts::now`]).
     pub(crate) fn judge_read(
         &self,
         worker: &Worker,
         addr: Addr,
         read: Result<Header, TxError>,
         attempt: &mut u32,
-        started: Instant,
+        started: u64,
     ) -> Judged {
+        // A fresh clock, read after the read ended: its lease is judged by it.
+        let now = self.now();
+        let waited = now.saturating_sub(started);
         match read {
             // Told only if the lease held when the read ended (FaRM §5.1).
-            Ok(_) if !worker.machine().serves_at(self.now()) => {
-                if started.elapsed() >= RECOVERY_WAIT_MAX {
+            Ok(_) if !worker.machine().serves_at(now) => {
+                if waited >= RECOVERY_WAIT_MAX.as_micros() as u64 {
                     return Judged::Done(Err(TxError::LeaseLapsed(worker.machine().id)));
                 }
                 Judged::Again(Retry::Recovery)
@@ -798,7 +802,7 @@ impl Hosts {
             // `TXN_ATTEMPTS_MAX`), a machine or region that recovery will bring back is
             // waited for by time. (Counting those waits as attempts failed reads in the middle
             // of a failover, on a busy thread that retries every few microseconds.)
-            Err(e) => match retry(&e, *attempt + 1, started) {
+            Err(e) => match retry(&e, *attempt + 1, waited) {
                 Retry::GiveUp => Judged::Done(Err(e)),
                 how => {
                     *attempt += 1;
@@ -942,15 +946,15 @@ mod tests {
     #[test]
     fn conflicts_are_given_up_on_after_attempts_and_time_both() {
         let e = TxError::Conflict(Conflict::ReadLocked(Addr::new(farm_core::RegionId(0), 64)));
-        let now = Instant::now();
-        assert_eq!(retry(&e, 1, now), Retry::Conflict);
-        assert_eq!(retry(&e, TXN_ATTEMPTS_MAX, now), Retry::Conflict);
-        let long_ago = now
-            .checked_sub(RECOVERY_WAIT_MAX)
-            .expect("a clock this old");
-        assert_eq!(retry(&e, 1, long_ago), Retry::Conflict);
-        assert_eq!(retry(&e, TXN_ATTEMPTS_MAX, long_ago), Retry::GiveUp);
+        let long = RECOVERY_WAIT_MAX.as_micros() as u64;
+        assert_eq!(retry(&e, 1, 0), Retry::Conflict);
+        assert_eq!(retry(&e, TXN_ATTEMPTS_MAX, long - 1), Retry::Conflict);
+        assert_eq!(retry(&e, 1, long), Retry::Conflict);
+        assert_eq!(retry(&e, TXN_ATTEMPTS_MAX, long), Retry::GiveUp);
         let aborted = TxError::Aborted("by the application".into());
-        assert_eq!(retry(&aborted, 1, now), Retry::GiveUp);
+        assert_eq!(retry(&aborted, 1, 0), Retry::GiveUp);
+        let unavailable = TxError::ConfigurationChanged;
+        assert_eq!(retry(&unavailable, 1, long - 1), Retry::Recovery);
+        assert_eq!(retry(&unavailable, 1, long), Retry::GiveUp);
     }
 }

@@ -16,7 +16,7 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytemuck::Pod;
 use farm_core::rng::Rng;
@@ -43,6 +43,10 @@ pub struct Pipeline<'a> {
     machines: u16,
     /// Whether a task finished a wait this turn (the executor does not sleep then).
     progress: Cell<bool>,
+    /// The hosts' clock ([`Hosts::now`]) read once per turn, for what the tasks time in it
+    /// (a commit's progress and latency, when a retry began): with many tasks, a clock read
+    /// per task per turn cost more than any one step. A lease is never judged by it.
+    now: Cell<u64>,
     /// Draws the tasks' conflict backoffs.
     rng: RefCell<Rng>,
 }
@@ -77,6 +81,7 @@ pub(crate) fn run<F>(
         route,
         machines,
         progress: Cell::new(false),
+        now: Cell::new(published),
         rng: RefCell::new(conflict_rng()),
     };
     let mut cx = Context::from_waker(Waker::noop());
@@ -87,6 +92,7 @@ pub(crate) fn run<F>(
     // when nothing moved.
     let mut turn = |p: &Pipeline<'_>| {
         let now = hosts.now();
+        p.now.set(now);
         let busy = cell.borrow_mut().poll_all(now);
         fabric::flush();
         if now >= published + STATS_PUBLISH_US {
@@ -178,12 +184,12 @@ impl<'a> Pipeline<'a> {
         machine: MachineId,
         mut f: impl AsyncFnMut(&mut AsyncTxn<'_, 'a>) -> Result<R, TxError>,
     ) -> Result<R, TxError> {
-        let started = Instant::now();
+        let started = self.now.get();
         let mut attempt = 0;
         loop {
             attempt += 1;
             match self.attempt(machine, &mut f).await {
-                Err(e) => match retry(&e, attempt, started) {
+                Err(e) => match retry(&e, attempt, self.hosts.now().saturating_sub(started)) {
                     Retry::GiveUp => return Err(e),
                     how => self.back_off(how, attempt).await,
                 },
@@ -197,8 +203,8 @@ impl<'a> Pipeline<'a> {
     async fn back_off(&self, how: Retry, attempt: u32) {
         match how {
             Retry::Recovery => {
-                let until = Instant::now() + RECOVERY_PAUSE;
-                self.until(|| Instant::now() >= until).await;
+                let until = self.now.get() + RECOVERY_PAUSE.as_micros() as u64;
+                self.until(|| self.now.get() >= until).await;
             }
             Retry::Conflict => {
                 let rounds = conflict_rounds(attempt, &mut self.rng.borrow_mut());
@@ -241,14 +247,14 @@ impl<'a> Pipeline<'a> {
         }
         let (value, commit) = {
             let mut host = self.host.borrow_mut();
-            self.hosts.start_commit(&mut host, worker, value, state)?
+            (self.hosts).start_commit(&mut host, worker, value, state, self.now.get())?
         };
         let mut outcome = None;
         self.until(|| {
             let mut host = self.host.borrow_mut();
             outcome = self
                 .hosts
-                .poll_commit(&mut host, worker, commit, self.hosts.now());
+                .poll_commit(&mut host, worker, commit, self.now.get());
             outcome.is_some()
         })
         .await;
@@ -266,7 +272,7 @@ impl<'a> Pipeline<'a> {
         assert!(buf.len() >= 8, "the buffer has no room for the header");
         let (coordinator, _) = (self.route)(machine);
         let i = self.host.borrow().index_of(coordinator);
-        let started = Instant::now();
+        let started = self.now.get();
         let mut attempt = 0;
         loop {
             let posted = self
