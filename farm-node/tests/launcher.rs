@@ -125,6 +125,7 @@ fn a_machine_killed_mid_run_is_reported_with_its_recovery_time() {
     let Some(zk) = zookeeper() else { return };
     let dir = tempfile::tempdir().unwrap();
     let local = Local::new(dir.path(), "kill", zk, 5, 16);
+    // The run's directory is kept, so that a failed assertion shows the machines' logs.
     let out = local.ok(&[
         "tatp",
         "--subscribers",
@@ -133,30 +134,66 @@ fn a_machine_killed_mid_run_is_reported_with_its_recovery_time() {
         "3",
         "--kill-after",
         "1",
+        "--keep",
     ]);
+    let logs = || run_logs(dir.path(), &local);
     for m in 0..2 {
         let line = out
             .lines()
             .find(|l| l.starts_with(&format!("  machine {m}: ")))
-            .unwrap_or_else(|| panic!("no line for machine {m}: {out}"));
-        assert!(line.contains(" 0 errors"), "{line}");
+            .unwrap_or_else(|| panic!("no line for machine {m}: {out}{}", logs()));
+        assert!(line.contains(" 0 errors"), "{line}{}", logs());
     }
-    assert!(!out.contains("  machine 2: "), "{out}");
+    assert!(!out.contains("  machine 2: "), "{out}{}", logs());
     let report = out
         .lines()
         .find(|l| l.starts_with("killed machine 2 at "))
-        .unwrap_or_else(|| panic!("no failure report: {out}"));
+        .unwrap_or_else(|| panic!("no failure report: {out}{}", logs()));
     let number_before = |what: &str| -> f64 {
-        let at = report.find(what).unwrap_or_else(|| panic!("{report}")) + what.len();
+        let at = report
+            .find(what)
+            .unwrap_or_else(|| panic!("{report}{}", logs()))
+            + what.len();
         let word = report[at..].split(' ').next().unwrap();
         word.parse()
-            .unwrap_or_else(|_| panic!("{what:?} is followed by {word:?}: {report}"))
+            .unwrap_or_else(|_| panic!("{what:?} is followed by {word:?}: {report}{}", logs()))
     };
     let suspected = number_before("suspected after ");
-    assert!(suspected > 0.0 && suspected < 2000.0, "{report}");
+    assert!(suspected > 0.0 && suspected < 2000.0, "{report}{}", logs());
     let per_ms = number_before("back to 80% of ");
-    assert!(per_ms > 0.0, "{report}");
-    assert!(report.contains(" ms after the suspicion"), "{report}");
+    assert!(per_ms > 0.0, "{report}{}", logs());
+    assert!(
+        report.contains(" ms after the suspicion"),
+        "{report}{}",
+        logs()
+    );
+}
+
+/// The logs of every machine of the workload runs kept under `dir` (`--keep`), their last 60
+/// lines each: what a failed assertion about a run shows.
+fn run_logs(dir: &std::path::Path, local: &Local<'_>) -> String {
+    let runs = dir.join("farm-data").join(&local.args[1]).join("runs");
+    let mut shown = String::new();
+    for run in std::fs::read_dir(&runs).into_iter().flatten().flatten() {
+        let mut logs: Vec<_> = std::fs::read_dir(run.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .collect();
+        logs.sort();
+        for log in logs {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            shown += &format!(
+                "\n--- {} (last 60 lines)\n{}",
+                log.display(),
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+        }
+    }
+    shown
 }
 
 /// TPC-C from three machine processes, one warehouse each: no transaction fails, NEW-ORDERs
