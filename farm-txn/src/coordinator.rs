@@ -82,8 +82,6 @@ pub(crate) struct CoordinatorState {
     /// back, and a B-tree shifts its neighbours' values in a node as it does; a commit is
     /// hundreds of bytes, and those moves were a tenth of a `shm` machine's TATP time.
     active: BTreeMap<CommitHandle, Box<Commit>>,
-    /// Scratch for `take_replies`: the transactions of the commits in flight.
-    live: Vec<TxnId>,
     /// The local ids of the commits in flight that hold truncation back
     /// (`Commit::holds_truncation`), the one being advanced included: the truncation bounds
     /// are taken at every record a commit sends, and going through every commit in flight
@@ -104,7 +102,6 @@ impl CoordinatorState {
             truncatable_since: None,
             recovering: BTreeSet::new(),
             active: BTreeMap::new(),
-            live: Vec::new(),
             holding: BTreeSet::new(),
             next_handle: 0,
         }
@@ -576,14 +573,15 @@ impl<'w> Tx<'w> {
             .expect("remote allocation needs a poller");
         for _ in 0..ALLOC_WAIT_POLLS_MAX {
             let mut i = 0;
-            while i < self.worker.replies.len() {
-                let ours = matches!(&self.worker.replies[i].1,
+            while i < self.worker.replies.other.len() {
+                let ours = matches!(&self.worker.replies.other[i].1,
                     Message::AllocReply { request, .. } if requests.contains(request));
                 if !ours {
                     i += 1;
                     continue;
                 }
-                let (_, Message::AllocReply { request, outcomes }) = self.worker.replies.remove(i)
+                let (_, Message::AllocReply { request, outcomes }) =
+                    self.worker.replies.other.remove(i)
                 else {
                     unreachable!("matched above")
                 };
@@ -682,41 +680,164 @@ impl<'w> Tx<'w> {
     }
 }
 
+/// Replies to a thread's coordinator. Those of a commit (LOCK, VALIDATE and COMMIT-BACKUP
+/// replies) are filed by transaction, so that each poll of a commit looks at its own only: with
+/// every reply in one list, each of 64 commits in flight went through all of the others' at
+/// every poll. The rest (ALLOC replies) stay in arrival order.
+#[derive(Debug, Default)]
+pub(crate) struct Replies {
+    by_txn: BTreeMap<TxnId, Vec<(MachineId, Message)>>,
+    /// Replies that are not a commit's, in arrival order.
+    pub(crate) other: Vec<(MachineId, Message)>,
+}
+
+impl Replies {
+    /// Files `m` from `from`.
+    pub(crate) fn push(&mut self, from: MachineId, m: Message) {
+        match m {
+            Message::LockReply { txn, .. }
+            | Message::ValidateReply { txn, .. }
+            | Message::BackupAck { txn } => self.by_txn.entry(txn).or_default().push((from, m)),
+            m => self.other.push((from, m)),
+        }
+    }
+
+    /// Drops every reply from `peer`.
+    pub(crate) fn forget(&mut self, peer: MachineId) {
+        self.other.retain(|(m, _)| *m != peer);
+        self.by_txn.retain(|_, replies| {
+            replies.retain(|(m, _)| *m != peer);
+            !replies.is_empty()
+        });
+    }
+
+    /// Drops the replies of `txn`, whose commit ended.
+    fn ended(&mut self, txn: TxnId) {
+        self.by_txn.remove(&txn);
+    }
+
+    /// Once replies are filed under more transactions than the `commits` in flight, drops
+    /// those of transactions not among `in_flight` (every commit's, none taken out): late
+    /// replies of transactions that ended (when a new configuration overtook them, or their
+    /// outcome was known before every reply came), for which nobody will ever wait. Until
+    /// then a few may stay, never looked at (each commit looks under its own transaction).
+    fn drop_late(&mut self, commits: usize, in_flight: impl FnOnce() -> Vec<TxnId>) {
+        if self.by_txn.len() <= commits {
+            return;
+        }
+        let mut live = in_flight();
+        live.sort_unstable();
+        self.by_txn.retain(|t, _| live.binary_search(t).is_ok());
+    }
+}
+
 /// Consumes the replies for `txn` that `kind` recognizes (returning their transaction and
 /// outcome): each one from an awaited machine is struck off, and a negative one sets `failed`.
-/// Replies of transactions no longer in flight (`in_flight` says which are) are dropped; other
-/// replies stay for whoever waits. `live` is scratch space for the ids in flight, gathered
-/// once per call: looking each reply up among the commits cost a thread with 64 commits in
-/// flight a tenth of its time.
+/// Other replies stay for whoever waits.
 fn take_replies(
-    replies: &mut Vec<(MachineId, Message)>,
+    replies: &mut Replies,
     txn: TxnId,
-    in_flight: &BTreeMap<CommitHandle, Box<Commit>>,
-    live: &mut Vec<TxnId>,
     awaiting: &mut BTreeSet<MachineId>,
     failed: &mut bool,
     kind: impl Fn(&Message) -> Option<(TxnId, bool)>,
 ) {
-    live.clear();
-    replies.retain(|(from, m)| match kind(m) {
+    let Some(mine) = replies.by_txn.get_mut(&txn) else {
+        return;
+    };
+    mine.retain(|(from, m)| match kind(m) {
         Some((t, ok)) if t == txn => {
             if awaiting.remove(from) && !ok {
                 *failed = true;
             }
             false
         }
-        // A late reply for a transaction of this thread that ended (when a new configuration
-        // overtook it, or its outcome was known before every reply came): nobody will ever
-        // wait for it. Those of the other commits in flight stay.
-        Some((t, _)) => {
-            if live.is_empty() {
-                live.extend(in_flight.values().map(|c| c.txn));
-                live.sort_unstable();
-            }
-            live.binary_search(&t).is_ok()
-        }
         _ => true,
     });
+    if mine.is_empty() {
+        replies.by_txn.remove(&txn);
+    }
+}
+
+#[cfg(test)]
+mod replies_tests {
+    use super::*;
+
+    fn txn(local: u64) -> TxnId {
+        TxnId {
+            local,
+            ..TxnId::default()
+        }
+    }
+
+    /// A commit takes its own replies of the kind it waits for and nothing else; replies of
+    /// transactions that ended go once there are more of them than commits in flight, and
+    /// those of a peer that is forgotten go at once.
+    #[test]
+    fn replies_are_taken_by_their_own_commit_and_late_ones_dropped() {
+        let (m1, m2) = (MachineId(1), MachineId(2));
+        let lock = |m: &Message| match m {
+            Message::LockReply { txn, ok } => Some((*txn, *ok)),
+            _ => None,
+        };
+        let mut r = Replies::default();
+        r.push(
+            m1,
+            Message::LockReply {
+                txn: txn(1),
+                ok: true,
+            },
+        );
+        r.push(
+            m2,
+            Message::LockReply {
+                txn: txn(1),
+                ok: false,
+            },
+        );
+        r.push(
+            m1,
+            Message::LockReply {
+                txn: txn(2),
+                ok: true,
+            },
+        );
+        r.push(
+            m1,
+            Message::ValidateReply {
+                txn: txn(1),
+                ok: true,
+            },
+        );
+        let mut awaiting: BTreeSet<MachineId> = [m1].into();
+        let mut failed = false;
+        take_replies(&mut r, txn(1), &mut awaiting, &mut failed, lock);
+        // m2 was not awaited: its negative reply is consumed without failing the commit.
+        assert!(awaiting.is_empty() && !failed);
+        assert_eq!(r.by_txn[&txn(1)].len(), 1, "the VALIDATE reply stays");
+        assert_eq!(r.by_txn[&txn(2)].len(), 1, "another commit's reply stays");
+
+        // Transaction 1 ended; 2 and 3 are in flight, and a late reply of 1 comes.
+        r.ended(txn(1));
+        r.push(m2, Message::BackupAck { txn: txn(1) });
+        r.drop_late(2, || vec![txn(3), txn(2)]);
+        assert!(
+            r.by_txn.contains_key(&txn(1)),
+            "no more transactions than commits yet"
+        );
+        r.push(
+            m1,
+            Message::LockReply {
+                txn: txn(3),
+                ok: true,
+            },
+        );
+        r.drop_late(2, || vec![txn(3), txn(2)]);
+        assert!(!r.by_txn.contains_key(&txn(1)), "the late reply is dropped");
+        assert_eq!(r.by_txn.len(), 2);
+
+        r.forget(m1);
+        assert!(r.by_txn.is_empty(), "every reply left was m1's");
+    }
 }
 
 /// Whether `region`'s primary changed after configuration `config` in `view`: slots handed out
@@ -1097,6 +1218,7 @@ impl Worker {
     pub fn abandon_commit(&mut self, handle: CommitHandle) {
         if let Some(c) = self.coord.active.remove(&handle) {
             self.coord.holding.remove(&c.txn.local);
+            self.replies.ended(c.txn);
         }
     }
 
@@ -1180,6 +1302,8 @@ impl Worker {
     /// when it is decided, after which it is no longer in flight. Call [`Worker::poll`] (of
     /// every worker this thread hosts) between calls: replies arrive there.
     pub fn poll_commit(&mut self, handle: CommitHandle, now: u64) -> Option<Result<(), TxError>> {
+        let active = &self.coord.active;
+        (self.replies).drop_late(active.len(), || active.values().map(|c| c.txn).collect());
         let mut commit = self
             .coord
             .active
@@ -1189,6 +1313,7 @@ impl Worker {
         let result = self.advance(&mut commit, now);
         if result.is_some() {
             self.coord.holding.remove(&commit.txn.local);
+            self.replies.ended(commit.txn);
         }
         match result {
             Some(Ok(())) => {
@@ -1286,18 +1411,10 @@ impl Worker {
                     }
                 }
                 Phase::Lock { awaiting, failed } => {
-                    take_replies(
-                        &mut self.replies,
-                        c.txn,
-                        &self.coord.active,
-                        &mut self.coord.live,
-                        awaiting,
-                        failed,
-                        |m| match m {
-                            Message::LockReply { txn, ok } => Some((*txn, *ok)),
-                            _ => None,
-                        },
-                    );
+                    take_replies(&mut self.replies, c.txn, awaiting, failed, |m| match m {
+                        Message::LockReply { txn, ok } => Some((*txn, *ok)),
+                        _ => None,
+                    });
                     if !awaiting.is_empty() {
                         return None;
                     }
@@ -1312,18 +1429,10 @@ impl Worker {
                     failed,
                     reads,
                 } => {
-                    take_replies(
-                        &mut self.replies,
-                        c.txn,
-                        &self.coord.active,
-                        &mut self.coord.live,
-                        awaiting,
-                        failed,
-                        |m| match m {
-                            Message::ValidateReply { txn, ok } => Some((*txn, *ok)),
-                            _ => None,
-                        },
-                    );
+                    take_replies(&mut self.replies, c.txn, awaiting, failed, |m| match m {
+                        Message::ValidateReply { txn, ok } => Some((*txn, *ok)),
+                        _ => None,
+                    });
                     take_validation_reads(reads, failed);
                     if !awaiting.is_empty() || !reads.is_empty() {
                         return None;
@@ -1377,18 +1486,10 @@ impl Worker {
                     // hold COMMIT-BACKUP, so the coordinator may no longer abort on its own.
                     // With RPC replication, each backup's CPU must also have answered.
                     let mut nack = false;
-                    take_replies(
-                        &mut self.replies,
-                        c.txn,
-                        &self.coord.active,
-                        &mut self.coord.live,
-                        awaiting,
-                        &mut nack,
-                        |m| match m {
-                            Message::BackupAck { txn } => Some((*txn, true)),
-                            _ => None,
-                        },
-                    );
+                    take_replies(&mut self.replies, c.txn, awaiting, &mut nack, |m| match m {
+                        Message::BackupAck { txn } => Some((*txn, true)),
+                        _ => None,
+                    });
                     if *failed
                         || !awaiting.is_empty()
                         || tickets

@@ -20,7 +20,7 @@ use farm_core::ring::{
 use farm_core::wire::{AllocOutcome, LogBody, LogRecord, Message, RecoveryBody, WriteSet};
 use farm_core::{ConfigId, MachineId, RegionId, ThreadId, TxnId};
 
-use crate::coordinator::CoordinatorState;
+use crate::coordinator::{CoordinatorState, Replies};
 use crate::machine::{MachineState, View};
 use crate::stats::Stats;
 
@@ -192,8 +192,8 @@ pub struct Worker {
     /// Slabs of the regions this machine is primary for, owned by this thread (§5.5).
     pub(crate) slabs: BTreeMap<RegionId, Slabs>,
     pub(crate) coord: CoordinatorState,
-    /// Replies for this thread's coordinator, in arrival order.
-    pub(crate) replies: Vec<(MachineId, Message)>,
+    /// Replies for this thread's coordinator.
+    pub(crate) replies: Replies,
     pub(crate) stats: Stats,
     pub(crate) buf: Vec<u8>,
     pub(crate) scratch: Vec<u8>,
@@ -295,7 +295,7 @@ impl Worker {
             check_invariants: cfg!(debug_assertions),
             slabs,
             coord,
-            replies: Vec::new(),
+            replies: Replies::default(),
             stats: Stats::default(),
             buf: Vec::new(),
             scratch: Vec::new(),
@@ -486,7 +486,7 @@ impl Worker {
         self.outbound[peer.0 as usize] = Outbound::new(layout);
         self.backlog.retain(|(m, _)| *m != peer);
         self.alloc_replies.retain(|(m, ..)| *m != peer);
-        self.replies.retain(|(m, _)| *m != peer);
+        self.replies.forget(peer);
     }
 
     /// Data recovery (§5.4) and allocator recovery (§5.5), after ALL-REGIONS-ACTIVE: thread 0
@@ -869,7 +869,7 @@ impl Worker {
                     region,
                     body,
                 }) => self.on_recovery_message(sender, config, region, body),
-                Ok(reply) => self.replies.push((sender, reply)),
+                Ok(reply) => self.replies.push(sender, reply),
                 // Released above.
                 Err(e) => self.malformed(sender, RingKind::Queue, pos, &e),
             }
@@ -1028,8 +1028,7 @@ impl Worker {
                 debug_assert!(prev.is_none(), "checked above");
                 if sender == self.machine.id {
                     // The coordinator is this very worker: no message, a direct reply.
-                    self.replies
-                        .push((sender, Message::LockReply { txn: rec.txn, ok }));
+                    (self.replies).push(sender, Message::LockReply { txn: rec.txn, ok });
                 } else {
                     self.send_message(sender, &Message::LockReply { txn: rec.txn, ok });
                 }
@@ -1045,7 +1044,7 @@ impl Worker {
                     let ack = Message::BackupAck { txn: rec.txn };
                     self.stats.backup_acks += 1;
                     if sender == self.machine.id {
-                        self.replies.push((sender, ack));
+                        self.replies.push(sender, ack);
                     } else {
                         self.send_message(sender, &ack);
                     }
