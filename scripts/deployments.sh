@@ -7,7 +7,7 @@
 # between machines; quote the ratios, which come from one run of this script.
 #
 #   scripts/with-zookeeper.sh scripts/deployments.sh [--rounds 2] [--seconds 5]
-#       [--subscribers 100000] [--warehouses 3] [--workloads tatp,tpcc] [--in-flight 16]
+#       [--subscribers 100000] [--warehouses 3] [--workloads tatp,tpcc] [--in-flight 64]
 #       [--tpcc-in-flight 4] [--kill-after 2]
 #
 # With --kill-after S, each round then runs TATP once more per deployment with machine 2
@@ -18,8 +18,10 @@
 # Shape: 3 machines x 2 workers, 3-way replication. Client threads: the in-process cluster
 # runs 2 (one per worker: a client keeps a worker thread of every machine), each machine
 # process runs 1. TATP keeps the same transactions in flight in every deployment: each machine
-# process's client thread --in-flight (default 16, 48 in all), the in-process cluster's two
-# threads 3/2 as many each (24 each, 48 in all). TPC-C likewise with --tpcc-in-flight per
+# process's client thread --in-flight (default 64, 192 in all; `farm-node`'s own default over
+# `tcp`, where more in flight keeps gaining, while `shm` and one process run as fast at 16 as
+# at 64: docs/REPORT-multiprocess.md), the in-process cluster's two threads 3/2 as many each
+# (96 each, 192 in all). TPC-C likewise with --tpcc-in-flight per
 # machine process (default 4, 12 in all) and 3/2 as many per in-process thread (6 each, 12 in
 # all). Needs ZooKeeper at $ZK_CONNECT
 # (scripts/with-zookeeper.sh sets it) and release builds:
@@ -28,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc in_flight=16 tpcc_in_flight=4
+rounds=2 seconds=5 subscribers=100000 warehouses=3 workloads=tatp,tpcc in_flight=64 tpcc_in_flight=4
 kill_after=
 while [ $# -gt 0 ]; do
   case "$1" in
