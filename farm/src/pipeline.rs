@@ -31,6 +31,13 @@ use crate::txn::Transaction;
 /// before it tries again.
 const RECOVERY_PAUSE: Duration = Duration::from_micros(100);
 
+/// Transactions and lock-free reads that may end between two turns before the tasks that end
+/// more yield. Those that never wait (a commit whose primaries are all on this machine, over
+/// `shm`, is decided inside its first poll) would otherwise run a task forever inside one poll,
+/// and the executor would never poll its host: the records other machines write into its
+/// logs would stay there, and they would wait for log space for as long as it ran.
+const ENDED_PER_TURN_MAX: u32 = 16;
+
 /// Where a pipeline's transactions run: the worker that coordinates a transaction named after
 /// `machine`, and where its allocations without a hint go.
 pub(crate) type Route<'a> = &'a dyn Fn(MachineId) -> (MachineId, Option<Addr>);
@@ -43,6 +50,8 @@ pub struct Pipeline<'a> {
     machines: u16,
     /// Whether a task finished a wait this turn (the executor does not sleep then).
     progress: Cell<bool>,
+    /// Transactions and lock-free reads ended since the last turn (`ENDED_PER_TURN_MAX`).
+    ended: Cell<u32>,
     /// The hosts' clock ([`Hosts::now`]) read once per turn, for what the tasks time in it
     /// (a commit's progress and latency, when a retry began): with many tasks, a clock read
     /// per task per turn cost more than any one step. A lease is never judged by it.
@@ -81,6 +90,7 @@ pub(crate) fn run<F>(
         route,
         machines,
         progress: Cell::new(false),
+        ended: Cell::new(0),
         now: Cell::new(published),
         rng: RefCell::new(conflict_rng()),
     };
@@ -93,6 +103,7 @@ pub(crate) fn run<F>(
     let mut turn = |p: &Pipeline<'_>| {
         let now = hosts.now();
         p.now.set(now);
+        p.ended.set(0);
         let busy = cell.borrow_mut().poll_all(now);
         fabric::flush();
         if now >= published + STATS_PUBLISH_US {
@@ -161,6 +172,15 @@ impl<'a> Pipeline<'a> {
         YieldNow(false).await
     }
 
+    /// Counts a transaction or lock-free read that ended, and lets the others run a turn once
+    /// `ENDED_PER_TURN_MAX` ended since the last.
+    async fn ended(&self) {
+        self.ended.set(self.ended.get() + 1);
+        if self.ended.get() > ENDED_PER_TURN_MAX {
+            self.yield_now().await;
+        }
+    }
+
     /// Lets the other tasks run until `cond` holds.
     async fn until(&self, mut cond: impl FnMut() -> bool) {
         if cond() {
@@ -190,10 +210,16 @@ impl<'a> Pipeline<'a> {
             attempt += 1;
             match self.attempt(machine, &mut f).await {
                 Err(e) => match retry(&e, attempt, self.hosts.now().saturating_sub(started)) {
-                    Retry::GiveUp => return Err(e),
+                    Retry::GiveUp => {
+                        self.ended().await;
+                        return Err(e);
+                    }
                     how => self.back_off(how, attempt).await,
                 },
-                ok => return ok,
+                ok => {
+                    self.ended().await;
+                    return ok;
+                }
             }
         }
     }
@@ -294,7 +320,10 @@ impl<'a> Pipeline<'a> {
                 judged
             };
             match judged {
-                Judged::Done(done) => return done,
+                Judged::Done(done) => {
+                    self.ended().await;
+                    return done;
+                }
                 Judged::Again(how) => self.back_off(how, attempt).await,
             }
         }

@@ -165,3 +165,36 @@ fn pipelined_transactions_allocate_at_remote_primaries() {
         }
     }
 }
+
+/// Pipelines whose transactions never wait (every one locks and commits at its own machine,
+/// and a COMMIT-BACKUP over `shm` is written at once) still let their host's workers take
+/// the other machines' records: machines 0 and 1 run transactions on their own accounts
+/// until both ran [`nodes::LOCAL_TXNS`], whose records fill each other's logs many times over. An executor whose tasks never yielded never polled its host, so the other machines
+/// waited for log space there for as long as it ran (TPC-C without remote warehouses stalled
+/// two of three machines for whole runs).
+#[test]
+fn pipelines_whose_transactions_never_wait_let_the_others_commit() {
+    let Some(zookeeper) = common::zookeeper("node-pipeline-local") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let machines = Machines::start_on(&Net::Shm, "pipeline-local", 5, dir.path(), Some(zookeeper));
+    machines.share_accounts(dir.path());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut ran = std::collections::BTreeMap::new();
+    while ran.len() < MACHINES as usize {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let done: Vec<_> = (0..MACHINES)
+            .filter(|m| dir.path().join(format!("local-done-{m}")).exists())
+            .collect();
+        let (m, line) = machines.lines.recv_timeout(left).unwrap_or_else(|e| {
+            panic!("only machines {done:?} ran their transactions, ended {ran:?}: {e}")
+        });
+        if let Some(n) = line.strip_prefix("local ") {
+            ran.insert(m, n.parse::<u64>().unwrap());
+        }
+    }
+    for m in 0..MACHINES - 1 {
+        assert!(ran[&m] >= nodes::LOCAL_TXNS, "machine {m} ran {}", ran[&m]);
+    }
+}

@@ -167,6 +167,7 @@ pub fn child_main() {
         "restarted" => restarted(&node, dir),
         "allocate" => allocate(&node),
         "pipeline-alloc" => allocate_in_pipeline(&node, dir),
+        "pipeline-local" => local_in_pipeline(&node, dir),
         _ => {}
     }
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -286,6 +287,54 @@ fn allocate_in_pipeline(node: &Node, dir: &Path) {
         .filter(|a| view.map.get(a.region).is_some_and(|p| p.primary != me))
         .count();
     println!("allocated {} remote {remote}", made.len());
+}
+
+/// Transactions each machine runs in `pipeline-local` before it says it is done.
+pub const LOCAL_TXNS: u64 = 20_000;
+
+/// Runs transactions that each increment an account this machine is primary of, on a
+/// pipeline of two tasks (one account each, so they never conflict), until every machine ran
+/// [`LOCAL_TXNS`] of them (the files `<dir>/local-done-<m>`); then prints `local <n>`. Each
+/// commit locks and commits at this machine and writes COMMIT-BACKUP records into the other
+/// machines' logs, where their threads must take them for the logs to have room. The last
+/// machine runs none: its logs are taken by its background pollers, so that only the
+/// pipelines of the first two take each other's records.
+fn local_in_pipeline(node: &Node, dir: &Path) {
+    let all = open_accounts(node, dir);
+    let me = node.id();
+    let all_done = || (0..MACHINES).all(|m| dir.join(format!("local-done-{m}")).exists());
+    if me.0 == MACHINES - 1 {
+        std::fs::write(dir.join(format!("local-done-{}", me.0)), "").unwrap();
+        while !all_done() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        return println!("local 0");
+    }
+    let view = node.view();
+    let mine: Vec<Addr> = (all.iter().copied())
+        .filter(|a| view.map.get(a.region).is_some_and(|p| p.primary == me))
+        .collect();
+    assert!(mine.len() >= 2, "machine {me}: {mine:?} are its accounts");
+    let done = std::cell::Cell::new(0u64);
+    node.pipeline(2, async |p, k| {
+        let account = mine[k];
+        loop {
+            p.txn(me, async |tx| {
+                let v: u64 = farm::Transaction::read(tx, account).await?;
+                farm::Transaction::write(tx, account, &(v + 1)).await
+            })
+            .await
+            .unwrap_or_else(|e| panic!("machine {me}: {e}"));
+            done.set(done.get() + 1);
+            if done.get() == LOCAL_TXNS {
+                std::fs::write(dir.join(format!("local-done-{}", me.0)), "").unwrap();
+            }
+            if done.get().is_multiple_of(256) && all_done() {
+                return;
+            }
+        }
+    });
+    println!("local {}", done.get());
 }
 
 /// Tells the machines of `dir` to stop (the file `<dir>/stop`), the survivors once they are in
