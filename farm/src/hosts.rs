@@ -83,7 +83,7 @@ pub(crate) enum Retry {
 
 /// `waited_us` is how long since the first attempt began, in microseconds.
 pub(crate) fn retry(e: &TxError, attempt: u32, waited_us: u64) -> Retry {
-    let in_time = waited_us < RECOVERY_WAIT_MAX.as_micros() as u64;
+    let in_time = !waited_too_long(waited_us);
     if waits_for_recovery(e) {
         if in_time {
             Retry::Recovery
@@ -95,6 +95,12 @@ pub(crate) fn retry(e: &TxError, attempt: u32, waited_us: u64) -> Retry {
     } else {
         Retry::GiveUp
     }
+}
+
+/// Whether a transaction or read that began `waited_us` microseconds ago waited
+/// [`RECOVERY_WAIT_MAX`] for reconfiguration and recovery.
+fn waited_too_long(waited_us: u64) -> bool {
+    waited_us >= RECOVERY_WAIT_MAX.as_micros() as u64
 }
 
 /// What [`Hosts::judge_read`] made of an attempt of a lock-free read.
@@ -788,7 +794,7 @@ impl Hosts {
         match read {
             // Told only if the lease held when the read ended (FaRM §5.1).
             Ok(_) if !worker.machine().serves_at(now) => {
-                if waited >= RECOVERY_WAIT_MAX.as_micros() as u64 {
+                if waited_too_long(waited) {
                     return Judged::Done(Err(TxError::LeaseLapsed(worker.machine().id)));
                 }
                 Judged::Again(Retry::Recovery)

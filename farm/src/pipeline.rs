@@ -206,22 +206,18 @@ impl<'a> Pipeline<'a> {
     ) -> Result<R, TxError> {
         let started = self.now.get();
         let mut attempt = 0;
-        loop {
+        let outcome = loop {
             attempt += 1;
             match self.attempt(machine, &mut f).await {
                 Err(e) => match retry(&e, attempt, self.hosts.now().saturating_sub(started)) {
-                    Retry::GiveUp => {
-                        self.ended().await;
-                        return Err(e);
-                    }
+                    Retry::GiveUp => break Err(e),
                     how => self.back_off(how, attempt).await,
                 },
-                ok => {
-                    self.ended().await;
-                    return ok;
-                }
+                ok => break ok,
             }
-        }
+        };
+        self.ended().await;
+        outcome
     }
 
     /// Lets the other tasks run before a retry: a pause for recovery, a random number of
