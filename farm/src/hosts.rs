@@ -114,12 +114,25 @@ pub(crate) enum Judged {
 }
 
 /// A commit started by [`Hosts::start_commit`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub(crate) struct Committing {
     handle: CommitHandle,
     read_only: bool,
     /// When the commit started (µs since the epoch), for the commit-latency histogram.
     started: u64,
+    /// Whether its host's state was logged for waiting too long ([`Committing::overdue`]).
+    reported: bool,
+}
+
+impl Committing {
+    /// Whether the commit has waited longer than [`STUCK_COMMIT_US`] at `now`: true once.
+    fn overdue(&mut self, now: u64) -> bool {
+        if self.reported || now.saturating_sub(self.started) <= STUCK_COMMIT_US {
+            return false;
+        }
+        self.reported = true;
+        true
+    }
 }
 
 /// Workers polled by one OS thread at a time.
@@ -599,37 +612,17 @@ impl Hosts {
             let value = f(&mut txn);
             (value, txn.into_state())
         };
-        let (value, commit) = self.start_commit(host, i, value, state, self.now())?;
+        let (value, mut commit) = self.start_commit(host, i, value, state, self.now())?;
         let mut backoff = Backoff::new();
-        let started = commit.started;
-        let mut reported = false;
         loop {
             let now = self.now();
-            if let Some(r) = self.poll_commit(host, i, commit, now) {
+            if let Some(r) = self.poll_commit(host, i, &mut commit, now) {
                 return r.map(|()| value);
             }
             if host.poll_all(now) {
                 backoff.reset();
             } else {
                 backoff.idle();
-            }
-            if !reported && now.saturating_sub(started) > STUCK_COMMIT_US {
-                // A commit normally ends within milliseconds, recovery included: say what this
-                // host's workers hold, once, so that a stuck one can be diagnosed.
-                reported = true;
-                tracing::warn!(
-                    txn = %commit.handle,
-                    waited_ms = (now - started) / 1000,
-                    "commit still waiting"
-                );
-                for w in &host.workers {
-                    tracing::warn!(
-                        machine = w.machine().id.0,
-                        thread = w.thread().0,
-                        recovery = %w.recovery_summary(),
-                        "worker state"
-                    );
-                }
             }
         }
     }
@@ -668,6 +661,7 @@ impl Hosts {
                         handle,
                         read_only,
                         started,
+                        reported: false,
                     },
                 ))
             }
@@ -683,7 +677,7 @@ impl Hosts {
         &self,
         host: &mut Host,
         i: usize,
-        commit: Committing,
+        commit: &mut Committing,
         now: u64,
     ) -> Option<Result<(), TxError>> {
         let w = &mut host.workers[i];
@@ -695,7 +689,26 @@ impl Hosts {
             w.abandon_commit(commit.handle);
             return Some(Err(e));
         }
-        let r = w.poll_commit(commit.handle, now)?;
+        let Some(r) = w.poll_commit(commit.handle, now) else {
+            if commit.overdue(now) {
+                // A commit normally ends within milliseconds, recovery included: say what
+                // this host's workers hold, once, so that a stuck one can be diagnosed.
+                tracing::warn!(
+                    txn = %commit.handle,
+                    waited_ms = (now - commit.started) / 1000,
+                    "commit still waiting"
+                );
+                for w in &host.workers {
+                    tracing::warn!(
+                        machine = w.machine().id.0,
+                        thread = w.thread().0,
+                        recovery = %w.recovery_summary(),
+                        "worker state"
+                    );
+                }
+            }
+            return None;
+        };
         if r.is_ok() {
             // A read-only transaction committed on reads alone: told only if the lease
             // held when they ended (a fresh clock, read after them). A transaction

@@ -267,16 +267,14 @@ impl<'a> Pipeline<'a> {
             })
             .await;
         }
-        let (value, commit) = {
+        let (value, mut commit) = {
             let mut host = self.host.borrow_mut();
             (self.hosts).start_commit(&mut host, worker, value, state, self.now.get())?
         };
         let mut outcome = None;
         self.until(|| {
             let mut host = self.host.borrow_mut();
-            outcome = self
-                .hosts
-                .poll_commit(&mut host, worker, commit, self.now.get());
+            outcome = (self.hosts).poll_commit(&mut host, worker, &mut commit, self.now.get());
             outcome.is_some()
         })
         .await;
