@@ -183,6 +183,7 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             Ok(())
         }
         LocalCommand::Tatp { tatp, keep, config } => {
+            tatp.run.check()?;
             let base = config.resolve()?;
             let mut args = vec![format!("--subscribers={}", tatp.subscribers)];
             args.extend(tatp.run.flags());
@@ -198,6 +199,7 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             )
         }
         LocalCommand::Tpcc { tpcc, keep, config } => {
+            tpcc.run.check()?;
             let mut base = config.resolve()?;
             // Regions are fixed at start (transactions do not allocate new ones yet): room for
             // the tables of the run, and a quarter more for the hash tables' overflow buckets

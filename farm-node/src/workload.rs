@@ -75,6 +75,24 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// Whether the run can work: checked by the launcher before it starts any machine, and by
+    /// each machine (which may be started by hand).
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.clients == 0 || self.seconds.is_nan() || self.seconds <= 0.0 {
+            bail!("a run needs at least one client and a positive length");
+        }
+        if let Some(after) = self.kill_after {
+            if !(after > 0.0 && after < self.seconds) {
+                bail!(
+                    "--kill-after {after}: a machine fails during the run, more than 0 and less \
+                     than the run's {} s after it starts",
+                    self.seconds
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The flags that give a machine process this run.
     pub fn flags(&self) -> Vec<String> {
         let mut f = vec![
@@ -370,21 +388,6 @@ fn client_rng(run: &RunArgs, me: MachineId, client: u16, task: usize) -> Rand {
     Rand::new(run.seed ^ (me.0 as u64) << 40 ^ (client as u64) << 20 ^ (task as u64) << 8)
 }
 
-fn check_args(run: &RunArgs) -> anyhow::Result<()> {
-    if run.clients == 0 || run.seconds.is_nan() || run.seconds <= 0.0 {
-        bail!("a run needs at least one client and a positive length");
-    }
-    if let Some(after) = run.kill_after {
-        if !(after > 0.0 && after < run.seconds) {
-            bail!(
-                "--kill-after {after}: a machine fails within the run of {} s",
-                run.seconds
-            );
-        }
-    }
-    Ok(())
-}
-
 /// On the victim of `--kill-after`, a thread that fails this process that long after
 /// `started` (the measured run's start), once it recorded when ([`failed_file`]).
 fn fail_on_time(meeting: &Meeting<'_>, run: &RunArgs, started: Instant) {
@@ -470,7 +473,7 @@ pub fn run_tatp(
     args: &TatpArgs,
     (fabric, dir): (&str, &std::path::Path),
 ) -> anyhow::Result<WorkloadResult> {
-    check_args(&args.run)?;
+    args.run.check()?;
     if args.subscribers == 0 {
         bail!("TATP needs at least one subscriber");
     }
@@ -539,7 +542,7 @@ pub fn run_tpcc(
     args: &TpccArgs,
     dir: &std::path::Path,
 ) -> anyhow::Result<WorkloadResult> {
-    check_args(&args.run)?;
+    args.run.check()?;
     let in_flight = farm_workloads::in_flight(args.run.in_flight, Some(TPCC_IN_FLIGHT_DEFAULT))?;
     if !(1..=255).contains(&args.warehouses) {
         bail!("TPC-C needs 1 to 255 warehouses");

@@ -306,3 +306,38 @@ fn bad_settings_fail_at_start_with_a_clear_message() {
     ]);
     assert!(e.contains("belongs to cluster 0x1234"), "{e}");
 }
+
+/// A workload run whose settings cannot work is refused by the launcher before it starts any
+/// machine process (no ZooKeeper needed: nothing gets that far), with what is wrong.
+#[test]
+fn a_workload_run_that_cannot_work_is_refused_before_any_machine_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = |workload: &str, args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
+            .args(["local", workload, "--seconds", "2"])
+            .args(["--zookeeper", "127.0.0.1:9", "--dir", "nvram"])
+            .args(args)
+            .current_dir(dir.path())
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} ran");
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(!stdout.contains("starting"), "{args:?} started: {stdout}");
+        assert!(
+            !dir.path().join("nvram").exists(),
+            "{args:?} made its directory"
+        );
+        String::from_utf8(out.stderr).unwrap()
+    };
+    for (workload, after) in [("tatp", "0"), ("tatp", "2"), ("tpcc", "5")] {
+        let e = local(workload, &["--kill-after", after]);
+        assert!(
+            e.contains(&format!("--kill-after {after}"))
+                && e.contains("more than 0 and less than the run's 2 s"),
+            "{e}"
+        );
+    }
+    let e = local("tpcc", &["--clients", "0"]);
+    assert!(e.contains("at least one client"), "{e}");
+}
