@@ -54,6 +54,10 @@ const STUCK_COMMIT_US: u64 = 10_000_000;
 /// The longest an idle poller of a process fabric sleeps when no peer writes to it.
 const DOORBELL_WAIT: Duration = Duration::from_micros(500);
 
+/// The longest a poller sleeps while an executor polls its host ([`Hosts::polled`]): the
+/// executor wakes it when it lets go, so this only bounds a wake-up that went missing.
+const EXECUTOR_HELD_WAIT: Duration = Duration::from_millis(50);
+
 /// Hosts per process at most (a thread's held hosts and the sessions are 64-bit sets).
 pub(crate) const HOSTS_MAX: usize = 64;
 
@@ -451,6 +455,14 @@ impl Hosts {
                 .map(|mut host| host.poll_all(self.now()));
             match (&self.idle, busy) {
                 (_, Ok(true)) => backoff.reset(),
+                // An executor holds the host and polls it turn by turn: nothing here until
+                // it lets go, which rings this thread's doorbell (`Polled`'s drop; `seen` was
+                // read before the host was tried, so a release in between is not missed).
+                // Waking every `DOORBELL_WAIT` to find the host taken cost each poller two
+                // thousand wake-ups a second, each preempting an executor on two shared cores.
+                (IdleWait::Doorbell(d), Err(_)) if self.executor_polls(t) => {
+                    d.wait_for_writes(thread, seen, EXECUTOR_HELD_WAIT)
+                }
                 // Nothing to do, or a transaction holds the host (and polls it while it
                 // waits; once it lets go, what peers wrote meanwhile is this poller's again):
                 // sleep until a peer writes into this machine's rings (a LOCK, a message), or
@@ -461,6 +473,11 @@ impl Hosts {
                 (IdleWait::Backoff, Err(_)) => backoff.park(),
             }
         }
+    }
+
+    /// Whether an executor polls host `t` ([`Hosts::polled`]).
+    fn executor_polls(&self, t: usize) -> bool {
+        self.executors.load(Ordering::Acquire) & (1 << t) != 0
     }
 
     /// Says that an executor polls `host`'s workers turn by turn until the guard drops: the
@@ -919,7 +936,7 @@ impl Hosts {
             // may hold it for as long as recovery takes, so the wait backs off to sleeping.
             let mut backoff = Backoff::new();
             let host = loop {
-                if self.executors.load(Ordering::Acquire) & (1 << i) != 0 {
+                if self.executor_polls(i) {
                     break None;
                 }
                 match h.try_lock() {
