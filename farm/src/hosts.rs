@@ -324,12 +324,16 @@ pub(crate) struct Polled<'a> {
 
 impl Drop for Polled<'_> {
     fn drop(&mut self) {
+        // The executor's bit goes first: a poller that the doorbell below wakes, and that
+        // finds the host still held (its guard drops after this), must see the bit clear and
+        // wait the short `DOORBELL_WAIT`, not sleep as if the executor still polled the host
+        // (`Hosts::background_poll`).
+        (self.hosts.executors).fetch_and(!(1u64 << self.index), Ordering::AcqRel);
         if let Some((d, threads)) = &self.doorbells {
             for t in threads {
                 d.polled(*t, false);
             }
         }
-        (self.hosts.executors).fetch_and(!(1u64 << self.index), Ordering::AcqRel);
     }
 }
 
@@ -432,7 +436,7 @@ impl Hosts {
             .collect()
     }
 
-    /// Stops the background pollers (they end within one wait).
+    /// Stops the background pollers (they end within one wait: at most `EXECUTOR_HELD_WAIT`).
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
     }
@@ -456,8 +460,9 @@ impl Hosts {
             match (&self.idle, busy) {
                 (_, Ok(true)) => backoff.reset(),
                 // An executor holds the host and polls it turn by turn: nothing here until
-                // it lets go, which rings this thread's doorbell (`Polled`'s drop; `seen` was
-                // read before the host was tried, so a release in between is not missed).
+                // it lets go, which rings this thread's doorbell (`Polled`'s drop, after it
+                // cleared the executor's bit; `seen` was read before the host was tried, so a
+                // release in between is not missed).
                 // Waking every `DOORBELL_WAIT` to find the host taken cost each poller two
                 // thousand wake-ups a second, each preempting an executor on two shared cores.
                 (IdleWait::Doorbell(d), Err(_)) if self.executor_polls(t) => {
