@@ -78,8 +78,8 @@ impl RunArgs {
     /// Whether the run can work: checked by the launcher before it starts any machine, and by
     /// each machine (which may be started by hand).
     pub fn check(&self) -> anyhow::Result<()> {
-        if self.clients == 0 || self.seconds.is_nan() || self.seconds <= 0.0 {
-            bail!("a run needs at least one client and a positive length");
+        if self.clients == 0 || !self.seconds.is_finite() || self.seconds <= 0.0 {
+            bail!("a run needs at least one client and a positive, finite length");
         }
         if let Some(after) = self.kill_after {
             if !(after > 0.0 && after < self.seconds) {

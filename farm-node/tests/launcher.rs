@@ -314,7 +314,7 @@ fn a_workload_run_that_cannot_work_is_refused_before_any_machine_starts() {
     let dir = tempfile::tempdir().unwrap();
     let local = |workload: &str, args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
-            .args(["local", workload, "--seconds", "2"])
+            .args(["local", workload])
             .args(["--zookeeper", "127.0.0.1:9", "--dir", "nvram"])
             .args(args)
             .current_dir(dir.path())
@@ -322,21 +322,28 @@ fn a_workload_run_that_cannot_work_is_refused_before_any_machine_starts() {
             .output()
             .unwrap();
         assert!(!out.status.success(), "{args:?} ran");
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        assert!(!stdout.contains("starting"), "{args:?} started: {stdout}");
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(
+            !stderr.contains("machine processes"),
+            "{args:?} started: {stderr}"
+        );
         assert!(
             !dir.path().join("nvram").exists(),
             "{args:?} made its directory"
         );
-        String::from_utf8(out.stderr).unwrap()
+        stderr
     };
     for (workload, after) in [("tatp", "0"), ("tatp", "2"), ("tpcc", "5")] {
-        let e = local(workload, &["--kill-after", after]);
+        let e = local(workload, &["--seconds", "2", "--kill-after", after]);
         assert!(
             e.contains(&format!("--kill-after {after}"))
                 && e.contains("more than 0 and less than the run's 2 s"),
             "{e}"
         );
+    }
+    for seconds in ["0", "inf"] {
+        let e = local("tatp", &["--seconds", seconds]);
+        assert!(e.contains("a positive, finite length"), "{e}");
     }
     let e = local("tpcc", &["--clients", "0"]);
     assert!(e.contains("at least one client"), "{e}");
