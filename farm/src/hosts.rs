@@ -148,6 +148,9 @@ pub struct Host {
     /// Per worker: what the host counts for its machine beside the worker's own counters
     /// (`Counters::stats` is left default here; [`Host::counters`] fills it in).
     counters: Vec<Counters>,
+    /// When the host's workers' state was last logged for a stuck commit (µs since the
+    /// epoch): once per [`STUCK_COMMIT_US`], however many commits in flight are stuck.
+    stuck_logged: Option<u64>,
 }
 
 impl Host {
@@ -166,6 +169,7 @@ impl Host {
             counters: vec![Counters::default(); workers.len()],
             workers,
             committed_per_ms: Vec::new(),
+            stuck_logged: None,
         }
     }
 
@@ -713,20 +717,27 @@ impl Hosts {
         }
         let Some(r) = w.poll_commit(commit.handle, now) else {
             if commit.overdue(now) {
-                // A commit normally ends within milliseconds, recovery included: say what
-                // this host's workers hold, once, so that a stuck one can be diagnosed.
+                // A commit normally ends within milliseconds, recovery included: say so once
+                // per commit, and what this host's workers hold once per `STUCK_COMMIT_US`
+                // (a pipeline may have dozens stuck together), so that it can be diagnosed.
                 tracing::warn!(
                     txn = %commit.handle,
                     waited_ms = (now - commit.started) / 1000,
                     "commit still waiting"
                 );
-                for w in &host.workers {
-                    tracing::warn!(
-                        machine = w.machine().id.0,
-                        thread = w.thread().0,
-                        recovery = %w.recovery_summary(),
-                        "worker state"
-                    );
+                if host
+                    .stuck_logged
+                    .is_none_or(|at| now.saturating_sub(at) > STUCK_COMMIT_US)
+                {
+                    host.stuck_logged = Some(now);
+                    for w in &host.workers {
+                        tracing::warn!(
+                            machine = w.machine().id.0,
+                            thread = w.thread().0,
+                            recovery = %w.recovery_summary(),
+                            "worker state"
+                        );
+                    }
                 }
             }
             return None;
