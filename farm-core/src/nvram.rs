@@ -466,6 +466,16 @@ pub mod files {
         }
     }
 
+    /// Sets the length of the existing file `dir/name` to `len` bytes, in place (the same file
+    /// for whoever mapped it): for an area whose contents are rewritten at every start and
+    /// whose layout grew.
+    pub fn resize(dir: &Path, name: &str, len: u64) -> io::Result<()> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(name))?
+            .set_len(len)
+    }
+
     /// Removes `dir/name`; nothing to do when there is no such file.
     pub fn remove(dir: &Path, name: &str) -> io::Result<()> {
         match std::fs::remove_file(dir.join(name)) {

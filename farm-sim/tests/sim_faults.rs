@@ -411,22 +411,20 @@ fn a_member_that_cannot_reach_a_machine_that_cannot_be_removed_is_removed_instea
     check(40455, pause_config(40455));
 }
 
-/// OPEN (ignored until fixed; issue 23's notes of 2026-11-28): a probe reads the probed member's
-/// memory, so it checks only that the prober can reach the member, not that the member can
-/// write to the prober. Seed 110052 of the varied shapes (6 machines, 2 replicas, one pause, no
-/// crash): machine 1 paused with its memory out of reach, and the links from machines 0, 3, 4
-/// and 5 into it broke (they stay down while it is a member). The CM, machine 0, suspected it
-/// but its removals failed on simulated store timeouts; machine 1 resumed, suspected the CM by
-/// lease, probed the others successfully, and removed machine 0, which held the other
-/// complete replica of regions 0 and 6. Now machines 3, 4 and 5 cannot reach their CM and cannot
-/// remove it (regions 0 and 6 would lose every complete replica), and the CM cannot remove
-/// them (three of five are no majority): "clients did not finish". The fix in view: each
-/// member publishes the members it cannot write to beside its complete replicas
-/// (`MemKey::Replicas`), and a probe by one of those counts as no answer, so that machine 1's
-/// takeover finds no majority and machine 0's next removal of it succeeds (a simulator-only
-/// form of that check made this seed and the default varied seeds pass).
+/// A probe reads the probed member's memory, so it showed only that the prober reaches the
+/// member, not that the member can write to the prober. Seed 110052 of the varied shapes (6
+/// machines, 2 replicas, one pause, no crash): machine 1 paused with its memory out of reach,
+/// and the links from machines 0, 3, 4 and 5 into it broke (they stay down while it is a
+/// member). The CM, machine 0, suspected it, but its removals failed on simulated store
+/// timeouts; machine 1 resumed, suspected the CM by lease, probed the others successfully and
+/// removed machine 0, which held the other complete replica of regions 0 and 6. Then machines
+/// 3, 4 and 5 could not reach their CM nor remove it (regions 0 and 6 would lose every complete
+/// replica), and the CM could not remove them (three of five are no majority): "clients did
+/// not finish". Each member now publishes the members it cannot write to beside its complete
+/// replicas, and a probe by one of them counts as no answer
+/// (`MachineState::publish_unreachable`): machine 1's takeover finds no majority, and machine
+/// 0's next removal of machine 1 succeeds.
 #[test]
-#[ignore = "open liveness failure: probes do not check that the member can write to the prober"]
 fn a_machine_its_peers_cannot_write_to_does_not_take_over_as_cm() {
     check(110052, varied_config(110052));
 }

@@ -73,12 +73,15 @@ fn local<'a>(machine: &MachineState, view: &'a View, copying: &'a BTreeSet<Regio
 
 /// A reconfiguration probe (§5.2 step 2): a one-sided read of `m`'s memory from `me`, which
 /// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers, of the regions
-/// whose replica `m` holds complete (`None`: no answer).
+/// whose replica `m` holds complete (`None`: no answer). An `m` that says it cannot write to
+/// `me` does not answer either: a CM its members cannot write to could not run recovery with
+/// them ([`MachineState::publish_unreachable`]).
 pub fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> Option<BTreeSet<RegionId>> {
-    fabric
+    let probed = fabric
         .remote(me, m, MemKey::Replicas)
         .and_then(|h| crate::machine::read_complete(&*h))
-        .ok()
+        .ok()?;
+    (!probed.unreachable.contains(&me)).then_some(probed.complete)
 }
 
 impl MachineControl {
@@ -205,7 +208,9 @@ impl MachineControl {
     /// (`Fabric::broken_members`): a failed write to a live member left a hole in its ring, so
     /// the configuration must remove it.
     pub fn tick(&mut self, now: u64) {
-        for m in self.machine.unreachable_members() {
+        let unreachable = self.machine.unreachable_members();
+        self.machine.publish_unreachable(&unreachable);
+        for m in unreachable {
             self.on_unreachable(m, now);
         }
         self.with_plane(now, |p, l| p.tick(now, l));

@@ -195,6 +195,9 @@ pub struct MachineState {
     /// The regions whose replica here is complete, where reconfiguration probes read them
     /// ([`MemKey::Replicas`]; see [`MachineState::publish_complete`]).
     complete: Arc<Nvram>,
+    /// What `complete` holds: the complete replicas and the members this machine cannot write
+    /// to, each changed on its own and written together ([`MachineState::publish_unreachable`]).
+    published: Mutex<(Vec<RegionId>, Vec<MachineId>)>,
     /// The regions still to copy, as published with `complete` (the control plane reads them
     /// at every step; a copy of `to_copy`'s keys made only when it changes).
     copying: Mutex<Arc<BTreeSet<RegionId>>>,
@@ -528,8 +531,17 @@ impl MachineState {
         fabric.register(id, MemKey::Rings, rings.clone());
         fabric.register(id, MemKey::Feedback, feedback.clone());
         // Rewritten from the view at every install: nothing is complete before the first.
-        let complete = map_area(&nvram_dir, "replicas", COMPLETE_AREA_BYTES)?;
-        write_complete(&complete, &[]);
+        // Rewritten at every start: a file of an earlier layout's size (before the unreachable
+        // members) is resized in place, the same file that peers on `shm` may have mapped.
+        let complete = match map_area(&nvram_dir, "replicas", COMPLETE_AREA_BYTES) {
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                let dir = nvram_dir.as_ref().expect("a file of the wrong size");
+                files::resize(dir, "replicas", COMPLETE_AREA_BYTES as u64)?;
+                map_area(&nvram_dir, "replicas", COMPLETE_AREA_BYTES)?
+            }
+            other => other?,
+        };
+        write_complete(&complete, &[], &[]);
         fabric.register(id, MemKey::Replicas, complete.clone());
         let empty = View {
             config: config.clone(),
@@ -545,6 +557,7 @@ impl MachineState {
             view: Mutex::new(Arc::new(empty)),
             installing: Mutex::new(()),
             complete,
+            published: Mutex::new((Vec::new(), Vec::new())),
             copying: Mutex::new(Arc::default()),
             view_generation: AtomicU64::new(0),
             cm_forgiven: AtomicU64::new(0),
@@ -1015,8 +1028,28 @@ impl MachineState {
             })
             .map(|(r, _)| r)
             .collect();
-        write_complete(&self.complete, &ids);
+        {
+            let mut published = self.published.lock().expect("poisoned");
+            published.0 = ids;
+            write_complete(&self.complete, &published.0, &published.1);
+        }
         *self.copying.lock().expect("poisoned") = Arc::new(to_copy.keys().copied().collect());
+    }
+
+    /// Publishes, beside the complete replicas, the members this machine cannot write to
+    /// (`unreachable`, from [`MachineState::unreachable_members`]): a reconfiguration probe by
+    /// one of them counts as no answer ([`crate::control::probe`]). A probe reads the member's
+    /// memory, which shows that the prober reaches the member, not that the member reaches the
+    /// prober; a machine whose peers' links into it broke (while it was paused, say) could
+    /// otherwise win a majority of probes, take over as CM and remove the machine holding the
+    /// other replicas of its regions, after which its peers could remove neither it nor
+    /// anyone (simulator seed 110052 of the varied shapes).
+    pub fn publish_unreachable(&self, unreachable: &[MachineId]) {
+        let mut published = self.published.lock().expect("poisoned");
+        if published.1 != unreachable {
+            published.1 = unreachable.to_vec();
+            write_complete(&self.complete, &published.0, &published.1);
+        }
     }
 
     /// The regions whose replica here is still being copied, as last published.
@@ -1677,20 +1710,31 @@ pub fn forget_state(nvram_dir: &Path, id: MachineId) -> io::Result<()> {
     Ok(())
 }
 
-/// [`MemKey::Replicas`]: a sequence word (odd while being rewritten), a count, then that many
-/// region ids of 4 bytes, for the replicas one machine may hold.
-const COMPLETE_AREA_BYTES: usize = 16 + 4 * crate::control::REGIONS_PER_MACHINE_MAX;
+/// The most members a [`MemKey::Replicas`] area lists as unreachable.
+const UNREACHABLE_MAX: usize = 1024;
+/// Where a [`MemKey::Replicas`] area's unreachable members begin.
+const UNREACHABLE_AT: usize = 16 + 4 * crate::control::REGIONS_PER_MACHINE_MAX;
 
-/// Rewrites the complete replicas of a [`MemKey::Replicas`] area (a seqlock: readers that see
-/// the sequence word odd, or changed across their read, read again).
-fn write_complete(area: &Nvram, ids: &[RegionId]) {
+/// [`MemKey::Replicas`]: a sequence word (odd while being rewritten), a count, then that many
+/// region ids of 4 bytes, for the replicas one machine may hold; at `UNREACHABLE_AT` a count
+/// and that many machine ids of 2 bytes, the members it cannot write to.
+const COMPLETE_AREA_BYTES: usize = UNREACHABLE_AT + 8 + 2 * UNREACHABLE_MAX;
+
+/// Rewrites a [`MemKey::Replicas`] area: complete replicas `ids` and members `unreachable`
+/// (a seqlock: readers that see the sequence word odd, or changed across their read, read
+/// again).
+fn write_complete(area: &Nvram, ids: &[RegionId], unreachable: &[MachineId]) {
     assert!(
         ids.len() <= crate::control::REGIONS_PER_MACHINE_MAX,
         "{} complete replicas on one machine",
         ids.len()
     );
+    // More than fit: the first are listed (a probe by the others is answered as before).
+    let unreachable = &unreachable[..unreachable.len().min(UNREACHABLE_MAX)];
     let mut bytes: Vec<u8> = ids.iter().flat_map(|r| r.0.to_le_bytes()).collect();
     bytes.resize(bytes.len().next_multiple_of(8), 0);
+    let mut machines: Vec<u8> = unreachable.iter().flat_map(|m| m.0.to_le_bytes()).collect();
+    machines.resize(machines.len().next_multiple_of(8), 0);
     // Odd while rewriting (already odd if a rewrite was cut short by a power loss).
     let odd = area.load_u64(0, Ordering::Acquire) | 1;
     area.store_u64(0, odd, Ordering::Relaxed);
@@ -1699,7 +1743,20 @@ fn write_complete(area: &Nvram, ids: &[RegionId]) {
     if !bytes.is_empty() {
         area.write(16, &bytes);
     }
+    area.store_u64(UNREACHABLE_AT, unreachable.len() as u64, Ordering::Relaxed);
+    if !machines.is_empty() {
+        area.write(UNREACHABLE_AT + 8, &machines);
+    }
     area.store_u64(0, odd + 1, Ordering::Release);
+}
+
+/// What a reconfiguration probe reads of a machine ([`read_complete`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Probed {
+    /// The regions whose replica it holds complete.
+    pub complete: BTreeSet<RegionId>,
+    /// The members it cannot write to.
+    pub unreachable: BTreeSet<MachineId>,
 }
 
 /// Reads a machine's complete replicas from its [`MemKey::Replicas`] area through `remote`:
@@ -1707,7 +1764,7 @@ fn write_complete(area: &Nvram, ids: &[RegionId]) {
 /// every attempt reads as no complete replica (the safe answer: nothing of it is promoted).
 pub fn read_complete(
     remote: &dyn farm_core::fabric::RemoteMemory,
-) -> Result<BTreeSet<RegionId>, farm_core::fabric::FabricError> {
+) -> Result<Probed, farm_core::fabric::FabricError> {
     const ATTEMPTS: usize = 64;
     for _ in 0..ATTEMPTS {
         let mut head = [0u8; 16];
@@ -1721,18 +1778,34 @@ pub fn read_complete(
         if !ids.is_empty() {
             remote.read(16, &mut ids)?;
         }
-        let mut again = [0u8; 8];
-        remote.read(0, &mut again)?;
-        if u64::from_le_bytes(again) != seq {
+        let mut word = [0u8; 8];
+        remote.read(UNREACHABLE_AT as u64, &mut word)?;
+        let unreachable = u64::from_le_bytes(word) as usize;
+        if unreachable > UNREACHABLE_MAX {
             continue;
         }
-        return Ok(ids
-            .chunks_exact(4)
-            .take(count)
-            .map(|b| RegionId(u32::from_le_bytes(b.try_into().expect("4 bytes"))))
-            .collect());
+        let mut machines = vec![0u8; (2 * unreachable).next_multiple_of(8)];
+        if !machines.is_empty() {
+            remote.read(UNREACHABLE_AT as u64 + 8, &mut machines)?;
+        }
+        remote.read(0, &mut word)?;
+        if u64::from_le_bytes(word) != seq {
+            continue;
+        }
+        return Ok(Probed {
+            complete: ids
+                .chunks_exact(4)
+                .take(count)
+                .map(|b| RegionId(u32::from_le_bytes(b.try_into().expect("4 bytes"))))
+                .collect(),
+            unreachable: machines
+                .chunks_exact(2)
+                .take(unreachable)
+                .map(|b| MachineId(u16::from_le_bytes(b.try_into().expect("2 bytes"))))
+                .collect(),
+        });
     }
-    Ok(BTreeSet::new())
+    Ok(Probed::default())
 }
 
 /// The restart plan's view `plan` as machine `id` keeps it after restarting into `restart`
