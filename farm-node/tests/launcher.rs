@@ -225,17 +225,7 @@ fn tpcc_runs_across_machine_processes() {
 fn bad_settings_fail_at_start_with_a_clear_message() {
     let Some(zk) = zookeeper() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let run = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
-            .arg("run")
-            .args(args)
-            .current_dir(dir.path())
-            .env_remove("RUST_BACKTRACE")
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} started");
-        String::from_utf8(out.stderr).unwrap()
-    };
+    let run = |args: &[&str]| refused(dir.path(), &[&["run"], args].concat());
     std::fs::write(dir.path().join("node.toml"), "machines = 1\nlease = 20\n").unwrap();
     let e = run(&["--machine", "0", "--config", "node.toml"]);
     assert!(
@@ -313,16 +303,15 @@ fn bad_settings_fail_at_start_with_a_clear_message() {
 fn a_workload_run_that_cannot_work_is_refused_before_any_machine_starts() {
     let dir = tempfile::tempdir().unwrap();
     let local = |workload: &str, args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
-            .args(["local", workload])
-            .args(["--zookeeper", "127.0.0.1:9", "--dir", "nvram"])
-            .args(args)
-            .current_dir(dir.path())
-            .env_remove("RUST_BACKTRACE")
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} ran");
-        let stderr = String::from_utf8(out.stderr).unwrap();
+        let fixed = [
+            "local",
+            workload,
+            "--zookeeper",
+            "127.0.0.1:9",
+            "--dir",
+            "nvram",
+        ];
+        let stderr = refused(dir.path(), &[&fixed[..], args].concat());
         assert!(
             !stderr.contains("machine processes"),
             "{args:?} started: {stderr}"
@@ -347,4 +336,16 @@ fn a_workload_run_that_cannot_work_is_refused_before_any_machine_starts() {
     }
     let e = local("tpcc", &["--clients", "0"]);
     assert!(e.contains("at least one client"), "{e}");
+}
+
+/// `farm-node args` run in `dir`, which must fail: its standard error.
+fn refused(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_farm-node"))
+        .args(args)
+        .current_dir(dir)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{args:?} succeeded");
+    String::from_utf8(out.stderr).unwrap()
 }

@@ -530,9 +530,9 @@ impl MachineState {
         }
         fabric.register(id, MemKey::Rings, rings.clone());
         fabric.register(id, MemKey::Feedback, feedback.clone());
-        // Rewritten from the view at every install: nothing is complete before the first.
-        // Rewritten at every start: a file of an earlier layout's size (before the unreachable
-        // members) is resized in place, the same file that peers on `shm` may have mapped.
+        // Rewritten from the view at every install: nothing is complete before the first. A
+        // file of an earlier layout's size (before the unreachable members) is resized in
+        // place: the same file that peers on `shm` may have mapped.
         let complete = match map_area(&nvram_dir, "replicas", COMPLETE_AREA_BYTES) {
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
                 let dir = nvram_dir.as_ref().expect("a file of the wrong size");
@@ -1759,9 +1759,10 @@ pub struct Probed {
     pub unreachable: BTreeSet<MachineId>,
 }
 
-/// Reads a machine's complete replicas from its [`MemKey::Replicas`] area through `remote`:
-/// what a reconfiguration probe learns (§5.2 step 2). An area that stays mid-rewrite for
-/// every attempt reads as no complete replica (the safe answer: nothing of it is promoted).
+/// Reads a machine's complete replicas and the members it cannot write to from its
+/// [`MemKey::Replicas`] area through `remote`: what a reconfiguration probe learns (§5.2 step
+/// 2). An area that stays mid-rewrite for every attempt reads as no complete replica (the safe
+/// answer: nothing of it is promoted) and no unreachable member.
 pub fn read_complete(
     remote: &dyn farm_core::fabric::RemoteMemory,
 ) -> Result<Probed, farm_core::fabric::FabricError> {

@@ -154,6 +154,30 @@ pub struct Host {
 }
 
 impl Host {
+    /// Says that `commit` is still waiting past [`STUCK_COMMIT_US`] (a commit normally ends
+    /// within milliseconds, recovery included), and what this host's workers hold, at most once
+    /// per `STUCK_COMMIT_US` (a pipeline may have dozens stuck together), so that it can be
+    /// diagnosed.
+    fn report_stuck(&mut self, commit: &Committing, now: u64) {
+        tracing::warn!(
+            txn = %commit.handle,
+            waited_ms = (now - commit.started) / 1000,
+            "commit still waiting"
+        );
+        if (self.stuck_logged).is_some_and(|at| now.saturating_sub(at) <= STUCK_COMMIT_US) {
+            return;
+        }
+        self.stuck_logged = Some(now);
+        for w in &self.workers {
+            tracing::warn!(
+                machine = w.machine().id.0,
+                thread = w.thread().0,
+                recovery = %w.recovery_summary(),
+                "worker state"
+            );
+        }
+    }
+
     /// A host of `workers`, at most one per machine.
     pub(crate) fn new(workers: Vec<Worker>) -> Self {
         for (i, w) in workers.iter().enumerate() {
@@ -717,28 +741,7 @@ impl Hosts {
         }
         let Some(r) = w.poll_commit(commit.handle, now) else {
             if commit.overdue(now) {
-                // A commit normally ends within milliseconds, recovery included: say so once
-                // per commit, and what this host's workers hold once per `STUCK_COMMIT_US`
-                // (a pipeline may have dozens stuck together), so that it can be diagnosed.
-                tracing::warn!(
-                    txn = %commit.handle,
-                    waited_ms = (now - commit.started) / 1000,
-                    "commit still waiting"
-                );
-                if host
-                    .stuck_logged
-                    .is_none_or(|at| now.saturating_sub(at) > STUCK_COMMIT_US)
-                {
-                    host.stuck_logged = Some(now);
-                    for w in &host.workers {
-                        tracing::warn!(
-                            machine = w.machine().id.0,
-                            thread = w.thread().0,
-                            recovery = %w.recovery_summary(),
-                            "worker state"
-                        );
-                    }
-                }
+                host.report_stuck(commit, now);
             }
             return None;
         };
