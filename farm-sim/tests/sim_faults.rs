@@ -439,7 +439,6 @@ fn a_machine_its_peers_cannot_write_to_does_not_take_over_as_cm() {
 /// not remove it: it held region 0's last complete replica), and it refused their requests for
 /// good: "the cluster did not quiesce (CM busy true)".
 #[test]
-#[ignore = "fails: a lease manager stalled before its first round credits nothing"]
 fn a_stall_before_the_first_lease_round_suspects_nobody() {
     check(130489, varied_config(130489));
 }

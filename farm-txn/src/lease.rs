@@ -33,7 +33,9 @@ pub struct MachineLease {
     /// The forgiveness of suspected members the role last took
     /// (`MachineState::members_forgiven`).
     members_forgiven: u64,
-    /// When the last round ran (`None` before the first, or after the machine was down).
+    /// When the last round ran (`None` after the machine was down). The manager's creation
+    /// counts as one: the leases its role starts with are granted then, and a stall before the
+    /// first round must be credited to them like any other (simulator seed 130489).
     last_round: Option<u64>,
     out: Vec<(MachineId, LeaseMsg)>,
     events: Vec<LeaseEvent>,
@@ -56,7 +58,7 @@ impl MachineLease {
             generation,
             forgiven,
             members_forgiven,
-            last_round: None,
+            last_round: Some(now),
             out: Vec::with_capacity(ROUND_CAPACITY),
             events: Vec::with_capacity(ROUND_CAPACITY),
             buf: Vec::with_capacity(64),
