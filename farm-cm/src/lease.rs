@@ -11,7 +11,14 @@
 //! - a member's lease runs from when it *sent* the REQUEST that got granted;
 //! - the CM's lease at a member runs from when the CM *sent* the GRANT-REQUEST that the member
 //!   granted;
-//! - each side suspects the other when the lease it granted runs out without renewal.
+//! - each side suspects the other when the lease it granted runs out without renewal;
+//! - a CM grants no lease past the end of its own leases at its members, plus one lease: a
+//!   GRANT-REQUEST says how long ago the CM stopped holding a lease at every member
+//!   (`lapsed`), and the member's lease is that much shorter. Any member whose grant ran out
+//!   may remove the CM, and a configuration without a machine commits one lease after it
+//!   found the machine unreachable (§5.2 step 7): a member cut off together with its CM, and
+//!   removed with it, would otherwise be renewed by that CM for good and serve what the new
+//!   configuration has since overwritten.
 //!
 //! A lease session lasts as long as the pair (CM, member) does: a new configuration with the same
 //! CM carries the leases over (`reconfigure`), and only a new CM starts fresh ones (§5.2: the CM
@@ -69,6 +76,9 @@ pub enum LeaseMsg {
         config: ConfigId,
         /// The REQUEST answered.
         seq: u64,
+        /// Ticks since the CM last held a lease at every member (0 while it does): the lease
+        /// granted is that much shorter (see the module docs).
+        lapsed: u64,
     },
     /// Member to CM: granted.
     Grant {
@@ -80,22 +90,27 @@ pub enum LeaseMsg {
 }
 
 /// Encoded size of every lease datagram.
-pub const LEASE_MSG_BYTES: usize = 18;
-const LEASE_CODEC_VERSION: u8 = 1;
+pub const LEASE_MSG_BYTES: usize = 26;
+const LEASE_CODEC_VERSION: u8 = 2;
 
 impl LeaseMsg {
     /// The fixed-size encoding.
     pub fn encode(&self) -> [u8; LEASE_MSG_BYTES] {
-        let (kind, config, seq) = match *self {
-            LeaseMsg::Request { config, seq } => (1u8, config, seq),
-            LeaseMsg::GrantRequest { config, seq } => (2, config, seq),
-            LeaseMsg::Grant { config, seq } => (3, config, seq),
+        let (kind, config, seq, lapsed) = match *self {
+            LeaseMsg::Request { config, seq } => (1u8, config, seq, 0),
+            LeaseMsg::GrantRequest {
+                config,
+                seq,
+                lapsed,
+            } => (2, config, seq, lapsed),
+            LeaseMsg::Grant { config, seq } => (3, config, seq, 0),
         };
         let mut out = [0u8; LEASE_MSG_BYTES];
         out[0] = LEASE_CODEC_VERSION;
         out[1] = kind;
         out[2..10].copy_from_slice(&config.0.to_le_bytes());
         out[10..18].copy_from_slice(&seq.to_le_bytes());
+        out[18..26].copy_from_slice(&lapsed.to_le_bytes());
         out
     }
 
@@ -107,10 +122,15 @@ impl LeaseMsg {
         }
         let config = ConfigId(u64::from_le_bytes(bytes[2..10].try_into().ok()?));
         let seq = u64::from_le_bytes(bytes[10..18].try_into().ok()?);
-        match bytes[1] {
-            1 => Some(LeaseMsg::Request { config, seq }),
-            2 => Some(LeaseMsg::GrantRequest { config, seq }),
-            3 => Some(LeaseMsg::Grant { config, seq }),
+        let lapsed = u64::from_le_bytes(bytes[18..26].try_into().ok()?);
+        match (bytes[1], lapsed) {
+            (1, 0) => Some(LeaseMsg::Request { config, seq }),
+            (2, lapsed) => Some(LeaseMsg::GrantRequest {
+                config,
+                seq,
+                lapsed,
+            }),
+            (3, 0) => Some(LeaseMsg::Grant { config, seq }),
             _ => None,
         }
     }
@@ -221,11 +241,13 @@ impl CmLeases {
                 }
                 m.member_expires = m.member_expires.max(now + self.timing.lease_ticks);
                 m.pending = Some((seq, now));
+                let lapsed = self.lapsed(now);
                 out.push((
                     from,
                     LeaseMsg::GrantRequest {
                         config: self.config,
                         seq,
+                        lapsed,
                     },
                 ));
             }
@@ -299,6 +321,21 @@ impl CmLeases {
             .map(|m| m.cm_expires.unwrap_or(0))
             .min()
             .unwrap_or(u64::MAX)
+    }
+
+    /// How long ago, at `now`, this CM last held a lease at every member, at most a lease (a
+    /// member that has granted none yet counts a whole lease): what a grant is shortened by
+    /// (see the module docs).
+    fn lapsed(&self, now: u64) -> u64 {
+        let lease = self.timing.lease_ticks;
+        self.members
+            .values()
+            .map(|m| {
+                m.cm_expires
+                    .map_or(lease, |e| now.saturating_sub(e).min(lease))
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Whether the CM holds a valid lease at `member` at `now`.
@@ -391,13 +428,18 @@ impl MemberLease {
         if from != self.cm || msg.config() < self.since || self.cm_suspected {
             return;
         }
-        if let LeaseMsg::GrantRequest { seq, .. } = msg {
+        if let LeaseMsg::GrantRequest { seq, lapsed, .. } = msg {
             let (p, sent) = self.pending[(seq as usize) % PENDING_MAX];
             if p != seq || seq == 0 {
                 return; // Forgotten or forged: no grant.
             }
-            let until = sent + self.timing.lease_ticks;
-            self.lease_expires = Some(self.lease_expires.map_or(until, |e| e.max(until)));
+            // Shorter by as long as the CM has not held every member's grant: it ends no later
+            // than one lease after the CM's own leases did (the module docs).
+            let granted = self.timing.lease_ticks.saturating_sub(lapsed);
+            if granted > 0 {
+                let until = sent + granted;
+                self.lease_expires = Some(self.lease_expires.map_or(until, |e| e.max(until)));
+            }
             self.cm_expires = self.cm_expires.max(now + self.timing.lease_ticks);
             out.push((
                 from,
@@ -602,6 +644,7 @@ mod tests {
             LeaseMsg::GrantRequest {
                 config: ConfigId(3),
                 seq: 9,
+                lapsed: 17,
             },
             LeaseMsg::Grant {
                 config: ConfigId(u64::MAX),
@@ -623,6 +666,7 @@ mod tests {
     }
 
     /// §5.1: the 3-way handshake grants both leases, measured conservatively from send times.
+    /// The first grant of a session is empty: the CM holds no lease at its member yet.
     #[test]
     fn three_way_handshake_grants_both_leases() {
         let t = LeaseConfig::new(100);
@@ -644,10 +688,7 @@ mod tests {
         assert_eq!(c.member_expires(m), Some(107));
         out.clear();
         l.on_datagram(cm, grant_req, 9, &mut out);
-        assert!(
-            l.lease_valid(105) && !l.lease_valid(106),
-            "member lease runs from its REQUEST"
-        );
+        assert!(!l.lease_valid(9), "granted before the CM held a lease");
         assert_eq!(l.cm_expires(), 109);
         let [(_, grant)] = out[..] else {
             panic!("{out:?}")
@@ -656,6 +697,17 @@ mod tests {
         assert!(
             c.holds_lease_at(m, 107) && !c.holds_lease_at(m, 108),
             "CM lease runs from its GRANT-REQUEST"
+        );
+        // Renewed: now a whole lease, from the REQUEST.
+        out.clear();
+        l.tick(25, &mut out, &mut ev);
+        let (_, req) = out.pop().unwrap();
+        c.on_datagram(m, req, 27, &mut out);
+        let (_, grant_req) = out.pop().unwrap();
+        l.on_datagram(cm, grant_req, 29, &mut out);
+        assert!(
+            l.lease_valid(125) && !l.lease_valid(126),
+            "member lease runs from its REQUEST"
         );
         assert!(ev.is_empty());
         // A configuration older than the session: ignored.
@@ -672,6 +724,61 @@ mod tests {
         assert!(out.is_empty());
     }
 
+    /// A CM grants no lease past one lease after its own leases at its members ended: cut off
+    /// from member b (which may then remove it), its grants to member a shrink by as long as
+    /// its lease at b has lapsed, and are empty a lease later, so that a, removed together with
+    /// the CM, stops serving one lease after b could suspect the CM.
+    #[test]
+    fn a_cm_that_lost_a_members_grant_grants_shorter_leases() {
+        let t = LeaseConfig::new(100);
+        let (cm, a, b) = (MachineId(0), MachineId(1), MachineId(2));
+        let mut c = CmLeases::new(ConfigId(1), t, &[a, b], 0);
+        let mut la = MemberLease::new(ConfigId(1), t, cm, 0);
+        let mut lb = MemberLease::new(ConfigId(1), t, cm, 0);
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        // One handshake of each member at `at`, every datagram arriving at once.
+        let mut handshake = |l: &mut MemberLease, m: MachineId, c: &mut CmLeases, at: u64| {
+            l.tick(at, &mut out, &mut ev);
+            let (_, req) = out.pop().unwrap();
+            c.on_datagram(m, req, at, &mut out);
+            let (_, grant_req) = out.pop().unwrap();
+            l.on_datagram(cm, grant_req, at, &mut out);
+            let (_, grant) = out.pop().unwrap();
+            c.on_datagram(m, grant, at, &mut out);
+        };
+        for at in [0, 20] {
+            handshake(&mut la, a, &mut c, at);
+            handshake(&mut lb, b, &mut c, at);
+        }
+        assert_eq!(la.lease_expires(), Some(120));
+        assert_eq!(c.every_lease_until(), 120);
+        // b is cut off from 20: the CM's lease at b ends at 120, where b may suspect it.
+        for at in [40, 60, 80, 100, 120] {
+            handshake(&mut la, a, &mut c, at);
+            assert_eq!(
+                la.lease_expires(),
+                Some(at + 100),
+                "a whole lease while covered"
+            );
+        }
+        handshake(&mut la, a, &mut c, 150);
+        assert_eq!(
+            la.lease_expires(),
+            Some(220),
+            "kept from before, not extended: 150 + 100 - 30"
+        );
+        for at in [170, 200, 220, 300] {
+            handshake(&mut la, a, &mut c, at);
+        }
+        assert_eq!(
+            la.lease_expires(),
+            Some(220),
+            "a's lease ends one lease after the CM's at b"
+        );
+        assert!(!la.lease_valid(221));
+        assert!(ev.is_empty(), "a and the CM still renew: {ev:?}");
+    }
+
     /// A lease manager that was not scheduled credits its stall to the leases it granted,
     /// never to those it holds: after a stall as long as the lease, neither side suspects the
     /// other, each still knows exactly when its own lease ends, and a peer that stays silent
@@ -683,31 +790,34 @@ mod tests {
         let mut c = CmLeases::new(ConfigId(1), t, &[m], 0);
         let mut l = MemberLease::new(ConfigId(1), t, cm, 0);
         let (mut out, mut ev) = (Vec::new(), Vec::new());
-        l.tick(0, &mut out, &mut ev);
-        let req = out.pop().unwrap().1;
-        c.on_datagram(m, req, 0, &mut out);
-        let grant_req = out.pop().unwrap().1;
-        l.on_datagram(cm, grant_req, 0, &mut out);
-        let grant = out.pop().unwrap().1;
-        c.on_datagram(m, grant, 0, &mut out);
-        // Both stall from 0 to 150.
+        // Two handshakes (the first grants the member nothing: the CM held no lease yet).
+        for at in [0, 20] {
+            l.tick(at, &mut out, &mut ev);
+            let req = out.pop().unwrap().1;
+            c.on_datagram(m, req, at, &mut out);
+            let grant_req = out.pop().unwrap().1;
+            l.on_datagram(cm, grant_req, at, &mut out);
+            let grant = out.pop().unwrap().1;
+            c.on_datagram(m, grant, at, &mut out);
+        }
+        // Both stall from 20 to 170.
         c.stalled(150);
         l.stalled(150);
-        c.tick(150, &mut ev);
-        l.tick(150, &mut out, &mut ev);
+        c.tick(170, &mut ev);
+        l.tick(170, &mut out, &mut ev);
         assert!(ev.is_empty(), "a stall alone made a suspicion: {ev:?}");
-        assert_eq!(l.lease_expires(), Some(100), "a held lease moved");
-        assert!(!c.holds_lease_at(m, 101), "a held lease moved");
+        assert_eq!(l.lease_expires(), Some(120), "a held lease moved");
+        assert!(!c.holds_lease_at(m, 121), "a held lease moved");
         // The member is dead from here: suspected once the credited lease ends.
         out.clear();
-        c.tick(250, &mut ev);
+        c.tick(270, &mut ev);
         assert!(ev.is_empty());
-        c.tick(251, &mut ev);
+        c.tick(271, &mut ev);
         assert_eq!(ev, vec![LeaseEvent::Suspect(m)]);
-        // Without the credit the CM would have suspected at 150.
-        let mut uncredited = CmLeases::new(ConfigId(1), t, &[m], 0);
+        // Without the credit the CM would have suspected at 170.
+        let mut uncredited = CmLeases::new(ConfigId(1), t, &[m], 20);
         let mut ev = Vec::new();
-        uncredited.tick(150, &mut ev);
+        uncredited.tick(170, &mut ev);
         assert_eq!(ev, vec![LeaseEvent::Suspect(m)]);
     }
 
@@ -780,8 +890,8 @@ mod tests {
             [0; 3],
             "nothing served before the first grants"
         );
-        // a and b request at 10 and 20; the CM grants and asks at 12 and 22; they grant at 14
-        // and 24.
+        // a and b request at 10 and 20, and again at 30 and 40; the CM grants and asks 2 ticks
+        // later; they grant 2 ticks after that.
         let (mut out, mut ev) = (Vec::new(), Vec::new());
         for (m, l, at) in [(a, &mut la, 10), (b, &mut lb, 20)] {
             l.tick(at, &mut out, &mut ev);
@@ -795,18 +905,32 @@ mod tests {
             let (_, grant) = out.pop().unwrap();
             cm.on_datagram(m, grant, at + 4, &mut out);
         }
-        assert_eq!(la.serves_until(), 110, "a's lease runs from its request");
-        assert_eq!(lb.serves_until(), 120);
+        assert_eq!(
+            (la.serves_until(), lb.serves_until()),
+            (0, 0),
+            "granted before the CM held a lease at every member: empty"
+        );
+        for (m, l, at) in [(a, &mut la, 30), (b, &mut lb, 40)] {
+            l.tick(at, &mut out, &mut ev);
+            let (_, req) = out.pop().unwrap();
+            cm.on_datagram(m, req, at + 2, &mut out);
+            let (_, grant_req) = out.pop().unwrap();
+            l.on_datagram(cm_id, grant_req, at + 4, &mut out);
+            let (_, grant) = out.pop().unwrap();
+            cm.on_datagram(m, grant, at + 4, &mut out);
+        }
+        assert_eq!(la.serves_until(), 130, "a's lease runs from its request");
+        assert_eq!(lb.serves_until(), 140);
         assert_eq!(
             cm.serves_until(),
-            112,
+            132,
             "the CM's lease at a, from its GRANT-REQUEST, ends first"
         );
         la.stalled(500);
         cm.stalled(500);
         assert_eq!(
             (la.serves_until(), cm.serves_until()),
-            (110, 112),
+            (130, 132),
             "a stall moved a held lease"
         );
         let alone = Configuration::initial(1);
@@ -916,7 +1040,12 @@ mod tests {
         };
         out.clear();
         for (from, config) in [(new_cm, ConfigId(2)), (old_cm, ConfigId(3))] {
-            l.on_datagram(from, LeaseMsg::GrantRequest { config, seq }, 2, &mut out);
+            let grant = LeaseMsg::GrantRequest {
+                config,
+                seq,
+                lapsed: 0,
+            };
+            l.on_datagram(from, grant, 2, &mut out);
         }
         assert!(out.is_empty() && !l.lease_valid(2), "{out:?}");
         let mut c = CmLeases::new(ConfigId(3), t, &[m], 0);
@@ -960,6 +1089,7 @@ mod tests {
         let grant = LeaseMsg::GrantRequest {
             config: config.id,
             seq,
+            lapsed: 0,
         };
         role.on_datagram(cm, grant, 1, &mut out);
         let valid = |r: &LeaseRole, now| matches!(r, LeaseRole::Member(l) if l.lease_valid(now));
@@ -1007,18 +1137,22 @@ mod tests {
             for (_, g) in grants {
                 l.on_datagram(cm, g, now, &mut acks);
             }
+            for (_, a) in &acks {
+                c.on_datagram(m, *a, now, &mut Vec::new());
+            }
             !acks.is_empty()
         };
         assert!(!renew(&mut l, &mut c, 300));
         assert!(!l.lease_valid(300));
-        // Forgiven: renewed with it again.
+        // Forgiven: renewed with it again (the first grant empty: the CM held no lease).
         l.forgive(310);
         assert!(renew(&mut l, &mut c, 400));
+        assert!(renew(&mut l, &mut c, 420));
         assert!(l.lease_valid(450));
-        assert_eq!(l.cm_expires(), 500);
+        assert_eq!(l.cm_expires(), 520);
         // And suspected again once the CM is silent past that.
         ev.clear();
-        l.tick(501, &mut out, &mut ev);
+        l.tick(521, &mut out, &mut ev);
         assert_eq!(ev, vec![LeaseEvent::Suspect(cm)]);
     }
 }

@@ -70,10 +70,11 @@ const MAGIC: u32 = 0xfa53_7c90;
 /// them: 2 added the `Replicas` area, 3 the object read, 4 the proof of the cluster's secret
 /// after the hello, 5 the writing thread in each request (whose doorbell slot a write into the
 /// rings rings), 6 the members a machine cannot write to in its `Replicas` area (which
-/// reconfiguration probes read). A hello also carries the version of the records and
+/// reconfiguration probes read), 7 lease datagrams that say how long the CM's own leases have
+/// lapsed (`farm_cm::LeaseMsg`, whose older encoding a newer machine drops). A hello also carries the version of the records and
 /// messages that travel inside ring writes (`farm_core::wire::WIRE_VERSION`); a peer that
 /// differs in either is refused at its hello, and both sides say which versions met.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 const RECORDS: u8 = farm_core::wire::WIRE_VERSION;
 const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;

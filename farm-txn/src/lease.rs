@@ -104,6 +104,13 @@ impl MachineLease {
             self.role
                 .follow(me, &self.machine.view().config, self.timing, now);
         }
+        // A removed machine holds and grants no lease (precise membership, §5.2): a CM removed
+        // with members cut off on its side would otherwise go on renewing them, and they would
+        // never suspect it and so never learn that they were removed too.
+        if self.machine.is_evicted() && !matches!(self.role, LeaseRole::Out) {
+            tracing::info!(machine = me.0, "removed: no more leases");
+            self.role = LeaseRole::Out;
+        }
         let forgiven = self.machine.cm_forgiven();
         if forgiven != self.forgiven {
             self.forgiven = forgiven;
