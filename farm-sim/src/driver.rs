@@ -112,6 +112,15 @@ pub struct SimConfig {
     /// `replicas - 1`) and the restart can go on without it: the lowest machine that came back
     /// restarts the others without it ([`farm_cm::restart::LeaveOut`]).
     pub disk_losses: bool,
+    /// Partitions at seeded steps, for two to five leases each: a minority of the running
+    /// members (the CM among them half the time) is cut off from the others while every
+    /// machine runs on. The majority removes the minority (§5.2); the minority cannot
+    /// reconfigure, must serve nothing the majority overwrote (its leases end in time), and
+    /// once healed its machines learn that they are out and stop. Every machine a partition
+    /// cuts off counts against `replicas - 1` like a crash; a partition with no room left
+    /// does not happen. Drawn from a stream of their own, so runs without them replay as
+    /// before.
+    pub partitions: u16,
 }
 
 impl Default for SimConfig {
@@ -136,6 +145,7 @@ impl Default for SimConfig {
             allocations: 0,
             clients_per_worker: 1,
             disk_losses: false,
+            partitions: 0,
         }
     }
 }
@@ -190,6 +200,8 @@ pub struct SimOutcome {
     pub cm_failover: Option<(MachineId, MachineId)>,
     /// Regions allocated, and allocation requests refused (§3).
     pub allocated: (u64, u64),
+    /// Partitions, machines they cut off, and partitions whose minority held the CM.
+    pub partitions: (u64, u64, u64),
 }
 
 #[derive(Debug)]
@@ -304,6 +316,13 @@ pub struct Sim {
     /// Steps at which a member asks for regions, latest first, and the stream they draw from.
     alloc_at: Vec<u64>,
     alloc_rng: Rng,
+    /// Steps at which a minority is cut off, latest first, and the stream they draw from.
+    partition_at: Vec<u64>,
+    partition_rng: Rng,
+    /// The minority cut off now, with the tick the partition heals.
+    minority: Option<(Vec<MachineId>, u64)>,
+    /// Partitions, machines they cut off, partitions with the CM in the minority.
+    partitions_done: (u64, u64, u64),
     stalls_done: u64,
     /// Paused machines, with the tick they run again.
     paused: BTreeMap<MachineId, u64>,
@@ -427,6 +446,11 @@ impl Sim {
             .map(|_| config.steps / 10 + alloc_rng.below(config.steps * 4 / 5))
             .collect();
         alloc_at.sort_unstable_by(|a, b| b.cmp(a));
+        let mut partition_rng = Rng::new(config.seed ^ 0x9a27_1710_5eed);
+        let mut partition_at: Vec<u64> = (0..config.partitions)
+            .map(|_| config.steps / 5 + partition_rng.below(config.steps * 3 / 5))
+            .collect();
+        partition_at.sort_unstable_by(|a, b| b.cmp(a));
         let leases = SimLeases::new(&machines, LEASE_TICKS, 0);
         let cm = SimCm::new(
             &machines,
@@ -463,6 +487,10 @@ impl Sim {
             stall_at,
             alloc_at,
             alloc_rng,
+            partition_at,
+            partition_rng,
+            minority: None,
+            partitions_done: (0, 0, 0),
             stalls_done: 0,
             paused: BTreeMap::new(),
             grace: BTreeMap::new(),
@@ -554,7 +582,7 @@ impl Sim {
         self.paused.insert(m, until);
         self.cm.set_paused(m, true);
         self.pauses_done += 1;
-        self.cut_off_paused();
+        self.cut_network();
     }
 
     /// Resumes paused machines whose time came: reachable again, scheduled again, and not
@@ -573,19 +601,72 @@ impl Sim {
             let grace = self.rng.below(LEASE_TICKS);
             self.grace.insert(*m, now + grace);
         }
-        if !due.is_empty() {
-            self.cut_off_paused();
+        let healed = self
+            .minority
+            .as_ref()
+            .is_some_and(|(_, until)| *until <= now);
+        if healed {
+            self.minority = None;
+        }
+        if !due.is_empty() || healed {
+            self.cut_network();
         }
     }
 
-    /// Each paused machine on a side of its own, unless its memory stays reachable
-    /// ([`SimConfig::paused_memory_reachable`]).
-    fn cut_off_paused(&self) {
-        if self.config.paused_memory_reachable {
+    /// Cuts a minority of the running members off from the others (see
+    /// [`SimConfig::partitions`]), if the failure budget leaves room for one.
+    fn partition_one(&mut self) {
+        if self.minority.is_some() {
             return;
         }
-        let alone: Vec<[MachineId; 1]> = self.paused.keys().map(|m| [*m]).collect();
+        let Some(view) = newest_view(&self.fabric, &self.paused, &self.machines, false) else {
+            return;
+        };
+        let members = &view.config.members;
+        let used = self.config.crashes + self.config.pauses + self.partitions_done.1 as u16;
+        let budget = self.config.replicas.saturating_sub(1 + used) as usize;
+        let k_max = budget.min((members.len() - 1) / 2);
+        if k_max == 0 {
+            return;
+        }
+        let r = &mut self.partition_rng;
+        let k = 1 + r.below(k_max as u64) as usize;
+        let mut candidates: Vec<MachineId> = members
+            .iter()
+            .copied()
+            .filter(|m| running(&self.fabric, &self.paused, *m))
+            .collect();
+        let mut minority = Vec::with_capacity(k);
+        let with_cm = r.below(2) == 0 && candidates.contains(&view.config.cm);
+        if with_cm {
+            minority.push(view.config.cm);
+            candidates.retain(|m| *m != view.config.cm);
+        }
+        while minority.len() < k && !candidates.is_empty() {
+            let i = r.below(candidates.len() as u64) as usize;
+            minority.push(candidates.swap_remove(i));
+        }
+        let until = self.now + LEASE_TICKS * (2 + r.below(4));
+        self.partitions_done.0 += 1;
+        self.partitions_done.1 += minority.len() as u64;
+        self.partitions_done.2 += with_cm as u64;
+        self.minority = Some((minority, until));
+        self.cut_network();
+    }
+
+    /// The network as the faults leave it: the minority of a partition on a side of its own,
+    /// and each paused machine on one of its own unless its memory stays reachable
+    /// ([`SimConfig::paused_memory_reachable`]); everyone else together.
+    fn cut_network(&self) {
+        let alone: Vec<[MachineId; 1]> = if self.config.paused_memory_reachable {
+            Vec::new()
+        } else {
+            self.paused.keys().map(|m| [*m]).collect()
+        };
         let mut sides: Vec<&[MachineId]> = vec![&[]];
+        if let Some((minority, _)) = &self.minority {
+            sides.push(minority);
+        }
         sides.extend(alone.iter().map(|a| &a[..]));
         self.fabric.partition(&sides);
     }
@@ -956,6 +1037,7 @@ impl Sim {
         fabric.set_hold(true);
         self.paused.clear();
         self.grace.clear();
+        self.minority = None;
         self.leases = SimLeases::new(&machines, LEASE_TICKS, self.now);
         let committed = self.cm.committed;
         let faults = store_faults(&self.config, self.restarts);
@@ -993,6 +1075,10 @@ impl Sim {
         while self.alloc_at.last() == Some(&self.step_no) {
             self.alloc_at.pop();
             self.allocate_one();
+        }
+        if self.partition_at.last() == Some(&self.step_no) {
+            self.partition_at.pop();
+            self.partition_one();
         }
         self.resume_due();
         self.lease_step();
@@ -1383,6 +1469,7 @@ impl Sim {
             stalls: self.stalls_done,
             cm_failover: self.cm_failover,
             allocated: self.cm.allocated,
+            partitions: self.partitions_done,
         }
     }
 
@@ -1433,6 +1520,7 @@ impl Sim {
         for m in std::mem::take(&mut self.paused).into_keys() {
             self.cm.set_paused(m, false);
         }
+        self.minority = None;
         self.fabric.heal();
         self.fabric.set_datagram_policy(DatagramPolicy {
             drop_per_million: 0,
