@@ -279,23 +279,50 @@ struct CmState {
     joins: BTreeSet<MachineId>,
     /// Members that cannot be written to, each with the members that cannot write to it (this
     /// machine among them when it is one). A broken link stays broken while both ends are
-    /// members, so one of them must leave: the unreachable one, unless it is this CM or it is
-    /// `irremovable`; then those that cannot reach it ([`CmState::cut_off`]).
+    /// members, so one of them must leave ([`CmState::cut_off`]).
     unreachable: BTreeMap<MachineId, BTreeSet<MachineId>>,
     /// Unreachable members whose removal failed for want of a complete replica of a region.
     irremovable: BTreeSet<MachineId>,
 }
 
 impl CmState {
-    /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]).
+    /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]): one
+    /// end of every broken link, and as few machines as it can, since those removed together
+    /// must leave a majority. Neither this CM nor an `irremovable` member is chosen. Greedily:
+    /// the machine at the end of the most links not covered yet, the one that cannot be
+    /// written to on a tie (it may have failed), then the lowest id. An end of each link
+    /// instead once removed machines 2 and 3 where machine 3, an end of both links, would do,
+    /// and two of four members are no majority (simulator seed 54 of the partitions).
     fn cut_off(&self, me: MachineId) -> BTreeSet<MachineId> {
+        let removable = |m: MachineId| m != me && !self.irremovable.contains(&m);
+        // (writer, target) of every broken link.
+        let mut links: Vec<(MachineId, MachineId)> = self
+            .unreachable
+            .iter()
+            .flat_map(|(target, by)| by.iter().map(move |w| (*w, *target)))
+            .filter(|(w, t)| removable(*w) || removable(*t))
+            .collect();
         let mut out = BTreeSet::new();
-        for (m, by) in &self.unreachable {
-            if *m == me || self.irremovable.contains(m) {
-                out.extend(by.iter().filter(|b| **b != me));
-            } else {
-                out.insert(*m);
+        while !links.is_empty() {
+            // Per candidate: links it ends, links it is the target of.
+            let mut ends: BTreeMap<MachineId, (usize, usize)> = BTreeMap::new();
+            for (w, t) in &links {
+                if removable(*w) {
+                    ends.entry(*w).or_default().0 += 1;
+                }
+                if removable(*t) {
+                    let e = ends.entry(*t).or_default();
+                    e.0 += 1;
+                    e.1 += 1;
+                }
             }
+            let (best, _) = ends
+                .iter()
+                .max_by_key(|(m, e)| (**e, std::cmp::Reverse(**m)))
+                .expect("every link left has a removable end");
+            let best = *best;
+            out.insert(best);
+            links.retain(|(w, t)| *w != best && *t != best);
         }
         out
     }
@@ -1594,6 +1621,44 @@ mod tests {
     #[test]
     fn a_fresh_plane_keeps_its_invariants() {
         plane().invariants();
+    }
+
+    /// Broken links as (writer, target) pairs, with the members whose removal failed.
+    fn cm_state(links: &[(u16, u16)], irremovable: &[u16]) -> CmState {
+        let mut cm = CmState::default();
+        for (w, t) in links {
+            let by = cm.unreachable.entry(MachineId(*t)).or_default();
+            by.insert(MachineId(*w));
+        }
+        cm.irremovable = irremovable.iter().map(|m| MachineId(*m)).collect();
+        cm
+    }
+
+    fn ids(ms: &[u16]) -> BTreeSet<MachineId> {
+        ms.iter().map(|m| MachineId(*m)).collect()
+    }
+
+    /// One end of every broken link goes, as few machines as will do, never the CM itself nor
+    /// a member holding a region's last complete replica.
+    #[test]
+    fn the_cm_removes_the_fewest_machines_that_end_every_broken_link() {
+        let me = MachineId(1);
+        // One link: the machine that cannot be written to, unless it is the CM or irremovable.
+        assert_eq!(cm_state(&[(3, 2)], &[]).cut_off(me), ids(&[2]));
+        assert_eq!(cm_state(&[(3, 1)], &[]).cut_off(me), ids(&[3]));
+        assert_eq!(cm_state(&[(3, 2)], &[2]).cut_off(me), ids(&[3]));
+        assert_eq!(cm_state(&[(1, 2)], &[2]).cut_off(me), ids(&[]));
+        // Seed 54 of the partitions: 3 cannot write to 2, the CM cannot write to 3. Machine 3
+        // ends both links (an end of each, 2 and 3, left no majority of four).
+        assert_eq!(cm_state(&[(3, 2), (1, 3)], &[]).cut_off(me), ids(&[3]));
+        // A machine paused while everyone wrote to it: it alone.
+        let star = [(0, 2), (3, 2), (4, 2), (5, 2)];
+        assert_eq!(cm_state(&star, &[]).cut_off(me), ids(&[2]));
+        // Everyone cut off from the CM: all of them (no majority: someone else must act).
+        let cm_alone = [(0, 1), (2, 1), (3, 1)];
+        assert_eq!(cm_state(&cm_alone, &[]).cut_off(me), ids(&[0, 2, 3]));
+        // Two separate links: one end of each.
+        assert_eq!(cm_state(&[(3, 2), (5, 4)], &[]).cut_off(me), ids(&[2, 4]));
     }
 
     #[test]
