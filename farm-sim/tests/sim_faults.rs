@@ -473,6 +473,18 @@ fn the_fewest_machines_that_end_every_broken_link_are_removed() {
     check(54, partition_config(54));
 }
 
+/// Seed 121 of the partitions: the CM, machine 0 of six, suspected machine 3 by lease just as
+/// machines 4 and 5 were cut off; its probes of 4 and 5 failed, three of six is no majority,
+/// and it kept all three as suspects. The partition healed, but a suspect is not probed, so
+/// every later attempt to remove 3, 4 and 5 found no majority either, while the CM refused
+/// machine 3's leases and machine 3, alive, suspected it in turn: "the cluster did not
+/// quiesce". Links into 4 and 5 had broken, and removing those two alone would leave four.
+#[test]
+#[ignore = "fails: a CM keeps the suspicions of an attempt that found no majority"]
+fn a_cm_forgives_what_it_suspected_when_it_found_no_majority() {
+    check(121, partition_config(121));
+}
+
 /// Lock bits are NVRAM, the locks' owners are not: after a whole-cluster restart, a lock bit
 /// the previous life left (here machine 1's recovery lock on an object of region 1, taken for
 /// a transaction whose recovery the power loss interrupted) belonged to nobody, and machine
