@@ -1377,9 +1377,9 @@ impl ControlPlane {
                 // on, and nobody can have removed the other machine behind this one's back
                 // (the CM installs any configuration that leaves its member out as it drives
                 // it). Standing, it made each machine refuse the other's leases for good.
-                let pair = matches!(e, ReconfigError::NoMajority { .. })
-                    && base == local.config.id
-                    && local.config.members.len() == 2;
+                let no_majority =
+                    matches!(e, ReconfigError::NoMajority { .. }) && base == local.config.id;
+                let pair = no_majority && local.config.members.len() == 2;
                 match &e {
                     ReconfigError::NotAcknowledged { config, missing }
                         if local.config.id == *config =>
@@ -1428,9 +1428,18 @@ impl ControlPlane {
                         }
                     }
                     Some(s) => s.not_before = at,
-                    // The CM of a configuration of two: its member is forgiven, and renews
-                    // with it again (`Effect::ForgiveMember`).
-                    None if pair => {
+                    // A CM that found no majority cannot act on its suspicions, in a
+                    // configuration of two (above) or any other: the probes it lacked may have
+                    // failed only for a partition since healed, and a standing suspicion makes
+                    // it refuse the suspect's leases, so that a live suspect suspects it in turn
+                    // and is never renewed. Each suspect is forgiven and renews with it again
+                    // (`Effect::ForgiveMember`); one that failed is suspected again a lease
+                    // later. Before, a CM that had suspected a live member kept removing it
+                    // with the two the partition had cut off, three of six, for good
+                    // (simulator seed 121 of the partitions). Forgiving lets no member serve
+                    // longer: a CM grants no lease past its own leases at its members
+                    // (`crate::lease`).
+                    None if no_majority => {
                         forgiven.extend(suspects.iter().chain(&self.suspects).copied());
                         (self.effects).extend(forgiven.iter().map(|m| Effect::ForgiveMember(*m)));
                     }
