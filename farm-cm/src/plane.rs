@@ -286,6 +286,11 @@ struct CmState {
 }
 
 impl CmState {
+    /// Whether `m` is an end of a broken link: it cannot be written to, or cannot write.
+    fn ends_a_broken_link(&self, m: MachineId) -> bool {
+        self.unreachable.contains_key(&m) || self.unreachable.values().any(|by| by.contains(&m))
+    }
+
     /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]), in
     /// the order to remove them: one end of every broken link, and as few machines as it can,
     /// since each configuration must leave a majority of the one before. Neither this CM nor an
@@ -1454,12 +1459,15 @@ impl ControlPlane {
                     }
                     None => {
                         self.suspects.extend(suspects.iter().copied());
-                        // Unreachable members that cannot go without a region's last complete
-                        // replica: those that cannot reach them go instead (`cut_off`).
+                        // Ends of broken links that cannot go without a region's last complete
+                        // replica: the other ends go instead (`cut_off`). Either end: the cover
+                        // may pick a machine that cannot write (seed 726 of the partitions).
                         if matches!(e, ReconfigError::Remap(_)) {
-                            let stuck = suspects
+                            let stuck: Vec<MachineId> = suspects
                                 .iter()
-                                .filter(|m| self.cm.unreachable.contains_key(m));
+                                .copied()
+                                .filter(|m| self.cm.ends_a_broken_link(*m))
+                                .collect();
                             self.cm.irremovable.extend(stuck);
                             let irremovable = &self.cm.irremovable;
                             self.suspects.retain(|m| !irremovable.contains(m));

@@ -520,9 +520,8 @@ fn two_broken_links_with_no_common_end_in_a_configuration_of_four() {
 /// machine 2, the end of both links, to remove. Its removal failed (it held the last complete
 /// replica of region 2), but only a machine that could not be written to was then taken as
 /// irremovable, so machine 2 stayed a suspect and every attempt failed the same way: "the
-/// cluster did not quiesce".
+/// cluster did not quiesce". Either end of a broken link is now taken as irremovable.
 #[test]
-#[ignore = "fails: a writer end of a broken link whose removal failed stays a suspect"]
 fn an_end_of_a_broken_link_that_cannot_be_removed_is_not_tried_again() {
     check(726, partition_config(726));
 }
