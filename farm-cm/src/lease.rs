@@ -14,7 +14,11 @@
 //! - each side suspects the other when the lease it granted runs out without renewal;
 //! - a CM grants no lease past the end of its own leases at its members, plus one lease: a
 //!   GRANT-REQUEST says how long ago the CM stopped holding a lease at every member
-//!   (`lapsed`), and the member's lease is that much shorter. Any member whose grant ran out
+//!   (`lapsed`), and the member's lease is that much shorter. The price: a member that stops
+//!   granting (a crashed one) ends every member's serving one lease after its last grant,
+//!   until a configuration without it is installed at the CM, and for good if it cannot be
+//!   removed (it holds a region's last complete replica); at start, serving waits for every
+//!   member's first grant. Any member whose grant ran out
 //!   may remove the CM, and a configuration without a machine commits one lease after it
 //!   found the machine unreachable (§5.2 step 7): a member cut off together with its CM, and
 //!   removed with it, would otherwise be renewed by that CM for good and serve what the new
@@ -76,8 +80,9 @@ pub enum LeaseMsg {
         config: ConfigId,
         /// The REQUEST answered.
         seq: u64,
-        /// Ticks since the CM last held a lease at every member (0 while it does): the lease
-        /// granted is that much shorter (see the module docs).
+        /// Ticks since the CM last held a lease at every member (0 while it does, `u64::MAX`
+        /// before it has held one): the lease granted is that much shorter (see the module
+        /// docs).
         lapsed: u64,
     },
     /// Member to CM: granted.
@@ -323,17 +328,13 @@ impl CmLeases {
             .unwrap_or(u64::MAX)
     }
 
-    /// How long ago, at `now`, this CM last held a lease at every member, at most a lease (a
-    /// member that has granted none yet counts a whole lease): what a grant is shortened by
-    /// (see the module docs).
+    /// How long ago, at `now`, this CM last held a lease at every member (`u64::MAX` while a
+    /// member has granted none): what a grant is shortened by (see the module docs). Not
+    /// capped at this CM's lease: the member's may be longer (a lease length changing).
     fn lapsed(&self, now: u64) -> u64 {
-        let lease = self.timing.lease_ticks;
         self.members
             .values()
-            .map(|m| {
-                m.cm_expires
-                    .map_or(lease, |e| now.saturating_sub(e).min(lease))
-            })
+            .map(|m| m.cm_expires.map_or(u64::MAX, |e| now.saturating_sub(e)))
             .max()
             .unwrap_or(0)
     }
