@@ -391,6 +391,58 @@ fn a_member_cut_off_with_its_cm_serves_no_value_the_majority_overwrote() {
     assert_eq!(read, evicted, "lock-free, after the majority wrote 101");
 }
 
+/// As above, but the majority does not wait for the CM's lease to run out: the first backup CM
+/// commits a write that the CM backs, the write into the CM's log is lost, the link breaks, and
+/// it removes the CM at once (a link stays broken while both ends are members). The member cut
+/// off with the CM must still not serve what the majority wrote. It did, in about one run in
+/// seven: the commit waited a lease from the probes, but the CM had held its leases at the
+/// members until the cut and went on renewing the member's for a lease after.
+#[test]
+#[ignore = "fails now and then: a removal over a broken link waits out no lease the old CM granted"]
+fn a_member_cut_off_with_a_cm_removed_over_a_broken_link_serves_nothing_stale() {
+    let c = Cluster::builder()
+        .machines(5)
+        .workers(2)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .lease(LEASE)
+        .build()
+        .unwrap();
+    let view = c.view(MachineId(0));
+    let first_backup = backup_cms(&view.config, 1)[0];
+    let cut_off = (1..5)
+        .map(MachineId)
+        .find(|m| *m != first_backup)
+        .expect("a member besides the first backup CM");
+    let majority: Vec<MachineId> = (1..5).map(MachineId).filter(|m| *m != cut_off).collect();
+    let (region, _) = view
+        .map
+        .iter()
+        .find(|(_, p)| p.primary == cut_off)
+        .expect("every machine is primary of a region");
+    let (cm_region, _) = view
+        .map
+        .iter()
+        .find(|(_, p)| majority.contains(&p.primary) && p.backups.contains(&MachineId(0)))
+        .expect("the CM backs a region of the majority");
+    let a = c
+        .txn(cut_off, |tx| tx.alloc(&100u64, Some(Addr::new(region, 0))))
+        .unwrap();
+    let home = view.map.get(cm_region).unwrap().primary;
+    let b = c
+        .txn(home, |tx| tx.alloc(&1u64, Some(Addr::new(cm_region, 0))))
+        .unwrap();
+    c.fabric()
+        .partition(&[&[MachineId(0), cut_off], &majority[..]]);
+    // The first backup CM commits a write the CM backs: the write to its log is lost and the
+    // link breaks.
+    let _ = c.txn(first_backup, |tx| tx.write(b, &2u64));
+    wait_for_config(&c, first_backup, 2);
+    c.txn(majority[1], |tx| tx.write(a, &101u64)).unwrap();
+    let read = c.txn(cut_off, |tx| tx.read::<u64>(a));
+    assert_ne!(read, Ok(100), "after the majority wrote 101");
+}
+
 /// The timeline counts every committed transaction once, in the millisecond it committed, and
 /// carries the reconfiguration events in order; its JSON parses.
 #[test]
