@@ -1149,6 +1149,8 @@ impl ControlPlane {
         let me = self.me;
         let base = attempt_base(c, &stored);
         let base_id = base.id;
+        let lease = self.params.lease_longest_ticks;
+        let mut hold = 0;
         let change = if c.cm == me {
             let mut suspects: BTreeSet<MachineId> = self
                 .suspects
@@ -1173,6 +1175,11 @@ impl ControlPlane {
             }
             if suspects.is_empty() {
                 suspects.extend(cut.first());
+            }
+            // This CM renews the machines it removes for broken links until it installs the
+            // configuration without them: their leases are waited out after that.
+            if cut.iter().any(|m| suspects.contains(m)) {
+                hold = lease + lease / 4;
             }
             if !suspects.is_empty() || local.committed < c.id || stored.id > c.id {
                 // Removals, or a configuration installed here (this machine its CM) that no
@@ -1205,6 +1212,12 @@ impl ControlPlane {
                 s.not_before = now + self.params.takeover_ticks();
                 return;
             }
+            // A CM suspected over a broken link may hold its leases at the members until they
+            // install the new configuration, and renew the leases of those cut off with it for
+            // a lease after: both are waited out.
+            if s.unreachable {
+                hold = 2 * lease + lease / 4;
+            }
             Change::Remove(BTreeSet::from([s.cm]))
         };
         if !base.contains(me) {
@@ -1225,7 +1238,7 @@ impl ControlPlane {
                 now,
             )
         };
-        let r = match &change {
+        let mut r = match &change {
             Change::Remove(suspects) => {
                 self.event(Event::Attempt {
                     config: base.id,
@@ -1247,6 +1260,7 @@ impl ControlPlane {
                 now,
             ),
         };
+        r.hold_after_acks(hold);
         self.attempt = Some(Attempt {
             reconfig: r,
             change,

@@ -129,6 +129,8 @@ pub struct Reconfig {
     params: ReconfigParams,
     /// No removed machine holds a lease after this tick.
     leases_end: u64,
+    /// Ticks the commit waits after the last NEW-CONFIG-ACK (see [`Reconfig::hold_after_acks`]).
+    hold_after_acks: u64,
     /// Machines asking to join, with their failure domains.
     joiners: BTreeMap<MachineId, u32>,
     /// Per answering member, the regions it holds in `map` whose replica is not complete yet.
@@ -176,6 +178,7 @@ impl Reconfig {
             suspects,
             params,
             leases_end,
+            hold_after_acks: 0,
             joiners: BTreeMap::new(),
             copying: BTreeMap::from([(me, copying)]),
             phase: Phase::Probing {
@@ -231,6 +234,16 @@ impl Reconfig {
         }
         r.joiners = joiners;
         r
+    }
+
+    /// Makes the commit wait `ticks` after the last NEW-CONFIG-ACK: for removed machines whose
+    /// leases a member of the old configuration may renew until it installs the new one (every
+    /// member has installed it once all acked). A CM renews the members it removes for broken
+    /// links until then (a lease, and a round of its lease thread); and a CM removed over a
+    /// broken link holds its leases at the members until they install, and may renew those of
+    /// the members cut off with it for a lease after (two).
+    pub fn hold_after_acks(&mut self, ticks: u64) {
+        self.hold_after_acks = ticks;
     }
 
     /// Effects to carry out, in order.
@@ -413,7 +426,9 @@ impl Reconfig {
                     "NEW-CONFIG-ACK from {from}, outside configuration {}",
                     config.0
                 );
-                awaiting.remove(&from);
+                if awaiting.remove(&from) && awaiting.is_empty() {
+                    self.leases_end = self.leases_end.max(now + self.hold_after_acks);
+                }
             }
         }
         self.try_commit(now);
@@ -604,6 +619,31 @@ mod tests {
         assert!(new.map.iter().all(|(_, p)| !p.holds(MachineId(3))));
         let (_, stored) = store.read().unwrap().unwrap();
         assert_eq!(codec::decode(&stored).unwrap(), new.config);
+    }
+
+    /// A removal whose machines a member may renew until it installs the new configuration
+    /// commits only `hold_after_acks` after the last acknowledgement, past every earlier lease.
+    #[test]
+    fn a_hold_after_the_acks_delays_the_commit() {
+        let (config, map, store, v) = setup(4);
+        let mut r = Reconfig::start(
+            MachineId(0),
+            config,
+            v,
+            map,
+            BTreeMap::new(),
+            BTreeSet::new(),
+            BTreeSet::from([MachineId(3)]),
+            PARAMS,
+            0,
+            0,
+        );
+        r.hold_after_acks(45);
+        drive(&mut r, &store, &[3], 50);
+        r.tick(95);
+        assert!(r.outcome().is_none(), "committed within the hold");
+        r.tick(96);
+        assert!(matches!(r.outcome(), Some(Ok(_))), "{:?}", r.outcome());
     }
 
     /// A member that fails after the probes never acknowledges: the attempt ends with an error
