@@ -293,9 +293,9 @@ impl CmState {
         self.unreachable.contains_key(&m) || self.unreachable.values().any(|by| by.contains(&m))
     }
 
-    /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]), in
-    /// the order to remove them: one end of every broken link, and as few machines as it can,
-    /// since each configuration must leave a majority of the one before. Neither this CM nor an
+    /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]): one
+    /// end of every broken link, and as few machines as it can, since those removed together
+    /// must leave a majority. Neither this CM nor an
     /// `irremovable` member is chosen. Greedily: the machine at the end of the most links not
     /// covered yet, the one that cannot be written to on a tie (it may have failed), then the
     /// lowest id. An end of each link instead once removed machines 2 and 3 where machine 3,
@@ -1158,27 +1158,16 @@ impl ControlPlane {
                 .copied()
                 .filter(|m| *m != me && base.contains(*m))
                 .collect();
-            // Ends of broken links, as many as leave a majority of the base: the others go in
-            // a configuration after this one (two links with no common end in four members
-            // can be ended no other way: simulator seed 160767 of the partitions).
-            // Without one that keeps a majority, the first all the same: the attempt finds no
-            // majority and backs off (a configuration of two), instead of being due every tick.
-            let members = base.members.len();
+            // Ends of broken links, all at once: removed one at a time, a machine of a cluster
+            // stopping together (`farm-node local stop`) went in a configuration of its own
+            // while the others still answered, and the restart refused it (its NVRAM stale).
             let cut: Vec<MachineId> = (self.cm.cut_off(me, &suspects).into_iter())
                 .filter(|m| base.contains(*m))
                 .collect();
-            for m in &cut {
-                let staying = members.saturating_sub(suspects.len() + 1);
-                if staying * 2 > members {
-                    suspects.insert(*m);
-                }
-            }
-            if suspects.is_empty() {
-                suspects.extend(cut.first());
-            }
+            suspects.extend(cut.iter().copied());
             // This CM renews the machines it removes for broken links until it installs the
             // configuration without them: their leases are waited out after that.
-            if cut.iter().any(|m| suspects.contains(m)) {
+            if !cut.is_empty() {
                 hold = lease + lease / 4;
             }
             if !suspects.is_empty() || local.committed < c.id || stored.id > c.id {
