@@ -166,6 +166,7 @@ fn serve(
         stop: &stop,
     };
     let every = Duration::from_secs(settings.stats_seconds);
+    let lease = Duration::from_millis(settings.lease_ms);
     std::thread::scope(|s| {
         // The code and the metrics endpoint are told to stop when this incarnation's scope
         // ends, however it ends (the scope then waits for them).
@@ -204,7 +205,7 @@ fn serve(
             .context("starting the statistics thread")?;
         loop {
             if let Ok(sig) = power.recv_timeout(Duration::from_millis(100)) {
-                power_off(node, sig);
+                power_off(node, sig, lease);
             }
             if app.as_ref().is_some_and(|a| a.is_finished()) {
                 let done = app.take().expect("checked").join();
@@ -221,7 +222,7 @@ fn serve(
                 if let Some(a) = app.take() {
                     while !a.is_finished() {
                         if let Ok(sig) = power.recv_timeout(Duration::from_millis(10)) {
-                            power_off(node, sig);
+                            power_off(node, sig, lease);
                         }
                     }
                     match a.join() {
@@ -235,8 +236,13 @@ fn serve(
     })
 }
 
-/// Halts `node`, writes its NVRAM back and ends the process (see [`run`]).
-fn power_off(node: &Node, sig: i32) -> ! {
+/// Halts `node`, writes its NVRAM back and ends the process (see [`run`]) no sooner than a
+/// `lease` after the signal: machines stopped together halt within a lease of each other, and
+/// one whose connections closed at once was seen as a broken link by a peer whose control plane
+/// still ran, which removed it, and the restart then refused it as stale
+/// (farm-node/tests/bank.rs, a run in twenty-four). Halted, this machine renews nothing and
+/// drives nothing; its fabric stays up until it ends.
+fn power_off(node: &Node, sig: i32, lease: Duration) -> ! {
     let started = Instant::now();
     tracing::warn!(machine = node.id().0, signal = sig, "power signal: halting");
     node.halt();
@@ -257,6 +263,7 @@ fn power_off(node: &Node, sig: i32) -> ! {
     tracing::warn!(machine = node.id().0, "{}", line.trim_end());
     use std::io::Write;
     let _ = std::io::stdout().lock().write_all(line.as_bytes());
+    std::thread::sleep(lease.saturating_sub(started.elapsed()));
     std::process::exit(if flushed.is_ok() { 0 } else { 1 });
 }
 
