@@ -16,8 +16,12 @@ use farm_core::ConfigId;
 const LEASE: Duration = Duration::from_millis(50);
 
 fn cluster() -> Cluster {
+    cluster_of(4)
+}
+
+fn cluster_of(machines: u16) -> Cluster {
     Cluster::builder()
-        .machines(4)
+        .machines(machines)
         .workers(2)
         .replicas(3)
         .region_bytes(4 << 20)
@@ -274,14 +278,7 @@ fn a_machine_joins_and_receives_regions() {
 /// cut-off machines stay out of the new configuration even after the partition heals.
 #[test]
 fn a_minority_partition_cannot_reconfigure_and_the_majority_goes_on() {
-    let c = Cluster::builder()
-        .machines(5)
-        .workers(2)
-        .replicas(3)
-        .region_bytes(4 << 20)
-        .lease(LEASE)
-        .build()
-        .unwrap();
+    let c = cluster_of(5);
     // A region whose replicas are all in the majority {2, 3, 4}.
     let majority = [MachineId(2), MachineId(3), MachineId(4)];
     let view = c.view(MachineId(0));
@@ -355,14 +352,7 @@ fn a_minority_partition_cannot_reconfigure_and_the_majority_goes_on() {
 /// (`farm_cm::lease`), and a removed machine grants none.
 #[test]
 fn a_member_cut_off_with_its_cm_serves_no_value_the_majority_overwrote() {
-    let c = Cluster::builder()
-        .machines(5)
-        .workers(2)
-        .replicas(3)
-        .region_bytes(4 << 20)
-        .lease(LEASE)
-        .build()
-        .unwrap();
+    let c = cluster_of(5);
     let view = c.view(MachineId(0));
     let (region, _) = view
         .map
@@ -400,14 +390,7 @@ fn a_member_cut_off_with_its_cm_serves_no_value_the_majority_overwrote() {
 /// waits two leases after the last NEW-CONFIG-ACK (`Reconfig::hold_after_acks`).
 #[test]
 fn a_member_cut_off_with_a_cm_removed_over_a_broken_link_serves_nothing_stale() {
-    let c = Cluster::builder()
-        .machines(5)
-        .workers(2)
-        .replicas(3)
-        .region_bytes(4 << 20)
-        .lease(LEASE)
-        .build()
-        .unwrap();
+    let c = cluster_of(5);
     let view = c.view(MachineId(0));
     let first_backup = backup_cms(&view.config, 1)[0];
     let cut_off = (1..5)
