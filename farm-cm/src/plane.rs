@@ -302,7 +302,7 @@ impl CmState {
     /// an end of both links, would do, and two of four members are no majority (simulator seed
     /// 54 of the partitions).
     /// Links an end of which is among `leaving` (suspects removed anyway) need no other.
-    fn cut_off(&self, me: MachineId, leaving: &BTreeSet<MachineId>) -> Vec<MachineId> {
+    fn cut_off(&self, me: MachineId, leaving: &BTreeSet<MachineId>) -> BTreeSet<MachineId> {
         let removable = |m: MachineId| m != me && !self.irremovable.contains(&m);
         // (writer, target) of every broken link.
         let mut links: Vec<(MachineId, MachineId)> = self
@@ -312,7 +312,7 @@ impl CmState {
             .filter(|(w, t)| !leaving.contains(w) && !leaving.contains(t))
             .filter(|(w, t)| removable(*w) || removable(*t))
             .collect();
-        let mut out = Vec::new();
+        let mut out = BTreeSet::new();
         while !links.is_empty() {
             // Per candidate: links it ends, links it is the target of.
             let mut ends: BTreeMap<MachineId, (usize, usize)> = BTreeMap::new();
@@ -331,7 +331,7 @@ impl CmState {
                 .max_by_key(|(m, e)| (**e, std::cmp::Reverse(**m)))
                 .expect("every link left has a removable end");
             let best = *best;
-            out.push(best);
+            out.insert(best);
             links.retain(|(w, t)| *w != best && *t != best);
         }
         out
@@ -471,14 +471,7 @@ impl ControlPlane {
                 "unreachable",
                 &self.cm.unreachable.keys().copied().collect(),
             ),
-            (
-                "cut off",
-                &self
-                    .cm
-                    .cut_off(self.me, &self.suspects)
-                    .into_iter()
-                    .collect(),
-            ),
+            ("cut off", &self.cm.cut_off(self.me, &self.suspects)),
             ("irremovable", &self.cm.irremovable),
         ];
         for (name, set) in ids {
@@ -1161,10 +1154,10 @@ impl ControlPlane {
             // Ends of broken links, all at once: removed one at a time, a machine of a cluster
             // stopping together (`farm-node local stop`) went in a configuration of its own
             // while the others still answered, and the restart refused it (its NVRAM stale).
-            let cut: Vec<MachineId> = (self.cm.cut_off(me, &suspects).into_iter())
+            let cut: BTreeSet<MachineId> = (self.cm.cut_off(me, &suspects).into_iter())
                 .filter(|m| base.contains(*m))
                 .collect();
-            suspects.extend(cut.iter().copied());
+            suspects.extend(&cut);
             // This CM renews the machines it removes for broken links until it installs the
             // configuration without them: their leases are waited out after that.
             if !cut.is_empty() {
@@ -1689,7 +1682,7 @@ mod tests {
         cm
     }
 
-    fn ids(ms: &[u16]) -> Vec<MachineId> {
+    fn ids(ms: &[u16]) -> BTreeSet<MachineId> {
         ms.iter().map(|m| MachineId(*m)).collect()
     }
 
