@@ -293,16 +293,30 @@ impl CmState {
         self.unreachable.contains_key(&m) || self.unreachable.values().any(|by| by.contains(&m))
     }
 
-    /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]): one
-    /// end of every broken link, and as few machines as it can, since those removed together
-    /// must leave a majority. Neither this CM nor an
+    /// The members CM `me` removes for links that broke (see [`CmState::unreachable`]), in the
+    /// order it removes them: one end of every broken link, and as few machines as it can, since
+    /// each configuration must leave a majority of the one before. Neither this CM nor an
     /// `irremovable` member is chosen. Greedily: the machine at the end of the most links not
     /// covered yet, the one that cannot be written to on a tie (it may have failed), then the
     /// lowest id. An end of each link instead once removed machines 2 and 3 where machine 3,
     /// an end of both links, would do, and two of four members are no majority (simulator seed
-    /// 54 of the partitions).
-    /// Links an end of which is among `leaving` (suspects removed anyway) need no other.
-    fn cut_off(&self, me: MachineId, leaving: &BTreeSet<MachineId>) -> BTreeSet<MachineId> {
+    /// 54 of the partitions). Links an end of which is among `leaving` (suspects removed
+    /// anyway) need no other.
+    fn cut_off(&self, me: MachineId, leaving: &BTreeSet<MachineId>) -> Vec<MachineId> {
+        self.cover(Some(me), leaving)
+    }
+
+    /// Whether the fewest machines that end every broken link would include CM `me` were it
+    /// removable: the links are the CM's own (it alone is cut off from the others, say), and
+    /// removing the other ends one configuration at a time would only shrink the cluster around
+    /// it; the members remove the CM instead (`CmSuspicion::unreachable`).
+    fn cut_off_is_the_cm(&self, me: MachineId, leaving: &BTreeSet<MachineId>) -> bool {
+        self.cover(None, leaving).contains(&me)
+    }
+
+    /// The greedy cover of [`CmState::cut_off`], choosing neither `cm` nor an irremovable member.
+    fn cover(&self, cm: Option<MachineId>, leaving: &BTreeSet<MachineId>) -> Vec<MachineId> {
+        let me = cm.unwrap_or(MachineId(u16::MAX));
         let removable = |m: MachineId| m != me && !self.irremovable.contains(&m);
         // (writer, target) of every broken link.
         let mut links: Vec<(MachineId, MachineId)> = self
@@ -312,7 +326,7 @@ impl CmState {
             .filter(|(w, t)| !leaving.contains(w) && !leaving.contains(t))
             .filter(|(w, t)| removable(*w) || removable(*t))
             .collect();
-        let mut out = BTreeSet::new();
+        let mut out = Vec::new();
         while !links.is_empty() {
             // Per candidate: links it ends, links it is the target of.
             let mut ends: BTreeMap<MachineId, (usize, usize)> = BTreeMap::new();
@@ -331,7 +345,7 @@ impl CmState {
                 .max_by_key(|(m, e)| (**e, std::cmp::Reverse(**m)))
                 .expect("every link left has a removable end");
             let best = *best;
-            out.insert(best);
+            out.push(best);
             links.retain(|(w, t)| *w != best && *t != best);
         }
         out
@@ -471,7 +485,14 @@ impl ControlPlane {
                 "unreachable",
                 &self.cm.unreachable.keys().copied().collect(),
             ),
-            ("cut off", &self.cm.cut_off(self.me, &self.suspects)),
+            (
+                "cut off",
+                &self
+                    .cm
+                    .cut_off(self.me, &self.suspects)
+                    .into_iter()
+                    .collect(),
+            ),
             ("irremovable", &self.cm.irremovable),
         ];
         for (name, set) in ids {
@@ -1151,12 +1172,23 @@ impl ControlPlane {
                 .copied()
                 .filter(|m| *m != me && base.contains(*m))
                 .collect();
-            // Ends of broken links, all at once: removed one at a time, a machine of a cluster
-            // stopping together (`farm-node local stop`) went in a configuration of its own
-            // while the others still answered, and the restart refused it (its NVRAM stale).
-            let cut: BTreeSet<MachineId> = (self.cm.cut_off(me, &suspects).into_iter())
-                .filter(|m| base.contains(*m))
-                .collect();
+            // Ends of broken links, as many as leave a majority of the base; the others go in
+            // a configuration after this one (two links with no end in common among four
+            // members can be ended no other way: simulator seed 160767 of the partitions).
+            // Unless the links are this CM's own: then all at once, which finds no majority,
+            // and the members remove the CM. A cluster stopping together (`farm-node local
+            // stop`) breaks no link before every machine halted: each keeps its connections a
+            // lease after the signal (`farm_node::machine`).
+            let members = base.members.len();
+            let ends = self.cm.cut_off(me, &suspects);
+            let one_by_one = !self.cm.cut_off_is_the_cm(me, &suspects);
+            let mut cut = BTreeSet::new();
+            for m in ends.into_iter().filter(|m| base.contains(*m)) {
+                let left = members - suspects.len() - cut.len() - 1;
+                if !one_by_one || left * 2 > members {
+                    cut.insert(m);
+                }
+            }
             suspects.extend(&cut);
             // This CM renews the machines it removes for broken links until it installs the
             // configuration without them: their leases are waited out after that.
@@ -1682,7 +1714,7 @@ mod tests {
         cm
     }
 
-    fn ids(ms: &[u16]) -> BTreeSet<MachineId> {
+    fn ids(ms: &[u16]) -> Vec<MachineId> {
         ms.iter().map(|m| MachineId(*m)).collect()
     }
 
@@ -1706,14 +1738,22 @@ mod tests {
         // A machine paused while everyone wrote to it: it alone.
         let star = [(0, 2), (3, 2), (4, 2), (5, 2)];
         assert_eq!(cm_state(&star, &[]).cut_off(me, &none), ids(&[2]));
-        // Everyone cut off from the CM: all of them (no majority: someone else must act).
+        // Everyone cut off from the CM: all of them at once (no majority: the members remove
+        // the CM), not one at a time around it.
         let cm_alone = [(0, 1), (2, 1), (3, 1)];
         assert_eq!(cm_state(&cm_alone, &[]).cut_off(me, &none), ids(&[0, 2, 3]));
-        // Two separate links: one end of each.
+        assert!(cm_state(&cm_alone, &[]).cut_off_is_the_cm(me, &none));
+        // Two separate links: one end of each, in that order (one at a time if together they
+        // leave no majority).
         assert_eq!(
             cm_state(&[(3, 2), (5, 4)], &[]).cut_off(me, &none),
             ids(&[2, 4])
         );
+        assert!(!cm_state(&[(3, 2), (5, 4)], &[]).cut_off_is_the_cm(me, &none));
+        // Seed 160767 of the partitions: one of the two links is the CM's, the other not.
+        let disjoint = cm_state(&[(1, 3), (2, 4)], &[]);
+        assert_eq!(disjoint.cut_off(me, &none), ids(&[3, 4]));
+        assert!(!disjoint.cut_off_is_the_cm(me, &none));
         // A link a suspect ends needs no other end removed.
         let leaving = BTreeSet::from([MachineId(3)]);
         assert_eq!(
