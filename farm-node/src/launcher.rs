@@ -268,6 +268,29 @@ fn failure_report(results: &[WorkloadResult], f: &Failure) -> String {
     )
 }
 
+/// The suspicions of machines that were alive (all but the victim's after its failure), each
+/// with the machine that suspected and when, in seconds from the measured run's start (negative
+/// while loading): the lease a run can hold is one that gives none.
+fn false_suspicions(results: &[WorkloadResult], failure: Option<&Failure>) -> String {
+    let origin = results.iter().map(|r| r.started_unix_us).min().unwrap_or(0);
+    let of_the_failure = |m: u16, t: u64| {
+        failure.is_some_and(|f| f.victim == m && f.at_unix_us.is_some_and(|at| t >= at))
+    };
+    let listed: Vec<String> = (results.iter())
+        .flat_map(|r| r.suspected.iter().map(move |&(m, t)| (r.machine, m, t)))
+        .filter(|&(_, m, t)| !of_the_failure(m, t))
+        .map(|(by, m, t)| {
+            let s = (t as i64 - origin as i64) as f64 / 1e6;
+            format!("machine {m} by machine {by} at {s:.3} s")
+        })
+        .collect();
+    if listed.is_empty() {
+        "suspicions of live machines: none".to_string()
+    } else {
+        format!("suspicions of live machines: {}", listed.join(", "))
+    }
+}
+
 /// Where `local start` leaves its settings, in the cluster's directory.
 const SAVED: &str = "launcher.toml";
 
@@ -869,6 +892,7 @@ fn report(
     if let Some(f) = failure {
         println!("{}", failure_report(results, f));
     }
+    println!("{}", false_suspicions(results, failure));
     let errors: u64 = results.iter().map(|r| r.errors).sum();
     if results.iter().map(|r| r.transactions).sum::<u64>() == 0 {
         bail!("no transaction finished");
