@@ -306,18 +306,46 @@ impl CmState {
         self.cover(Some(me), leaving)
     }
 
-    /// Whether the fewest machines that end every broken link would include CM `me` were it
-    /// removable: the links are the CM's own (it alone is cut off from the others, say), and
-    /// removing the other ends one configuration at a time would only shrink the cluster around
-    /// it; the members remove the CM instead (`CmSuspicion::unreachable`).
-    fn cut_off_is_the_cm(&self, me: MachineId, leaving: &BTreeSet<MachineId>) -> bool {
-        self.cover(None, leaving).contains(&me)
+    /// The ends of broken links CM `me` removes from a configuration of `members` together
+    /// with `suspects`: those of [`CmState::cut_off`], in its order, as many as leave a
+    /// majority of `members` (each configuration must be a majority of the one before). Two
+    /// broken links with no common end among four members can be ended no other way
+    /// (simulator seed 160767 of the partitions): one configuration at a time. All of them at
+    /// once, as before, when the cover with the CM allowed contains the CM (links of the CM's
+    /// own: one at a time, the CM would shrink the cluster around itself while the members
+    /// remove it), or when not even the first leaves a majority (a configuration of two): that
+    /// attempt finds no majority and is retried a takeover period later.
+    fn removals(
+        &self,
+        me: MachineId,
+        members: &[MachineId],
+        suspects: &BTreeSet<MachineId>,
+    ) -> BTreeSet<MachineId> {
+        let member = |m: &MachineId| members.contains(m);
+        let ends: Vec<MachineId> = (self.cut_off(me, suspects).into_iter())
+            .filter(member)
+            .collect();
+        if self.cover(None, suspects).contains(&me) {
+            return ends.into_iter().collect();
+        }
+        let mut leaving = suspects.clone();
+        let mut cut = BTreeSet::new();
+        for m in &ends {
+            leaving.insert(*m);
+            if (members.len() - leaving.len()) * 2 <= members.len() {
+                break;
+            }
+            cut.insert(*m);
+        }
+        if cut.is_empty() {
+            return ends.into_iter().collect();
+        }
+        cut
     }
 
     /// The greedy cover of [`CmState::cut_off`], choosing neither `cm` nor an irremovable member.
     fn cover(&self, cm: Option<MachineId>, leaving: &BTreeSet<MachineId>) -> Vec<MachineId> {
-        let me = cm.unwrap_or(MachineId(u16::MAX));
-        let removable = |m: MachineId| m != me && !self.irremovable.contains(&m);
+        let removable = |m: MachineId| Some(m) != cm && !self.irremovable.contains(&m);
         // (writer, target) of every broken link.
         let mut links: Vec<(MachineId, MachineId)> = self
             .unreachable
@@ -1172,23 +1200,12 @@ impl ControlPlane {
                 .copied()
                 .filter(|m| *m != me && base.contains(*m))
                 .collect();
-            // Ends of broken links, as many as leave a majority of the base; the others go in
-            // a configuration after this one (two links with no end in common among four
-            // members can be ended no other way: simulator seed 160767 of the partitions).
-            // Unless the links are this CM's own: then all at once, which finds no majority,
-            // and the members remove the CM. A cluster stopping together (`farm-node local
-            // stop`) breaks no link before every machine halted: each keeps its connections a
-            // lease after the signal (`farm_node::machine`).
-            let members = base.members.len();
-            let ends = self.cm.cut_off(me, &suspects);
-            let one_by_one = !self.cm.cut_off_is_the_cm(me, &suspects);
-            let mut cut = BTreeSet::new();
-            for m in ends.into_iter().filter(|m| base.contains(*m)) {
-                let left = members - suspects.len() - cut.len() - 1;
-                if !one_by_one || left * 2 > members {
-                    cut.insert(m);
-                }
-            }
+            // Ends of broken links, as many per configuration as leave a majority
+            // (`CmState::removals`). A cluster stopping together (`farm-node local stop`)
+            // breaks no link before every machine halted, if all got the power signal within
+            // a lease of each other: each keeps its connections a lease after it
+            // (`farm_node::machine`).
+            let cut = self.cm.removals(me, &base.members, &suspects);
             suspects.extend(&cut);
             // This CM renews the machines it removes for broken links until it installs the
             // configuration without them: their leases are waited out after that.
@@ -1742,24 +1759,51 @@ mod tests {
         // the CM), not one at a time around it.
         let cm_alone = [(0, 1), (2, 1), (3, 1)];
         assert_eq!(cm_state(&cm_alone, &[]).cut_off(me, &none), ids(&[0, 2, 3]));
-        assert!(cm_state(&cm_alone, &[]).cut_off_is_the_cm(me, &none));
         // Two separate links: one end of each, in that order (one at a time if together they
         // leave no majority).
         assert_eq!(
             cm_state(&[(3, 2), (5, 4)], &[]).cut_off(me, &none),
             ids(&[2, 4])
         );
-        assert!(!cm_state(&[(3, 2), (5, 4)], &[]).cut_off_is_the_cm(me, &none));
-        // Seed 160767 of the partitions: one of the two links is the CM's, the other not.
-        let disjoint = cm_state(&[(1, 3), (2, 4)], &[]);
-        assert_eq!(disjoint.cut_off(me, &none), ids(&[3, 4]));
-        assert!(!disjoint.cut_off_is_the_cm(me, &none));
+
         // A link a suspect ends needs no other end removed.
         let leaving = BTreeSet::from([MachineId(3)]);
         assert_eq!(
             cm_state(&[(3, 2), (5, 4)], &[]).cut_off(me, &leaving),
             ids(&[4])
         );
+    }
+
+    /// The ends go as many per configuration as leave a majority, all at once when the links
+    /// are the CM's own or when not even one leaves a majority.
+    #[test]
+    fn the_cm_removes_ends_of_broken_links_as_many_at_a_time_as_leave_a_majority() {
+        let me = MachineId(1);
+        let none = BTreeSet::new();
+        let set =
+            |ms: &[u16]| -> BTreeSet<MachineId> { ms.iter().map(|m| MachineId(*m)).collect() };
+        let five = ids(&[1, 2, 3, 4, 5]);
+        let four = ids(&[1, 2, 3, 4]);
+        // Two separate links among five: both ends at once leave three.
+        let two = cm_state(&[(3, 2), (5, 4)], &[]);
+        assert_eq!(two.removals(me, &five, &none), set(&[2, 4]));
+        // ... but with a suspect beside them, only the first.
+        assert_eq!(two.removals(me, &five, &set(&[5])), set(&[2]));
+        // Seed 160767 of the partitions: the CM cannot write to 3, machine 2 to 4. Together
+        // they leave two of four: machine 3 first, machine 4 in the configuration after.
+        let disjoint = cm_state(&[(1, 3), (2, 4)], &[]);
+        assert_eq!(disjoint.cut_off(me, &none), ids(&[3, 4]));
+        assert_eq!(disjoint.removals(me, &four, &none), set(&[3]));
+        assert_eq!(disjoint.removals(me, &ids(&[1, 2, 4]), &none), set(&[4]));
+        // Everyone cut off from the CM: all at once, not one at a time around the CM.
+        let cm_alone = cm_state(&[(0, 1), (2, 1), (3, 1)], &[]);
+        assert_eq!(
+            cm_alone.removals(me, &ids(&[0, 1, 2, 3]), &none),
+            set(&[0, 2, 3])
+        );
+        // A pair: removing the other leaves no majority either way; tried at once, as before.
+        let pair = cm_state(&[(1, 2)], &[]);
+        assert_eq!(pair.removals(me, &ids(&[1, 2]), &none), set(&[2]));
     }
 
     #[test]
