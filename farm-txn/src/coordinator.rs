@@ -1213,6 +1213,22 @@ impl Worker {
         }
     }
 
+    /// Where the commit `handle` stands, for diagnostics: its transaction, its phase (with what
+    /// it awaits), its participants and the log space it holds reserved at each.
+    pub fn commit_summary(&self, handle: CommitHandle) -> String {
+        let Some(c) = self.coord.active.get(&handle) else {
+            return format!("{handle} is not in flight");
+        };
+        format!(
+            "{}: {:?}; primaries {:?}; backups {:?}; reserved {:?}",
+            c.txn,
+            c.phase,
+            c.primaries.keys().collect::<Vec<_>>(),
+            c.backups.keys().collect::<Vec<_>>(),
+            c.reserved
+        )
+    }
+
     /// Drops the commit `handle` without any protocol step: this worker's machine died (the
     /// runtime's stand-in for a process that is gone).
     pub fn abandon_commit(&mut self, handle: CommitHandle) {

@@ -158,10 +158,11 @@ impl Host {
     /// within milliseconds, recovery included), and what this host's workers hold, at most once
     /// per `STUCK_COMMIT_US` (a pipeline may have dozens stuck together), so that it can be
     /// diagnosed.
-    fn report_stuck(&mut self, commit: &Committing, now: u64) {
+    fn report_stuck(&mut self, i: usize, commit: &Committing, now: u64) {
         tracing::warn!(
             txn = %commit.handle,
             waited_ms = (now - commit.started) / 1000,
+            at = %self.workers[i].commit_summary(commit.handle),
             "commit still waiting"
         );
         if (self.stuck_logged).is_some_and(|at| now.saturating_sub(at) <= STUCK_COMMIT_US) {
@@ -741,7 +742,7 @@ impl Hosts {
         }
         let Some(r) = w.poll_commit(commit.handle, now) else {
             if commit.overdue(now) {
-                host.report_stuck(commit, now);
+                host.report_stuck(i, commit, now);
             }
             return None;
         };
