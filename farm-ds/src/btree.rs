@@ -11,8 +11,9 @@
 //! where commit validates it. A stale cache can only lead to a leaf whose fences do not cover
 //! the key (a split moved it), or round in a circle (nodes cached at different times, one at
 //! an address freed and taken again since); either is seen at once, the cached path is
-//! dropped, and the descent is redone with reads in the transaction. So a lookup is usually one remote read, and
-//! what the transaction sees is exactly what a descent inside it would see.
+//! dropped, and the descent is redone with reads in the transaction. So a lookup is usually
+//! one remote read, and what the transaction sees is exactly what a descent inside it would
+//! see.
 //!
 //! Inserts split full nodes on the way back up, in the same transaction; a full root becomes two
 //! children of a new root, whose address the tree's meta object holds.

@@ -7,6 +7,7 @@
 //! launcher.
 
 use std::cell::RefCell;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -441,9 +442,12 @@ fn finish(
         farm::ReconfigEvent::Suspect { machine, at_us } => Some((machine, at_us)),
         _ => None,
     });
-    let suspected = (leases.chain(removals))
+    // A lease expiry is both (farm's `on_suspicion` records it as a removal's suspect too, at
+    // the same time): each once.
+    let suspected: BTreeSet<(u16, u64)> = (leases.chain(removals))
         .map(|(m, at)| (m.0, at + offset))
         .collect();
+    let suspected = suspected.into_iter().collect();
     let result = WorkloadResult {
         machine: meeting.me.0,
         seconds: measured.seconds,
