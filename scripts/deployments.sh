@@ -105,7 +105,7 @@ processes() {
 
 # A TATP run in which machine 2 fails `kill_after` seconds in, `how` being `kill` or `stop`:
 # `<deployment> <how> <suspected after ms> <suspicion to 80% ms> <false suspicions>` ("-" where
-# never, and for false suspicions in one process, which its report does not list).
+# never).
 failure() {
   local deployment=$1 how=$2 out=$work/out
   if [ "$deployment" = in-process ]; then
@@ -126,7 +126,7 @@ failure() {
       }
       if (s !~ /^[0-9.]+$/) s = "-"; if (b !~ /^[0-9.]+$/) b = "-"
     }
-    /^suspicions of live machines: / { f = $5 == "none" ? 0 : gsub(/ by machine /, "") }
+    /^suspicions of live machines: / { f = $5 == "none" ? 0 : gsub(/ at -?[0-9.]+ s/, "") }
     END { print d, h, s, b, f == "" ? "-" : f }' "$out" | tee -a "$work/failures"
 }
 

@@ -336,6 +336,9 @@ pub struct RunReport {
     pub types: Vec<TypeReport>,
     /// Per kill.
     pub kills: Vec<KillReport>,
+    /// Suspicions of machines that were alive (all but a killed one's after its kill):
+    /// machine and when (cluster clock, microseconds).
+    pub false_suspicions: Vec<(u16, u64)>,
     /// Operations completed per millisecond of the cluster's clock.
     pub completed_per_ms: Vec<u64>,
     /// The cluster's timeline (reconfiguration and recovery events).
@@ -526,6 +529,12 @@ pub fn run<W: Workload>(
         .iter()
         .map(|&(victim, at_us)| kill_report(&tl, &per_ms, victim, at_us))
         .collect();
+    let suspected = tl.events.iter().filter_map(|e| match e {
+        ReconfigEvent::Suspect { machine, at_us } => Some((machine.0, *at_us)),
+        _ => None,
+    });
+    let failed: Vec<(u16, u64)> = killed.iter().map(|(m, at)| (m.0, *at)).collect();
+    let false_suspicions = farm_workloads::timeline::false_suspicions(suspected, &failed);
     let transactions = overall.len();
     Ok(RunReport {
         seconds: elapsed,
@@ -535,6 +544,7 @@ pub fn run<W: Workload>(
         p99_us: overall.value_at_quantile(0.99) as f64 / 1000.0,
         types,
         kills: kill_reports,
+        false_suspicions,
         completed_per_ms: per_ms,
         timeline: serde_json::from_str(&tl.to_json())?,
         killed,
@@ -722,6 +732,17 @@ pub fn print(r: &RunReport) {
             show(k.suspect_to_rereplicated_ms)
         );
     }
+    let listed: Vec<String> = (r.false_suspicions.iter())
+        .map(|(m, at)| format!("machine {m} at {:.3} s", *at as f64 / 1e6))
+        .collect();
+    println!(
+        "suspicions of live machines: {}",
+        if listed.is_empty() {
+            "none".to_string()
+        } else {
+            listed.join(", ")
+        }
+    );
 }
 
 /// Draws operations per millisecond with the cluster's events and the kills to `path` (SVG).

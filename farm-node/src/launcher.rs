@@ -268,17 +268,20 @@ fn failure_report(results: &[WorkloadResult], f: &Failure) -> String {
     )
 }
 
-/// The suspicions of machines that were alive (all but the victim's after its failure), each
-/// with the machine that suspected and when, in seconds from the measured run's start (negative
-/// while loading): the lease a run can hold is one that gives none.
+/// The suspicions of machines that were alive (all but the victim's after its failure,
+/// `farm_workloads::timeline::false_suspicions`), each with the machine that suspected and
+/// when, in seconds from the measured run's start (negative while loading): the lease a run
+/// can hold is one that gives none.
 fn false_suspicions(results: &[WorkloadResult], failure: Option<&Failure>) -> String {
     let origin = results.iter().map(|r| r.started_unix_us).min().unwrap_or(0);
-    let of_the_failure = |m: u16, t: u64| {
-        failure.is_some_and(|f| f.victim == m && f.at_unix_us.is_some_and(|at| t >= at))
-    };
+    let failed: Vec<(u16, u64)> = (failure.into_iter())
+        .filter_map(|f| f.at_unix_us.map(|at| (f.victim, at)))
+        .collect();
     let listed: Vec<String> = (results.iter())
-        .flat_map(|r| r.suspected.iter().map(move |&(m, t)| (r.machine, m, t)))
-        .filter(|&(_, m, t)| !of_the_failure(m, t))
+        .flat_map(|r| {
+            let live = farm_workloads::timeline::false_suspicions(r.suspected.clone(), &failed);
+            live.into_iter().map(move |(m, t)| (r.machine, m, t))
+        })
         .map(|(by, m, t)| {
             let s = (t as i64 - origin as i64) as f64 / 1e6;
             format!("machine {m} by machine {by} at {s:.3} s")

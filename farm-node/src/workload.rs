@@ -7,7 +7,6 @@
 //! launcher.
 
 use std::cell::RefCell;
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -443,11 +442,10 @@ fn finish(
         _ => None,
     });
     // A lease expiry is both (farm's `on_suspicion` records it as a removal's suspect too, at
-    // the same time): each once.
-    let suspected: BTreeSet<(u16, u64)> = (leases.chain(removals))
+    // the same time): `false_suspicions` counts each once.
+    let suspected = (leases.chain(removals))
         .map(|(m, at)| (m.0, at + offset))
         .collect();
-    let suspected = suspected.into_iter().collect();
     let result = WorkloadResult {
         machine: meeting.me.0,
         seconds: measured.seconds,

@@ -50,9 +50,38 @@ pub struct Recovery {
     pub suspected_to_80_percent_ms: Option<usize>,
 }
 
+/// The suspicions (machine, when) of machines that were alive then: all but those of a machine
+/// of `failed` (machine, when it failed) at or after its failure, each once (a lease expiry
+/// may be recorded by more than one path), in order. A lease a run holds is one with none.
+pub fn false_suspicions(
+    suspected: impl IntoIterator<Item = (u16, u64)>,
+    failed: &[(u16, u64)],
+) -> Vec<(u16, u64)> {
+    let of_the_failure = |m: u16, at: u64| failed.iter().any(|&(f, t)| f == m && at >= t);
+    let live: std::collections::BTreeSet<(u16, u64)> = (suspected.into_iter())
+        .filter(|&(m, at)| !of_the_failure(m, at))
+        .collect();
+    let mut live: Vec<(u16, u64)> = live.into_iter().collect();
+    live.sort_by_key(|&(m, at)| (at, m));
+    live
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_false_suspicion_is_one_of_a_machine_alive_then() {
+        let failed = [(2, 1_000)];
+        let suspected = [(2, 1_200), (1, 1_300), (2, 400), (1, 1_300), (0, 50)];
+        assert_eq!(
+            false_suspicions(suspected, &failed),
+            vec![(0, 50), (2, 400), (1, 1_300)],
+            "machine 2 before its failure, the others at any time, each once"
+        );
+        assert_eq!(false_suspicions([(2, 1_000)], &failed), vec![]);
+        assert_eq!(false_suspicions([(2, 1_000)], &[]), vec![(2, 1_000)]);
+    }
 
     #[test]
     fn recovery_is_timed_from_the_suspicion_to_a_window_at_80_percent() {
