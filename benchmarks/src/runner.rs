@@ -736,12 +736,8 @@ pub fn print(r: &RunReport) {
         .map(|(m, at)| format!("machine {m} at {:.3} s", *at as f64 / 1e6))
         .collect();
     println!(
-        "suspicions of live machines: {}",
-        if listed.is_empty() {
-            "none".to_string()
-        } else {
-            listed.join(", ")
-        }
+        "{}",
+        farm_workloads::timeline::false_suspicions_line(&listed)
     );
 }
 

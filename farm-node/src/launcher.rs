@@ -279,7 +279,8 @@ fn false_suspicions(results: &[WorkloadResult], failure: Option<&Failure>) -> St
         .collect();
     let listed: Vec<String> = (results.iter())
         .flat_map(|r| {
-            let live = farm_workloads::timeline::false_suspicions(r.suspected.clone(), &failed);
+            let live =
+                farm_workloads::timeline::false_suspicions(r.suspected.iter().copied(), &failed);
             live.into_iter().map(move |(m, t)| (r.machine, m, t))
         })
         .map(|(by, m, t)| {
@@ -287,11 +288,7 @@ fn false_suspicions(results: &[WorkloadResult], failure: Option<&Failure>) -> St
             format!("machine {m} by machine {by} at {s:.3} s")
         })
         .collect();
-    if listed.is_empty() {
-        "suspicions of live machines: none".to_string()
-    } else {
-        format!("suspicions of live machines: {}", listed.join(", "))
-    }
+    farm_workloads::timeline::false_suspicions_line(&listed)
 }
 
 /// Where `local start` leaves its settings, in the cluster's directory.

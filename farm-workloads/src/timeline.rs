@@ -58,12 +58,23 @@ pub fn false_suspicions(
     failed: &[(u16, u64)],
 ) -> Vec<(u16, u64)> {
     let of_the_failure = |m: u16, at: u64| failed.iter().any(|&(f, t)| f == m && at >= t);
-    let live: std::collections::BTreeSet<(u16, u64)> = (suspected.into_iter())
+    let mut live: Vec<(u16, u64)> = (suspected.into_iter())
         .filter(|&(m, at)| !of_the_failure(m, at))
         .collect();
-    let mut live: Vec<(u16, u64)> = live.into_iter().collect();
     live.sort_by_key(|&(m, at)| (at, m));
+    live.dedup();
     live
+}
+
+/// The report line of [`false_suspicions`], each `listed` as its report words it: the line
+/// `scripts/deployments.sh` counts them from.
+pub fn false_suspicions_line(listed: &[String]) -> String {
+    let listed = if listed.is_empty() {
+        "none".to_string()
+    } else {
+        listed.join(", ")
+    };
+    format!("suspicions of live machines: {listed}")
 }
 
 #[cfg(test)]
