@@ -76,10 +76,54 @@ impl CoordinationStore for SimStore {
     }
 }
 
+/// The store as machine `machine` reaches it: unavailable while a partition cuts the machine
+/// off from it ([`SimCm::cut_from_store`]).
+#[derive(Debug)]
+struct MachineStore {
+    store: Arc<SimStore>,
+    machine: MachineId,
+    cut_off: Arc<Mutex<BTreeSet<MachineId>>>,
+}
+
+impl MachineStore {
+    fn reachable(&self) -> Result<(), StoreError> {
+        if self
+            .cut_off
+            .lock()
+            .expect("cut-off set")
+            .contains(&self.machine)
+        {
+            return Err(StoreError::Unavailable(format!(
+                "machine {} is cut off from the store",
+                self.machine.0
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl CoordinationStore for MachineStore {
+    fn read(&self) -> Result<Option<(StoreVersion, Vec<u8>)>, StoreError> {
+        self.reachable()?;
+        self.store.read()
+    }
+
+    fn compare_and_set(
+        &self,
+        expected: Option<StoreVersion>,
+        data: &[u8],
+    ) -> Result<CasOutcome, StoreError> {
+        self.reachable()?;
+        self.store.compare_and_set(expected, data)
+    }
+}
+
 /// The simulated CM: each machine's control plane.
 #[derive(Debug)]
 pub struct SimCm {
     store: Arc<SimStore>,
+    /// Machines a partition cuts off from the store.
+    cut_off: Arc<Mutex<BTreeSet<MachineId>>>,
     planes: Vec<MachineControl>,
     /// Configurations committed.
     pub committed: u64,
@@ -122,14 +166,20 @@ impl SimCm {
             ack_timeout_ticks: ACK_TIMEOUT_LEASES * LEASE_TICKS,
             repeat_ticks: REPEAT_TICKS,
         };
+        let cut_off = Arc::new(Mutex::new(BTreeSet::new()));
         let planes = machines
             .iter()
             .map(|m| {
+                let reached = MachineStore {
+                    store: store.clone(),
+                    machine: m.id,
+                    cut_off: cut_off.clone(),
+                };
                 let mut plane = MachineControl::new(
                     m.clone(),
                     params,
                     fabric.clone() as Arc<dyn Fabric>,
-                    store.clone() as Arc<dyn CoordinationStore>,
+                    Arc::new(reached) as Arc<dyn CoordinationStore>,
                 );
                 plane.set_check_invariants(true);
                 plane
@@ -137,6 +187,7 @@ impl SimCm {
             .collect();
         Self {
             store,
+            cut_off,
             planes,
             committed: 0,
             allocated: (0, 0),
@@ -158,6 +209,17 @@ impl SimCm {
         for e in exchanges {
             self.planes[e.machine().0 as usize].set_restart(e);
         }
+    }
+
+    /// Cuts `machines` off from the store (and no others): its operations fail for them as
+    /// ZooKeeper's do for a client on the far side of a partition.
+    pub fn cut_from_store(&self, machines: &[MachineId]) {
+        *self.cut_off.lock().expect("cut-off set") = machines.iter().copied().collect();
+    }
+
+    /// Whether `machine` reaches the store (no partition cuts it off from it).
+    pub fn reaches_store(&self, machine: MachineId) -> bool {
+        !self.cut_off.lock().expect("cut-off set").contains(&machine)
     }
 
     /// Marks `machine` paused or running again.

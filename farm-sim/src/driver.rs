@@ -121,6 +121,14 @@ pub struct SimConfig {
     /// does not happen. Drawn from a stream of their own, so runs without them replay as
     /// before.
     pub partitions: u16,
+    /// With `partitions`: the minority cannot reach the coordination store either (ZooKeeper's
+    /// quorum is on the majority's side), so nothing but its leases tells it that it was
+    /// removed; partitions last four times as long (eight to twenty leases), long enough for
+    /// the majority to recover the minority's regions and write them; and a reader on each
+    /// minority machine reads a list its machine is primary of every few steps while the
+    /// partition lasts (a read-only transaction of one object, in the history like a client's).
+    /// A minority lease that outlived the removal shows as a stale read.
+    pub minority_reads: bool,
 }
 
 impl Default for SimConfig {
@@ -146,6 +154,7 @@ impl Default for SimConfig {
             clients_per_worker: 1,
             disk_losses: false,
             partitions: 0,
+            minority_reads: false,
         }
     }
 }
@@ -202,6 +211,9 @@ pub struct SimOutcome {
     pub allocated: (u64, u64),
     /// Partitions, machines they cut off, and partitions whose minority held the CM.
     pub partitions: (u64, u64, u64),
+    /// With [`SimConfig::minority_reads`]: reads a minority machine ran, and of those, the
+    /// ones that committed (served under a lease).
+    pub minority_reads: (u64, u64),
 }
 
 #[derive(Debug)]
@@ -323,6 +335,10 @@ pub struct Sim {
     minority: Option<(Vec<MachineId>, u64)>,
     /// Partitions, machines they cut off, partitions with the CM in the minority.
     partitions_done: (u64, u64, u64),
+    /// The stream the minority's reader draws from ([`SimConfig::minority_reads`]), and its
+    /// reads run and committed.
+    reader_rng: Rng,
+    minority_reads: (u64, u64),
     stalls_done: u64,
     /// Paused machines, with the tick they run again.
     paused: BTreeMap<MachineId, u64>,
@@ -491,6 +507,8 @@ impl Sim {
             partition_rng,
             minority: None,
             partitions_done: (0, 0, 0),
+            reader_rng: Rng::new(config.seed ^ 0x4ead_e450_5eed),
+            minority_reads: (0, 0),
             stalls_done: 0,
             paused: BTreeMap::new(),
             grace: BTreeMap::new(),
@@ -646,7 +664,8 @@ impl Sim {
             let i = r.below(candidates.len() as u64) as usize;
             minority.push(candidates.swap_remove(i));
         }
-        let until = self.now + LEASE_TICKS * (2 + r.below(4));
+        let stretch = if self.config.minority_reads { 4 } else { 1 };
+        let until = self.now + LEASE_TICKS * (2 + r.below(4)) * stretch;
         self.partitions_done.0 += 1;
         self.partitions_done.1 += minority.len() as u64;
         self.partitions_done.2 += with_cm as u64;
@@ -669,6 +688,68 @@ impl Sim {
         }
         sides.extend(alone.iter().map(|a| &a[..]));
         self.fabric.partition(&sides);
+        let without_store = match &self.minority {
+            Some((minority, _)) if self.config.minority_reads => &minority[..],
+            _ => &[],
+        };
+        self.cm.cut_from_store(without_store);
+    }
+
+    /// A read-only transaction of one list whose primary is a random machine of the minority,
+    /// on one of its workers ([`SimConfig::minority_reads`]): committed only while the
+    /// machine's lease holds, as every read-only commit.
+    fn minority_read(&mut self) {
+        let Some((minority, _)) = &self.minority else {
+            return;
+        };
+        let m = minority[self.reader_rng.below(minority.len() as u64) as usize];
+        let threads = self.config.threads as usize;
+        let w = m.0 as usize * threads + self.reader_rng.below(threads as u64) as usize;
+        if !self.running(m) || self.workers[w].commits_in_flight() >= COMMITS_IN_FLIGHT_MAX {
+            return;
+        }
+        let view = self.workers[w].view();
+        let own: Vec<(u64, Addr)> = (self.keys.iter().enumerate())
+            .filter(|(_, a)| view.map.get(a.region).is_some_and(|p| p.primary == m))
+            .map(|(k, a)| (k as u64, *a))
+            .collect();
+        if own.is_empty() {
+            return;
+        }
+        let (key, addr) = own[self.reader_rng.below(own.len() as u64) as usize];
+        let invoke = self.now;
+        let mut tx = Tx::new(&mut self.workers[w]);
+        let read = tx.read(addr, LIST_BYTES).map(|b| b.to_vec());
+        let state = tx.into_state();
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                self.workers[w].abort_execution(state, &e);
+                return;
+            }
+        };
+        let txn = self.workers[w].start_commit(state);
+        let result = (self.workers[w].poll_commit(txn, self.now)).unwrap_or_else(|| {
+            panic!(
+                "seed {}: a read-only commit of one object was not decided at its first poll",
+                self.config.seed
+            )
+        });
+        let list: Vec<u64> = (bytes.chunks(8))
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
+            .collect();
+        let committed = result.is_ok() && self.workers[w].machine().serves_at(self.now);
+        self.minority_reads.0 += 1;
+        self.minority_reads.1 += committed as u64;
+        self.history.push(TxnRecord {
+            ops: vec![Op::Read {
+                key,
+                values: list[1..=list[0] as usize].to_vec(),
+            }],
+            invoke,
+            complete: self.now,
+            committed,
+        });
     }
 
     /// Runs a transaction to completion with every write landing at once (setup, outside the
@@ -1080,6 +1161,9 @@ impl Sim {
             self.partition_at.pop();
             self.partition_one();
         }
+        if self.config.minority_reads && self.minority.is_some() && self.reader_rng.below(4) == 0 {
+            self.minority_read();
+        }
         self.resume_due();
         self.lease_step();
         if self.power_loss_in_reconfiguration && self.cm.reconfiguring(&self.fabric) {
@@ -1135,7 +1219,8 @@ impl Sim {
         let w = self.worker_of(c);
         let machine = self.workers[w].machine().clone();
         let newest = newest_view(&self.fabric, &self.paused, &self.machines, false);
-        if newest.is_some_and(|v| self.leases.orphan_expired(&machine, &v.config, self.now)) {
+        let newest = newest.as_ref().map(|v| &v.config);
+        if learns_it_is_out(&self.leases, &self.cm, &machine, newest, self.now) {
             self.stop_evicted(vec![machine.id]);
             return;
         }
@@ -1470,6 +1555,7 @@ impl Sim {
             cm_failover: self.cm_failover,
             allocated: self.cm.allocated,
             partitions: self.partitions_done,
+            minority_reads: self.minority_reads,
         }
     }
 
@@ -1723,10 +1809,7 @@ fn lease_round(
         if !running(fabric, paused, m) || grace.get(&m).is_some_and(|until| now < *until) {
             continue;
         }
-        if newest
-            .as_ref()
-            .is_some_and(|v| leases.orphan_expired(machine, &v.config, now))
-        {
+        if learns_it_is_out(leases, cm, machine, newest.as_ref().map(|v| &v.config), now) {
             out.push(m);
             continue;
         }
@@ -1735,6 +1818,20 @@ fn lease_round(
         }
     }
     out
+}
+
+/// Whether `machine`, if left out of `newest`, learns at `now` that it is out: its own leases
+/// ran out ([`SimLeases::orphan_expired`]) and it reaches the store, where a deployed machine
+/// reads that it was removed. One that a partition cuts off from the store runs on, serving
+/// nothing once its leases end ([`SimConfig::minority_reads`]).
+fn learns_it_is_out(
+    leases: &SimLeases,
+    cm: &SimCm,
+    machine: &MachineState,
+    newest: Option<&Configuration>,
+    now: u64,
+) -> bool {
+    cm.reaches_store(machine.id) && newest.is_some_and(|c| leases.orphan_expired(machine, c, now))
 }
 
 /// The store's timeouts of a run ([`SimConfig::store_timeouts`]) in its `life`-th life (a

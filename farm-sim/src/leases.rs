@@ -8,9 +8,11 @@
 //! runtime's lease threads do.
 //!
 //! A machine left out of a newer configuration ("orphan") learns it when its own lease runs
-//! out; the driver then stops it (fail-stop on lease loss, as a deployed machine would rather
-//! than linger as a coordinator whose records nobody reads). Until then it runs on its stale
-//! view, which precise membership (§5.2) must make harmless.
+//! out, if it reaches the coordination store (where a deployed machine reads it); the driver
+//! then stops it (fail-stop on lease loss, as a deployed machine would rather than linger as a
+//! coordinator whose records nobody reads). Until then it runs on its stale view, which precise
+//! membership (§5.2) must make harmless, and a minority cut off from the store runs on for as
+//! long as the partition lasts, serving nothing once its leases end.
 
 use std::sync::Arc;
 
