@@ -102,6 +102,9 @@ pub struct MemFabric {
     reads: Arc<HeldReads>,
     /// Partition side of every machine: machines on different sides cannot reach each other.
     groups: Arc<[AtomicU32]>,
+    /// Machine pairs whose one-sided operations fail while datagrams pass
+    /// ([`MemFabric::cut_memory`]).
+    memory_cuts: Arc<MemoryCuts>,
     /// Per (writer, target) machine pair: a write failed across a partition while both were
     /// up, and the link stays broken while the writer admits the target (see
     /// [`Fabric::broken_members`]).
@@ -121,6 +124,7 @@ struct MemRemote {
     src_alive: Arc<AtomicBool>,
     dst_alive: Arc<AtomicBool>,
     groups: Arc<[AtomicU32]>,
+    memory_cuts: Arc<MemoryCuts>,
     src: MachineId,
     reads: Arc<HeldReads>,
 }
@@ -130,7 +134,10 @@ impl RemoteMemory for MemRemote {
         if !self.src_alive.load(Ordering::Relaxed) {
             return Err(FabricError::SenderDown(self.src));
         }
-        if !self.dst_alive.load(Ordering::Relaxed) || !same_side(&self.groups, self.src, self.dst) {
+        if !self.dst_alive.load(Ordering::Relaxed)
+            || !same_side(&self.groups, self.src, self.dst)
+            || self.memory_cuts.cut(self.src, self.dst)
+        {
             return Err(FabricError::Unreachable(self.dst));
         }
         farm_core::fabric::check_bounds(self.dst, self.key, &self.mem, offset, buf.len())?;
@@ -237,6 +244,23 @@ impl PostedRead for MemPostedRead {
     }
 }
 
+/// Machine pairs whose one-sided operations fail ([`MemFabric::cut_memory`]).
+#[derive(Debug)]
+struct MemoryCuts {
+    machines: usize,
+    cut: Box<[AtomicBool]>,
+}
+
+impl MemoryCuts {
+    fn pair(&self, a: MachineId, b: MachineId) -> &AtomicBool {
+        &self.cut[a.0 as usize * self.machines + b.0 as usize]
+    }
+
+    fn cut(&self, a: MachineId, b: MachineId) -> bool {
+        self.pair(a, b).load(Ordering::Relaxed)
+    }
+}
+
 fn same_side(groups: &[AtomicU32], a: MachineId, b: MachineId) -> bool {
     groups[a.0 as usize].load(Ordering::Relaxed) == groups[b.0 as usize].load(Ordering::Relaxed)
 }
@@ -267,6 +291,12 @@ impl MemFabric {
             groups: (0..config.machines_max)
                 .map(|_| AtomicU32::new(0))
                 .collect(),
+            memory_cuts: Arc::new(MemoryCuts {
+                machines: config.machines_max as usize,
+                cut: (0..config.machines_max as usize * config.machines_max as usize)
+                    .map(|_| AtomicBool::new(false))
+                    .collect(),
+            }),
             reads_traffic: (0..config.machines_max as usize * config.machines_max as usize)
                 .map(|_| Arc::default())
                 .collect(),
@@ -358,14 +388,30 @@ impl MemFabric {
         }
     }
 
-    /// Heals every partition.
-    pub fn heal(&self) {
-        self.partition(&[]);
+    /// Cuts one-sided operations between `a` and `b`, both ways (reads fail as to a dead
+    /// machine, writes are lost and break the link) while datagrams still pass between them,
+    /// as when a TCP connection breaks and UDP gets through: leases are renewed, memory is
+    /// out of reach. Healed by [`MemFabric::heal`].
+    pub fn cut_memory(&self, a: MachineId, b: MachineId) {
+        self.memory_cuts.pair(a, b).store(true, Ordering::SeqCst);
+        self.memory_cuts.pair(b, a).store(true, Ordering::SeqCst);
     }
 
-    /// Whether `a` can reach `b`: both up and on the same side of any partition.
+    /// Heals every partition and every cut between two machines' memory.
+    pub fn heal(&self) {
+        self.partition(&[]);
+        for c in self.memory_cuts.cut.iter() {
+            c.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether `a` can reach `b`: both up, on the same side of any partition, and their
+    /// memory not cut apart.
     pub fn reachable(&self, a: MachineId, b: MachineId) -> bool {
-        self.is_alive(a) && self.is_alive(b) && same_side(&self.groups, a, b)
+        self.is_alive(a)
+            && self.is_alive(b)
+            && same_side(&self.groups, a, b)
+            && !self.memory_cuts.cut(a, b)
     }
 
     /// Whether `machine`'s NIC is up.
@@ -553,6 +599,7 @@ impl Fabric for MemFabric {
             src_alive: self.machine(src)?.alive.clone(),
             dst_alive: self.machine(dst)?.alive.clone(),
             groups: self.groups.clone(),
+            memory_cuts: self.memory_cuts.clone(),
             src,
             reads: self.reads.clone(),
         }))
@@ -573,7 +620,7 @@ impl Fabric for MemFabric {
             return Err(FabricError::Unreachable(dst));
         }
         let broken = self.broken_link(src.machine, dst);
-        if !same_side(&self.groups, src.machine, dst) {
+        if !same_side(&self.groups, src.machine, dst) || self.memory_cuts.cut(src.machine, dst) {
             // Both up, but the write is lost: the link breaks, as a connection does.
             broken.store(true, Ordering::SeqCst);
             return Err(FabricError::Unreachable(dst));
@@ -935,6 +982,37 @@ mod tests {
         assert!(f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
             .is_ok());
+    }
+
+    #[test]
+    fn a_memory_cut_fails_reads_and_writes_and_lets_datagrams_pass() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem);
+        let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
+        let r2 = f.remote(MachineId(2), MachineId(1), MemKey::Rings).unwrap();
+        f.cut_memory(MachineId(0), MachineId(1));
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            r.read(0, &mut buf),
+            Err(FabricError::Unreachable(MachineId(1)))
+        );
+        assert!(f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+            .is_err());
+        assert_eq!(f.broken_members(MachineId(0)), vec![MachineId(1)]);
+        // Only that pair.
+        assert!(r2.read(0, &mut buf).is_ok());
+        assert!(f
+            .write(ep(2), MachineId(1), MemKey::Rings, 8, &[2; 8])
+            .is_ok());
+        f.send_datagram(MachineId(0), MachineId(1), b"x", 0);
+        assert_eq!(
+            f.recv_datagram(MachineId(1), 1, &mut Vec::new()),
+            Some(MachineId(0))
+        );
+        f.heal();
+        assert!(r.read(0, &mut buf).is_ok());
     }
 
     #[test]
