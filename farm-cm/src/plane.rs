@@ -1292,6 +1292,12 @@ impl ControlPlane {
             ),
         };
         r.hold_after_acks(hold);
+        if c.cm == me {
+            // This CM renews a member whose probe fails until it installs the configuration
+            // without it. A backup CM's probes need no hold: the old CM's grants end a lease
+            // after its lease here did (`lapsed`), before the failed probe's lease is out.
+            r.hold_after_acks_if_a_probe_fails(lease + lease / 4);
+        }
         self.attempt = Some(Attempt {
             reconfig: r,
             change,

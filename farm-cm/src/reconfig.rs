@@ -131,6 +131,9 @@ pub struct Reconfig {
     leases_end: u64,
     /// Ticks the commit waits after the last NEW-CONFIG-ACK (see [`Reconfig::hold_after_acks`]).
     hold_after_acks: u64,
+    /// What `hold_after_acks` becomes once a member's probe fails (see
+    /// [`Reconfig::hold_after_acks_if_a_probe_fails`]).
+    hold_if_a_probe_fails: u64,
     /// Machines asking to join, with their failure domains.
     joiners: BTreeMap<MachineId, u32>,
     /// Per answering member, the regions it holds in `map` whose replica is not complete yet.
@@ -179,6 +182,7 @@ impl Reconfig {
             params,
             leases_end,
             hold_after_acks: 0,
+            hold_if_a_probe_fails: 0,
             joiners: BTreeMap::new(),
             copying: BTreeMap::from([(me, copying)]),
             phase: Phase::Probing {
@@ -246,6 +250,25 @@ impl Reconfig {
         self.hold_after_acks = ticks;
     }
 
+    /// Makes the commit wait at least `ticks` after the last NEW-CONFIG-ACK once a member's
+    /// probe fails or times out: a CM renews every member it has not suspected, one whose
+    /// probe failed among them (its memory out of reach while its lease requests still
+    /// arrive), until it installs the configuration without it, which may be long after the
+    /// probe (a store slow to answer).
+    pub fn hold_after_acks_if_a_probe_fails(&mut self, ticks: u64) {
+        self.hold_if_a_probe_fails = ticks;
+    }
+
+    /// `m`'s probe failed or timed out: it is removed, and leases it may hold are waited out
+    /// (step 7), renewed until the install if it is a member.
+    fn probe_failed(&mut self, m: MachineId, now: u64) {
+        self.suspects.insert(m);
+        self.leases_end = self.leases_end.max(now + self.params.lease_ticks);
+        if self.old.contains(m) {
+            self.hold_after_acks = self.hold_after_acks.max(self.hold_if_a_probe_fails);
+        }
+    }
+
     /// Effects to carry out, in order.
     pub fn take_effects(&mut self) -> Vec<Effect> {
         std::mem::take(&mut self.effects)
@@ -280,8 +303,7 @@ impl Reconfig {
                 } else if self.joiners.remove(&m).is_some() {
                     // A joiner that does not answer simply does not join.
                 } else {
-                    self.suspects.insert(m);
-                    self.leases_end = self.leases_end.max(now + self.params.lease_ticks);
+                    self.probe_failed(m, now);
                 }
             }
         }
@@ -290,14 +312,14 @@ impl Reconfig {
 
     /// Advances time: unanswered probes time out; the commit waits for old leases to expire.
     pub fn tick(&mut self, now: u64) {
-        if let Phase::Probing {
-            awaiting, deadline, ..
-        } = &mut self.phase
-        {
-            if now >= *deadline {
-                self.suspects.extend(std::mem::take(awaiting));
-                self.leases_end = self.leases_end.max(now + self.params.lease_ticks);
-            }
+        let timed_out = match &mut self.phase {
+            Phase::Probing {
+                awaiting, deadline, ..
+            } if now >= *deadline => std::mem::take(awaiting),
+            _ => BTreeSet::new(),
+        };
+        for m in timed_out {
+            self.probe_failed(m, now);
         }
         self.after_probe();
         if let Phase::Acking {
@@ -644,6 +666,45 @@ mod tests {
         assert!(r.outcome().is_none(), "committed within the hold");
         r.tick(96);
         assert!(matches!(r.outcome(), Some(Ok(_))), "{:?}", r.outcome());
+    }
+
+    /// A member whose probe fails is renewed by the CM until it installs the configuration
+    /// without it: the commit waits `hold_after_acks_if_a_probe_fails` after the last
+    /// acknowledgement. Without a failed probe it does not.
+    #[test]
+    fn a_failed_probe_holds_the_commit_after_the_acks() {
+        for fails in [false, true] {
+            let (config, map, store, v) = setup(5);
+            let mut r = Reconfig::start(
+                MachineId(0),
+                config,
+                v,
+                map,
+                BTreeMap::new(),
+                BTreeSet::new(),
+                BTreeSet::from([MachineId(4)]),
+                PARAMS,
+                0,
+                0,
+            );
+            r.hold_after_acks_if_a_probe_fails(45);
+            for e in r.take_effects() {
+                if let Effect::Probe(m) = e {
+                    r.on_probe(m, answer(!(fails && m == MachineId(3))), 1);
+                }
+            }
+            // Stored, and acknowledged by every member at 50.
+            drive(&mut r, &store, &[], 50);
+            r.tick(51);
+            if !fails {
+                assert!(matches!(r.outcome(), Some(Ok(_))), "{:?}", r.outcome());
+                continue;
+            }
+            r.tick(95);
+            assert!(r.outcome().is_none(), "committed within the hold");
+            r.tick(96);
+            assert!(matches!(r.outcome(), Some(Ok(_))), "{:?}", r.outcome());
+        }
     }
 
     /// A member that fails after the probes never acknowledges: the attempt ends with an error

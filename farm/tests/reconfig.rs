@@ -456,7 +456,6 @@ impl farm::CoordinationStore for SlowStore {
 /// majority overwrote. Long leases (half a second), so that the majority's recovery and write
 /// after the commit fit in what was left of the member's lease.
 #[test]
-#[ignore = "fails: the commit waits a lease from the failed probe, not from the CM's install"]
 fn a_member_removed_for_a_failed_probe_serves_nothing_the_majority_overwrote() {
     let lease = Duration::from_millis(500);
     let store = std::sync::Arc::new(SlowStore::default());
