@@ -1192,6 +1192,10 @@ impl ControlPlane {
         let base = attempt_base(c, &stored);
         let base_id = base.id;
         let lease = self.params.lease_longest_ticks;
+        // A CM renews every member of the configuration it installed until it installs the
+        // next: members it removes have leases a lease (and a round of its lease thread) past
+        // the last NEW-CONFIG-ACK, the CM's own among them.
+        let renewed_until_install = lease + lease / 4;
         let mut hold = 0;
         let change = if c.cm == me {
             let mut suspects: BTreeSet<MachineId> = self
@@ -1207,10 +1211,11 @@ impl ControlPlane {
             // (`farm_node::machine`).
             let cut = self.cm.removals(me, &base.members, &suspects);
             suspects.extend(&cut);
-            // This CM renews the machines it removes for broken links until it installs the
-            // configuration without them: their leases are waited out after that.
-            if !cut.is_empty() {
-                hold = lease + lease / 4;
+            // Machines removed for broken links, or by a stored configuration this CM drives
+            // again (an earlier attempt's compare-and-set took effect, its probes are not
+            // repeated), are renewed here until the install.
+            if !cut.is_empty() || c.members.iter().any(|m| !base.contains(*m)) {
+                hold = renewed_until_install;
             }
             if !suspects.is_empty() || local.committed < c.id || stored.id > c.id {
                 // Removals, or a configuration installed here (this machine its CM) that no
@@ -1293,10 +1298,10 @@ impl ControlPlane {
         };
         r.hold_after_acks(hold);
         if c.cm == me {
-            // This CM renews a member whose probe fails until it installs the configuration
-            // without it. A backup CM's probes need no hold: the old CM's grants end a lease
-            // after its lease here did (`lapsed`), before the failed probe's lease is out.
-            r.hold_after_acks_if_a_probe_fails(lease + lease / 4);
+            // And a member whose probe fails. A backup CM's probes need no hold: the old CM's
+            // grants end a lease after its lease here did (`lapsed`), before the failed probe's
+            // lease is out.
+            r.hold_after_acks_if_a_probe_fails(renewed_until_install);
         }
         self.attempt = Some(Attempt {
             reconfig: r,

@@ -131,9 +131,10 @@ pub struct Reconfig {
     leases_end: u64,
     /// Ticks the commit waits after the last NEW-CONFIG-ACK (see [`Reconfig::hold_after_acks`]).
     hold_after_acks: u64,
-    /// What `hold_after_acks` becomes once a member's probe fails (see
-    /// [`Reconfig::hold_after_acks_if_a_probe_fails`]).
+    /// How long the commit waits after the last NEW-CONFIG-ACK if a member's probe failed (see
+    /// [`Reconfig::hold_after_acks_if_a_probe_fails`]), and whether one did.
     hold_if_a_probe_fails: u64,
+    member_probe_failed: bool,
     /// Machines asking to join, with their failure domains.
     joiners: BTreeMap<MachineId, u32>,
     /// Per answering member, the regions it holds in `map` whose replica is not complete yet.
@@ -183,6 +184,7 @@ impl Reconfig {
             leases_end,
             hold_after_acks: 0,
             hold_if_a_probe_fails: 0,
+            member_probe_failed: false,
             joiners: BTreeMap::new(),
             copying: BTreeMap::from([(me, copying)]),
             phase: Phase::Probing {
@@ -264,9 +266,7 @@ impl Reconfig {
     fn probe_failed(&mut self, m: MachineId, now: u64) {
         self.suspects.insert(m);
         self.leases_end = self.leases_end.max(now + self.params.lease_ticks);
-        if self.old.contains(m) {
-            self.hold_after_acks = self.hold_after_acks.max(self.hold_if_a_probe_fails);
-        }
+        self.member_probe_failed |= self.old.contains(m);
     }
 
     /// Effects to carry out, in order.
@@ -319,7 +319,10 @@ impl Reconfig {
             _ => BTreeSet::new(),
         };
         for m in timed_out {
-            self.probe_failed(m, now);
+            // A joiner that does not answer simply does not join.
+            if self.joiners.remove(&m).is_none() {
+                self.probe_failed(m, now);
+            }
         }
         self.after_probe();
         if let Phase::Acking {
@@ -449,7 +452,11 @@ impl Reconfig {
                     config.0
                 );
                 if awaiting.remove(&from) && awaiting.is_empty() {
-                    self.leases_end = self.leases_end.max(now + self.hold_after_acks);
+                    let hold = match self.member_probe_failed {
+                        true => self.hold_after_acks.max(self.hold_if_a_probe_fails),
+                        false => self.hold_after_acks,
+                    };
+                    self.leases_end = self.leases_end.max(now + hold);
                 }
             }
         }
@@ -668,12 +675,12 @@ mod tests {
         assert!(matches!(r.outcome(), Some(Ok(_))), "{:?}", r.outcome());
     }
 
-    /// A member whose probe fails is renewed by the CM until it installs the configuration
-    /// without it: the commit waits `hold_after_acks_if_a_probe_fails` after the last
-    /// acknowledgement. Without a failed probe it does not.
+    /// A member whose probe fails or times out is renewed by the CM until it installs the
+    /// configuration without it: the commit waits `hold_after_acks_if_a_probe_fails` after the
+    /// last acknowledgement. When every member answers it does not.
     #[test]
     fn a_failed_probe_holds_the_commit_after_the_acks() {
-        for fails in [false, true] {
+        for case in ["answers", "fails", "times out"] {
             let (config, map, store, v) = setup(5);
             let mut r = Reconfig::start(
                 MachineId(0),
@@ -689,21 +696,67 @@ mod tests {
             );
             r.hold_after_acks_if_a_probe_fails(45);
             for e in r.take_effects() {
-                if let Effect::Probe(m) = e {
-                    r.on_probe(m, answer(!(fails && m == MachineId(3))), 1);
+                match e {
+                    Effect::Probe(MachineId(3)) if case == "fails" => {
+                        r.on_probe(MachineId(3), None, 1)
+                    }
+                    Effect::Probe(MachineId(3)) if case == "times out" => {}
+                    Effect::Probe(m) => r.on_probe(m, answer(true), 1),
+                    e => panic!("{e:?} before the probes"),
                 }
             }
-            // Stored, and acknowledged by every member at 50.
+            // The probe deadline (10 ticks), then stored and acknowledged at 50.
+            r.tick(PARAMS.probe_timeout_ticks);
             drive(&mut r, &store, &[], 50);
             r.tick(51);
-            if !fails {
+            if case == "answers" {
                 assert!(matches!(r.outcome(), Some(Ok(_))), "{:?}", r.outcome());
                 continue;
             }
             r.tick(95);
-            assert!(r.outcome().is_none(), "committed within the hold");
+            assert!(r.outcome().is_none(), "{case}: committed within the hold");
             r.tick(96);
-            assert!(matches!(r.outcome(), Some(Ok(_))), "{:?}", r.outcome());
+            assert!(
+                matches!(r.outcome(), Some(Ok(_))),
+                "{case}: {:?}",
+                r.outcome()
+            );
+        }
+    }
+
+    /// A joiner whose probe fails or times out does not join, and nothing waits for it: it
+    /// holds no lease.
+    #[test]
+    fn a_joiner_that_does_not_answer_holds_nothing() {
+        for fails in [true, false] {
+            let (config, map, store, v) = setup(3);
+            let mut r = Reconfig::start_join(
+                MachineId(0),
+                config,
+                v,
+                map,
+                BTreeMap::new(),
+                BTreeSet::new(),
+                BTreeMap::from([(MachineId(3), 3)]),
+                PARAMS,
+                0,
+            );
+            r.hold_after_acks_if_a_probe_fails(45);
+            for e in r.take_effects() {
+                match e {
+                    Effect::Probe(MachineId(3)) if fails => r.on_probe(MachineId(3), None, 1),
+                    Effect::Probe(MachineId(3)) => {}
+                    Effect::Probe(m) => r.on_probe(m, answer(true), 1),
+                    e => panic!("{e:?} before the probes"),
+                }
+            }
+            r.tick(PARAMS.probe_timeout_ticks);
+            drive(&mut r, &store, &[], 50);
+            r.tick(51);
+            let Some(Ok(new)) = r.outcome() else {
+                panic!("not committed at once: {:?}", r.outcome());
+            };
+            assert!(!new.config.contains(MachineId(3)));
         }
     }
 

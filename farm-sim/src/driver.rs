@@ -124,9 +124,9 @@ pub struct SimConfig {
     /// With `partitions`: the minority cannot reach the coordination store either (ZooKeeper's
     /// quorum is on the majority's side), so nothing but its leases tells it that it was
     /// removed; partitions last four times as long (eight to twenty leases), long enough for
-    /// the majority to recover the minority's regions and write them; and a reader on each
-    /// minority machine reads a list its machine is primary of every few steps while the
-    /// partition lasts (a read-only transaction of one object, in the history like a client's).
+    /// the majority to recover the minority's regions and write them; and while the partition
+    /// lasts, one step in four reads, on a random minority machine, a list that machine is
+    /// primary of (a read-only transaction of one object, in the history like a client's).
     /// A minority lease that outlived the removal shows as a stale read.
     pub minority_reads: bool,
 }
@@ -708,7 +708,7 @@ impl Sim {
         if !self.running(m) || self.workers[w].commits_in_flight() >= COMMITS_IN_FLIGHT_MAX {
             return;
         }
-        let view = self.workers[w].view();
+        let view = self.workers[w].machine().view();
         let own: Vec<(u64, Addr)> = (self.keys.iter().enumerate())
             .filter(|(_, a)| view.map.get(a.region).is_some_and(|p| p.primary == m))
             .map(|(k, a)| (k as u64, *a))
@@ -1608,6 +1608,7 @@ impl Sim {
         }
         self.minority = None;
         self.fabric.heal();
+        self.cm.cut_from_store(&[]);
         self.fabric.set_datagram_policy(DatagramPolicy {
             drop_per_million: 0,
             delay_ticks_max: 0,

@@ -101,8 +101,8 @@ fn partition_config(seed: u64) -> SimConfig {
     }
 }
 
-/// As [`partition_config`], with the minority cut off from the coordination store too and read
-/// by a reader on each of its machines while the partition lasts, for eight to twenty leases
+/// As [`partition_config`], with the minority cut off from the coordination store too, for eight
+/// to twenty leases, and its machines' own lists read while the partition lasts
 /// ([`SimConfig::minority_reads`]).
 fn minority_read_config(seed: u64) -> SimConfig {
     SimConfig {
