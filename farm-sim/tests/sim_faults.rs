@@ -535,7 +535,6 @@ fn a_stall_before_the_first_lease_round_suspects_nobody() {
 /// write lost on a region whose replicas did not change (a real-time cycle through later
 /// reads of key 0).
 #[test]
-#[ignore = "fails: an acknowledged append to a region whose replicas did not change is lost"]
 fn an_acknowledged_write_to_an_unchanged_region_survives_a_paused_machine_s_removal() {
     check(242268, pause_config(242268));
 }

@@ -67,7 +67,11 @@ pub(crate) struct CoordinatorState {
     /// Last ALLOC request id.
     pub(crate) next_request: u64,
     /// Committed transactions still waiting for COMMIT-PRIMARY acks.
-    unacked: BTreeMap<u64, Vec<(MachineId, Option<WriteTicket>)>>,
+    unacked: BTreeMap<u64, Unacked>,
+    /// Committed transactions that a new view made recovering before every COMMIT-PRIMARY
+    /// was acked (`Worker::unacked_now_recovering`): recovery decides them, and they hold
+    /// truncation back (in `recovering`) until it has.
+    committed_recovering: BTreeMap<u64, TxnId>,
     /// Per participant: committed transactions with records there, not yet truncated.
     outstanding: Vec<BTreeSet<u64>>,
     /// Per participant: bytes reserved for explicit TRUNCATE records.
@@ -91,12 +95,22 @@ pub(crate) struct CoordinatorState {
     next_handle: u64,
 }
 
+/// A committed transaction waiting for its COMMIT-PRIMARY acks.
+#[derive(Debug)]
+struct Unacked {
+    txn: TxnId,
+    /// The regions it wrote.
+    regions: Vec<RegionId>,
+    tickets: Vec<(MachineId, Option<WriteTicket>)>,
+}
+
 impl CoordinatorState {
     pub(crate) fn new(peers: usize) -> Self {
         Self {
             next_local: 0,
             next_request: 0,
             unacked: BTreeMap::new(),
+            committed_recovering: BTreeMap::new(),
             outstanding: vec![BTreeSet::new(); peers],
             trunc_reserved: vec![0; peers],
             truncatable_since: None,
@@ -1570,7 +1584,16 @@ impl Worker {
                     for p in c.primaries.keys().chain(c.backups.keys()) {
                         self.coord.outstanding[p.0 as usize].insert(local);
                     }
-                    self.coord.unacked.insert(local, std::mem::take(tickets));
+                    let regions = (c.primaries.values().next())
+                        .map(|ws| ws.regions.clone())
+                        .unwrap_or_default();
+                    let tickets = std::mem::take(tickets);
+                    let unacked = Unacked {
+                        txn: c.txn,
+                        regions,
+                        tickets,
+                    };
+                    self.coord.unacked.insert(local, unacked);
                     let small = RingWriter::reservation(framed_len(header_bytes()));
                     for (p, left) in std::mem::take(&mut c.reserved) {
                         assert!(
@@ -1584,6 +1607,27 @@ impl Worker {
                     return Some(Ok(()));
                 }
             }
+        }
+    }
+
+    /// §5.3 step 3 for transactions that committed here (the application was told) and wait
+    /// for COMMIT-PRIMARY acks: one that the new view makes recovering is decided by
+    /// recovery, and the acks of the old configuration are ignored. Counting them, the
+    /// transaction was truncated once the last one came: but a primary that drained the new
+    /// configuration before the record landed rejects it, so that primary voted its LOCK,
+    /// another replica voted truncated, and recovery aborted a committed transaction (the
+    /// paused machines' seed 242268). It holds truncation back until the decision.
+    pub(crate) fn unacked_now_recovering(&mut self) {
+        let view = self.view.clone();
+        let now_recovering: Vec<u64> = (self.coord.unacked.iter())
+            .filter(|(_, u)| view.is_recovering(u.txn, &u.regions))
+            .map(|(l, _)| *l)
+            .collect();
+        for l in now_recovering {
+            let u = self.coord.unacked.remove(&l).expect("listed");
+            self.coord.recovering.insert(l);
+            self.coord.committed_recovering.insert(l, u.txn);
+            self.await_recovery(u.txn, u.regions);
         }
     }
 
@@ -1979,15 +2023,32 @@ impl Worker {
             .coord
             .unacked
             .iter()
-            .filter(|(_, ts)| {
+            .filter(|(_, u)| {
                 // A failed write went to a primary that has left the configuration since:
                 // recovery settles that region. One to a member waits (`write_settled`).
-                ts.iter().all(|(p, t)| self.write_settled(*p, *t))
+                u.tickets.iter().all(|(p, t)| self.write_settled(*p, *t))
             })
             .map(|(l, _)| *l)
             .collect();
         for l in acked {
             self.coord.unacked.remove(&l);
+            busy = true;
+        }
+        // Committed transactions recovery decided: it preserves their outcome (§5.3,
+        // Correctness), and they no longer hold truncation back.
+        let decided: Vec<(u64, TxnId)> = (self.coord.committed_recovering.iter())
+            .filter(|(_, t)| self.recovery.decided.contains_key(t))
+            .map(|(l, t)| (*l, *t))
+            .collect();
+        for (l, t) in decided {
+            let d = self.recovery.decided.remove(&t).expect("listed");
+            assert_eq!(
+                d,
+                crate::recovery::Decision::Commit,
+                "{t} was reported committed and recovery aborted it"
+            );
+            self.coord.committed_recovering.remove(&l);
+            self.coord.recovering.remove(&l);
             busy = true;
         }
         // Not while commits are in flight (their records carry the bound; a commit that waits

@@ -431,6 +431,7 @@ impl Worker {
         self.view_generation = generation;
         self.remotes.clear();
         self.active.clear();
+        self.unacked_now_recovering();
         let me = self.machine.id;
         let view = self.view.clone();
         // Machines that joined since this worker last started afresh with them (by the
