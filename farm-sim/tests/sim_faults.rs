@@ -533,7 +533,11 @@ fn a_stall_before_the_first_lease_round_suspects_nobody() {
 /// the CM storing the configuration without machine 2 (t1134) and committing it (t1141). Its
 /// append to key 4 is there at the end, its append to key 0 never appears: an acknowledged
 /// write lost on a region whose replicas did not change (a real-time cycle through later
-/// reads of key 0).
+/// reads of key 0). The COMMIT-PRIMARY to machine 0 landed after machine 0 drained the new
+/// configuration, which rejected it; its hardware ack let the coordinator truncate the
+/// transaction, so recovery got a LOCK vote and a truncated one and aborted it. A committed
+/// transaction that a new view makes recovering now ignores those acks and holds truncation
+/// back until recovery decided it (`Worker::unacked_now_recovering`).
 #[test]
 fn an_acknowledged_write_to_an_unchanged_region_survives_a_paused_machine_s_removal() {
     check(242268, pause_config(242268));
