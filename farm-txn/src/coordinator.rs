@@ -1525,6 +1525,7 @@ impl Worker {
                         || tickets
                             .iter()
                             .any(|(b, t)| self.write_status(*b, *t) != WriteStatus::Done)
+                        || self.view_moved()
                     {
                         return None;
                     }
@@ -1570,6 +1571,7 @@ impl Worker {
                     if !tickets
                         .iter()
                         .any(|(p, t)| self.write_status(*p, *t) == WriteStatus::Done)
+                        || self.view_moved()
                     {
                         return None;
                     }
@@ -1608,6 +1610,15 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Whether this machine installed a view this worker has not picked up yet. Acks are
+    /// counted only when it has not, after reading them: the control thread may install a
+    /// view, acknowledge it and let a primary drain it between this worker's refresh and the
+    /// count, and an ack of a record that primary then rejected must not count for a
+    /// transaction the new view makes recovering (§5.3 step 3). The next poll refreshes first.
+    fn view_moved(&self) -> bool {
+        self.machine.view_generation() != self.view_generation
     }
 
     /// §5.3 step 3 for transactions that committed here (the application was told) and wait
@@ -1970,6 +1981,14 @@ impl Worker {
             peers,
             "TRUNCATE reservations per participant"
         );
+        // A committed transaction recovery decides holds truncation back and no longer waits
+        // for acks.
+        for (l, t) in &coord.committed_recovering {
+            assert!(
+                t.local == *l && coord.recovering.contains(l) && !coord.unacked.contains_key(l),
+                "{t} committed and recovering, but not holding truncation back or still unacked"
+            );
+        }
         // Transaction ids are handed out in order: nothing acked, outstanding or recovering
         // can be newer than the last one.
         let issued = |l: &u64| *l <= coord.next_local;
@@ -2030,9 +2049,11 @@ impl Worker {
             })
             .map(|(l, _)| *l)
             .collect();
-        for l in acked {
-            self.coord.unacked.remove(&l);
-            busy = true;
+        if !self.view_moved() {
+            for l in acked {
+                self.coord.unacked.remove(&l);
+                busy = true;
+            }
         }
         // Committed transactions recovery decided: it preserves their outcome (§5.3,
         // Correctness), and they no longer hold truncation back.
