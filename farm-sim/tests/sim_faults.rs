@@ -543,6 +543,16 @@ fn an_acknowledged_write_to_an_unchanged_region_survives_a_paused_machine_s_remo
     check(242268, pause_config(242268));
 }
 
+/// Seed 252471 of the partitions (found 2026-11-29, open): machines 0 and 4 crashed, the
+/// configuration of 1, 2 and 3 (CM 2) has a broken link from 1 into 3, and neither end can be
+/// removed (each holds a region's last complete replica: `CmState::irremovable`), so the
+/// clients waiting on that link never finish. It failed before that session's changes too.
+#[test]
+#[ignore = "fails: a broken link between two irremovable members stays broken for good"]
+fn a_broken_link_between_two_irremovable_members() {
+    check(252471, partition_config(252471));
+}
+
 /// Seed 54 of the partitions: machines 0 (the CM) and 3 were cut off from 1, 2 and 4 for two
 /// leases. Machine 1 took over once the partition healed and removed machine 0; but writes
 /// across the cut had broken two links that stay down while both ends are members: machine
