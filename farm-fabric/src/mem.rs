@@ -259,6 +259,12 @@ impl MemoryCuts {
     fn cut(&self, a: MachineId, b: MachineId) -> bool {
         self.pair(a, b).load(Ordering::Relaxed)
     }
+
+    fn clear(&self) {
+        for c in self.cut.iter() {
+            c.store(false, Ordering::SeqCst);
+        }
+    }
 }
 
 fn same_side(groups: &[AtomicU32], a: MachineId, b: MachineId) -> bool {
@@ -400,9 +406,7 @@ impl MemFabric {
     /// Heals every partition and every cut between two machines' memory.
     pub fn heal(&self) {
         self.partition(&[]);
-        for c in self.memory_cuts.cut.iter() {
-            c.store(false, Ordering::SeqCst);
-        }
+        self.memory_cuts.clear();
     }
 
     /// Whether `a` can reach `b`: both up, on the same side of any partition, and their

@@ -71,7 +71,7 @@ pub(crate) struct CoordinatorState {
     /// Committed transactions that a new view made recovering before every COMMIT-PRIMARY
     /// was acked (`Worker::unacked_now_recovering`): recovery decides them, and they hold
     /// truncation back (in `recovering`) until it has.
-    committed_recovering: BTreeMap<u64, TxnId>,
+    committed_recovering: BTreeSet<TxnId>,
     /// Per participant: committed transactions with records there, not yet truncated.
     outstanding: Vec<BTreeSet<u64>>,
     /// Per participant: bytes reserved for explicit TRUNCATE records.
@@ -110,7 +110,7 @@ impl CoordinatorState {
             next_local: 0,
             next_request: 0,
             unacked: BTreeMap::new(),
-            committed_recovering: BTreeMap::new(),
+            committed_recovering: BTreeSet::new(),
             outstanding: vec![BTreeSet::new(); peers],
             trunc_reserved: vec![0; peers],
             truncatable_since: None,
@@ -1586,8 +1586,9 @@ impl Worker {
                     for p in c.primaries.keys().chain(c.backups.keys()) {
                         self.coord.outstanding[p.0 as usize].insert(local);
                     }
-                    let regions = (c.primaries.values().next())
-                        .map(|ws| ws.regions.clone())
+                    // The commit ends here: its regions move, no copy on this path.
+                    let regions = (c.primaries.values_mut().next())
+                        .map(|ws| std::mem::take(&mut ws.regions))
                         .unwrap_or_default();
                     let tickets = std::mem::take(tickets);
                     let unacked = Unacked {
@@ -1637,7 +1638,7 @@ impl Worker {
         for l in now_recovering {
             let u = self.coord.unacked.remove(&l).expect("listed");
             self.coord.recovering.insert(l);
-            self.coord.committed_recovering.insert(l, u.txn);
+            self.coord.committed_recovering.insert(u.txn);
             self.await_recovery(u.txn, u.regions);
         }
     }
@@ -1983,9 +1984,9 @@ impl Worker {
         );
         // A committed transaction recovery decides holds truncation back and no longer waits
         // for acks.
-        for (l, t) in &coord.committed_recovering {
+        for t in &coord.committed_recovering {
             assert!(
-                t.local == *l && coord.recovering.contains(l) && !coord.unacked.contains_key(l),
+                coord.recovering.contains(&t.local) && !coord.unacked.contains_key(&t.local),
                 "{t} committed and recovering, but not holding truncation back or still unacked"
             );
         }
@@ -2057,19 +2058,19 @@ impl Worker {
         }
         // Committed transactions recovery decided: it preserves their outcome (§5.3,
         // Correctness), and they no longer hold truncation back.
-        let decided: Vec<(u64, TxnId)> = (self.coord.committed_recovering.iter())
-            .filter(|(_, t)| self.recovery.decided.contains_key(t))
-            .map(|(l, t)| (*l, *t))
+        let decided: Vec<TxnId> = (self.coord.committed_recovering.iter())
+            .filter(|t| self.recovery.decided.contains_key(t))
+            .copied()
             .collect();
-        for (l, t) in decided {
+        for t in decided {
             let d = self.recovery.decided.remove(&t).expect("listed");
             assert_eq!(
                 d,
                 crate::recovery::Decision::Commit,
                 "{t} was reported committed and recovery aborted it"
             );
-            self.coord.committed_recovering.remove(&l);
-            self.coord.recovering.remove(&l);
+            self.coord.committed_recovering.remove(&t);
+            self.coord.recovering.remove(&t.local);
             busy = true;
         }
         // Not while commits are in flight (their records carry the bound; a commit that waits
