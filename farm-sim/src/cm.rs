@@ -82,17 +82,22 @@ impl CoordinationStore for SimStore {
 struct MachineStore {
     store: Arc<SimStore>,
     machine: MachineId,
-    cut_off: Arc<Mutex<BTreeSet<MachineId>>>,
+    cut_off: Arc<CutOff>,
+}
+
+/// Machines a partition cuts off from the store.
+#[derive(Debug, Default)]
+struct CutOff(Mutex<BTreeSet<MachineId>>);
+
+impl CutOff {
+    fn reaches(&self, machine: MachineId) -> bool {
+        !self.0.lock().expect("cut-off set").contains(&machine)
+    }
 }
 
 impl MachineStore {
     fn reachable(&self) -> Result<(), StoreError> {
-        if self
-            .cut_off
-            .lock()
-            .expect("cut-off set")
-            .contains(&self.machine)
-        {
+        if !self.cut_off.reaches(self.machine) {
             return Err(StoreError::Unavailable(format!(
                 "machine {} is cut off from the store",
                 self.machine.0
@@ -123,7 +128,7 @@ impl CoordinationStore for MachineStore {
 pub struct SimCm {
     store: Arc<SimStore>,
     /// Machines a partition cuts off from the store.
-    cut_off: Arc<Mutex<BTreeSet<MachineId>>>,
+    cut_off: Arc<CutOff>,
     planes: Vec<MachineControl>,
     /// Configurations committed.
     pub committed: u64,
@@ -166,7 +171,7 @@ impl SimCm {
             ack_timeout_ticks: ACK_TIMEOUT_LEASES * LEASE_TICKS,
             repeat_ticks: REPEAT_TICKS,
         };
-        let cut_off = Arc::new(Mutex::new(BTreeSet::new()));
+        let cut_off = Arc::new(CutOff::default());
         let planes = machines
             .iter()
             .map(|m| {
@@ -214,12 +219,12 @@ impl SimCm {
     /// Cuts `machines` off from the store (and no others): its operations fail for them as
     /// ZooKeeper's do for a client on the far side of a partition.
     pub fn cut_from_store(&self, machines: &[MachineId]) {
-        *self.cut_off.lock().expect("cut-off set") = machines.iter().copied().collect();
+        *self.cut_off.0.lock().expect("cut-off set") = machines.iter().copied().collect();
     }
 
     /// Whether `machine` reaches the store (no partition cuts it off from it).
     pub fn reaches_store(&self, machine: MachineId) -> bool {
-        !self.cut_off.lock().expect("cut-off set").contains(&machine)
+        self.cut_off.reaches(machine)
     }
 
     /// Marks `machine` paused or running again.

@@ -735,16 +735,13 @@ impl Sim {
                 self.config.seed
             )
         });
-        let list: Vec<u64> = (bytes.chunks(8))
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
-            .collect();
         let committed = result.is_ok() && self.workers[w].machine().serves_at(self.now);
         self.minority_reads.0 += 1;
         self.minority_reads.1 += committed as u64;
         self.history.push(TxnRecord {
             ops: vec![Op::Read {
                 key,
-                values: list[1..=list[0] as usize].to_vec(),
+                values: list_values(&bytes),
             }],
             invoke,
             complete: self.now,
@@ -1460,13 +1457,9 @@ impl Sim {
                 .enumerate()
                 .map(|(k, a)| {
                     let b = tx.read(*a, LIST_BYTES)?;
-                    let list: Vec<u64> = b
-                        .chunks(8)
-                        .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
-                        .collect();
                     Ok(Op::Read {
                         key: k as u64,
-                        values: list[1..=list[0] as usize].to_vec(),
+                        values: list_values(b),
                     })
                 })
                 .collect::<Result<Vec<_>, TxError>>()
@@ -1699,6 +1692,19 @@ impl Sim {
     }
 }
 
+/// A list object's words: its length, then its values and unused room.
+fn list_words(bytes: &[u8]) -> Vec<u64> {
+    (bytes.chunks(8))
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
+        .collect()
+}
+
+/// The values a list object holds.
+fn list_values(bytes: &[u8]) -> Vec<u64> {
+    let list = list_words(bytes);
+    list[1..=list[0] as usize].to_vec()
+}
+
 /// Runs one step of `exec` on `tx`, recording what it read and appended.
 fn run_step(tx: &mut Tx<'_>, step: Step, exec: &mut Execution) -> Result<(), TxError> {
     match step {
@@ -1716,10 +1722,7 @@ fn run_step(tx: &mut Tx<'_>, step: Step, exec: &mut Execution) -> Result<(), TxE
         }
         Step::List(key, addr, value) => {
             let bytes = tx.read(addr, LIST_BYTES)?;
-            let mut list: Vec<u64> = bytes
-                .chunks(8)
-                .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
-                .collect();
+            let mut list = list_words(bytes);
             let len = list[0] as usize;
             match value {
                 Some(v) if len < LIST_CAPACITY => {
