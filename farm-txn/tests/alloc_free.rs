@@ -76,3 +76,30 @@ fn reading_an_object_freed_since_its_reference_was_read_is_a_conflict() {
         TxError::BadAddress { .. }
     ));
 }
+
+/// A remote allocation waits for its ALLOC-REPLY only while this machine's lease holds: once
+/// it may have run out, the primary may have removed this machine and dropped the request
+/// unread, and a machine cut off from the coordination store never learns so (seed 15 of the
+/// simulator's minority reads waited ten million polls once writes that a partition broke
+/// landed after it healed). Here machine 0, the primary, is never polled, and machine 2's lease
+/// runs out while it waits.
+#[test]
+#[ignore = "fails: a remote allocation waits out ALLOC_WAIT_POLLS_MAX whatever the lease"]
+fn a_remote_allocation_waits_no_longer_than_the_lease() {
+    let mut w = common::workers(2 << 20, 1);
+    let machine = w[2].machine().clone();
+    machine.set_serves_until(1_000);
+    let mut now = 0u64;
+    let mut poller = || {
+        now += 1;
+        now
+    };
+    let mut tx = Tx::with_poller(&mut w[2], &mut poller);
+    let near = Addr::new(farm_core::RegionId(0), 0);
+    let got = tx.alloc(8, Some(near));
+    assert_eq!(got, Err(TxError::LeaseLapsed(farm_core::MachineId(2))));
+    assert!(
+        !machine.serves_at(now) && now <= 1_002,
+        "gave up at poll {now}, its lease ending at 1000"
+    );
+}
