@@ -637,6 +637,13 @@ impl<'w> Tx<'w> {
             if self.worker.machine.view_generation() != generation {
                 return Err(TxError::ConfigurationChanged);
             }
+            // Nor, maybe, a primary while this machine's lease may have run out: it may have
+            // removed this machine and dropped the request unread, and a machine cut off from
+            // the coordination store does not learn that (`Tx` begins nothing there either,
+            // FaRM §5.1).
+            if !self.worker.machine.serves_at(now) {
+                return Err(TxError::LeaseLapsed(me));
+            }
         }
         Err(TxError::Unavailable(
             farm_core::fabric::FabricError::Unreachable(primary),

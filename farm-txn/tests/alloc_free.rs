@@ -84,7 +84,6 @@ fn reading_an_object_freed_since_its_reference_was_read_is_a_conflict() {
 /// landed after it healed). Here machine 0, the primary, is never polled, and machine 2's lease
 /// runs out while it waits.
 #[test]
-#[ignore = "fails: a remote allocation waits out ALLOC_WAIT_POLLS_MAX whatever the lease"]
 fn a_remote_allocation_waits_no_longer_than_the_lease() {
     let mut w = common::workers(2 << 20, 1);
     let machine = w[2].machine().clone();
