@@ -279,8 +279,9 @@ struct CmState {
     /// Machines outside the configuration that asked to join.
     joins: BTreeSet<MachineId>,
     /// Members that cannot be written to, each with the members that cannot write to it (this
-    /// machine among them when it is one). A broken link stays broken while both ends are
-    /// members, so one of them must leave ([`CmState::cut_off`]).
+    /// machine among them when it is one). No later write may land beyond the hole a broken
+    /// link left, so it stays down while both ends are members (`tcp`; the `mem` fabric
+    /// stalls it until the cut heals), and one of them must leave ([`CmState::cut_off`]).
     unreachable: BTreeMap<MachineId, BTreeSet<MachineId>>,
     /// Ends of broken links whose removal failed for want of a complete replica of a region
     /// they hold.
@@ -1079,7 +1080,7 @@ impl ControlPlane {
     }
 
     /// This machine cannot write to `m`, a member, although `m`'s process may live (a broken
-    /// connection that stays down while `m` is a member, to keep log writes in order). Called
+    /// connection, whose later writes must not land beyond the hole it left in a log). Called
     /// every tick while so: the CM removes `m`; another member suspects `m` if it is the CM
     /// and otherwise tells the CM, every [`TAKEOVER_LEASES`] leases (datagrams get lost).
     pub fn on_unreachable(&mut self, m: MachineId, now: u64, local: &Local<'_>) {

@@ -69,7 +69,9 @@ pub enum WriteStatus {
     Pending,
     /// Acknowledged: the bytes are in the target's memory.
     Done,
-    /// The target or the sender died first; the write may have landed partly or not at all.
+    /// The target or the sender died first, and the write may have landed partly or not at
+    /// all; or the target removed the sender (or the sender the target) first, and it never
+    /// lands.
     Failed,
 }
 
@@ -357,12 +359,14 @@ pub trait Fabric: Send + Sync + fmt::Debug {
         true
     }
 
-    /// Members of `machine`'s configuration (those it admits) that it can no longer write to
-    /// although they may live: a write to one failed while both were up (a connection that
-    /// broke, a partition), and the link stays broken while the peer is a member, so that no
-    /// later write lands beyond the hole the failed one left in a ring. The machine's control
-    /// plane reports them (`ControlPlane::on_unreachable`) until the configuration removes
-    /// them; a peer admitted again is a new incarnation whose rings start afresh. A fabric of
+    /// Members of `machine`'s configuration (those it admits) that it cannot write to
+    /// although they may live: a write to one did not get through while both were up (a
+    /// connection that broke, a partition), and no later write may land beyond the hole it
+    /// left in a ring. Either the link stays broken while the peer is a member (`tcp`: later
+    /// writes fail) or its writes stall until the link is repaired in place, landing in the
+    /// order posted (`mem`). The machine's control plane reports them
+    /// (`ControlPlane::on_unreachable`) while so, and the configuration removes one end if it
+    /// can; a peer admitted again is a new incarnation whose rings start afresh. A fabric of
     /// one machine per process answers for its own machine only. None by default.
     fn broken_members(&self, machine: MachineId) -> Vec<MachineId> {
         let _ = machine;

@@ -8,15 +8,24 @@
 //! - datagram loss and delay by a seeded policy;
 //! - held writes: with [`MemFabric::set_hold_writes`], writes queue on their link until the driver
 //!   delivers them one by one ([`MemFabric::deliver_next`]), and a crash of the sender can land
-//!   any prefix of them ([`MemFabric::crash`]), the last one possibly cut at any byte;
+//!   any prefix of them ([`MemFabric::crash`]), the last one possibly cut at any byte (none of
+//!   those stalled behind a break, below);
 //! - held reads: with [`MemFabric::set_hold_reads`], posted object reads
 //!   ([`RemoteMemory::post_object_read`]) wait until the driver performs them
 //!   ([`MemFabric::complete_read`]), in any order, or until their poster waits for one (then it
 //!   is performed at once). Without it, posting buys nothing in one process and reads are not
 //!   posted;
-//! - partitions ([`MemFabric::partition`]): operations across the cut fail, and a write lost to
-//!   it breaks its link as a connection breaks: it stays down while the target is a member of
-//!   the writer's configuration ([`Fabric::broken_members`]), after the partition heals too.
+//! - partitions ([`MemFabric::partition`]) and cuts between two machines' memory
+//!   ([`MemFabric::cut_memory`]): reads across the cut fail, and a write across it breaks the
+//!   links of its (writer, target) machine pair, every thread's, as a connection breaks: the
+//!   pair's writes stall, in order per link, without landing, and the writer reports the
+//!   target ([`Fabric::broken_members`]). When the cut heals, the links are repaired in place:
+//!   their stalled writes land in the order they were posted, as a reconnected link that
+//!   resends from the last write the target took does, so that no later log write lands
+//!   beyond a hole an earlier one left. Either end removing or admitting again the other, or
+//!   a kill of either, ends the incarnations the stalled writes were for: they fail without
+//!   landing; and a write across a cut to a machine the writer does not admit fails at once
+//!   (no link between members to keep in order: a new connection would fail).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -86,9 +95,12 @@ struct Link {
     /// Writes posted on the link, and their bytes.
     traffic: TrafficCounters,
     landed: AtomicU64,
-    /// Writes with a sequence number above this failed (0: none failed).
-    failed_after: AtomicU64,
-    failed: AtomicBool,
+    /// Whether `failed` names any write: checked before its lock.
+    any_failed: AtomicBool,
+    /// Ranges `(after, through]` of sequence numbers of writes that failed without landing.
+    /// Later writes on the link are judged on their own: landing is counted by `landed`, a
+    /// high-water mark, which a failed write must not hide under.
+    failed: Mutex<Vec<(u64, u64)>>,
     held: Mutex<VecDeque<HeldWrite>>,
 }
 
@@ -105,10 +117,14 @@ pub struct MemFabric {
     /// Machine pairs whose one-sided operations fail while datagrams pass
     /// ([`MemFabric::cut_memory`]).
     memory_cuts: Arc<MemoryCuts>,
-    /// Per (writer, target) machine pair: a write failed across a partition while both were
-    /// up, and the link stays broken while the writer admits the target (see
-    /// [`Fabric::broken_members`]).
+    /// Per (writer, target) machine pair: a write was posted across a cut while both were up,
+    /// and the pair's writes stall until the cut heals ([`MemFabric::repair`]) or a membership
+    /// change at either end fails them (see [`Fabric::broken_members`]). Set and cleared only
+    /// under `stalls`.
     broken: Box<[AtomicBool]>,
+    /// Serializes breaking, repairing and failing stalled links against writers that find their
+    /// link broken, so that a write never lands ahead of a stalled one on its link.
+    stalls: Mutex<()>,
     /// Per (reader, target) machine pair: the reads (writes are counted per link).
     reads_traffic: Box<[Arc<TrafficCounters>]>,
     policy: Mutex<(DatagramPolicy, Rng)>,
@@ -309,6 +325,7 @@ impl MemFabric {
             broken: (0..config.machines_max as usize * config.machines_max as usize)
                 .map(|_| AtomicBool::new(false))
                 .collect(),
+            stalls: Mutex::new(()),
             policy: Mutex::new((DatagramPolicy::default(), Rng::new(config.seed))),
         }
     }
@@ -326,9 +343,71 @@ impl MemFabric {
         src == dst || word & (1 << (src.0 % 64)) != 0
     }
 
-    /// Whether writes from `src` to `dst` broke (see [`MemFabric::broken`]).
+    /// Whether writes from `src` to `dst` stall behind a break (see [`MemFabric::broken`]).
     fn broken_link(&self, src: MachineId, dst: MachineId) -> &AtomicBool {
         &self.broken[src.0 as usize * self.config.machines_max as usize + dst.0 as usize]
+    }
+
+    /// Whether a cut (a partition, or a cut between the two machines' memory) lies between
+    /// `a` and `b`.
+    fn cut_between(&self, a: MachineId, b: MachineId) -> bool {
+        !same_side(&self.groups, a, b) || self.memory_cuts.cut(a, b)
+    }
+
+    /// Every thread's endpoint on `machine`.
+    fn endpoints(&self, machine: MachineId) -> impl Iterator<Item = Endpoint> {
+        (0..self.config.threads_max).map(move |t| Endpoint {
+            machine,
+            thread: ThreadId(t),
+        })
+    }
+
+    /// Fails the writes stalled from `src` to `dst` without landing them, and ends the break:
+    /// a membership change at either end ended the incarnation they were for. Call under
+    /// `stalls`.
+    fn end_break(&self, src: MachineId, dst: MachineId) {
+        let broken = self.broken_link(src, dst);
+        if broken.load(Ordering::SeqCst) {
+            for e in self.endpoints(src) {
+                self.fail_link(e, dst);
+            }
+            broken.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Repairs in place every broken link whose cut healed: its stalled writes land in the
+    /// order they were posted (in the simulator's mode they are held for the driver, in that
+    /// order), and later writes follow them.
+    fn repair(&self) {
+        let _stalls = self.stalls.lock().expect("fabric lock poisoned");
+        let n = self.config.machines_max;
+        for (src, dst) in (0..n).flat_map(|a| (0..n).map(move |b| (MachineId(a), MachineId(b)))) {
+            let broken = self.broken_link(src, dst);
+            if !broken.load(Ordering::SeqCst) || self.cut_between(src, dst) {
+                continue;
+            }
+            let incarnations_hold = self.is_alive(src)
+                && self.is_alive(dst)
+                && self.admits(dst, src)
+                && self.admits(src, dst);
+            if !incarnations_hold {
+                // Kills and membership changes fail stalled writes themselves; never land one
+                // in an incarnation it was not for.
+                self.end_break(src, dst);
+                continue;
+            }
+            if !self.hold_writes.load(Ordering::SeqCst) {
+                for e in self.endpoints(src) {
+                    let link = self.link(e, dst);
+                    let mut held = link.held.lock().expect("fabric lock poisoned");
+                    while let Some(w) = held.pop_front() {
+                        w.mem.write(w.offset as usize, &w.data);
+                        link.landed.store(w.seq, Ordering::SeqCst);
+                    }
+                }
+            }
+            broken.store(false, Ordering::SeqCst);
+        }
     }
 
     /// The read counters of `src` reading `dst`.
@@ -362,6 +441,7 @@ impl MemFabric {
     /// Stops `machine`'s NIC: its operations and operations to it fail from now on. Writes held
     /// on links from or to it fail without landing; use [`MemFabric::crash`] to land a prefix first.
     pub fn kill(&self, machine: MachineId) {
+        let _stalls = self.stalls.lock().expect("fabric lock poisoned");
         self.machines[machine.0 as usize]
             .alive
             .store(false, Ordering::SeqCst);
@@ -380,9 +460,12 @@ impl MemFabric {
         }
     }
 
-    /// Partitions the network: machines in different `sides` cannot reach each other (one-sided
-    /// operations fail as to a dead machine, datagrams are lost); machines not listed stay on
-    /// side 0 with the first group. Writes already posted across the cut are not affected.
+    /// Partitions the network: machines in different `sides` cannot reach each other (reads
+    /// fail as to a dead machine, writes break their pair's links and stall, datagrams are
+    /// lost); machines not listed stay on side 0 with the first group. Writes posted before
+    /// the cut are in flight and land (held ones when delivered), unless a later write on
+    /// their pair crosses the cut: they stall with it. Links between machines the new sides
+    /// join again are repaired.
     pub fn partition(&self, sides: &[&[MachineId]]) {
         for g in self.groups.iter() {
             g.store(0, Ordering::SeqCst);
@@ -392,10 +475,11 @@ impl MemFabric {
                 self.groups[m.0 as usize].store(i as u32, Ordering::SeqCst);
             }
         }
+        self.repair();
     }
 
     /// Cuts one-sided operations between `a` and `b`, both ways (reads fail as to a dead
-    /// machine, writes are lost and break the link) while datagrams still pass between them,
+    /// machine, writes break their link and stall) while datagrams still pass between them,
     /// as when a TCP connection breaks and UDP gets through: leases are renewed, memory is
     /// out of reach. Healed by [`MemFabric::heal`].
     pub fn cut_memory(&self, a: MachineId, b: MachineId) {
@@ -405,8 +489,8 @@ impl MemFabric {
 
     /// Heals every partition and every cut between two machines' memory.
     pub fn heal(&self) {
-        self.partition(&[]);
         self.memory_cuts.clear();
+        self.partition(&[]);
     }
 
     /// Whether `a` can reach `b`: both up, on the same side of any partition, and their
@@ -428,15 +512,21 @@ impl MemFabric {
     fn fail_link(&self, src: Endpoint, dst: MachineId) {
         let link = self.link(src, dst);
         let mut held = link.held.lock().expect("fabric lock poisoned");
-        if held.is_empty()
-            && link.landed.load(Ordering::SeqCst) == link.issued.load(Ordering::SeqCst)
-        {
-            return;
+        let (landed, issued) = (
+            link.landed.load(Ordering::SeqCst),
+            link.issued.load(Ordering::SeqCst),
+        );
+        let failed_through = (link.failed.lock().expect("fabric lock poisoned").last())
+            .map_or(0, |(_, through)| *through);
+        if held.is_empty() && (landed == issued || failed_through == issued) {
+            return; // Nothing outstanding that has not failed already.
         }
         held.clear();
-        link.failed_after
-            .store(link.landed.load(Ordering::SeqCst), Ordering::SeqCst);
-        link.failed.store(true, Ordering::SeqCst);
+        link.failed
+            .lock()
+            .expect("fabric lock poisoned")
+            .push((landed.max(failed_through), issued));
+        link.any_failed.store(true, Ordering::SeqCst);
     }
 
     /// Crashes `machine` the way a power failure mid-transfer does: on every link from it, a
@@ -449,7 +539,11 @@ impl MemFabric {
                 thread: ThreadId(t),
             };
             for dst in 0..self.config.machines_max {
-                if !self.admits(MachineId(dst), machine) {
+                if !self.admits(MachineId(dst), machine)
+                    || self
+                        .broken_link(machine, MachineId(dst))
+                        .load(Ordering::SeqCst)
+                {
                     continue; // Dropped with the link when the machine is killed below.
                 }
                 let link = self.link(src, MachineId(dst));
@@ -477,12 +571,14 @@ impl MemFabric {
     }
 
     /// Holds every later write on its link until [`MemFabric::deliver_next`] (the simulator's
-    /// mode), or, when `false`, lets writes land at once (held ones must be delivered first).
+    /// mode), or, when `false`, lets writes land at once (held ones must be delivered first;
+    /// writes stalled behind a break wait for its repair either way).
     pub fn set_hold_writes(&self, hold: bool) {
         self.hold_writes.store(hold, Ordering::SeqCst);
     }
 
-    /// Links that have held writes, as (sender, target, count), in a fixed order.
+    /// Links that have held writes the driver can deliver (none stalled behind a break), as
+    /// (sender, target, count), in a fixed order.
     pub fn held_links(&self) -> Vec<(Endpoint, MachineId, usize)> {
         let mut out = Vec::new();
         for m in 0..self.config.machines_max {
@@ -492,6 +588,12 @@ impl MemFabric {
                     thread: ThreadId(t),
                 };
                 for dst in 0..self.config.machines_max {
+                    if self
+                        .broken_link(src.machine, MachineId(dst))
+                        .load(Ordering::SeqCst)
+                    {
+                        continue;
+                    }
                     let n = self
                         .link(src, MachineId(dst))
                         .held
@@ -507,7 +609,8 @@ impl MemFabric {
         out
     }
 
-    /// Lands the oldest held write from `src` to `dst`; returns whether there was one.
+    /// Lands the oldest held write from `src` to `dst`; returns whether there was one. Writes
+    /// stalled behind a break wait for its repair.
     pub fn deliver_next(&self, src: Endpoint, dst: MachineId) -> bool {
         if !self.admits(dst, src.machine) {
             // The target removed the sender since: what was in flight is dropped.
@@ -519,6 +622,9 @@ impl MemFabric {
                 .is_empty();
             self.fail_link(src, dst);
             return any;
+        }
+        if self.broken_link(src.machine, dst).load(Ordering::SeqCst) {
+            return false;
         }
         let link = self.link(src, dst);
         let mut held = link.held.lock().expect("fabric lock poisoned");
@@ -532,7 +638,8 @@ impl MemFabric {
         }
     }
 
-    /// Lands every held write, in order, and performs every held read.
+    /// Lands every held write not stalled behind a break, in order, and performs every held
+    /// read.
     pub fn deliver_all(&self) {
         for (src, dst, _) in self.held_links() {
             while self.deliver_next(src, dst) {}
@@ -623,25 +730,42 @@ impl Fabric for MemFabric {
         if !self.machine(dst)?.alive.load(Ordering::SeqCst) || !self.admits(dst, src.machine) {
             return Err(FabricError::Unreachable(dst));
         }
-        let broken = self.broken_link(src.machine, dst);
-        if !same_side(&self.groups, src.machine, dst) || self.memory_cuts.cut(src.machine, dst) {
-            // Both up, but the write is lost: the link breaks, as a connection does.
-            broken.store(true, Ordering::SeqCst);
-            return Err(FabricError::Unreachable(dst));
-        }
-        if broken.load(Ordering::SeqCst) {
-            // Healed, but a write beyond the hole a lost one left would land: the link stays
-            // down while `dst` is a member.
-            return Err(FabricError::Unreachable(dst));
-        }
         let mem = self.area(dst, key)?;
         farm_core::fabric::check_bounds(dst, key, &mem, offset, data.len())?;
+        let broken = self.broken_link(src.machine, dst);
+        // A write across a cut, or on a pair stalled behind one, is decided under `stalls`,
+        // so that repairs, kills and membership changes see it whole: afresh, since one of
+        // them may have come between the checks above and the lock.
+        let _stalls = if self.cut_between(src.machine, dst) || broken.load(Ordering::SeqCst) {
+            let stalls = self.stalls.lock().expect("fabric lock poisoned");
+            if !self.is_alive(src.machine) {
+                return Err(FabricError::SenderDown(src.machine));
+            }
+            if !self.is_alive(dst) || !self.admits(dst, src.machine) {
+                return Err(FabricError::Unreachable(dst));
+            }
+            if self.cut_between(src.machine, dst) {
+                if !self.admits(src.machine, dst) {
+                    // No link between members to keep in order: to a machine the writer
+                    // removed (or has not admitted yet) a write across a cut is lost, as a
+                    // new connection fails.
+                    return Err(FabricError::Unreachable(dst));
+                }
+                // Both up, but the write cannot get through: the pair's link breaks, as a
+                // connection does, and its writes stall until the cut heals.
+                broken.store(true, Ordering::SeqCst);
+            }
+            Some(stalls)
+        } else {
+            None
+        };
+        let stalled = broken.load(Ordering::SeqCst);
         let link = self.link(src, dst);
         let seq = link.issued.fetch_add(1, Ordering::SeqCst) + 1;
         if src.machine != dst {
             link.traffic.write(data.len());
         }
-        if self.hold_writes.load(Ordering::SeqCst) {
+        if stalled || self.hold_writes.load(Ordering::SeqCst) {
             let mut held = link.held.lock().expect("fabric lock poisoned");
             held.push_back(HeldWrite {
                 seq,
@@ -677,12 +801,16 @@ impl Fabric for MemFabric {
 
     fn write_status(&self, src: Endpoint, dst: MachineId, ticket: WriteTicket) -> WriteStatus {
         let link = self.link(src, dst);
-        if link.landed.load(Ordering::SeqCst) >= ticket.0 {
-            WriteStatus::Done
-        } else if link.failed.load(Ordering::SeqCst)
-            && ticket.0 > link.failed_after.load(Ordering::SeqCst)
-        {
+        let failed = || {
+            let ranges = link.failed.lock().expect("fabric lock poisoned");
+            ranges
+                .iter()
+                .any(|(after, through)| (after + 1..=*through).contains(&ticket.0))
+        };
+        if link.any_failed.load(Ordering::SeqCst) && failed() {
             WriteStatus::Failed
+        } else if link.landed.load(Ordering::SeqCst) >= ticket.0 {
+            WriteStatus::Done
         } else {
             WriteStatus::Pending
         }
@@ -734,16 +862,17 @@ impl Fabric for MemFabric {
                 .iter()
                 .filter(|x| x.0 as usize / 64 == i)
                 .fold(0u64, |b, x| b | 1 << (x.0 % 64));
+            let _stalls = self.stalls.lock().expect("fabric lock poisoned");
             let was = word.swap(bits, Ordering::AcqRel);
-            // A machine removed or added is another incarnation from now on: this machine's
-            // link to it starts afresh.
+            // A machine removed or added is another incarnation from now on: what stalled
+            // between the two fails, and their links start afresh.
             let mut changed = was ^ bits;
             while changed != 0 {
-                let dst = MachineId((i * 64) as u16 + changed.trailing_zeros() as u16);
+                let other = MachineId((i * 64) as u16 + changed.trailing_zeros() as u16);
                 changed &= changed - 1;
-                if dst.0 < self.config.machines_max {
-                    self.broken_link(machine, dst)
-                        .store(false, Ordering::SeqCst);
+                if other.0 < self.config.machines_max {
+                    self.end_break(machine, other);
+                    self.end_break(other, machine);
                 }
             }
         }
@@ -945,14 +1074,14 @@ mod tests {
         }
     }
 
-    /// Reads and datagrams come back with the heal; a write lost to the partition broke its
-    /// link, which stays down (and is reported) while the target is a member of the writer's
-    /// configuration, and starts afresh once the writer removed it.
+    /// Reads and datagrams come back with the heal; a write across the partition broke its
+    /// link: it and every later write on the link stall (reported while the target is a member
+    /// of the writer's configuration) and land in order when the partition heals.
     #[test]
-    fn a_partition_cuts_reads_writes_and_datagrams_until_healed() {
+    fn a_partition_cuts_reads_and_datagrams_and_stalls_writes_until_healed() {
         let f = fabric();
         let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem);
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
         let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
         f.partition(&[&[MachineId(0)], &[MachineId(1), MachineId(2)]]);
         assert!(
@@ -963,29 +1092,222 @@ mod tests {
             r.read(0, &mut buf),
             Err(FabricError::Unreachable(MachineId(1)))
         );
-        assert!(f
+        let first = f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
-            .is_err());
+            .unwrap();
+        let second = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[3; 8])
+            .unwrap();
+        assert_eq!(
+            f.write_status(ep(0), MachineId(1), first),
+            WriteStatus::Pending
+        );
+        assert_eq!(
+            mem.load_u64(0, Ordering::SeqCst),
+            0,
+            "nothing crossed the cut"
+        );
         f.send_datagram(MachineId(0), MachineId(1), b"x", 0);
         assert_eq!(f.recv_datagram(MachineId(1), 1, &mut Vec::new()), None);
         assert_eq!(f.broken_members(MachineId(0)), vec![MachineId(1)]);
         assert_eq!(f.broken_members(MachineId(1)), vec![]);
-        f.heal();
-        assert!(r.read(0, &mut buf).is_ok());
-        assert!(f
-            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
-            .is_err());
-        assert_eq!(f.broken_members(MachineId(0)), vec![MachineId(1)]);
-        // Writes on links that never lost one go on.
+        // Writes on links across no cut go on.
         assert!(f
             .write(ep(2), MachineId(1), MemKey::Rings, 8, &[2; 8])
             .is_ok());
-        f.admit(MachineId(0), &[MachineId(0), MachineId(2)]);
+        assert_eq!(
+            mem.load_u64(8, Ordering::SeqCst),
+            u64::from_le_bytes([2; 8])
+        );
+        f.heal();
+        assert!(r.read(0, &mut buf).is_ok());
+        for t in [first, second] {
+            assert_eq!(f.write_status(ep(0), MachineId(1), t), WriteStatus::Done);
+        }
+        assert_eq!(
+            mem.load_u64(0, Ordering::SeqCst),
+            u64::from_le_bytes([3; 8]),
+            "the stalled writes landed in the order they were posted"
+        );
         assert_eq!(f.broken_members(MachineId(0)), vec![]);
-        f.admit(MachineId(0), &[MachineId(0), MachineId(1), MachineId(2)]);
-        assert!(f
+        let after = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 16, &[4; 8])
+            .unwrap();
+        assert_eq!(
+            f.write_status(ep(0), MachineId(1), after),
+            WriteStatus::Done
+        );
+    }
+
+    /// Writes stalled behind a break are for the incarnations the two machines were: a
+    /// membership change at either end fails them, and they never land, heal or not.
+    #[test]
+    fn stalled_writes_fail_when_either_end_changes_its_members() {
+        for target_side in [false, true] {
+            let f = fabric();
+            let mem = Arc::new(Nvram::anonymous(64).unwrap());
+            f.register(MachineId(1), MemKey::Rings, mem.clone());
+            f.cut_memory(MachineId(0), MachineId(1));
+            let t = f
+                .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+                .unwrap();
+            assert_eq!(f.write_status(ep(0), MachineId(1), t), WriteStatus::Pending);
+            if target_side {
+                f.admit(MachineId(1), &[MachineId(1), MachineId(2)]);
+            } else {
+                f.admit(MachineId(0), &[MachineId(0), MachineId(2)]);
+            }
+            assert_eq!(f.write_status(ep(0), MachineId(1), t), WriteStatus::Failed);
+            assert_eq!(f.broken_members(MachineId(0)), vec![]);
+            // Across the cut, to a machine the writer no longer admits (or that no longer
+            // admits it), a write fails at once: no link between members to keep in order.
+            assert!(f
+                .write(ep(0), MachineId(1), MemKey::Rings, 8, &[2; 8])
+                .is_err());
+            f.heal();
+            assert_eq!(f.write_status(ep(0), MachineId(1), t), WriteStatus::Failed);
+            assert_eq!(
+                mem.load_u64(0, Ordering::SeqCst),
+                0,
+                "target side {target_side}"
+            );
+        }
+    }
+
+    /// A write that failed stays failed after later writes on its link land, and those are
+    /// judged on their own; a new partition that joins the two sides repairs their links.
+    #[test]
+    fn failed_writes_stay_failed_and_a_new_partition_repairs_what_it_joins() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        f.cut_memory(MachineId(0), MachineId(1));
+        let lost = f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+            .unwrap();
+        f.admit(MachineId(1), &[MachineId(1), MachineId(2)]);
+        f.admit(MachineId(1), &[MachineId(0), MachineId(1), MachineId(2)]);
+        f.heal();
+        let later = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 8, &[2; 8])
+            .unwrap();
+        assert_eq!(
+            f.write_status(ep(0), MachineId(1), later),
+            WriteStatus::Done
+        );
+        assert_eq!(
+            f.write_status(ep(0), MachineId(1), lost),
+            WriteStatus::Failed
+        );
+        assert_eq!(mem.load_u64(0, Ordering::SeqCst), 0);
+        f.partition(&[&[MachineId(0)], &[MachineId(1), MachineId(2)]]);
+        let stalled = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 16, &[3; 8])
+            .unwrap();
+        f.partition(&[&[MachineId(0), MachineId(1)], &[MachineId(2)]]);
+        assert_eq!(
+            f.write_status(ep(0), MachineId(1), stalled),
+            WriteStatus::Done
+        );
+        assert_eq!(f.broken_members(MachineId(0)), vec![]);
+    }
+
+    /// Writers on two threads race partitions and heals: each thread's writes land in the
+    /// order it posted them, none is left stalled once the network heals, and none fails
+    /// (nobody changed membership).
+    #[test]
+    fn writes_racing_partitions_and_heals_land_in_order() {
+        let f = Arc::new(fabric());
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let writers: Vec<_> = (0..2u16)
+            .map(|t| {
+                let (f, mem) = (f.clone(), mem.clone());
+                std::thread::spawn(move || {
+                    let src = Endpoint {
+                        machine: MachineId(0),
+                        thread: ThreadId(t),
+                    };
+                    let mut tickets = Vec::new();
+                    for i in 1..=20_000u64 {
+                        let t8 = u64::from(t) * 8;
+                        let ticket = f
+                            .write(src, MachineId(1), MemKey::Rings, t8, &i.to_le_bytes())
+                            .expect("both up and members");
+                        tickets.push(ticket);
+                        // Order on the link: what is there is never older than an earlier
+                        // write known to have landed.
+                        if i % 64 == 0 {
+                            let done = tickets.iter().rposition(|k| {
+                                f.write_status(src, MachineId(1), *k) == WriteStatus::Done
+                            });
+                            if let Some(k) = done {
+                                let there = mem.load_u64(t8 as usize, Ordering::SeqCst);
+                                assert!(there > k as u64, "write {} landed over {there}", k + 1);
+                            }
+                        }
+                    }
+                    (src, tickets)
+                })
+            })
+            .collect();
+        for round in 0..200 {
+            if round % 2 == 0 {
+                f.partition(&[&[MachineId(0)], &[MachineId(1), MachineId(2)]]);
+            } else {
+                f.heal();
+            }
+            std::thread::yield_now();
+        }
+        // The last round healed: nothing may stay stalled behind a cut that is gone.
+        let done: Vec<_> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+        assert_eq!(f.broken_members(MachineId(0)), vec![]);
+        for (src, tickets) in done {
+            for t in &tickets {
+                assert_eq!(f.write_status(src, MachineId(1), *t), WriteStatus::Done);
+            }
+            assert_eq!(
+                mem.load_u64(src.thread.0 as usize * 8, Ordering::SeqCst),
+                20_000,
+                "thread {}: the last write posted is the last to land",
+                src.thread.0
+            );
+        }
+    }
+
+    /// In the simulator's mode a stalled link is not offered to the driver, a crash lands none
+    /// of it, and once repaired its writes are delivered one by one in order.
+    #[test]
+    fn held_writes_stalled_behind_a_break_wait_for_the_repair() {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        f.set_hold_writes(true);
+        f.partition(&[&[MachineId(0)], &[MachineId(1)]]);
+        let a = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
+            .unwrap();
+        let b = f
+            .write(ep(0), MachineId(1), MemKey::Rings, 8, &[2; 8])
+            .unwrap();
+        assert!(f.held_links().is_empty());
+        assert!(!f.deliver_next(ep(0), MachineId(1)));
+        f.heal();
+        assert_eq!(f.held_links(), vec![(ep(0), MachineId(1), 2)]);
+        assert!(f.deliver_next(ep(0), MachineId(1)));
+        assert_eq!(f.write_status(ep(0), MachineId(1), a), WriteStatus::Done);
+        assert_eq!(f.write_status(ep(0), MachineId(1), b), WriteStatus::Pending);
+        f.partition(&[&[MachineId(0)], &[MachineId(1)]]);
+        // A write across the new cut breaks the link again: `b`, held ahead of it, stalls
+        // with it, and the crash lands neither.
+        assert!(f
+            .write(ep(0), MachineId(1), MemKey::Rings, 16, &[3; 8])
             .is_ok());
+        f.crash(MachineId(0), &mut Rng::new(7));
+        assert_eq!(f.write_status(ep(0), MachineId(1), b), WriteStatus::Failed);
+        let mut bytes = [0u8; 24];
+        mem.read(0, &mut bytes);
+        assert_eq!(bytes, [[1u8; 8], [0; 8], [0; 8]].concat()[..]);
     }
 
     #[test]
@@ -1001,9 +1323,9 @@ mod tests {
             r.read(0, &mut buf),
             Err(FabricError::Unreachable(MachineId(1)))
         );
-        assert!(f
+        let stalled = f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
-            .is_err());
+            .unwrap();
         assert_eq!(f.broken_members(MachineId(0)), vec![MachineId(1)]);
         // Only that pair.
         assert!(r2.read(0, &mut buf).is_ok());
@@ -1017,6 +1339,10 @@ mod tests {
         );
         f.heal();
         assert!(r.read(0, &mut buf).is_ok());
+        assert_eq!(
+            f.write_status(ep(0), MachineId(1), stalled),
+            WriteStatus::Done
+        );
     }
 
     #[test]

@@ -205,8 +205,8 @@ impl MachineControl {
     }
 
     /// Advances the plane, first reporting the members the fabric can no longer write to
-    /// (`Fabric::broken_members`): a failed write to a live member left a hole in its ring, so
-    /// the configuration must remove it.
+    /// (`Fabric::broken_members`): a write that did not land at a live member left a hole in
+    /// its ring, so the configuration must remove it (or the link be repaired in place).
     pub fn tick(&mut self, now: u64) {
         let unreachable = self.machine.unreachable_members();
         self.machine.publish_unreachable(&unreachable);

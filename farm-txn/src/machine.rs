@@ -693,7 +693,7 @@ impl MachineState {
 
     /// The members this machine can no longer write to although they may live, which the
     /// configuration must remove: those the fabric's links to broke (`Fabric::broken_members`:
-    /// a failed write left a hole in a ring) and those a worker cut off for not draining their
+    /// a write that did not land left a hole in a ring) and those a worker cut off for not draining their
     /// queue (`Worker::cut`). The control plane reports them at every tick.
     pub fn unreachable_members(&self) -> Vec<MachineId> {
         let peers = self.params.layout.machines_max as usize;

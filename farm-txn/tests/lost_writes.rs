@@ -1,7 +1,8 @@
-//! A write that fails to a machine that is still a member is not delivered: its link broke
-//! (a connection reset, a partition) while the machine lives on, and it never saw the record.
-//! Nothing may count it delivered until the configuration removed the machine (FaRM §4 step 5:
-//! truncation only after every primary acknowledged COMMIT-PRIMARY).
+//! A write that did not land at a machine that is still a member is not delivered: its link
+//! broke (a connection reset, a partition) while the machine lives on, and it never saw the
+//! record. Nothing may count it delivered until it lands (the `mem` fabric's link is repaired)
+//! or the configuration removed the machine (FaRM §4 step 5: truncation only after every
+//! primary acknowledged COMMIT-PRIMARY).
 
 mod common;
 
@@ -24,8 +25,8 @@ fn alloc(w: &mut [Worker], m: usize, now: &mut u64) -> Addr {
 
 /// The scenario of issue 16, case 1: machine 2 commits a transaction writing `a` (region 1:
 /// primary 1, backup 2) and `b` (region 0: primary 0, backup 1). Once both primaries locked,
-/// machine 0 is cut off from machine 2: COMMIT-PRIMARY to machine 0 fails while machine 0
-/// stays a member, holding `b` locked. The commit succeeds on machine 1's acknowledgement (every
+/// machine 0 is cut off from machine 2: COMMIT-PRIMARY to machine 0 stalls behind the broken
+/// link while machine 0 stays a member, holding `b` locked. The commit succeeds on machine 1's acknowledgement (every
 /// backup holds the records), but truncation must wait: were it sent, machine 1 would install
 /// `b` from its COMMIT-BACKUP while `b`'s primary never applied it, and a recovery that later
 /// finds the transaction truncated at region 1 and only locked at region 0 would abort it.

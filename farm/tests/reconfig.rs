@@ -382,8 +382,8 @@ fn a_member_cut_off_with_its_cm_serves_no_value_the_majority_overwrote() {
 }
 
 /// As above, but the majority does not wait for the CM's lease to run out: the first backup CM
-/// commits a write that the CM backs, the write into the CM's log is lost, the link breaks, and
-/// it removes the CM at once (a link stays broken while both ends are members). The member cut
+/// commits a write that the CM backs, the write into the CM's log stalls, the link breaks, and
+/// it removes the CM at once (the link's writes stall while the partition lasts). The member cut
 /// off with the CM must still not serve what the majority wrote. It did, in about one run in
 /// seven: the commit waited a lease from the probes, but the CM had held its leases at the
 /// members until the cut and went on renewing the member's for a lease after. The commit now
@@ -417,7 +417,7 @@ fn a_member_cut_off_with_a_cm_removed_over_a_broken_link_serves_nothing_stale() 
         .unwrap();
     c.fabric()
         .partition(&[&[MachineId(0), cut_off], &majority[..]]);
-    // The first backup CM commits a write the CM backs: the write to its log is lost and the
+    // The first backup CM commits a write the CM backs: the write to its log stalls and the
     // link breaks.
     let _ = c.txn(first_backup, |tx| tx.write(b, &2u64));
     wait_for_config(&c, first_backup, 2);
