@@ -560,9 +560,12 @@ fn a_broken_link_between_two_irremovable_members() {
 /// also 2 and 3, which were stopped as evicted. Its one crash then fell on machine 1 (t2513),
 /// the last complete replica of regions 0 and 1 (re-replication to new backups not done), so
 /// every later attempt fails ("lost every complete replica") and the clients never finish.
-/// Open: why machine 1's probes left 2 and 3 out after the heal, and whether the simulator's
-/// fault budget (a partition of one machine with one crash, for three replicas) should count
-/// what a takeover removes.
+/// Open. Machines 2 and 3 had written to machine 1 across the cut, so they said they could not
+/// write to it, and a probed machine that says so does not answer (`control::probe`): machine
+/// 1's takeover removed them with its suspect, where the machine its peers cannot write to
+/// should not take over (`a_machine_its_peers_cannot_write_to_does_not_take_over_as_cm`). And
+/// the simulator's fault budget (a partition of one machine and one crash, for three
+/// replicas) does not count what a takeover removes.
 #[test]
 #[ignore = "fails: a takeover after a heal removed three machines, and a crash then took the last replica"]
 fn a_crash_after_a_takeover_that_removed_three_machines() {
