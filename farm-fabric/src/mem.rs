@@ -104,6 +104,14 @@ struct Link {
     held: Mutex<VecDeque<HeldWrite>>,
 }
 
+impl Link {
+    /// Lands write `seq`: its bytes at `offset` of `mem`, then its completion.
+    fn land(&self, seq: u64, mem: &Nvram, offset: u64, data: &[u8]) {
+        mem.write(offset as usize, data);
+        self.landed.store(seq, Ordering::SeqCst);
+    }
+}
+
 /// The in-process fabric. See the module docs.
 #[derive(Debug)]
 pub struct MemFabric {
@@ -401,8 +409,7 @@ impl MemFabric {
                     let link = self.link(e, dst);
                     let mut held = link.held.lock().expect("fabric lock poisoned");
                     while let Some(w) = held.pop_front() {
-                        w.mem.write(w.offset as usize, &w.data);
-                        link.landed.store(w.seq, Ordering::SeqCst);
+                        link.land(w.seq, &w.mem, w.offset, &w.data);
                     }
                 }
             }
@@ -445,16 +452,10 @@ impl MemFabric {
         self.machines[machine.0 as usize]
             .alive
             .store(false, Ordering::SeqCst);
-        for src_m in 0..self.config.machines_max {
-            for t in 0..self.config.threads_max {
-                let src = Endpoint {
-                    machine: MachineId(src_m),
-                    thread: ThreadId(t),
-                };
-                for dst in 0..self.config.machines_max {
-                    if src_m == machine.0 || dst == machine.0 {
-                        self.fail_link(src, MachineId(dst));
-                    }
+        for src in (0..self.config.machines_max).flat_map(|m| self.endpoints(MachineId(m))) {
+            for dst in (0..self.config.machines_max).map(MachineId) {
+                if src.machine == machine || dst == machine {
+                    self.fail_link(src, dst);
                 }
             }
         }
@@ -533,11 +534,7 @@ impl MemFabric {
     /// prefix of the held writes lands (chosen by `rng`), the next one possibly cut at any
     /// aligned 8-byte word; then the machine is killed.
     pub fn crash(&self, machine: MachineId, rng: &mut Rng) {
-        for t in 0..self.config.threads_max {
-            let src = Endpoint {
-                machine,
-                thread: ThreadId(t),
-            };
+        for src in self.endpoints(machine) {
             for dst in 0..self.config.machines_max {
                 if !self.admits(MachineId(dst), machine)
                     || self
@@ -551,8 +548,7 @@ impl MemFabric {
                 let land = rng.below(held.len() as u64 + 1) as usize;
                 for _ in 0..land {
                     let w = held.pop_front().expect("counted");
-                    w.mem.write(w.offset as usize, &w.data);
-                    link.landed.store(w.seq, Ordering::SeqCst);
+                    link.land(w.seq, &w.mem, w.offset, &w.data);
                 }
                 if let Some(w) = held.front() {
                     // Cut between aligned 8-byte words: a NIC's DMA does not tear an aligned
@@ -582,11 +578,7 @@ impl MemFabric {
     pub fn held_links(&self) -> Vec<(Endpoint, MachineId, usize)> {
         let mut out = Vec::new();
         for m in 0..self.config.machines_max {
-            for t in 0..self.config.threads_max {
-                let src = Endpoint {
-                    machine: MachineId(m),
-                    thread: ThreadId(t),
-                };
+            for src in self.endpoints(MachineId(m)) {
                 for dst in 0..self.config.machines_max {
                     if self
                         .broken_link(src.machine, MachineId(dst))
@@ -630,8 +622,7 @@ impl MemFabric {
         let mut held = link.held.lock().expect("fabric lock poisoned");
         match held.pop_front() {
             Some(w) => {
-                w.mem.write(w.offset as usize, &w.data);
-                link.landed.store(w.seq, Ordering::SeqCst);
+                link.land(w.seq, &w.mem, w.offset, &w.data);
                 true
             }
             None => false,
@@ -774,8 +765,7 @@ impl Fabric for MemFabric {
                 data: data.to_vec(),
             });
         } else {
-            mem.write(offset as usize, data);
-            link.landed.store(seq, Ordering::SeqCst);
+            link.land(seq, &mem, offset, data);
         }
         Ok(WriteTicket(seq))
     }
@@ -935,6 +925,14 @@ mod tests {
         })
     }
 
+    /// A fabric whose machine 1 has 64 bytes of rings registered, and those bytes.
+    fn rings_at_1() -> (MemFabric, Arc<Nvram>) {
+        let f = fabric();
+        let mem = Arc::new(Nvram::anonymous(64).unwrap());
+        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        (f, mem)
+    }
+
     fn ep(m: u16) -> Endpoint {
         Endpoint {
             machine: MachineId(m),
@@ -944,9 +942,7 @@ mod tests {
 
     #[test]
     fn one_sided_write_then_read() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let (f, _mem) = rings_at_1();
         let t = f
             .write(ep(0), MachineId(1), MemKey::Rings, 8, b"abcdefgh")
             .unwrap();
@@ -967,9 +963,7 @@ mod tests {
 
     #[test]
     fn dead_machines_fail_operations_instead_of_hanging() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let (f, _mem) = rings_at_1();
         let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
         f.kill(MachineId(1));
         let mut buf = [0u8; 8];
@@ -989,9 +983,7 @@ mod tests {
 
     #[test]
     fn held_writes_land_in_order_and_fail_when_target_dies() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let (f, mem) = rings_at_1();
         f.set_hold_writes(true);
         let a = f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
@@ -1017,9 +1009,7 @@ mod tests {
     /// fails, and one 0 posted before (held in flight) is dropped, not landed.
     #[test]
     fn writes_from_machines_a_target_removed_do_not_land() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let (f, mem) = rings_at_1();
         f.set_hold_writes(true);
         let early = f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[7; 8])
@@ -1046,9 +1036,7 @@ mod tests {
     #[test]
     fn crash_lands_a_prefix_of_held_writes() {
         for seed in 0..50 {
-            let f = fabric();
-            let mem = Arc::new(Nvram::anonymous(64).unwrap());
-            f.register(MachineId(1), MemKey::Rings, mem.clone());
+            let (f, mem) = rings_at_1();
             f.set_hold_writes(true);
             for i in 0..4u8 {
                 f.write(
@@ -1079,9 +1067,7 @@ mod tests {
     /// of the writer's configuration) and land in order when the partition heals.
     #[test]
     fn a_partition_cuts_reads_and_datagrams_and_stalls_writes_until_healed() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let (f, mem) = rings_at_1();
         let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
         f.partition(&[&[MachineId(0)], &[MachineId(1), MachineId(2)]]);
         assert!(
@@ -1144,9 +1130,7 @@ mod tests {
     #[test]
     fn stalled_writes_fail_when_either_end_changes_its_members() {
         for target_side in [false, true] {
-            let f = fabric();
-            let mem = Arc::new(Nvram::anonymous(64).unwrap());
-            f.register(MachineId(1), MemKey::Rings, mem.clone());
+            let (f, mem) = rings_at_1();
             f.cut_memory(MachineId(0), MachineId(1));
             let t = f
                 .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
@@ -1178,9 +1162,7 @@ mod tests {
     /// judged on their own; a new partition that joins the two sides repairs their links.
     #[test]
     fn failed_writes_stay_failed_and_a_new_partition_repairs_what_it_joins() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let (f, mem) = rings_at_1();
         f.cut_memory(MachineId(0), MachineId(1));
         let lost = f
             .write(ep(0), MachineId(1), MemKey::Rings, 0, &[1; 8])
@@ -1279,9 +1261,7 @@ mod tests {
     /// of it, and once repaired its writes are delivered one by one in order.
     #[test]
     fn held_writes_stalled_behind_a_break_wait_for_the_repair() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem.clone());
+        let (f, mem) = rings_at_1();
         f.set_hold_writes(true);
         f.partition(&[&[MachineId(0)], &[MachineId(1)]]);
         let a = f
@@ -1312,9 +1292,7 @@ mod tests {
 
     #[test]
     fn a_memory_cut_fails_reads_and_writes_and_lets_datagrams_pass() {
-        let f = fabric();
-        let mem = Arc::new(Nvram::anonymous(64).unwrap());
-        f.register(MachineId(1), MemKey::Rings, mem);
+        let (f, _mem) = rings_at_1();
         let r = f.remote(MachineId(0), MachineId(1), MemKey::Rings).unwrap();
         let r2 = f.remote(MachineId(2), MachineId(1), MemKey::Rings).unwrap();
         f.cut_memory(MachineId(0), MachineId(1));
