@@ -48,8 +48,8 @@ use farm_core::{ConfigId, MachineId, RegionId};
 use crate::control::ControlMsg;
 use crate::placement::{AllocRequest, Preparing, ALLOCATION_REGIONS_MAX};
 use crate::reconfig::{
-    attempt_base, backup_cms, Effect as ReconfigEffect, NewConfig, Reconfig, ReconfigError,
-    ReconfigParams,
+    attempt_base, backup_cms, Effect as ReconfigEffect, NewConfig, ProbeAnswer, Reconfig,
+    ReconfigError, ReconfigParams,
 };
 use crate::remap::RemapError;
 use crate::store::{CasOutcome, StoreError, StoreVersion};
@@ -1117,15 +1117,8 @@ impl ControlPlane {
         }
     }
 
-    /// The result of [`Effect::Probe`]: the regions whose replica `m` holds complete, or `None`
-    /// when the read failed.
-    pub fn on_probe(
-        &mut self,
-        m: MachineId,
-        answer: Option<BTreeSet<RegionId>>,
-        now: u64,
-        local: &Local<'_>,
-    ) {
+    /// The result of [`Effect::Probe`] (see [`Reconfig::on_probe`]).
+    pub fn on_probe(&mut self, m: MachineId, answer: ProbeAnswer, now: u64, local: &Local<'_>) {
         if let Some(a) = self.attempt.as_mut() {
             a.reconfig.on_probe(m, answer, now);
             self.pump(now, local);

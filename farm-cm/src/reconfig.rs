@@ -6,7 +6,9 @@
 //!    with answers from a majority of the configuration, so a minority partition cannot
 //!    reconfigure. A probe's answer is the set of regions whose replica the member holds
 //!    complete (data recovery of a new backup's copy finished, §5.4): only those may be
-//!    promoted in step 4.
+//!    promoted in step 4. A member may answer that it cannot write to the driver
+//!    ([`ProbeAnswer::CannotWriteToProber`]): the CM removes it, and a machine taking over
+//!    stands down.
 //! 3. *Update configuration*: compare-and-set `<c+1, S', F', CM'>` in the coordination store at
 //!    the version of `c`; losing the race ends this attempt.
 //! 4. *Remap regions* ([`crate::remap`]).
@@ -55,6 +57,20 @@ pub enum Effect {
     SendCommit(MachineId, ConfigId),
 }
 
+/// What a probe (step 2) learned of a member.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum ProbeAnswer {
+    /// The regions whose replica the member holds complete.
+    Complete(BTreeSet<RegionId>),
+    /// The member says it cannot write to the driver: a link into the driver broke (its
+    /// writes across a partition or a cut stalled or failed) and stays so while both are
+    /// members. A probe reads the member's memory, which shows only that the driver reaches
+    /// it, not that it reaches the driver.
+    CannotWriteToProber,
+    /// The read failed.
+    NoAnswer,
+}
+
 /// Why a reconfiguration attempt ended without a new configuration.
 #[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
 pub enum ReconfigError {
@@ -66,6 +82,10 @@ pub enum ReconfigError {
         /// Members of the old configuration.
         members: usize,
     },
+    /// A member cannot write to this machine, which is not the configuration's CM: it stands
+    /// down rather than take over and remove the member (see [`Reconfig::on_probe`]).
+    #[error("{0} cannot write to this machine, which does not take over as CM")]
+    CannotBeWrittenBy(MachineId),
     /// Another machine changed the configuration first.
     #[error("lost the race for configuration {}: another machine changed it first", .0.0)]
     LostRace(ConfigId),
@@ -282,28 +302,45 @@ impl Reconfig {
         }
     }
 
-    /// The result of probing `m`, learned at `now`: the regions whose replica `m` holds complete,
-    /// or `None` when the read failed. A region of `map` that `m` holds and does not name is
-    /// one it is still copying (or has not installed yet).
-    pub fn on_probe(&mut self, m: MachineId, answer: Option<BTreeSet<RegionId>>, now: u64) {
+    /// The result of probing `m`, learned at `now`. A region of `map` that `m` holds and does
+    /// not name complete is one it is still copying (or has not installed yet).
+    ///
+    /// A member that cannot write to the driver is removed when the driver is the
+    /// configuration's CM (a CM never removes itself for its own links, `plane::CmState`), and
+    /// ends the attempt otherwise: of the two ends of the link, the machine taking over is the
+    /// one cut off from the others as often as not, and a CM its members cannot write to could
+    /// not run recovery with them. Before, it removed them with its suspect. Machine 1 of seven,
+    /// cut off alone, took over once the partition healed (the CM's removals of it had failed
+    /// on store timeouts) and removed the CM and machines 2 and 3, whose writes into it had
+    /// stalled across the cut: four machines gone for a partition of one, and the crash that
+    /// followed took the last complete replica of two regions (simulator seed 280943 of the
+    /// partitions).
+    pub fn on_probe(&mut self, m: MachineId, answer: ProbeAnswer, now: u64) {
         if let Phase::Probing {
             awaiting, answered, ..
         } = &mut self.phase
         {
             if awaiting.remove(&m) {
-                if let Some(complete) = answer {
-                    answered.insert(m);
-                    let copying: BTreeSet<RegionId> = self
-                        .map
-                        .iter()
-                        .filter(|(r, p)| p.holds(m) && !complete.contains(r))
-                        .map(|(r, _)| r)
-                        .collect();
-                    self.copying.insert(m, copying);
-                } else if self.joiners.remove(&m).is_some() {
-                    // A joiner that does not answer simply does not join.
-                } else {
-                    self.probe_failed(m, now);
+                match answer {
+                    ProbeAnswer::Complete(complete) => {
+                        answered.insert(m);
+                        let copying: BTreeSet<RegionId> = self
+                            .map
+                            .iter()
+                            .filter(|(r, p)| p.holds(m) && !complete.contains(r))
+                            .map(|(r, _)| r)
+                            .collect();
+                        self.copying.insert(m, copying);
+                    }
+                    // A joiner that does not answer, or cannot write here, simply does not join.
+                    _ if self.joiners.remove(&m).is_some() => {}
+                    ProbeAnswer::CannotWriteToProber if self.old.cm != self.me => {
+                        self.phase = Phase::Done(Err(ReconfigError::CannotBeWrittenBy(m)));
+                        return;
+                    }
+                    ProbeAnswer::CannotWriteToProber | ProbeAnswer::NoAnswer => {
+                        self.probe_failed(m, now)
+                    }
                 }
             }
         }
@@ -568,8 +605,11 @@ mod tests {
 
     /// A probe's answer: every replica complete (the test maps have fewer than 64 regions), or
     /// a failed read.
-    fn answer(ok: bool) -> Option<BTreeSet<RegionId>> {
-        ok.then(|| (0..64).map(RegionId).collect())
+    fn answer(ok: bool) -> ProbeAnswer {
+        match ok {
+            true => ProbeAnswer::Complete((0..64).map(RegionId).collect()),
+            false => ProbeAnswer::NoAnswer,
+        }
     }
 
     fn setup(n: u16) -> (Configuration, RegionMap, EmbeddedStore, StoreVersion) {
@@ -698,7 +738,7 @@ mod tests {
             for e in r.take_effects() {
                 match e {
                     Effect::Probe(MachineId(3)) if case == "fails" => {
-                        r.on_probe(MachineId(3), None, 1)
+                        r.on_probe(MachineId(3), ProbeAnswer::NoAnswer, 1)
                     }
                     Effect::Probe(MachineId(3)) if case == "times out" => {}
                     Effect::Probe(m) => r.on_probe(m, answer(true), 1),
@@ -724,6 +764,58 @@ mod tests {
         }
     }
 
+    /// A member that says it cannot write to the driver is removed when the CM drives, and
+    /// makes a machine taking over stand down, storing nothing, where before it removed the
+    /// member with its suspect (simulator seed 280943 of the partitions).
+    #[test]
+    fn a_member_that_cannot_write_to_a_machine_taking_over_makes_it_stand_down() {
+        for (driver, suspect) in [(MachineId(0), MachineId(4)), (MachineId(1), MachineId(0))] {
+            let (config, map, store, v) = setup(5);
+            assert_eq!(config.cm, MachineId(0));
+            let mut r = Reconfig::start(
+                driver,
+                config,
+                v,
+                map,
+                BTreeMap::new(),
+                BTreeSet::new(),
+                BTreeSet::from([suspect]),
+                PARAMS,
+                0,
+                0,
+            );
+            for e in r.take_effects() {
+                match e {
+                    Effect::Probe(MachineId(2)) => {
+                        r.on_probe(MachineId(2), ProbeAnswer::CannotWriteToProber, 1)
+                    }
+                    Effect::Probe(m) => r.on_probe(m, answer(true), 1),
+                    e => panic!("{e:?} before the probes"),
+                }
+            }
+            let sent = drive(&mut r, &store, &[], 2);
+            r.tick(2 + PARAMS.lease_ticks);
+            if driver == MachineId(0) {
+                let Some(Ok(new)) = r.outcome() else {
+                    panic!("the CM did not remove machine 2: {:?}", r.outcome());
+                };
+                let kept = [MachineId(0), MachineId(1), MachineId(3)];
+                assert_eq!(new.config.members, kept);
+            } else {
+                assert_eq!(
+                    r.outcome(),
+                    Some(&Err(ReconfigError::CannotBeWrittenBy(MachineId(2))))
+                );
+                assert!(sent.is_empty(), "stood down after {sent:?}");
+                assert_eq!(
+                    store.read().unwrap().unwrap().0,
+                    v,
+                    "stored a configuration"
+                );
+            }
+        }
+    }
+
     /// A joiner whose probe fails or times out does not join, and nothing waits for it: it
     /// holds no lease.
     #[test]
@@ -744,7 +836,9 @@ mod tests {
             r.hold_after_acks_if_a_probe_fails(45);
             for e in r.take_effects() {
                 match e {
-                    Effect::Probe(MachineId(3)) if fails => r.on_probe(MachineId(3), None, 1),
+                    Effect::Probe(MachineId(3)) if fails => {
+                        r.on_probe(MachineId(3), ProbeAnswer::NoAnswer, 1)
+                    }
                     Effect::Probe(MachineId(3)) => {}
                     Effect::Probe(m) => r.on_probe(m, answer(true), 1),
                     e => panic!("{e:?} before the probes"),

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use farm_cm::control::ControlMsg;
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams, TAKEOVER_LEASES};
-use farm_cm::reconfig::backup_cms;
+use farm_cm::reconfig::{backup_cms, ProbeAnswer};
 use farm_cm::{CasOutcome, CoordinationStore, EmbeddedStore};
 use farm_core::config::{Configuration, RegionChanges, RegionMap};
 use farm_core::{ConfigId, MachineId, RegionId};
@@ -179,12 +179,17 @@ impl Cluster {
                     }
                     Effect::Probe(p) => {
                         // Every replica is complete but those a test says are being copied.
-                        let answer = self.connected(m, p).then(|| {
-                            let probed = &self.machines[p.0 as usize];
-                            (probed.map.iter().map(|(r, _)| r))
-                                .filter(|r| !probed.copying.contains(r))
-                                .collect()
-                        });
+                        let answer = match self.connected(m, p) {
+                            true => {
+                                let probed = &self.machines[p.0 as usize];
+                                ProbeAnswer::Complete(
+                                    (probed.map.iter().map(|(r, _)| r))
+                                        .filter(|r| !probed.copying.contains(r))
+                                        .collect(),
+                                )
+                            }
+                            false => ProbeAnswer::NoAnswer,
+                        };
                         self.with_plane(m, |plane, local| plane.on_probe(p, answer, now, local));
                     }
                     Effect::ReadStore => {

@@ -504,9 +504,9 @@ fn a_member_that_cannot_reach_a_machine_that_cannot_be_removed_is_removed_instea
 /// 3, 4 and 5 could not reach their CM nor remove it (regions 0 and 6 would lose every complete
 /// replica), and the CM could not remove them (three of five are no majority): "clients did
 /// not finish". Each member now publishes the members it cannot write to beside its complete
-/// replicas, and a probe by one of them counts as no answer
-/// (`MachineState::publish_unreachable`): machine 1's takeover finds no majority, and machine
-/// 0's next removal of machine 1 succeeds.
+/// replicas (`MachineState::publish_unreachable`), and a machine taking over stands down when a
+/// probed member says it cannot write to it: machine 1 does not take over, and machine 0's
+/// next removal of machine 1 succeeds.
 #[test]
 fn a_machine_its_peers_cannot_write_to_does_not_take_over_as_cm() {
     check(110052, varied_config(110052));
@@ -553,22 +553,17 @@ fn a_broken_link_between_two_irremovable_members() {
     check(252471, partition_config(252471));
 }
 
-/// Seed 280943 of the partitions (found 2026-11-29, open; it fails on the previous commits
-/// too): seven machines, three replicas, machine 1 alone cut off from t1227 to t1377. The CM,
-/// machine 0, could not store a configuration removing 1 (store timeouts); after the heal,
-/// machine 1 took over (t1384) and stored configuration 2 of 1, 4, 5 and 6, removing 0 and
-/// also 2 and 3, which were stopped as evicted. Its one crash then fell on machine 1 (t2513),
-/// the last complete replica of regions 0 and 1 (re-replication to new backups not done), so
-/// every later attempt fails ("lost every complete replica") and the clients never finish.
-/// Open. Machines 2 and 3 had written to machine 1 across the cut, so they said they could not
-/// write to it, and a probed machine that says so does not answer (`control::probe`): machine
-/// 1's takeover removed them with its suspect, where the machine its peers cannot write to
-/// should not take over (`a_machine_its_peers_cannot_write_to_does_not_take_over_as_cm`). And
-/// the simulator's fault budget (a partition of one machine and one crash, for three
-/// replicas) does not count what a takeover removes.
+/// Seed 280943 of the partitions: seven machines, three replicas, machine 1 alone cut off from
+/// t1227 to t1377. The CM, machine 0, could not store a configuration removing 1 (store
+/// timeouts); after the heal, machine 1 took over (t1384) and stored configuration 2 of 1, 4, 5
+/// and 6, removing 0 and also 2 and 3, whose writes into it had stalled across the cut: a
+/// probed member that said it could not write to the prober counted as a failed probe. The
+/// campaign's one crash then fell on machine 1 (t2513), the last complete replica of regions 0
+/// and 1, and every later attempt failed ("lost every complete replica"). A machine taking over
+/// now stands down when a member cannot write to it (`Reconfig::on_probe`), and the CM's next
+/// attempt removes machine 1.
 #[test]
-#[ignore = "fails: a takeover after a heal removed three machines, and a crash then took the last replica"]
-fn a_crash_after_a_takeover_that_removed_three_machines() {
+fn a_machine_taking_over_stands_down_when_a_member_cannot_write_to_it() {
     check(280943, partition_config(280943));
 }
 

@@ -14,6 +14,7 @@ use crate::machine::{PersistedView, View};
 use crate::MachineState;
 use farm_cm::control::{ControlMsg, Reassembly};
 use farm_cm::plane::{ControlPlane, Effect, Event, Local, PlaneParams};
+use farm_cm::reconfig::ProbeAnswer;
 use farm_cm::restart::{Effect as RestartEffect, RestartExchange};
 use farm_cm::{ConfigurationStore, CoordinationStore, ReadConfigError};
 use farm_core::fabric::{Fabric, MemKey};
@@ -73,15 +74,17 @@ fn local<'a>(machine: &MachineState, view: &'a View, copying: &'a BTreeSet<Regio
 
 /// A reconfiguration probe (§5.2 step 2): a one-sided read of `m`'s memory from `me`, which
 /// succeeds while `m`'s NIC (its mapped memory, on the `shm` fabric) answers, of the regions
-/// whose replica `m` holds complete (`None`: no answer). An `m` that says it cannot write to
-/// `me` does not answer either: a CM its members cannot write to could not run recovery with
-/// them ([`MachineState::publish_unreachable`]).
-pub fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> Option<BTreeSet<RegionId>> {
-    let probed = fabric
+/// whose replica `m` holds complete, or of `m`'s word that it cannot write to `me`
+/// ([`MachineState::publish_unreachable`]).
+pub fn probe(fabric: &dyn Fabric, me: MachineId, m: MachineId) -> ProbeAnswer {
+    let read = fabric
         .remote(me, m, MemKey::Replicas)
-        .and_then(|h| crate::machine::read_complete(&*h))
-        .ok()?;
-    (!probed.unreachable.contains(&me)).then_some(probed.complete)
+        .and_then(|h| crate::machine::read_complete(&*h));
+    match read {
+        Err(_) => ProbeAnswer::NoAnswer,
+        Ok(probed) if probed.unreachable.contains(&me) => ProbeAnswer::CannotWriteToProber,
+        Ok(probed) => ProbeAnswer::Complete(probed.complete),
+    }
 }
 
 impl MachineControl {

@@ -1037,13 +1037,16 @@ impl MachineState {
     }
 
     /// Publishes, beside the complete replicas, the members this machine cannot write to
-    /// (`unreachable`, from [`MachineState::unreachable_members`]): a reconfiguration probe by
-    /// one of them counts as no answer ([`crate::control::probe`]). A probe reads the member's
-    /// memory, which shows that the prober reaches the member, not that the member reaches the
-    /// prober; a machine whose peers' links into it broke (while it was paused, say) could
-    /// otherwise win a majority of probes, take over as CM and remove the machine holding the
-    /// other replicas of its regions, after which its peers could remove neither it nor
-    /// anyone (simulator seed 110052 of the varied shapes).
+    /// (`unreachable`, from [`MachineState::unreachable_members`]), for the reconfiguration
+    /// probes of those members ([`crate::control::probe`]): the CM removes this machine, and a
+    /// machine taking over stands down (`farm_cm::reconfig::Reconfig::on_probe`). A probe reads
+    /// the member's memory, which shows that the prober reaches the member, not that the
+    /// member reaches the prober; a machine whose peers' links into it broke (while it was
+    /// paused, say) could otherwise win a majority of probes, take over as CM and remove the
+    /// machine holding the other replicas of its regions, after which its peers could remove
+    /// neither it nor anyone (simulator seed 110052 of the varied shapes). The list is as of
+    /// this machine's last control tick: one repaired since still names the peer, and makes
+    /// a takeover stand down once more than needed.
     pub fn publish_unreachable(&self, unreachable: &[MachineId]) {
         let mut published = self.published.lock().expect("poisoned");
         if published.1 != unreachable {

@@ -161,7 +161,7 @@ fn an_unreachable_zookeeper_is_a_clear_error() {
 /// to the next configuration and the other learns it lost.
 #[test]
 fn racing_reconfigurations_have_exactly_one_winner_in_every_store() {
-    use farm_cm::reconfig::{Effect, Reconfig, ReconfigError, ReconfigParams};
+    use farm_cm::reconfig::{Effect, ProbeAnswer, Reconfig, ReconfigError, ReconfigParams};
     use farm_core::config::RegionMap;
     use std::collections::{BTreeMap, BTreeSet};
 
@@ -211,7 +211,11 @@ fn racing_reconfigurations_have_exactly_one_winner_in_every_store() {
                         for e in r.take_effects() {
                             if let Effect::Probe(m) = e {
                                 // Every replica complete (the map has four regions).
-                                r.on_probe(m, Some((0..4).map(RegionId).collect()), 0);
+                                r.on_probe(
+                                    m,
+                                    ProbeAnswer::Complete((0..4).map(RegionId).collect()),
+                                    0,
+                                );
                             }
                         }
                         let Effect::CompareAndSet { expected, data } = r.take_effects().remove(0)
