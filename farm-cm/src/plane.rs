@@ -280,8 +280,9 @@ struct CmState {
     joins: BTreeSet<MachineId>,
     /// Members that cannot be written to, each with the members that cannot write to it (this
     /// machine among them when it is one). No later write may land beyond the hole a broken
-    /// link left, so it stays down while both ends are members (`tcp`; the `mem` fabric
-    /// stalls it until the cut heals), and one of them must leave ([`CmState::cut_off`]).
+    /// link left, so its writes wait while both ends are members, until the fabric repairs it
+    /// (the cut heals, or the connection is made again) or one of them leaves
+    /// ([`CmState::cut_off`]).
     unreachable: BTreeMap<MachineId, BTreeSet<MachineId>>,
     /// Ends of broken links whose removal failed for want of a complete replica of a region
     /// they hold.

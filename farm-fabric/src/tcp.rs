@@ -21,13 +21,18 @@
 //! reads (`RemoteMemory::post_object_read`) go out at once and are waited for later.
 //!
 //! Failures: a connection that closes, or leaves a request unanswered for the fabric's
-//! timeout, breaks: its unanswered writes fail, reads wait no longer, and further operations to
-//! the peer fail with [`FabricError::Unreachable`] at once. While the peer is a member of this
-//! machine's configuration (admitted, [`Fabric::admit`]), a broken link stays broken, as a
-//! queue pair in the error state does: reconnecting could land a later write to a log whose
-//! earlier one was lost. Once this machine removed the peer, the link connects again on its
-//! next use (reads: the CM probes a joiner), and a peer admitted again is a new incarnation
-//! whose rings start afresh. A peer never connected to is connected to on first use, by a
+//! timeout, breaks: its unanswered reads fail, and further reads fail with
+//! [`FabricError::Unreachable`] at once. While the peer is a member of this machine's
+//! configuration (admitted, [`Fabric::admit`]) the link is repaired in place: its writes wait,
+//! and new ones queue behind them, while a repairer connects again and resumes the link's
+//! session at the peer's NIC, which says the last write it took ([`Session`]); the link sends
+//! again exactly the writes after that one, in order ([`Link::repair`]), so every write lands
+//! once. A NIC that holds no session to resume (its process restarted, or it removed this
+//! machine since) refuses, and the link stays broken while the peer is a member, as a queue
+//! pair in the error state does: reconnecting to another incarnation could land a later write
+//! to a log whose earlier one was lost. Once this machine removed the peer, the link's waiting
+//! writes fail and it connects again on its next use (reads: the CM probes a joiner), and a
+//! peer admitted again is a new incarnation whose rings start afresh. A peer never connected to is connected to on first use, by a
 //! probe (a read of its replicas list) if it is not a member. Sends never block (what the
 //! socket does not take waits in the link).
 //!
@@ -71,10 +76,12 @@ const MAGIC: u32 = 0xfa53_7c90;
 /// after the hello, 5 the writing thread in each request (whose doorbell slot a write into the
 /// rings rings), 6 the members a machine cannot write to in its `Replicas` area (which
 /// reconfiguration probes read), 7 lease datagrams that say how long the CM's own leases have
-/// lapsed (`farm_cm::LeaseMsg`, whose older encoding a newer machine drops). A hello also carries the version of the records and
+/// lapsed (`farm_cm::LeaseMsg`, whose older encoding a newer machine drops), 8 the repair of a
+/// broken connection in place (a hello that resumes its link's session, and the last write the
+/// NIC took in it after the acknowledgement). A hello also carries the version of the records and
 /// messages that travel inside ring writes (`farm_core::wire::WIRE_VERSION`); a peer that
 /// differs in either is refused at its hello, and both sides say which versions met.
-pub const VERSION: u16 = 7;
+pub const VERSION: u16 = 8;
 const RECORDS: u8 = farm_core::wire::WIRE_VERSION;
 const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;
@@ -126,6 +133,12 @@ const ACK_OTHER_VERSION: u32 = 4;
 const ACK_CHALLENGE: u32 = 5;
 /// The connecting side's proof of the cluster's secret did not hold.
 const ACK_NOT_PROVED: u32 = 6;
+/// A hello that resumes a session this NIC does not hold (it restarted, or removed the
+/// connecting machine since, or refused one of the session's writes): nothing to repair.
+const ACK_NO_SESSION: u32 = 7;
+
+/// Hello flag: the connection resumes its link's session (see [`Session`]).
+const HELLO_RESUME: u8 = 1;
 
 /// The acknowledgement refusing a peer of other versions: it names this build's.
 const fn other_version_ack() -> u32 {
@@ -146,7 +159,24 @@ fn refusal(verdict: u32) -> String {
         ACK_NOT_PROVED => "it refused this machine's proof of the cluster's secret (the two \
                            hold different secrets)"
             .into(),
+        ACK_NO_SESSION => "it holds no session to resume (it restarted, or removed this machine \
+                           since)"
+            .into(),
         _ => "it does not speak this protocol".into(),
+    }
+}
+
+/// Why a connection could not be opened: the network, or the peer's refusal (its
+/// acknowledgement's verdict).
+#[derive(Debug)]
+enum Handshaken {
+    Io(io::Error),
+    Refused(u32),
+}
+
+impl From<io::Error> for Handshaken {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
     }
 }
 
@@ -224,6 +254,7 @@ impl TcpFabric {
             next_conn: AtomicU64::new(0),
             rejections: AtomicU64::new(0),
             secret: secret.clone(),
+            sessions: Mutex::new(HashMap::new()),
         });
         let accept = {
             let served = served.clone();
@@ -236,7 +267,9 @@ impl TcpFabric {
             .iter()
             .enumerate()
             .map(|(m, &addr)| {
-                Arc::new(Link {
+                Arc::new_cyclic(|this| Link {
+                    this: this.clone(),
+                    stopped: AtomicBool::new(false),
                     me,
                     dst: MachineId(m as u16),
                     addr,
@@ -251,6 +284,10 @@ impl TcpFabric {
                         unsent: 0,
                         sending: Vec::new(),
                         sending_at: 0,
+                        epoch: 0,
+                        window: Window::default(),
+                        repairs: 0,
+                        repairing_since: Instant::now(),
                     }),
                     acked: AtomicU64::new(0),
                     failed_any: AtomicBool::new(false),
@@ -320,6 +357,27 @@ struct Served {
     rejections: AtomicU64,
     /// The cluster's secret, which every connection proves before its first operation.
     secret: Secret,
+    /// Per connecting machine, the session of its link (see [`Session`]).
+    sessions: Mutex<HashMap<MachineId, Arc<Mutex<Session>>>>,
+}
+
+/// What the NIC keeps of one peer's link across its connections, so that a connection that
+/// broke can be repaired in place: the peer sends again every write it had no answer to, and
+/// the NIC says which it took already. A connection that says hello afresh starts a new
+/// session (the peer's link restarted: its membership changed, or its process did); one that
+/// resumes continues the session its link epoch names, if this NIC still holds it.
+#[derive(Debug)]
+struct Session {
+    /// The link's epoch, from its fresh hello.
+    epoch: u32,
+    /// The connection whose writes land: a later one of the session takes over, and the
+    /// earlier one's serving thread applies nothing more.
+    owner: u64,
+    /// The id of the last write taken (applied or refused) in the session.
+    last: u64,
+    /// Whether a write of the session was refused: its peer may not have heard so, and a
+    /// write sent again would then count as done, so the session cannot be resumed.
+    refused: bool,
 }
 
 /// The admitted set, one bit per machine.
@@ -348,8 +406,10 @@ impl Served {
         self.admitted.contains(m)
     }
 
-    /// Closes every connection machine `m` opened.
+    /// Closes every connection machine `m` opened, and forgets its session: a write it queued
+    /// must not land in a later incarnation's rings.
     fn close_from(&self, m: MachineId) {
+        self.sessions.lock().expect("sessions poisoned").remove(&m);
         for conn in self.conns.lock().expect("conns poisoned").values() {
             if conn.src == Some(m) {
                 conn.closed.store(true, Ordering::SeqCst);
@@ -504,6 +564,46 @@ fn serve(
         out.flush()?;
         return Err(ConnEnd::Refused(reason));
     }
+    let epoch = u32::from_le_bytes(hello[12..16].try_into().expect("4 bytes"));
+    let session = {
+        let mut sessions = served.sessions.lock().expect("sessions poisoned");
+        match sessions.get(&src) {
+            Some(s) if hello[11] & HELLO_RESUME != 0 => {
+                let mut held = s.lock().expect("session poisoned");
+                if held.epoch == epoch && !held.refused {
+                    held.owner = conn_id;
+                    drop(held);
+                    Some(s.clone())
+                } else {
+                    None
+                }
+            }
+            _ if hello[11] & HELLO_RESUME != 0 => None,
+            _ => {
+                let s = Arc::new(Mutex::new(Session {
+                    epoch,
+                    owner: conn_id,
+                    last: 0,
+                    refused: false,
+                }));
+                // An earlier connection of the machine's still in `sessions` applies nothing
+                // more: it is another session's.
+                if let Some(old) = sessions.insert(src, s.clone()) {
+                    old.lock().expect("session poisoned").owner = u64::MAX;
+                }
+                Some(s)
+            }
+        }
+    };
+    let Some(session) = session else {
+        served.reject();
+        tracing::warn!(machine = served.me.0, src = src.0, %peer,
+            "refused to resume a session it does not hold");
+        out.write_all(&MAGIC.to_le_bytes())?;
+        out.write_all(&ACK_NO_SESSION.to_le_bytes())?;
+        out.flush()?;
+        return Err(ConnEnd::Refused("no session to resume".into()));
+    };
     if let Some(c) = served
         .conns
         .lock()
@@ -512,8 +612,10 @@ fn serve(
     {
         c.src = Some(src);
     }
+    let last = session.lock().expect("session poisoned").last;
     out.write_all(&MAGIC.to_le_bytes())?;
     out.write_all(&ACK_OK.to_le_bytes())?;
+    out.write_all(&last.to_le_bytes())?;
     out.flush()?;
     input.stream.set_read_timeout(None)?;
     let mut warned_admission = false;
@@ -573,7 +675,17 @@ fn serve(
             _ => {
                 input.fill(req.len)?;
                 let data = input.take(req.len);
+                // Taken in the session's order, once: a repaired connection sends again what
+                // it had no answer to, from the write after the last one taken.
+                let mut held = session.lock().expect("session poisoned");
+                if held.owner != conn_id {
+                    return Err(ConnEnd::Refused(
+                        "closed: a later connection of the peer took over".into(),
+                    ));
+                }
+                held.last = req.id;
                 if !served.admits(src) {
+                    held.refused = true;
                     served.reject();
                     if !warned_admission {
                         tracing::warn!(
@@ -600,6 +712,7 @@ fn serve(
                             OK
                         }
                         Err((status, area)) => {
+                            held.refused = true;
                             refused_access(served, src, &req, status, area);
                             size = Some(area);
                             status
@@ -640,7 +753,7 @@ fn read_ack(stream: &TcpStream) -> io::Result<u32> {
 fn check_hello(hello: &[u8], served: &Served) -> (MachineId, u32) {
     let u16_at = |i: usize| u16::from_le_bytes([hello[i], hello[i + 1]]);
     let src = MachineId(u16_at(6));
-    let verdict = if hello[..4] != MAGIC.to_le_bytes() || hello[11..16] != [0; 5] {
+    let verdict = if hello[..4] != MAGIC.to_le_bytes() || hello[11] & !HELLO_RESUME != 0 {
         ACK_BAD_FRAMING
     } else if u16_at(4) != VERSION || hello[10] != RECORDS {
         other_version_ack()
@@ -869,6 +982,10 @@ impl Frames {
 /// This machine's queue pair to one peer.
 #[derive(Debug)]
 struct Link {
+    /// The link itself, for the repairs it starts.
+    this: std::sync::Weak<Link>,
+    /// Set when the fabric stops: the link breaks for good.
+    stopped: AtomicBool,
     me: MachineId,
     dst: MachineId,
     addr: SocketAddr,
@@ -910,6 +1027,14 @@ struct LinkInner {
     /// link is next used or polled, or at the ticker's next tick.
     sending: Vec<u8>,
     sending_at: usize,
+    /// The epoch of the link's session at the peer's NIC, new at each fresh hello.
+    epoch: u32,
+    /// The writes posted and not answered yet, which a repaired connection sends again.
+    window: Window,
+    /// Counts the repairs started: a repairer works while its own is under way.
+    repairs: u64,
+    /// When the repair under way started.
+    repairing_since: Instant,
 }
 
 #[derive(Debug)]
@@ -917,8 +1042,64 @@ enum LinkState {
     /// Never connected, or restarted because the peer's membership changed.
     Idle,
     Up(Conn),
-    /// Closed or timed out: operations fail while the peer is a member.
+    /// The connection closed or timed out while the peer is a member: reads fail, writes
+    /// wait, and a repairer connects again, resuming the session, to send them
+    /// ([`Link::repair`]).
+    Repairing,
+    /// The session could not be resumed (the peer restarted, or removed this machine), or
+    /// the fabric stopped: operations fail while the peer is a member.
     Broken,
+}
+
+/// The writes of a link posted and not answered yet, with their encoded requests (head and
+/// payload), in id order: what a repaired connection sends again, from the first write the
+/// peer's NIC did not take.
+#[derive(Debug, Default)]
+struct Window {
+    /// The requests, from `start` on.
+    bytes: Vec<u8>,
+    start: usize,
+    /// Each write's id and the offset in `bytes` its request ends at, oldest first.
+    writes: VecDeque<(u64, usize)>,
+}
+
+impl Window {
+    fn push(&mut self, id: u64, request: &[u8]) {
+        self.bytes.extend_from_slice(request);
+        self.writes.push_back((id, self.bytes.len()));
+    }
+
+    /// Forgets the writes up to `acked`, answered.
+    fn trim(&mut self, acked: u64) {
+        while let Some(&(id, end)) = self.writes.front() {
+            if id > acked {
+                break;
+            }
+            self.writes.pop_front();
+            self.start = end;
+        }
+        if self.writes.is_empty() {
+            self.bytes.clear();
+            self.start = 0;
+        } else if self.start > 64 << 10 && self.start * 2 > self.bytes.len() {
+            self.bytes.drain(..self.start);
+            for (_, end) in self.writes.iter_mut() {
+                *end -= self.start;
+            }
+            self.start = 0;
+        }
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        self.writes.binary_search_by_key(&id, |(w, _)| *w).is_ok()
+    }
+
+    /// Empties the window, returning the ids of its writes.
+    fn take_ids(&mut self) -> Vec<u64> {
+        let ids = self.writes.iter().map(|(id, _)| *id).collect();
+        *self = Self::default();
+        ids
+    }
 }
 
 /// One connection of a link.
@@ -1049,7 +1230,7 @@ impl Link {
         payload: &[u8],
         waiter: Option<Arc<Waiter>>,
         may_hold: bool,
-    ) -> Result<(u64, Arc<Replies>), FabricError> {
+    ) -> Result<(u64, Option<Arc<Replies>>), FabricError> {
         let unreachable = FabricError::Unreachable(self.dst);
         let mut inner = self.inner.lock().expect("link poisoned");
         // Only a probe (`ProcessFabric::ready`, or a read of the replicas list: the CM probing
@@ -1069,14 +1250,19 @@ impl Link {
                 unreachable
             })?;
         }
-        // Requests are encoded only on a connection that is up (`write_out` relies on it).
-        let LinkState::Up(conn) = &inner.state else {
-            return Err(unreachable);
+        // Requests are encoded only on a connection that is up (`write_out` relies on it), or
+        // into the window of a link under repair (writes only: they wait for it).
+        let replies = match &inner.state {
+            LinkState::Up(conn) => Some(conn.replies.clone()),
+            LinkState::Repairing if op == OP_WRITE => None,
+            _ => return Err(unreachable),
         };
-        let replies = conn.replies.clone();
+        let acked = self.acked.load(Ordering::Acquire);
         let l = &mut *inner;
+        l.window.trim(acked);
         let id = l.next_id;
         l.next_id += 1;
+        let at = l.outbox.len();
         Request {
             op,
             key,
@@ -1087,12 +1273,19 @@ impl Link {
         }
         .encode(&mut l.outbox);
         l.outbox.extend_from_slice(payload);
-        l.unsent += 1;
         match op {
             OP_READ | OP_READ_OBJECT => self.traffic.read(len),
-            OP_WRITE => self.traffic.write(len),
+            OP_WRITE => {
+                self.traffic.write(len);
+                l.window.push(id, &l.outbox[at..]);
+            }
             _ => {}
         }
+        if replies.is_none() {
+            l.outbox.truncate(at);
+            return Ok((id, None));
+        }
+        l.unsent += 1;
         if let Some(w) = waiter {
             self.waiters.lock().expect("waiters poisoned").insert(id, w);
         }
@@ -1100,7 +1293,14 @@ impl Link {
         {
             return Ok((id, replies));
         }
-        self.write_out(&mut inner).map_err(|()| unreachable)?;
+        if self.write_out(&mut inner).is_err() {
+            // The connection broke as the request went out: a write waits for the repair, as
+            // every write in the window does.
+            return match inner.state {
+                LinkState::Repairing if op == OP_WRITE => Ok((id, None)),
+                _ => Err(unreachable),
+            };
+        }
         Ok((id, replies))
     }
 
@@ -1162,7 +1362,7 @@ impl Link {
                     return Ok(());
                 }
                 e => {
-                    self.close_locked(inner, LinkState::Broken, &format!("sending: {e}"));
+                    self.broke(inner, &format!("sending: {e}"));
                     return Err(());
                 }
             }
@@ -1182,8 +1382,23 @@ impl Link {
         }
     }
 
-    /// Opens a connection: hello, acknowledgement, and a ticker.
+    /// Opens a connection with a new session: hello, acknowledgement, and a ticker.
     fn connect(self: &Arc<Self>, inner: &mut LinkInner) -> io::Result<()> {
+        let epoch = u32::from_le_bytes(auth::nonce()[..4].try_into().expect("4 bytes"));
+        let (stream, _) = self.handshake(epoch, false).map_err(|e| match e {
+            Handshaken::Io(e) => e,
+            Handshaken::Refused(verdict) => {
+                io::Error::new(io::ErrorKind::ConnectionRefused, refusal(verdict))
+            }
+        })?;
+        inner.epoch = epoch;
+        self.install(inner, stream)
+    }
+
+    /// Connects, says hello (resuming the session of `epoch` if `resume`), and proves the
+    /// cluster's secret: the stream, and the id of the last write the peer's NIC took in the
+    /// session.
+    fn handshake(&self, epoch: u32, resume: bool) -> Result<(TcpStream, u64), Handshaken> {
         let stream = TcpStream::connect_timeout(&self.addr, self.timeout)?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(self.timeout))?;
@@ -1194,6 +1409,10 @@ impl Link {
         hello[6..8].copy_from_slice(&self.me.0.to_le_bytes());
         hello[10] = RECORDS;
         hello[8..10].copy_from_slice(&self.dst.0.to_le_bytes());
+        if resume {
+            hello[11] = HELLO_RESUME;
+        }
+        hello[12..16].copy_from_slice(&epoch.to_le_bytes());
         hello[16..24].copy_from_slice(&self.cluster.to_le_bytes());
         let connecting = auth::nonce();
         (&stream).write_all(&[&hello[..], &connecting[..]].concat())?;
@@ -1201,7 +1420,7 @@ impl Link {
             let reason = refusal(verdict);
             tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
                 "the peer refused the connection: {reason}");
-            io::Error::new(io::ErrorKind::ConnectionRefused, reason)
+            Handshaken::Refused(verdict)
         };
         let verdict = read_ack(&stream)?;
         if verdict != ACK_CHALLENGE {
@@ -1219,13 +1438,23 @@ impl Link {
             let reason = "it does not hold the cluster's secret";
             tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
                 "refused the peer's connection: {reason}");
-            return Err(io::Error::new(io::ErrorKind::PermissionDenied, reason));
+            return Err(Handshaken::Io(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                reason,
+            )));
         }
         (&stream).write_all(&handshake.connecting_proof())?;
         let verdict = read_ack(&stream)?;
         if verdict != ACK_OK {
             return Err(refused(verdict));
         }
+        let mut last = [0u8; 8];
+        (&stream).read_exact(&mut last)?;
+        Ok((stream, u64::from_le_bytes(last)))
+    }
+
+    /// Makes `stream` the link's connection, with a ticker.
+    fn install(self: &Arc<Self>, inner: &mut LinkInner, stream: TcpStream) -> io::Result<()> {
         let replies = Arc::new(Replies::new(stream.try_clone()?));
         // The ticker: answers nobody polled for, and the oldest request's age.
         let tick = (self.timeout / 4).clamp(Duration::from_millis(1), TICK_MAX);
@@ -1302,7 +1531,7 @@ impl Link {
         let mut inner = self.inner.lock().expect("link poisoned");
         // Only if this connection is still the link's.
         if matches!(&inner.state, LinkState::Up(c) if Arc::ptr_eq(&c.replies, replies)) {
-            self.close_locked(&mut inner, LinkState::Broken, &reason);
+            self.broke(&mut inner, &reason);
         }
         true
     }
@@ -1419,49 +1648,169 @@ impl Link {
         self.failed_any.store(true, Ordering::Release);
     }
 
-    /// Closes the link's connection, if it has one, and puts it in `state`: the connection's
-    /// unanswered requests fail.
-    fn close_locked(&self, inner: &mut LinkInner, state: LinkState, reason: &str) {
-        let old = std::mem::replace(&mut inner.state, state);
-        let LinkState::Up(conn) = old else {
+    /// The link's connection failed for `reason`: while the peer is a member, the link is
+    /// repaired in place (its writes wait); otherwise it breaks.
+    fn broke(&self, inner: &mut LinkInner, reason: &str) {
+        if self.stopped.load(Ordering::SeqCst) || !self.admitted.contains(self.dst) {
+            self.close_locked(inner, LinkState::Broken, reason);
             return;
+        }
+        self.close_locked(inner, LinkState::Repairing, reason);
+        inner.repairs += 1;
+        inner.repairing_since = Instant::now();
+        let (link, repair) = (self.this.upgrade().expect("a link in use"), inner.repairs);
+        let spawned = std::thread::Builder::new()
+            .name(format!("farm-nic-{}-repair-{}", self.me.0, self.dst.0))
+            .spawn(move || link.repair(repair));
+        if spawned.is_err() {
+            self.close_locked(inner, LinkState::Broken, "no thread to repair it");
+        }
+    }
+
+    /// Connects again until the peer's NIC resumes the link's session, then sends the writes
+    /// it did not take, in order; a peer that holds no session to resume (it restarted, or
+    /// removed this machine since) breaks the link. Ends once repair `repair` is no longer
+    /// under way (the peer's membership changed, or the fabric stopped).
+    fn repair(self: Arc<Self>, repair: u64) {
+        let ours = |inner: &LinkInner| {
+            matches!(inner.state, LinkState::Repairing) && inner.repairs == repair
         };
-        let _ = conn.stream.shutdown(Shutdown::Both);
-        *self.current.lock().expect("current poisoned") = None;
-        conn.replies.closed.store(true, Ordering::SeqCst);
-        let mut unanswered: Vec<u64> = conn
-            .replies
-            .in_flight
-            .lock()
-            .expect("in flight poisoned")
-            .drain(..)
-            .map(|(id, _)| id)
-            .collect();
-        // Requests held back were never sent: they fail as well.
+        let mut pause = Duration::from_millis(1);
+        loop {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min((self.timeout / 4).clamp(Duration::from_millis(1), TICK_MAX));
+            let epoch = {
+                let inner = self.inner.lock().expect("link poisoned");
+                if !ours(&inner) {
+                    return;
+                }
+                inner.epoch
+            };
+            let shaken = self.handshake(epoch, true);
+            let mut inner = self.inner.lock().expect("link poisoned");
+            if !ours(&inner) {
+                return;
+            }
+            let (stream, last) = match shaken {
+                Ok(shaken) => shaken,
+                Err(Handshaken::Io(e)) => {
+                    tracing::debug!(machine = self.me.0, dst = self.dst.0, error = %e,
+                        "repairing: could not connect");
+                    continue;
+                }
+                Err(Handshaken::Refused(verdict)) => {
+                    self.close_locked(&mut inner, LinkState::Broken, &refusal(verdict));
+                    return;
+                }
+            };
+            // The peer took the writes up to `last`: they are done.
+            self.acked.fetch_max(last, Ordering::AcqRel);
+            let acked = self.acked.load(Ordering::Acquire);
+            inner.window.trim(acked);
+            if let Err(e) = self.install(&mut inner, stream) {
+                tracing::debug!(machine = self.me.0, dst = self.dst.0, error = %e,
+                    "repairing: could not start the connection");
+                continue;
+            }
+            let l = &mut *inner;
+            let LinkState::Up(conn) = &l.state else {
+                unreachable!("installed above")
+            };
+            let now = Instant::now();
+            (conn.replies.in_flight.lock().expect("in flight poisoned"))
+                .extend(l.window.writes.iter().map(|(id, _)| (*id, now)));
+            l.sending.clear();
+            l.sending
+                .extend_from_slice(&l.window.bytes[l.window.start..]);
+            l.sending_at = 0;
+            tracing::info!(
+                machine = self.me.0,
+                dst = self.dst.0,
+                resent = l.window.writes.len(),
+                "connection repaired: the peer took every write up to {last}"
+            );
+            let _ = self.push(&mut inner);
+            return;
+        }
+    }
+
+    /// Closes the link's connection, if it has one, and puts it in `state`: the connection's
+    /// unanswered requests fail, except, when the link is to be repaired, its writes.
+    fn close_locked(&self, inner: &mut LinkInner, state: LinkState, reason: &str) {
+        let repair = matches!(state, LinkState::Repairing);
+        let old = std::mem::replace(&mut inner.state, state);
+        let was_repairing = matches!(old, LinkState::Repairing);
+        let mut unanswered: Vec<u64> = Vec::new();
+        let conn = match old {
+            LinkState::Up(conn) => Some(conn),
+            _ => None,
+        };
+        if let Some(conn) = &conn {
+            let _ = conn.stream.shutdown(Shutdown::Both);
+            *self.current.lock().expect("current poisoned") = None;
+            conn.replies.closed.store(true, Ordering::SeqCst);
+            unanswered.extend(
+                (conn.replies.in_flight.lock().expect("in flight poisoned"))
+                    .drain(..)
+                    .map(|(id, _)| id),
+            );
+        }
+        // Requests held back were never sent: they fail as well (writes wait for a repair).
         unanswered.extend(inner.next_id - inner.unsent..inner.next_id);
         inner.unsent = 0;
         inner.outbox.clear();
         inner.sending.clear();
         inner.sending_at = 0;
         self.backed_up.store(false, Ordering::Release);
-        // A connection's requests have consecutive ids.
-        if let (Some(first), Some(last)) = (unanswered.first(), unanswered.last()) {
-            self.fail(*first, *last);
+        if repair {
+            unanswered.retain(|id| !inner.window.contains(*id));
+        } else {
+            unanswered.extend(inner.window.take_ids());
+        }
+        unanswered.sort_unstable();
+        unanswered.dedup();
+        let mut runs = unanswered.iter().peekable();
+        while let Some(&first) = runs.next() {
+            let mut last = first;
+            while let Some(&&next) = runs.peek() {
+                if next != last + 1 {
+                    break;
+                }
+                last = next;
+                runs.next();
+            }
+            self.fail(first, last);
+        }
+        {
             let mut waiters = self.waiters.lock().expect("waiters poisoned");
             for id in &unanswered {
                 if let Some(w) = waiters.remove(id) {
-                    conn.replies.deliver(&w, Reply::Lost);
+                    match &conn {
+                        Some(conn) => conn.replies.deliver(&w, Reply::Lost),
+                        None => *w.reply.lock().expect("waiter poisoned") = Some(Reply::Lost),
+                    }
                 }
             }
         }
+        let Some(conn) = conn else {
+            if was_repairing && !matches!(inner.state, LinkState::Repairing) {
+                tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
+                    "the connection was not repaired");
+            }
+            return;
+        };
         // Followers see the connection closed.
         conn.replies.wake_followers();
-        if matches!(inner.state, LinkState::Broken) {
-            tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
-                "connection broken; it stays down while the peer is a member");
-        } else {
-            tracing::debug!(machine = self.me.0, dst = self.dst.0, addr = %self.addr, reason,
-                "connection closed");
+        match inner.state {
+            _ if self.stopped.load(Ordering::SeqCst) => tracing::debug!(machine = self.me.0,
+                dst = self.dst.0, addr = %self.addr, reason, "connection closed"),
+            LinkState::Repairing => tracing::warn!(machine = self.me.0, dst = self.dst.0,
+                addr = %self.addr, reason, "connection broken; repairing it"),
+            LinkState::Broken => tracing::warn!(machine = self.me.0, dst = self.dst.0,
+                addr = %self.addr, reason,
+                "connection broken; it stays down while the peer is a member"),
+            _ => tracing::debug!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
+                reason, "connection closed"),
         }
     }
 
@@ -1470,7 +1819,7 @@ impl Link {
     fn may_connect(&self, inner: &LinkInner) -> bool {
         match inner.state {
             LinkState::Idle => true,
-            LinkState::Up(_) => false,
+            LinkState::Up(_) | LinkState::Repairing => false,
             LinkState::Broken => !self.admitted.contains(self.dst),
         }
     }
@@ -1519,7 +1868,7 @@ impl Link {
     fn call(self: &Arc<Self>, op: u8, key: MemKey, offset: u64, len: usize) -> Reply {
         farm_core::fabric::flush();
         let waiter = Arc::new(Waiter::default());
-        let Ok((_, replies)) = self.send(
+        let Ok((_, Some(replies))) = self.send(
             op,
             key,
             ThreadId(0),
@@ -1546,6 +1895,7 @@ impl Link {
 
     /// Closes the link for good (the fabric stops).
     fn close(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
         let mut inner = self.inner.lock().expect("link poisoned");
         self.close_locked(&mut inner, LinkState::Broken, "the fabric stopped");
     }
@@ -1676,7 +2026,7 @@ impl RemoteMemory for TcpRemote {
             },
             offset,
             len,
-            waiter: sent.ok().map(|(_, replies)| (waiter, replies)),
+            waiter: sent.ok().and_then(|(_, replies)| Some((waiter, replies?))),
         }))
     }
 }
@@ -1896,14 +2246,20 @@ impl Fabric for TcpFabric {
             machine, self.me,
             "the tcp fabric answers for its own machine only"
         );
+        // A link under repair for longer than the timeout: a connection reset between live
+        // machines is repaired within milliseconds, and removing one of them for it would
+        // cost a reconfiguration and a rejoin for nothing.
         self.links
             .iter()
             .filter(|l| {
-                self.served.admits(l.dst)
-                    && matches!(
-                        l.inner.lock().expect("link poisoned").state,
-                        LinkState::Broken
-                    )
+                self.served.admits(l.dst) && {
+                    let inner = l.inner.lock().expect("link poisoned");
+                    match inner.state {
+                        LinkState::Broken => true,
+                        LinkState::Repairing => inner.repairing_since.elapsed() >= l.timeout,
+                        _ => false,
+                    }
+                }
             })
             .map(|l| l.dst)
             .collect()

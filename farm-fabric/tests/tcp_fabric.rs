@@ -101,6 +101,8 @@ fn accept_proving(listener: &TcpListener) -> TcpStream {
     assert!(handshake.connecting_proved(&proof));
     let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
     ack.extend_from_slice(&0u32.to_le_bytes());
+    // The last write taken in the session: none, a new one.
+    ack.extend_from_slice(&0u64.to_le_bytes());
     s.write_all(&ack).unwrap();
     s
 }
@@ -310,6 +312,11 @@ fn raw_hello_proving(
     );
     s.write_all(&handshake.connecting_proof()).unwrap();
     let status = read_status(&mut s);
+    if status == 0 {
+        let mut last = [0u8; 8];
+        s.read_exact(&mut last).unwrap();
+        assert_eq!(last, [0; 8], "a new session has taken no write");
+    }
     (s, status)
 }
 
@@ -425,8 +432,12 @@ fn a_peer_of_another_version_is_refused_and_told_which_versions_this_build_speak
     assert_eq!(status, 0, "this build's own hello");
 }
 
+/// A dead machine's link is repaired only by the same incarnation of its NIC: a new one holds
+/// no session to resume, so the link stays down while the machine is a member (a later write
+/// must not land after an earlier one was lost). A silent member's writes wait, its link
+/// reported broken, until the configuration removes it.
 #[test]
-fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_readmitted() {
+fn a_restarted_machine_s_link_stays_down_until_readmitted_and_a_silent_one_s_writes_wait() {
     let root = tempfile::tempdir().unwrap();
     let addrs = addrs();
     let (f0, _) = machine(root.path(), M0, &addrs);
@@ -437,14 +448,17 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
     let t = f0.write(ep(M0), M1, REGION, 8, &[1; 8]).unwrap();
     assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
 
-    // The process dies (its fabric stops): the connection closes, operations fail.
+    // The process dies (its fabric stops): the connection closes, reads fail, and a write
+    // waits for the link's repair.
     drop(f1);
     let mut buf = [0u8; 8];
     assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1)));
     assert!(!f0.is_up(M1));
-    // A new incarnation listens at the same address; the link stays down while machine 1 is
-    // a member of machine 0's configuration (a later write must not land after an earlier one
-    // was lost). Once machine 0 removed it, a probe (the CM probing a joiner: its replicas
+    let waiting = f0.write(ep(M0), M1, REGION, 8, &[9; 8]).unwrap();
+    assert_eq!(f0.write_status(ep(M0), M1, waiting), WriteStatus::Pending);
+    // A new incarnation listens at the same address and refuses to resume the session it
+    // never held: the waiting write fails, and the link stays down while machine 1 is a
+    // member. Once machine 0 removed it, a probe (the CM probing a joiner: its replicas
     // list) connects again, while reads and writes of its memory still fail at once (they
     // come from threads on a view that named it; connecting could wait out the timeout on a
     // stopped process's hello); and it takes writes once machine 0 admits it again (as after
@@ -456,11 +470,19 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
         MemKey::Replicas,
         Arc::new(Nvram::anonymous(4096).unwrap()),
     );
+    assert_eq!(settle(&f0, M0, M1, waiting), WriteStatus::Failed);
+    assert_eq!(f1.rejections(), 1, "the resumption was not refused");
+    assert_eq!(
+        word(&mem1, 8),
+        0,
+        "a write for the earlier incarnation landed"
+    );
     assert_eq!(
         f0.write(ep(M0), M1, REGION, 8, &[2; 8]).map(|_| ()),
         Err(FabricError::Unreachable(M1))
     );
     assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1)));
+    assert_eq!(f0.broken_members(M0), vec![M1]);
     f0.admit(M0, &[M0]);
     assert_eq!(remote.read(0, &mut buf), Err(FabricError::Unreachable(M1)));
     f0.remote(M0, M1, MemKey::Replicas)
@@ -475,21 +497,34 @@ fn operations_to_a_dead_or_silent_machine_fail_and_the_link_stays_down_until_rea
     assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
 
     // A member 2 that accepts, proves the secret and acknowledges, but never answers: the
-    // operation times out.
+    // connection breaks after the timeout, and the write waits while its repair is tried
+    // (the member may only be slow), reported broken once the repair took as long again, so
+    // that the configuration can remove it; the removal fails it at once.
     let silent = TcpListener::bind(addrs[2]).unwrap();
     let hold = std::thread::spawn(move || {
         let mut s = accept_proving(&silent);
         // Reads what comes, answers nothing, until the peer gives up.
         let mut sink = [0u8; 1024];
         while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+        silent
     });
     f0.admit(M0, &[M0, M1, M2]);
     let t = f0.write(ep(M0), M2, REGION, 0, &[3; 8]).unwrap();
     let started = Instant::now();
-    assert_eq!(settle(&f0, M0, M2, t), WriteStatus::Failed);
-    assert!(started.elapsed() >= TIMEOUT, "failed before the timeout");
+    while !f0.broken_members(M0).contains(&M2) {
+        assert!(started.elapsed() < TIMEOUT * 10, "the link never broke");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        started.elapsed() >= TIMEOUT * 2,
+        "reported before the timeout, twice"
+    );
+    let _silent = hold.join().unwrap();
+    assert_eq!(f0.write_status(ep(M0), M2, t), WriteStatus::Pending);
     assert!(!f0.is_up(M2));
-    hold.join().unwrap();
+    f0.admit(M0, &[M0, M1]);
+    assert_eq!(f0.write_status(ep(M0), M2, t), WriteStatus::Failed);
+    assert!(f0.broken_members(M0).is_empty());
 }
 
 #[test]
@@ -989,4 +1024,205 @@ fn a_peer_that_stops_reading_holds_up_no_writer_and_its_removal_fails_its_writes
     );
     release.send(()).unwrap();
     hold.join().unwrap();
+}
+
+/// What a [`Relay`] does with the bytes of its connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Relaying {
+    /// Both ways.
+    Pass = 0,
+    /// Requests reach the peer; its answers are dropped.
+    DropAnswers = 1,
+    /// Nothing either way.
+    DropAll = 2,
+}
+
+/// A TCP relay between a machine and its peer, standing in for the network between them:
+/// it forwards as `mode` says, and `cut` resets its connections (the machine connects again
+/// through it).
+struct Relay {
+    addr: SocketAddr,
+    mode: Arc<std::sync::atomic::AtomicU8>,
+    conns: Arc<std::sync::Mutex<Vec<TcpStream>>>,
+}
+
+impl Relay {
+    fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mode = Arc::new(std::sync::atomic::AtomicU8::new(Relaying::Pass as u8));
+        let conns = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (m, c) = (mode.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(target) else {
+                    continue;
+                };
+                c.lock()
+                    .unwrap()
+                    .extend([client.try_clone().unwrap(), server.try_clone().unwrap()]);
+                for (from, to, answers) in [
+                    (
+                        client.try_clone().unwrap(),
+                        server.try_clone().unwrap(),
+                        false,
+                    ),
+                    (server, client, true),
+                ] {
+                    let m = m.clone();
+                    std::thread::spawn(move || pump(from, to, &m, answers));
+                }
+            }
+        });
+        Self { addr, mode, conns }
+    }
+
+    fn set(&self, mode: Relaying) {
+        self.mode
+            .store(mode as u8, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Resets every connection through the relay.
+    fn cut(&self) {
+        for s in self.conns.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Forwards `from` to `to` while the relay's mode lets this direction through (`answers`:
+/// the peer's side), dropping what it does not.
+fn pump(mut from: TcpStream, mut to: TcpStream, mode: &std::sync::atomic::AtomicU8, answers: bool) {
+    let mut buf = [0u8; 16 << 10];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let passes = match mode.load(std::sync::atomic::Ordering::SeqCst) {
+            0 => true,
+            1 => !answers,
+            _ => false,
+        };
+        if passes && to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+/// Machine 0's connection to machine 1, a member, breaks: with its writes answered by
+/// the peer's NIC but their answers lost, and with writes that never reached the peer,
+/// posted before the break and while the link is down. The link is repaired in place: the
+/// peer's NIC says which writes it took, and exactly the others are sent again, so every
+/// write lands once (the peer's doorbell counts each write into its rings). The link is
+/// reported broken once its repair took longer than the timeout, and no longer once
+/// repaired.
+#[test]
+fn a_broken_connection_between_members_is_repaired_and_every_write_lands_once() {
+    let root = tempfile::tempdir().unwrap();
+    let addrs = addrs();
+    let (f1, _) = machine(root.path(), M1, &addrs);
+    let rings = Arc::new(Nvram::anonymous(RINGS_BYTES).unwrap());
+    f1.register(M1, MemKey::Rings, rings.clone());
+    let relay = Relay::start(addrs[1]);
+    let mut via_relay = addrs.clone();
+    via_relay[1] = relay.addr;
+    let (f0, _) = machine(root.path(), M0, &via_relay);
+    f0.admit(M0, &[M0, M1]);
+    f1.admit(M1, &[M0, M1]);
+    let thread = ThreadId(3);
+    let seen = f1.writes_seen(thread);
+    let mut next = 0u64;
+    let mut write = |f0: &TcpFabric| {
+        next += 1;
+        let at = 8 * (next % (RINGS_BYTES as u64 / 8));
+        let src = Endpoint {
+            machine: M0,
+            thread,
+        };
+        (
+            next,
+            f0.write(src, M1, MemKey::Rings, at, &next.to_le_bytes())
+                .unwrap(),
+        )
+    };
+    let landed = |upto: u64| {
+        (1..=upto).all(|j| word(&rings, 8 * (j % (RINGS_BYTES as u64 / 8)) as usize) == j)
+    };
+    let wait_until = |what: &str, done: &dyn Fn() -> bool| {
+        let started = Instant::now();
+        while !done() {
+            assert!(started.elapsed() < TIMEOUT * 20, "{what}: waited too long");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+
+    let first: Vec<_> = (0..50).map(|_| write(&f0)).collect();
+    for (_, t) in &first {
+        assert_eq!(settle(&f0, M0, M1, *t), WriteStatus::Done);
+    }
+    // Answers lost: the peer takes 50 writes, machine 0 hears of none.
+    relay.set(Relaying::DropAnswers);
+    let unanswered: Vec<_> = (0..50).map(|_| write(&f0)).collect();
+    wait_until("the peer taking the writes", &|| {
+        f1.writes_seen(thread) == seen + 100
+    });
+    assert_eq!(
+        f0.write_status(ep(M0), M1, unanswered[49].1),
+        WriteStatus::Pending
+    );
+    // Then nothing passes: 20 writes never reach the peer; the connection is reset.
+    relay.set(Relaying::DropAll);
+    let lost: Vec<_> = (0..20).map(|_| write(&f0)).collect();
+    relay.cut();
+    wait_until("the break", &|| f0.broken_members(M0) == vec![M1]);
+    // While the link is down, reads fail and writes wait.
+    assert_eq!(
+        f0.remote(M0, M1, REGION).map(|_| ()).err(),
+        Some(FabricError::Unreachable(M1))
+    );
+    let during: Vec<_> = (0..20).map(|_| write(&f0)).collect();
+    for (_, t) in lost.iter().chain(&during) {
+        assert_eq!(f0.write_status(ep(M0), M1, *t), WriteStatus::Pending);
+    }
+    assert_eq!(f1.writes_seen(thread), seen + 100);
+    // The network heals: the repair resends the 40 writes the peer did not take, and only
+    // those.
+    relay.set(Relaying::Pass);
+    for (_, t) in unanswered.iter().chain(&lost).chain(&during) {
+        assert_eq!(settle(&f0, M0, M1, *t), WriteStatus::Done);
+    }
+    assert_eq!(
+        f1.writes_seen(thread),
+        seen + 140,
+        "a write landed twice, or not at all"
+    );
+    assert!(landed(140), "a write did not land, or landed out of order");
+    assert!(f0.broken_members(M0).is_empty());
+    assert!(f0.is_up(M1));
+    f0.remote(M0, M1, REGION)
+        .unwrap()
+        .read(0, &mut [0; 8])
+        .unwrap();
+    // The connection is reset while writes go out, some of them as the socket fails under
+    // them: none reports an error (each waits for the repair), and each lands once.
+    let mut racing = Vec::new();
+    for i in 0..200 {
+        if i == 20 {
+            relay.cut();
+        }
+        racing.push(write(&f0));
+    }
+    for (_, t) in &racing {
+        assert_eq!(settle(&f0, M0, M1, *t), WriteStatus::Done);
+    }
+    assert_eq!(
+        f1.writes_seen(thread),
+        seen + 340,
+        "a write landed twice, or not at all"
+    );
+    assert!(landed(340), "a write did not land, or landed out of order");
 }
