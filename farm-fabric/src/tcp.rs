@@ -28,7 +28,8 @@
 //! session at the peer's NIC, which says the last write it took ([`Session`]); the link sends
 //! again exactly the writes after that one, in order ([`Link::repair`]), so every write lands
 //! once. A NIC that holds no session to resume (its process restarted, or it removed this
-//! machine since) refuses, and the link stays broken while the peer is a member, as a queue
+//! machine since) refuses, as does the link itself when the NIC refused a write whose answer
+//! was lost (it would count as done), and the link stays broken while the peer is a member, as a queue
 //! pair in the error state does: reconnecting to another incarnation could land a later write
 //! to a log whose earlier one was lost. Once this machine removed the peer, the link's waiting
 //! writes fail and it connects again on its next use (reads: the CM probes a joiner), and a
@@ -39,8 +40,9 @@
 //! What the NIC refuses, with a logged reason, changing nothing (each counted in
 //! [`TcpFabric::rejections`]): a connection from another cluster or for another machine, one
 //! that cannot prove the cluster's secret after its hello ([`crate::auth`]), bad framing (its connection is closed, as the stream cannot be trusted after it), an access
-//! outside a registered area or to an unregistered one, and a write from a machine this machine
-//! has not admitted (precise membership, §5.2). Reads from the cluster's machines are served
+//! outside a registered area or to an unregistered one, a write from a machine this machine
+//! has not admitted (precise membership, §5.2), and a resumption of a session it does not
+//! hold. Reads from the cluster's machines are served
 //! whether or not they are members: the CM probes, and new backups copy, before they are.
 //!
 //! Datagrams go over UDP to each machine's listed address ([`crate::process`]).
@@ -287,7 +289,8 @@ impl TcpFabric {
                         epoch: 0,
                         window: Window::default(),
                         repairs: 0,
-                        repairing_since: Instant::now(),
+                        down_since: None,
+                        resent_upto: 0,
                     }),
                     acked: AtomicU64::new(0),
                     failed_any: AtomicBool::new(false),
@@ -310,7 +313,8 @@ impl TcpFabric {
     }
 
     /// Requests and connections this machine's NIC refused (another cluster, bad framing, an
-    /// access outside registered memory, a write from a machine not admitted).
+    /// access outside registered memory, a write from a machine not admitted, a resumption of
+    /// a session it does not hold).
     pub fn rejections(&self) -> u64 {
         self.served.rejections.load(Ordering::Relaxed)
     }
@@ -373,11 +377,15 @@ struct Session {
     /// The connection whose writes land: a later one of the session takes over, and the
     /// earlier one's serving thread applies nothing more.
     owner: u64,
+    /// Set when a later session of the machine replaced this one, or this machine removed
+    /// it ([`Served::close_from`]): no connection applies anything more of it.
+    retired: bool,
     /// The id of the last write taken (applied or refused) in the session.
     last: u64,
-    /// Whether a write of the session was refused: its peer may not have heard so, and a
-    /// write sent again would then count as done, so the session cannot be resumed.
-    refused: bool,
+    /// The id of the last write refused in the session: a resumption tells the peer, which
+    /// goes on only if it heard that refusal (answers come in order), since a write taken
+    /// without the peer hearing its answer counts as done.
+    refused_upto: u64,
 }
 
 /// The admitted set, one bit per machine.
@@ -406,10 +414,15 @@ impl Served {
         self.admitted.contains(m)
     }
 
-    /// Closes every connection machine `m` opened, and forgets its session: a write it queued
-    /// must not land in a later incarnation's rings.
+    /// Closes every connection machine `m` opened, and retires its session: a write it queued
+    /// must not land in a later incarnation's rings. The retirement waits for a write being
+    /// applied, and every later one finds it (also on a connection that resumed the session
+    /// just before).
     fn close_from(&self, m: MachineId) {
-        self.sessions.lock().expect("sessions poisoned").remove(&m);
+        let session = self.sessions.lock().expect("sessions poisoned").remove(&m);
+        if let Some(s) = session {
+            s.lock().expect("session poisoned").retired = true;
+        }
         for conn in self.conns.lock().expect("conns poisoned").values() {
             if conn.src == Some(m) {
                 conn.closed.store(true, Ordering::SeqCst);
@@ -436,6 +449,63 @@ impl Served {
 
     fn reject(&self) {
         self.rejections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Closes connection `id` (superseded in its session: its thread may wait on a socket
+    /// whose peer is gone, with nothing to tell it).
+    fn close_conn(&self, id: u64) {
+        if let Some(conn) = self.conns.lock().expect("conns poisoned").get(&id) {
+            conn.closed.store(true, Ordering::SeqCst);
+            let _ = conn.stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// The session connection `conn` from `src` serves, after a hello for `epoch` that
+    /// resumes the link's session (`resume`) or starts a new one; `None` if there is no such
+    /// session to resume. The connection it takes over from is closed.
+    fn take_session(
+        &self,
+        src: MachineId,
+        conn: u64,
+        epoch: u32,
+        resume: bool,
+    ) -> Option<Arc<Mutex<Session>>> {
+        let (session, replaced) = {
+            let mut sessions = self.sessions.lock().expect("sessions poisoned");
+            match sessions.get(&src) {
+                Some(s) if resume => (s.clone(), None),
+                _ if resume => return None,
+                _ => {
+                    let s = Arc::new(Mutex::new(Session {
+                        epoch,
+                        owner: conn,
+                        retired: false,
+                        last: 0,
+                        refused_upto: 0,
+                    }));
+                    (s.clone(), sessions.insert(src, s))
+                }
+            }
+        };
+        // Outside the map's lock: a session's is held while a write is applied.
+        let superseded = match replaced {
+            Some(old) => {
+                let mut old = old.lock().expect("session poisoned");
+                old.retired = true;
+                old.owner
+            }
+            None => {
+                let mut s = session.lock().expect("session poisoned");
+                if s.retired || s.epoch != epoch {
+                    return None;
+                }
+                std::mem::replace(&mut s.owner, conn)
+            }
+        };
+        if superseded != conn {
+            self.close_conn(superseded);
+        }
+        Some(session)
     }
 }
 
@@ -565,37 +635,8 @@ fn serve(
         return Err(ConnEnd::Refused(reason));
     }
     let epoch = u32::from_le_bytes(hello[12..16].try_into().expect("4 bytes"));
-    let session = {
-        let mut sessions = served.sessions.lock().expect("sessions poisoned");
-        match sessions.get(&src) {
-            Some(s) if hello[11] & HELLO_RESUME != 0 => {
-                let mut held = s.lock().expect("session poisoned");
-                if held.epoch == epoch && !held.refused {
-                    held.owner = conn_id;
-                    drop(held);
-                    Some(s.clone())
-                } else {
-                    None
-                }
-            }
-            _ if hello[11] & HELLO_RESUME != 0 => None,
-            _ => {
-                let s = Arc::new(Mutex::new(Session {
-                    epoch,
-                    owner: conn_id,
-                    last: 0,
-                    refused: false,
-                }));
-                // An earlier connection of the machine's still in `sessions` applies nothing
-                // more: it is another session's.
-                if let Some(old) = sessions.insert(src, s.clone()) {
-                    old.lock().expect("session poisoned").owner = u64::MAX;
-                }
-                Some(s)
-            }
-        }
-    };
-    let Some(session) = session else {
+    let resume = hello[11] & HELLO_RESUME != 0;
+    let Some(session) = served.take_session(src, conn_id, epoch, resume) else {
         served.reject();
         tracing::warn!(machine = served.me.0, src = src.0, %peer,
             "refused to resume a session it does not hold");
@@ -612,10 +653,14 @@ fn serve(
     {
         c.src = Some(src);
     }
-    let last = session.lock().expect("session poisoned").last;
+    let (last, refused_upto) = {
+        let s = session.lock().expect("session poisoned");
+        (s.last, s.refused_upto)
+    };
     out.write_all(&MAGIC.to_le_bytes())?;
     out.write_all(&ACK_OK.to_le_bytes())?;
     out.write_all(&last.to_le_bytes())?;
+    out.write_all(&refused_upto.to_le_bytes())?;
     out.flush()?;
     input.stream.set_read_timeout(None)?;
     let mut warned_admission = false;
@@ -678,14 +723,15 @@ fn serve(
                 // Taken in the session's order, once: a repaired connection sends again what
                 // it had no answer to, from the write after the last one taken.
                 let mut held = session.lock().expect("session poisoned");
-                if held.owner != conn_id {
+                if held.owner != conn_id || held.retired || closed.load(Ordering::SeqCst) {
                     return Err(ConnEnd::Refused(
-                        "closed: a later connection of the peer took over".into(),
+                        "closed: a later connection of the peer took over, or it was removed"
+                            .into(),
                     ));
                 }
                 held.last = req.id;
                 if !served.admits(src) {
-                    held.refused = true;
+                    held.refused_upto = req.id;
                     served.reject();
                     if !warned_admission {
                         tracing::warn!(
@@ -698,12 +744,9 @@ fn serve(
                     }
                     NOT_ADMITTED
                 } else {
+                    // A removal of the peer meanwhile retires the session only once this write
+                    // is applied (`Served::close_from`).
                     match access(served, &req) {
-                        // Removed since the check above (and perhaps admitted again): this
-                        // connection is an earlier incarnation's.
-                        Ok(_) if closed.load(Ordering::SeqCst) => {
-                            return Err(ConnEnd::Refused("closed: the peer was removed".into()))
-                        }
                         Ok(mem) => {
                             mem.write(req.offset as usize, data);
                             if req.key == MemKey::Rings {
@@ -712,7 +755,7 @@ fn serve(
                             OK
                         }
                         Err((status, area)) => {
-                            held.refused = true;
+                            held.refused_upto = req.id;
                             refused_access(served, src, &req, status, area);
                             size = Some(area);
                             status
@@ -995,7 +1038,8 @@ struct Link {
     /// This machine's admitted set: whether the peer is a member.
     admitted: Arc<Admitted>,
     inner: Mutex<LinkInner>,
-    /// The last request answered, on any connection (ids grow across connections).
+    /// The last request answered, on any connection (ids grow across connections), or taken
+    /// by the peer's NIC as a repair's resumption says.
     acked: AtomicU64,
     /// Whether `failed` holds anything (read without its lock on every status check).
     failed_any: AtomicBool,
@@ -1029,12 +1073,15 @@ struct LinkInner {
     sending_at: usize,
     /// The epoch of the link's session at the peer's NIC, new at each fresh hello.
     epoch: u32,
-    /// The writes posted and not answered yet, which a repaired connection sends again.
+    /// The writes posted, until answered (trimmed as the link is next used or closed), which
+    /// a repaired connection sends again.
     window: Window,
     /// Counts the repairs started: a repairer works while its own is under way.
     repairs: u64,
-    /// When the repair under way started.
-    repairing_since: Instant,
+    /// When the link went down, unless a repair made progress since: the peer's NIC answered
+    /// the writes it sent again (up to `resent_upto`).
+    down_since: Option<Instant>,
+    resent_upto: u64,
 }
 
 #[derive(Debug)]
@@ -1046,8 +1093,9 @@ enum LinkState {
     /// wait, and a repairer connects again, resuming the session, to send them
     /// ([`Link::repair`]).
     Repairing,
-    /// The session could not be resumed (the peer restarted, or removed this machine), or
-    /// the fabric stopped: operations fail while the peer is a member.
+    /// The connection broke while the peer is not a member, the session could not be
+    /// resumed (the peer restarted, or removed this machine, or refused a write whose answer
+    /// was lost), or the fabric stopped: operations fail while the peer is a member.
     Broken,
 }
 
@@ -1117,7 +1165,8 @@ struct Replies {
     in_flight: Mutex<VecDeque<(u64, Instant)>>,
     /// The receiving side, read by one thread at a time: the leader while one blocks.
     input: Mutex<Frames>,
-    /// Set once the connection closed: its unanswered requests have failed.
+    /// Set once the connection closed: its unanswered reads have failed, and its writes
+    /// failed or wait for the link's repair.
     closed: AtomicBool,
     /// Threads blocked for an answer without leading, asleep on `lead`.
     followers: AtomicUsize,
@@ -1208,7 +1257,8 @@ impl Replies {
 impl farm_core::fabric::Held for Link {
     fn flush(&self) {
         let mut inner = self.inner.lock().expect("link poisoned");
-        // A failure breaks the link, and the requests fail with it.
+        // A failure breaks the connection: held reads fail, and writes wait for the link's
+        // repair or fail with the link (`Link::broke`).
         let _ = self.write_out(&mut inner);
     }
 }
@@ -1216,7 +1266,7 @@ impl farm_core::fabric::Held for Link {
 impl Link {
     /// Posts one request (with `payload` for a write), connecting first if the link may;
     /// `waiter` gets the answer. Returns the request's id and the answers of the connection it
-    /// went on. The request goes out at once, with
+    /// went on (none for a write queued for the link's repair). The request goes out at once, with
     /// any held back before it, unless this thread has a batch open and `may_hold` (a request
     /// nobody waits on right away): then it goes with the batch's flush.
     #[allow(clippy::too_many_arguments)]
@@ -1305,7 +1355,8 @@ impl Link {
     }
 
     /// Sends the requests the outbox holds, in one send as far as the socket takes them
-    /// without blocking (see `LinkInner::sending`); a failure breaks the link.
+    /// without blocking (see `LinkInner::sending`); a failure breaks the connection
+    /// ([`Link::broke`]).
     fn write_out(&self, inner: &mut LinkInner) -> Result<(), ()> {
         if inner.unsent == 0 {
             return self.push(inner);
@@ -1334,7 +1385,7 @@ impl Link {
     }
 
     /// Gives the socket what it takes of the bytes waiting in `inner.sending`, without
-    /// blocking; a failure breaks the link.
+    /// blocking; a failure breaks the connection ([`Link::broke`]).
     fn push(&self, inner: &mut LinkInner) -> Result<(), ()> {
         let LinkState::Up(conn) = &inner.state else {
             return Ok(());
@@ -1385,20 +1436,21 @@ impl Link {
     /// Opens a connection with a new session: hello, acknowledgement, and a ticker.
     fn connect(self: &Arc<Self>, inner: &mut LinkInner) -> io::Result<()> {
         let epoch = u32::from_le_bytes(auth::nonce()[..4].try_into().expect("4 bytes"));
-        let (stream, _) = self.handshake(epoch, false).map_err(|e| match e {
+        let (stream, ..) = self.handshake(epoch, false).map_err(|e| match e {
             Handshaken::Io(e) => e,
             Handshaken::Refused(verdict) => {
                 io::Error::new(io::ErrorKind::ConnectionRefused, refusal(verdict))
             }
         })?;
         inner.epoch = epoch;
+        inner.down_since = None;
         self.install(inner, stream)
     }
 
     /// Connects, says hello (resuming the session of `epoch` if `resume`), and proves the
-    /// cluster's secret: the stream, and the id of the last write the peer's NIC took in the
-    /// session.
-    fn handshake(&self, epoch: u32, resume: bool) -> Result<(TcpStream, u64), Handshaken> {
+    /// cluster's secret: the stream, and the ids of the last write the peer's NIC took in the
+    /// session and of the last it refused.
+    fn handshake(&self, epoch: u32, resume: bool) -> Result<(TcpStream, u64, u64), Handshaken> {
         let stream = TcpStream::connect_timeout(&self.addr, self.timeout)?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(self.timeout))?;
@@ -1448,9 +1500,10 @@ impl Link {
         if verdict != ACK_OK {
             return Err(refused(verdict));
         }
-        let mut last = [0u8; 8];
-        (&stream).read_exact(&mut last)?;
-        Ok((stream, u64::from_le_bytes(last)))
+        let mut ids = [0u8; 16];
+        (&stream).read_exact(&mut ids)?;
+        let id = |at: usize| u64::from_le_bytes(ids[at..at + 8].try_into().expect("8 bytes"));
+        Ok((stream, id(0), id(8)))
     }
 
     /// Makes `stream` the link's connection, with a ticker.
@@ -1603,26 +1656,17 @@ impl Link {
         flags: u8,
         data: Vec<u8>,
     ) -> Result<(), String> {
-        match replies
-            .in_flight
-            .lock()
-            .expect("in flight poisoned")
-            .pop_front()
-        {
-            Some((expected, _)) if expected == id => {}
-            other => return Err(format!("an answer to {id} while expecting {other:?}")),
-        }
-        let waiter = self.waiters.lock().expect("waiters poisoned").remove(&id);
-        match waiter {
-            Some(w) => replies.deliver(
-                &w,
-                Reply::Answer {
-                    status,
-                    flags,
-                    data,
-                },
-            ),
-            None if status != OK => {
+        let waiter = {
+            // The request leaves the connection's in flight and counts answered under one
+            // lock: a close that drains what is in flight sees each request in one place
+            // (`close_locked`).
+            let mut in_flight = replies.in_flight.lock().expect("in flight poisoned");
+            match in_flight.pop_front() {
+                Some((expected, _)) if expected == id => {}
+                other => return Err(format!("an answer to {id} while expecting {other:?}")),
+            }
+            let waiter = self.waiters.lock().expect("waiters poisoned").remove(&id);
+            if waiter.is_none() && status != OK {
                 self.fail(id, id);
                 tracing::warn!(
                     machine = self.me.0,
@@ -1631,9 +1675,17 @@ impl Link {
                     "a write was refused by the peer"
                 );
             }
-            None => {}
+            self.acked.fetch_max(id, Ordering::AcqRel);
+            waiter
+        };
+        if let Some(w) = waiter {
+            let reply = Reply::Answer {
+                status,
+                flags,
+                data,
+            };
+            replies.deliver(&w, reply);
         }
-        self.acked.fetch_max(id, Ordering::AcqRel);
         Ok(())
     }
 
@@ -1655,9 +1707,14 @@ impl Link {
             self.close_locked(inner, LinkState::Broken, reason);
             return;
         }
+        // An outage starts here unless the last repair has not made progress yet (its
+        // connection broke again before answering the writes it sent again).
+        let progressed = self.acked.load(Ordering::Acquire) >= inner.resent_upto;
+        if inner.down_since.is_none() || progressed {
+            inner.down_since = Some(Instant::now());
+        }
         self.close_locked(inner, LinkState::Repairing, reason);
         inner.repairs += 1;
-        inner.repairing_since = Instant::now();
         let (link, repair) = (self.this.upgrade().expect("a link in use"), inner.repairs);
         let spawned = std::thread::Builder::new()
             .name(format!("farm-nic-{}-repair-{}", self.me.0, self.dst.0))
@@ -1668,17 +1725,21 @@ impl Link {
     }
 
     /// Connects again until the peer's NIC resumes the link's session, then sends the writes
-    /// it did not take, in order; a peer that holds no session to resume (it restarted, or
-    /// removed this machine since) breaks the link. Ends once repair `repair` is no longer
-    /// under way (the peer's membership changed, or the fabric stopped).
+    /// it did not take, in order. A peer that holds no session to resume (it restarted, or
+    /// removed this machine since), that refused a write this machine did not hear refused,
+    /// or that does not prove the cluster's secret breaks the link. Ends once repair `repair`
+    /// is no longer under way (the peer's membership changed, or the fabric stopped).
     fn repair(self: Arc<Self>, repair: u64) {
         let ours = |inner: &LinkInner| {
-            matches!(inner.state, LinkState::Repairing) && inner.repairs == repair
+            matches!(inner.state, LinkState::Repairing)
+                && inner.repairs == repair
+                && !self.stopped.load(Ordering::SeqCst)
+                && self.admitted.contains(self.dst)
         };
         let mut pause = Duration::from_millis(1);
         loop {
             std::thread::sleep(pause);
-            pause = (pause * 2).min((self.timeout / 4).clamp(Duration::from_millis(1), TICK_MAX));
+            pause = (pause * 2).min((self.timeout / 4).max(Duration::from_millis(1)));
             let epoch = {
                 let inner = self.inner.lock().expect("link poisoned");
                 if !ours(&inner) {
@@ -1691,8 +1752,12 @@ impl Link {
             if !ours(&inner) {
                 return;
             }
-            let (stream, last) = match shaken {
+            let (stream, last, refused_upto) = match shaken {
                 Ok(shaken) => shaken,
+                Err(Handshaken::Io(e)) if e.kind() == io::ErrorKind::PermissionDenied => {
+                    self.close_locked(&mut inner, LinkState::Broken, &e.to_string());
+                    return;
+                }
                 Err(Handshaken::Io(e)) => {
                     tracing::debug!(machine = self.me.0, dst = self.dst.0, error = %e,
                         "repairing: could not connect");
@@ -1703,10 +1768,28 @@ impl Link {
                     return;
                 }
             };
+            // Answers come in order, and a refused write counts failed before it counts
+            // answered (`answered`): up to `acked`, every refusal was heard.
+            let acked = self.acked.load(Ordering::Acquire);
+            let broken = if last >= inner.next_id {
+                Some(format!("the peer took write {last}, never sent"))
+            } else if refused_upto > acked {
+                Some(format!(
+                    "the peer refused write {refused_upto}, and its answer was lost"
+                ))
+            } else {
+                None
+            };
+            if let Some(reason) = broken {
+                let _ = stream.shutdown(Shutdown::Both);
+                self.close_locked(&mut inner, LinkState::Broken, &reason);
+                return;
+            }
             // The peer took the writes up to `last`: they are done.
             self.acked.fetch_max(last, Ordering::AcqRel);
             let acked = self.acked.load(Ordering::Acquire);
             inner.window.trim(acked);
+            inner.resent_upto = inner.window.writes.back().map_or(0, |(id, _)| *id);
             if let Err(e) = self.install(&mut inner, stream) {
                 tracing::debug!(machine = self.me.0, dst = self.dst.0, error = %e,
                     "repairing: could not start the connection");
@@ -1745,16 +1828,20 @@ impl Link {
             LinkState::Up(conn) => Some(conn),
             _ => None,
         };
-        if let Some(conn) = &conn {
-            let _ = conn.stream.shutdown(Shutdown::Both);
-            *self.current.lock().expect("current poisoned") = None;
-            conn.replies.closed.store(true, Ordering::SeqCst);
-            unanswered.extend(
-                (conn.replies.in_flight.lock().expect("in flight poisoned"))
-                    .drain(..)
-                    .map(|(id, _)| id),
-            );
-        }
+        let acked = match &conn {
+            Some(conn) => {
+                let _ = conn.stream.shutdown(Shutdown::Both);
+                *self.current.lock().expect("current poisoned") = None;
+                conn.replies.closed.store(true, Ordering::SeqCst);
+                let mut in_flight = conn.replies.in_flight.lock().expect("in flight poisoned");
+                unanswered.extend(in_flight.drain(..).map(|(id, _)| id));
+                // Every answer taken is counted by now (`answered`).
+                self.acked.load(Ordering::Acquire)
+            }
+            None => self.acked.load(Ordering::Acquire),
+        };
+        // Writes answered since the window was last trimmed are done, not waiting.
+        inner.window.trim(acked);
         // Requests held back were never sent: they fail as well (writes wait for a repair).
         unanswered.extend(inner.next_id - inner.unsent..inner.next_id);
         inner.unsent = 0;
@@ -2246,18 +2333,23 @@ impl Fabric for TcpFabric {
             machine, self.me,
             "the tcp fabric answers for its own machine only"
         );
-        // A link under repair for longer than the timeout: a connection reset between live
-        // machines is repaired within milliseconds, and removing one of them for it would
-        // cost a reconfiguration and a rejoin for nothing.
+        // A link down for longer than the timeout, under repair or repaired without progress
+        // (its connections keep breaking before the writes sent again are answered): a
+        // connection reset between live machines is repaired within milliseconds, and
+        // removing one of them for it would cost a reconfiguration and a rejoin for nothing.
         self.links
             .iter()
             .filter(|l| {
                 self.served.admits(l.dst) && {
                     let inner = l.inner.lock().expect("link poisoned");
+                    let long = inner.down_since.is_some_and(|at| at.elapsed() >= l.timeout);
                     match inner.state {
                         LinkState::Broken => true,
-                        LinkState::Repairing => inner.repairing_since.elapsed() >= l.timeout,
-                        _ => false,
+                        LinkState::Repairing => long,
+                        LinkState::Up(_) => {
+                            long && l.acked.load(Ordering::Acquire) < inner.resent_upto
+                        }
+                        LinkState::Idle => false,
                     }
                 }
             })

@@ -101,8 +101,8 @@ fn accept_proving(listener: &TcpListener) -> TcpStream {
     assert!(handshake.connecting_proved(&proof));
     let mut ack = 0xfa53_7c90u32.to_le_bytes().to_vec();
     ack.extend_from_slice(&0u32.to_le_bytes());
-    // The last write taken in the session: none, a new one.
-    ack.extend_from_slice(&0u64.to_le_bytes());
+    // The last write taken and the last refused in the session: none, a new one.
+    ack.extend_from_slice(&[0; 16]);
     s.write_all(&ack).unwrap();
     s
 }
@@ -313,9 +313,9 @@ fn raw_hello_proving(
     s.write_all(&handshake.connecting_proof()).unwrap();
     let status = read_status(&mut s);
     if status == 0 {
-        let mut last = [0u8; 8];
-        s.read_exact(&mut last).unwrap();
-        assert_eq!(last, [0; 8], "a new session has taken no write");
+        let mut ids = [0u8; 16];
+        s.read_exact(&mut ids).unwrap();
+        assert_eq!(ids, [0; 16], "a new session has taken no write");
     }
     (s, status)
 }
@@ -473,6 +473,11 @@ fn a_restarted_machine_s_link_stays_down_until_readmitted_and_a_silent_one_s_wri
     assert_eq!(settle(&f0, M0, M1, waiting), WriteStatus::Failed);
     assert_eq!(f1.rejections(), 1, "the resumption was not refused");
     assert_eq!(
+        f0.write_status(ep(M0), M1, t),
+        WriteStatus::Done,
+        "a write done before the break turned failed"
+    );
+    assert_eq!(
         word(&mem1, 8),
         0,
         "a write for the earlier incarnation landed"
@@ -495,6 +500,10 @@ fn a_restarted_machine_s_link_stays_down_until_readmitted_and_a_silent_one_s_wri
     assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
     assert_eq!(word(&mem1, 8), u64::from_le_bytes([2; 8]));
     assert_eq!(settle(&f0, M0, M1, t), WriteStatus::Done);
+    // Removing machine 1 fails what waits for it, and nothing that was done.
+    f0.admit(M0, &[M0]);
+    assert_eq!(f0.write_status(ep(M0), M1, t), WriteStatus::Done);
+    f0.admit(M0, &[M0, M1]);
 
     // A member 2 that accepts, proves the secret and acknowledges, but never answers: the
     // connection breaks after the timeout, and the write waits while its repair is tried
@@ -1160,6 +1169,12 @@ fn a_broken_connection_between_members_is_repaired_and_every_write_lands_once() 
         }
     };
 
+    // A write the peer's NIC refuses (outside the rings), whose refusal machine 0 hears: it
+    // does not keep the session from being resumed later.
+    let outside = f0
+        .write(ep(M0), M1, MemKey::Rings, RINGS_BYTES as u64, &[1; 8])
+        .unwrap();
+    assert_eq!(settle(&f0, M0, M1, outside), WriteStatus::Failed);
     let first: Vec<_> = (0..50).map(|_| write(&f0)).collect();
     for (_, t) in &first {
         assert_eq!(settle(&f0, M0, M1, *t), WriteStatus::Done);
