@@ -80,10 +80,10 @@ const MAGIC: u32 = 0xfa53_7c90;
 /// reconfiguration probes read), 7 lease datagrams that say how long the CM's own leases have
 /// lapsed (`farm_cm::LeaseMsg`, whose older encoding a newer machine drops), 8 the repair of a
 /// broken connection in place (a hello that resumes its link's session, and the last write the
-/// NIC took in it after the acknowledgement). A hello also carries the version of the records and
+/// NIC took in it after the acknowledgement), 9 the last write the NIC refused beside it. A hello also carries the version of the records and
 /// messages that travel inside ring writes (`farm_core::wire::WIRE_VERSION`); a peer that
 /// differs in either is refused at its hello, and both sides say which versions met.
-pub const VERSION: u16 = 8;
+pub const VERSION: u16 = 9;
 const RECORDS: u8 = farm_core::wire::WIRE_VERSION;
 const HELLO_BYTES: usize = 24;
 const ACK_BYTES: usize = 8;
@@ -95,6 +95,8 @@ const REPLY_BYTES: usize = 16;
 const LEAD_SLICE: Duration = Duration::from_millis(1);
 /// How often a connection's ticker takes answers nobody polled for, at most.
 const TICK_MAX: Duration = Duration::from_millis(10);
+/// The repairer's first pause before connecting again (`LinkInner::repair_pause`).
+const REPAIR_PAUSE_MIN: Duration = Duration::from_millis(1);
 
 const OP_READ: u8 = 1;
 const OP_WRITE: u8 = 2;
@@ -136,7 +138,7 @@ const ACK_CHALLENGE: u32 = 5;
 /// The connecting side's proof of the cluster's secret did not hold.
 const ACK_NOT_PROVED: u32 = 6;
 /// A hello that resumes a session this NIC does not hold (it restarted, or removed the
-/// connecting machine since, or refused one of the session's writes): nothing to repair.
+/// connecting machine since): nothing to repair.
 const ACK_NO_SESSION: u32 = 7;
 
 /// Hello flag: the connection resumes its link's session (see [`Session`]).
@@ -174,6 +176,8 @@ fn refusal(verdict: u32) -> String {
 enum Handshaken {
     Io(io::Error),
     Refused(u32),
+    /// The peer did not prove the cluster's secret.
+    NotProved,
 }
 
 impl From<io::Error> for Handshaken {
@@ -291,6 +295,7 @@ impl TcpFabric {
                         repairs: 0,
                         down_since: None,
                         resent_upto: 0,
+                        repair_pause: REPAIR_PAUSE_MIN,
                     }),
                     acked: AtomicU64::new(0),
                     failed_any: AtomicBool::new(false),
@@ -421,7 +426,13 @@ impl Served {
     fn close_from(&self, m: MachineId) {
         let session = self.sessions.lock().expect("sessions poisoned").remove(&m);
         if let Some(s) = session {
-            s.lock().expect("session poisoned").retired = true;
+            let owner = {
+                let mut s = s.lock().expect("session poisoned");
+                s.retired = true;
+                s.owner
+            };
+            // Its connection, which may not have said whose it is yet.
+            self.close_conn(owner);
         }
         for conn in self.conns.lock().expect("conns poisoned").values() {
             if conn.src == Some(m) {
@@ -634,6 +645,15 @@ fn serve(
         out.flush()?;
         return Err(ConnEnd::Refused(reason));
     }
+    // Whose connection it is, before it serves any session: `Served::close_from` closes it.
+    if let Some(c) = served
+        .conns
+        .lock()
+        .expect("conns poisoned")
+        .get_mut(&conn_id)
+    {
+        c.src = Some(src);
+    }
     let epoch = u32::from_le_bytes(hello[12..16].try_into().expect("4 bytes"));
     let resume = hello[11] & HELLO_RESUME != 0;
     let Some(session) = served.take_session(src, conn_id, epoch, resume) else {
@@ -645,14 +665,6 @@ fn serve(
         out.flush()?;
         return Err(ConnEnd::Refused("no session to resume".into()));
     };
-    if let Some(c) = served
-        .conns
-        .lock()
-        .expect("conns poisoned")
-        .get_mut(&conn_id)
-    {
-        c.src = Some(src);
-    }
     let (last, refused_upto) = {
         let s = session.lock().expect("session poisoned");
         (s.last, s.refused_upto)
@@ -728,6 +740,16 @@ fn serve(
                         "closed: a later connection of the peer took over, or it was removed"
                             .into(),
                     ));
+                }
+                if req.id <= held.last {
+                    served.reject();
+                    let reason = format!(
+                        "bad framing: write {} after write {} of its session",
+                        req.id, held.last
+                    );
+                    tracing::warn!(machine = served.me.0, src = src.0, %peer,
+                        "closed a connection for {reason}");
+                    return Err(ConnEnd::Refused(reason));
                 }
                 held.last = req.id;
                 if !served.admits(src) {
@@ -1082,6 +1104,10 @@ struct LinkInner {
     /// the writes it sent again (up to `resent_upto`).
     down_since: Option<Instant>,
     resent_upto: u64,
+    /// How long the repairer waits before its next attempt: doubling, up to a quarter of the
+    /// timeout, over an outage (repairs whose connections break again before making progress
+    /// included).
+    repair_pause: Duration,
 }
 
 #[derive(Debug)]
@@ -1441,9 +1467,14 @@ impl Link {
             Handshaken::Refused(verdict) => {
                 io::Error::new(io::ErrorKind::ConnectionRefused, refusal(verdict))
             }
+            Handshaken::NotProved => io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "it does not hold the cluster's secret",
+            ),
         })?;
         inner.epoch = epoch;
         inner.down_since = None;
+        inner.repair_pause = REPAIR_PAUSE_MIN;
         self.install(inner, stream)
     }
 
@@ -1487,13 +1518,9 @@ impl Link {
             accepting: challenge[..NONCE_BYTES].try_into().expect("a nonce"),
         };
         if !handshake.accepting_proved(&challenge[NONCE_BYTES..]) {
-            let reason = "it does not hold the cluster's secret";
             tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
-                "refused the peer's connection: {reason}");
-            return Err(Handshaken::Io(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                reason,
-            )));
+                "refused the peer's connection: it does not hold the cluster's secret");
+            return Err(Handshaken::NotProved);
         }
         (&stream).write_all(&handshake.connecting_proof())?;
         let verdict = read_ack(&stream)?;
@@ -1668,16 +1695,18 @@ impl Link {
             let waiter = self.waiters.lock().expect("waiters poisoned").remove(&id);
             if waiter.is_none() && status != OK {
                 self.fail(id, id);
-                tracing::warn!(
-                    machine = self.me.0,
-                    dst = self.dst.0,
-                    status,
-                    "a write was refused by the peer"
-                );
             }
             self.acked.fetch_max(id, Ordering::AcqRel);
             waiter
         };
+        if waiter.is_none() && status != OK {
+            tracing::warn!(
+                machine = self.me.0,
+                dst = self.dst.0,
+                status,
+                "a write was refused by the peer"
+            );
+        }
         if let Some(w) = waiter {
             let reply = Reply::Answer {
                 status,
@@ -1712,6 +1741,7 @@ impl Link {
         let progressed = self.acked.load(Ordering::Acquire) >= inner.resent_upto;
         if inner.down_since.is_none() || progressed {
             inner.down_since = Some(Instant::now());
+            inner.repair_pause = REPAIR_PAUSE_MIN;
         }
         self.close_locked(inner, LinkState::Repairing, reason);
         inner.repairs += 1;
@@ -1736,10 +1766,17 @@ impl Link {
                 && !self.stopped.load(Ordering::SeqCst)
                 && self.admitted.contains(self.dst)
         };
-        let mut pause = Duration::from_millis(1);
         loop {
+            let pause = {
+                let mut inner = self.inner.lock().expect("link poisoned");
+                if !ours(&inner) {
+                    return;
+                }
+                let pause = inner.repair_pause;
+                inner.repair_pause = (pause * 2).min((self.timeout / 4).max(REPAIR_PAUSE_MIN));
+                pause
+            };
             std::thread::sleep(pause);
-            pause = (pause * 2).min((self.timeout / 4).max(Duration::from_millis(1)));
             let epoch = {
                 let inner = self.inner.lock().expect("link poisoned");
                 if !ours(&inner) {
@@ -1754,8 +1791,9 @@ impl Link {
             }
             let (stream, last, refused_upto) = match shaken {
                 Ok(shaken) => shaken,
-                Err(Handshaken::Io(e)) if e.kind() == io::ErrorKind::PermissionDenied => {
-                    self.close_locked(&mut inner, LinkState::Broken, &e.to_string());
+                Err(Handshaken::NotProved) => {
+                    let reason = "it does not hold the cluster's secret";
+                    self.close_locked(&mut inner, LinkState::Broken, reason);
                     return;
                 }
                 Err(Handshaken::Io(e)) => {
