@@ -141,6 +141,9 @@ const ACK_NOT_PROVED: u32 = 6;
 /// connecting machine since): nothing to repair.
 const ACK_NO_SESSION: u32 = 7;
 
+/// Why a side of a connection refuses the other's proof of the cluster's secret.
+const NOT_PROVED: &str = "it does not hold the cluster's secret";
+
 /// Hello flag: the connection resumes its link's session (see [`Session`]).
 const HELLO_RESUME: u8 = 1;
 
@@ -637,7 +640,7 @@ fn serve(
     }
     if !handshake.connecting_proved(input.take(PROOF_BYTES)) {
         served.reject();
-        let reason = "it does not hold the cluster's secret".to_string();
+        let reason = NOT_PROVED.to_string();
         tracing::warn!(machine = served.me.0, src = src.0, %peer,
             "refused a connection: {reason}");
         out.write_all(&MAGIC.to_le_bytes())?;
@@ -1467,10 +1470,7 @@ impl Link {
             Handshaken::Refused(verdict) => {
                 io::Error::new(io::ErrorKind::ConnectionRefused, refusal(verdict))
             }
-            Handshaken::NotProved => io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "it does not hold the cluster's secret",
-            ),
+            Handshaken::NotProved => io::Error::new(io::ErrorKind::PermissionDenied, NOT_PROVED),
         })?;
         inner.epoch = epoch;
         inner.down_since = None;
@@ -1519,7 +1519,7 @@ impl Link {
         };
         if !handshake.accepting_proved(&challenge[NONCE_BYTES..]) {
             tracing::warn!(machine = self.me.0, dst = self.dst.0, addr = %self.addr,
-                "refused the peer's connection: it does not hold the cluster's secret");
+                "refused the peer's connection: {NOT_PROVED}");
             return Err(Handshaken::NotProved);
         }
         (&stream).write_all(&handshake.connecting_proof())?;
@@ -1792,8 +1792,7 @@ impl Link {
             let (stream, last, refused_upto) = match shaken {
                 Ok(shaken) => shaken,
                 Err(Handshaken::NotProved) => {
-                    let reason = "it does not hold the cluster's secret";
-                    self.close_locked(&mut inner, LinkState::Broken, reason);
+                    self.close_locked(&mut inner, LinkState::Broken, NOT_PROVED);
                     return;
                 }
                 Err(Handshaken::Io(e)) => {
@@ -1894,17 +1893,9 @@ impl Link {
         }
         unanswered.sort_unstable();
         unanswered.dedup();
-        let mut runs = unanswered.iter().peekable();
-        while let Some(&first) = runs.next() {
-            let mut last = first;
-            while let Some(&&next) = runs.peek() {
-                if next != last + 1 {
-                    break;
-                }
-                last = next;
-                runs.next();
-            }
-            self.fail(first, last);
+        // In order: consecutive ids extend one range (`fail`).
+        for id in &unanswered {
+            self.fail(*id, *id);
         }
         {
             let mut waiters = self.waiters.lock().expect("waiters poisoned");
