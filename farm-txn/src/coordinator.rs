@@ -574,9 +574,6 @@ impl<'w> Tx<'w> {
             }
             at += count;
         }
-        // The wait below is inside this thread's turn: what a pipeline's batch holds back
-        // (the ALLOC itself, over `tcp`) goes out first (`fabric::Batch`).
-        farm_core::fabric::flush();
         let requests = first..first + n as u64;
         let mut got: Vec<Option<Option<(Addr, u32, Header)>>> = vec![None; n];
         let mut waiting = n;
@@ -586,6 +583,12 @@ impl<'w> Tx<'w> {
             .as_mut()
             .expect("remote allocation needs a poller");
         for _ in 0..ALLOC_WAIT_POLLS_MAX {
+            // The wait is inside this thread's turn: what a pipeline's batch holds back goes
+            // out each round (`fabric::Batch`), the ALLOC itself and what the polls below
+            // posted, such as the reply to a peer's ALLOC that this very wait served (two
+            // pipelines allocating at each other's primaries over `tcp` each held the other's
+            // reply until their waits gave up).
+            farm_core::fabric::flush();
             let mut i = 0;
             while i < self.worker.replies.other.len() {
                 let ours = matches!(&self.worker.replies.other[i].1,

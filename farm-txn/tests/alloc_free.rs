@@ -102,3 +102,50 @@ fn a_remote_allocation_waits_no_longer_than_the_lease() {
         "gave up at poll {now}, its lease ending at 1000"
     );
 }
+
+/// What a fabric holds back for the thread's open batch, standing for an answer the waiting
+/// thread's polls posted to the primary (over `tcp`, the reply to the primary's own ALLOC,
+/// held until the turn's flush).
+struct HeldAnswer(std::sync::atomic::AtomicBool);
+
+impl farm_core::fabric::Held for HeldAnswer {
+    fn flush(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A remote allocation inside a batch's turn sends what the polls of its wait posted, each
+/// round, not only its ALLOC before the wait: two pipelines over `tcp` that each allocated at
+/// the other's primary served each other's ALLOC inside their waits and held the replies
+/// until their turns ended, so both waited ten million polls and failed (CI, the pipelined
+/// allocation test over `tcp`). Here the primary (machine 0) answers only once the answer
+/// machine 2's poll posted to it went out.
+#[test]
+fn a_remote_allocation_sends_what_its_wait_posted() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut w = common::workers(2 << 20, 1);
+    let machine = w[2].machine().clone();
+    machine.set_serves_until(100_000);
+    let _batch = farm_core::fabric::Batch::open();
+    let answer = Arc::new(HeldAnswer(AtomicBool::new(false)));
+    let (primary, rest) = w.split_at_mut(1);
+    let mut now = 0u64;
+    let mut poller = || {
+        now += 1;
+        if now == 1 {
+            let held: Arc<dyn farm_core::fabric::Held> = answer.clone();
+            assert!(farm_core::fabric::hold(&held), "the batch is open");
+        } else if answer.0.load(Ordering::SeqCst) {
+            primary[0].poll(now);
+        }
+        now
+    };
+    let mut tx = Tx::with_poller(&mut rest[1], &mut poller);
+    let near = Addr::new(farm_core::RegionId(0), 0);
+    let got = tx.alloc(8, Some(near));
+    assert!(
+        matches!(got, Ok(a) if a.region == near.region),
+        "{got:?} after {now} polls"
+    );
+}
