@@ -188,12 +188,11 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             let mut args = vec![format!("--subscribers={}", tatp.subscribers)];
             args.extend(tatp.run.flags());
             let title = format!("TATP: {} subscribers", tatp.subscribers);
-            let failure = Failure::of(&tatp.run, base.machines)?;
             run_workload(
                 &base,
                 "tatp",
                 &args,
-                (keep, failure),
+                (keep, &tatp.run),
                 &title,
                 "transactions that found their rows",
             )
@@ -215,12 +214,11 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
             ];
             args.extend(tpcc.run.flags());
             let title = format!("TPC-C ({} mix): {} warehouses", tpcc.mix, tpcc.warehouses);
-            let failure = Failure::of(&tpcc.run, base.machines)?;
             run_workload(
                 &base,
                 "tpcc",
                 &args,
-                (keep, failure),
+                (keep, &tpcc.run),
                 &title,
                 "committed NEW-ORDERs",
             )
@@ -665,11 +663,11 @@ fn run_workload(
     base: &Settings,
     workload: &str,
     args: &[String],
-    (keep, failure): (bool, Option<Failure>),
+    (keep, run): (bool, &RunArgs),
     title: &str,
     counted: &str,
 ) -> anyhow::Result<()> {
-    let mut failure = failure;
+    let mut failure = Failure::of(run, base.machines)?;
     if let Some(program) = &base.program {
         bail!(
             "program = {}: `local {workload}` runs farm-node's own {workload} (drop the program \
@@ -697,7 +695,7 @@ fn run_workload(
     );
     let mut children = start_all(&s, &[], &workload_args)?;
     let outcome = collect(&s, workload, &mut children, &mut failure)
-        .and_then(|r| report(&s, &r, title, counted, failure.as_ref()));
+        .and_then(|r| report(&s, &r, (title, counted), run.check, failure.as_ref()));
     for (m, c) in children.iter_mut().enumerate() {
         let _ = c.kill();
         let _ = c.wait();
@@ -849,12 +847,13 @@ fn collect(
     Ok(results.into_iter().flatten().collect())
 }
 
-/// Prints the run's results; fails if a transaction failed or none finished.
+/// Prints the run's results; fails if a transaction failed, none finished, or the integrity
+/// check asked for (`checked`) did not run.
 fn report(
     s: &Settings,
     results: &[WorkloadResult],
-    title: &str,
-    counted: &str,
+    (title, counted): (&str, &str),
+    checked: bool,
     failure: Option<&Failure>,
 ) -> anyhow::Result<()> {
     let seconds = results.iter().map(|r| r.seconds).fold(0.0, f64::max);
@@ -886,7 +885,8 @@ fn report(
         per_s(|r| r.transactions),
         per_s(|r| r.counted)
     );
-    if let Some(check) = results.iter().find_map(|r| r.check.as_ref()) {
+    let check = results.iter().find_map(|r| r.check.as_ref());
+    if let Some(check) = check {
         println!("integrity check passed: {check}");
     }
     if let Some(f) = failure {
@@ -899,6 +899,9 @@ fn report(
     }
     if errors > 0 {
         bail!("{errors} transactions failed");
+    }
+    if checked && check.is_none() {
+        bail!("--check: no machine reported the integrity check");
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! regions) and publishes their roots in ZooKeeper; every machine opens them, loads its own
 //! partition, waits for the others, then runs the mix from its client threads for the run's
 //! length, every transaction coordinated on this machine; once all are done, machine 0 checks
-//! the database. Each machine publishes its result (`<workload>-result-m<id>`) for the
+//! the database (machine 1 when machine 0 was failed mid-run). Each machine publishes its result (`<workload>-result-m<id>`) for the
 //! launcher.
 
 use std::cell::RefCell;
@@ -59,7 +59,8 @@ pub struct RunArgs {
     /// Seed of the population and of the clients' inputs.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Machine 0 checks the database's integrity after the run (TPC-C: conditions 1 to 4).
+    /// Machine 0 checks the database's integrity after the run (TPC-C: conditions 1 to 4);
+    /// machine 1 does when machine 0 is the one `--kill-after` fails.
     #[arg(long)]
     pub check: bool,
     /// Fail a machine this many seconds into the measured run: it kills itself (SIGKILL),
@@ -119,6 +120,15 @@ impl RunArgs {
         f
     }
 
+    /// The machine that checks the database's integrity after the run (`--check`): machine
+    /// 0, or machine 1 when machine 0 is the one failed in the middle of it.
+    pub fn checker(&self, machines: u16) -> MachineId {
+        match self.victim(machines) {
+            Some(MachineId(0)) => MachineId(1),
+            _ => MachineId(0),
+        }
+    }
+
     /// The machine to fail in the middle of the run, among `machines`, if one is.
     pub fn victim(&self, machines: u16) -> Option<MachineId> {
         self.kill_after
@@ -151,7 +161,8 @@ pub struct WorkloadResult {
     pub p50_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
-    /// What machine 0's integrity check found, with `--check`.
+    /// What the integrity check found, with `--check`, at the machine that ran it
+    /// ([`RunArgs::checker`]).
     pub check: Option<String>,
     /// When the measured run started, in microseconds since the Unix epoch: the clock the
     /// launcher lines the machines' timelines up on.
@@ -418,7 +429,8 @@ fn fail_on_time(meeting: &Meeting<'_>, run: &RunArgs, started: Instant) {
     unsafe { libc::raise(signal) };
 }
 
-/// Ends a run: waits for every machine, lets machine 0 check, publishes the result.
+/// Ends a run: waits for every machine, lets the checker check ([`RunArgs::checker`]),
+/// publishes the result.
 fn finish(
     meeting: &Meeting<'_>,
     measured: Measured,
@@ -426,7 +438,7 @@ fn finish(
     run: &RunArgs,
 ) -> anyhow::Result<WorkloadResult> {
     meeting.barrier("done")?;
-    let check = (run.check && meeting.me.0 == 0)
+    let check = (run.check && meeting.me == run.checker(meeting.machines))
         .then(check)
         .transpose()
         .map_err(|e| anyhow::anyhow!("integrity check failed: {e}"))?;
