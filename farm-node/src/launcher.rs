@@ -101,7 +101,13 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
                 (vec![], (0..s.machines).collect())
             };
             // They run on after the launcher exits.
-            drop(start_machines(&s, &machines, &flag, &args)?);
+            drop(start_machines(
+                &s,
+                &machines,
+                &flag,
+                &args,
+                Lifetime::Detached,
+            )?);
             std::fs::write(s.dir.join(SAVED), s.to_toml())?;
             status(&s)
         }
@@ -127,7 +133,7 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
                 bail!("machine {machine} runs (pid {pid}): kill it first");
             }
             let from = log_len(&s, machine);
-            let mut child = spawn(&s, machine, &["--join"], &args)?;
+            let mut child = spawn(&s, machine, &["--join"], &args, Lifetime::Detached)?;
             wait_running(&s, machine, &mut child, from)?;
             println!("machine {machine} rejoined");
             status(&s)
@@ -419,7 +425,24 @@ fn settings_flags(s: &Settings) -> Vec<String> {
 /// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [args]`, or
 /// `<program> --machine m <flags> <settings> [args]` with a `program` setting, with `netns` in the namespace `<netns><m>` (`ip netns exec` runs it in place: its pid is
 /// the machine's).
-fn spawn(s: &Settings, m: u16, flags: &[&str], args: &[String]) -> anyhow::Result<Child> {
+/// Whether machine processes outlive the launcher that starts them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Lifetime {
+    /// A cluster left running (`local start`, `rejoin`, `restart`): the processes go on after
+    /// the launcher exits, until `local stop` or `kill`.
+    Detached,
+    /// A workload run's cluster: the processes end with the launcher, however it ends (Ctrl-C,
+    /// a timeout's signal), since nothing else would stop them.
+    Launcher,
+}
+
+fn spawn(
+    s: &Settings,
+    m: u16,
+    flags: &[&str],
+    args: &[String],
+    lifetime: Lifetime,
+) -> anyhow::Result<Child> {
     std::fs::create_dir_all(&s.dir).with_context(|| format!("creating {}", s.dir.display()))?;
     let log_path = log_file(s, m);
     let log = OpenOptions::new()
@@ -442,6 +465,25 @@ fn spawn(s: &Settings, m: u16, flags: &[&str], args: &[String]) -> anyhow::Resul
         }
         None => Command::new(exe),
     };
+    if lifetime == Lifetime::Launcher {
+        let launcher = std::process::id() as libc::pid_t;
+        // SAFETY: between fork and exec the closure makes only async-signal-safe calls
+        // (prctl, getppid) and allocates nothing on its success path.
+        unsafe {
+            command.pre_exec(move || {
+                // The kernel kills the process once the launcher's thread that forked it ends
+                // (this one, the launcher's main thread); the mark survives the exec.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The launcher may have ended before the mark was set.
+                if libc::getppid() != launcher {
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+    }
     let child = command
         .args(run)
         .args(["--machine", &m.to_string()])
@@ -543,9 +585,10 @@ fn restarting(s: &Settings) -> anyhow::Result<Vec<u16>> {
     Ok(present)
 }
 
-fn start_all(s: &Settings, flags: &[&str], args: &[String]) -> anyhow::Result<Vec<Child>> {
+/// Starts every machine of a workload run's cluster, ending with the launcher.
+fn start_all(s: &Settings, args: &[String]) -> anyhow::Result<Vec<Child>> {
     let all: Vec<u16> = (0..s.machines).collect();
-    start_machines(s, &all, flags, args)
+    start_machines(s, &all, &[], args, Lifetime::Launcher)
 }
 
 /// Starts `machines` of the cluster and waits until each says it runs.
@@ -554,6 +597,7 @@ fn start_machines(
     machines: &[u16],
     flags: &[&str],
     args: &[String],
+    lifetime: Lifetime,
 ) -> anyhow::Result<Vec<Child>> {
     ensure_secret(s)?;
     for m in 0..s.machines {
@@ -570,7 +614,7 @@ fn start_machines(
     }
     let mut children = Vec::new();
     for m in machines {
-        children.push(spawn(s, *m, flags, args)?);
+        children.push(spawn(s, *m, flags, args, lifetime)?);
     }
     for (m, child) in machines.iter().zip(&mut children) {
         if let Err(e) = wait_running(s, *m, child, 0) {
@@ -693,7 +737,7 @@ fn run_workload(
         s.machines,
         s.dir.display()
     );
-    let mut children = start_all(&s, &[], &workload_args)?;
+    let mut children = start_all(&s, &workload_args)?;
     let outcome = collect(&s, workload, &mut children, &mut failure)
         .and_then(|r| report(&s, &r, (title, counted), run.check, failure.as_ref()));
     for (m, c) in children.iter_mut().enumerate() {
@@ -737,8 +781,16 @@ impl Failure {
         let Some(victim) = run.victim(machines) else {
             return Ok(None);
         };
-        if victim.0 >= machines || machines < 2 {
+        if victim.0 >= machines {
             bail!("no machine {victim} to fail among {machines}");
+        }
+        // A new configuration needs a majority of the old one to answer its probes (FaRM
+        // §5.2): of two machines, the one left is not, and the run would wait for good.
+        if machines < 3 {
+            bail!(
+                "--kill-after: a cluster goes on after a failure only while a majority of its \
+                 machines lives, so fail one of at least 3 machines, not of {machines}"
+            );
         }
         Ok(Some(Self {
             victim: victim.0,

@@ -370,6 +370,102 @@ fn a_workload_run_that_cannot_work_is_refused_before_any_machine_starts() {
     }
     let e = local("tpcc", &["--clients", "0"]);
     assert!(e.contains("at least one client"), "{e}");
+    // Two machines cannot go on after one fails: the survivor is no majority (FaRM §5.2), and
+    // the run waited for it for good.
+    let e = local(
+        "tatp",
+        &["--machines", "2", "--seconds", "2", "--kill-after", "1"],
+    );
+    assert!(
+        e.contains("--kill-after") && e.contains("at least 3 machines"),
+        "{e}"
+    );
+}
+
+/// A workload run's machine processes end with the launcher that started them, however it
+/// ends: killed (as Ctrl-C or a timeout end it, with no clean-up of its own), it left them
+/// running, spinning on the cores and holding their ports against the next run.
+#[test]
+fn a_workload_run_s_machines_end_with_their_launcher() {
+    let Some(zk) = zookeeper() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let local = Local::new(dir.path(), "orphans", zk, 4, 16);
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_farm-node"))
+        .arg("local")
+        .args(["tatp", "--subscribers", "2000", "--seconds", "120"])
+        .args(&local.args)
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let runs = dir
+        .path()
+        .join("farm-data")
+        .join(&local.args[1])
+        .join("runs");
+    // The run's machines, once each says it runs: their pids.
+    let running = || -> Option<Vec<u32>> {
+        let run = std::fs::read_dir(&runs).ok()?.next()?.ok()?.path();
+        (0..3)
+            .map(|m| {
+                let log = std::fs::read_to_string(run.join(format!("m{m}.log"))).ok()?;
+                log.contains(&format!("farm-node: machine {m} running"))
+                    .then(|| std::fs::read_to_string(run.join(format!("m{m}.pid"))).ok())??
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let pids = loop {
+        if let Some(pids) = running() {
+            break pids;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run's machines did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // Whatever the test finds, no machine of it outlives it.
+    let _kill = KillOnDrop(pids.clone());
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    // A process that ended is gone, or a zombie until whoever adopted it reaps it.
+    let lives = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            !stat
+                .rsplit(')')
+                .next()
+                .unwrap()
+                .trim_start()
+                .starts_with('Z')
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pids.iter().any(lives) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "machine processes {:?} of {pids:?} outlived their launcher by 10 s",
+            pids.iter().filter(|p| lives(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Kills processes, by pid, when dropped.
+struct KillOnDrop(Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }
 }
 
 /// `farm-node args` run in `dir`, which must fail: its standard error.
