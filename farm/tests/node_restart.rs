@@ -4,6 +4,7 @@
 //! binary, so that these processes do not share the two cores with other multi-process tests.
 
 use std::collections::BTreeMap;
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 mod common;
@@ -121,14 +122,27 @@ fn killed_at_once_restarts(net: Net, test: u16, znode: &str) {
     {
         let machines = Machines::start_on(&net, "run", test, dir.path(), Some(zookeeper.clone()));
         machines.share_accounts(dir.path());
-        // Let transfers run, reading the acknowledgements meanwhile.
-        let until = Instant::now() + Duration::from_millis(500);
-        while let Ok((m, line)) = machines
-            .lines
-            .recv_timeout(until.saturating_duration_since(Instant::now()))
-        {
-            if let Some(n) = line.strip_prefix("acked ") {
-                acked.insert(m, n.parse().unwrap());
+        // Let transfers run for half a second, and on until every machine acknowledged one (on
+        // a loaded host one may start late), reading the acknowledgements meanwhile.
+        let least = Instant::now() + Duration::from_millis(500);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < least || acked.len() < MACHINES as usize {
+            let until = if Instant::now() < least {
+                least
+            } else {
+                deadline
+            };
+            match machines
+                .lines
+                .recv_timeout(until.saturating_duration_since(Instant::now()))
+            {
+                Ok((m, line)) => {
+                    if let Some(n) = line.strip_prefix("acked ") {
+                        acked.insert(m, n.parse().unwrap());
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+                Err(e) => panic!("acknowledged {acked:?} only: {e}"),
             }
         }
         for m in 0..MACHINES {
