@@ -270,11 +270,22 @@ impl RunOptions {
                 self.seconds
             );
         }
-        anyhow::ensure!(
-            self.kills.len() < machines as usize,
-            "{} kills would leave no machine",
-            self.kills.len()
-        );
+        // A configuration changes only while a majority of the one before it answers the
+        // probes (FaRM §5.2): each kill (those at one moment together) must leave a majority of
+        // the machines that lived before it, or the cluster stops for good.
+        let mut times: Vec<f64> = self.kills.iter().map(|k| k.seconds).collect();
+        times.sort_by(f64::total_cmp);
+        let mut alive = machines as usize;
+        for at_once in times.chunk_by(|a, b| a == b) {
+            let left = alive.saturating_sub(at_once.len());
+            anyhow::ensure!(
+                2 * left > alive,
+                "--kill at {} s: {left} of {alive} machines would live on, no majority to \
+                 reconfigure with (FaRM §5.2), and the cluster would stop",
+                at_once[0]
+            );
+            alive = left;
+        }
         Ok(())
     }
 }
@@ -479,12 +490,16 @@ pub fn run<W: Workload>(
     let deadline = Instant::now() + CLIENTS_STOP_MAX;
     while !clients.iter().all(|h| h.is_finished()) {
         if Instant::now() >= deadline {
+            // A stuck cluster suspects the same machines every lease: their count and names.
+            let suspicions = cluster.suspicions();
+            let suspects: std::collections::BTreeSet<u16> =
+                suspicions.iter().map(|s| s.suspect.0).collect();
             anyhow::bail!(
                 "clients still in transactions {} s after the run ended: the cluster cannot \
-                 commit (configuration {:?}; suspicions {:?})",
+                 commit (configuration {:?}; {} suspicions, of machines {suspects:?})",
                 CLIENTS_STOP_MAX.as_secs(),
                 cluster.view(MachineId(0)).config,
-                cluster.suspicions()
+                suspicions.len()
             );
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -765,4 +780,47 @@ pub fn chart(
         start_ms,
         &marks,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(kills: &[&str]) -> RunOptions {
+        RunOptions {
+            clients: 1,
+            in_flight: None,
+            seconds: 4.0,
+            seed: 1,
+            pin: false,
+            kills: kills.iter().map(|k| parse_kill(k).unwrap()).collect(),
+            lease: Duration::from_millis(10),
+        }
+    }
+
+    /// Kills that would leave the machines alive no majority of the configuration before them
+    /// are refused up front (FaRM §5.2: no reconfiguration without a majority answering its
+    /// probes): two of three machines killed one after the other waited for good and then
+    /// failed with every suspicion of the stuck run in the message.
+    #[test]
+    fn kills_that_leave_no_majority_are_refused() {
+        assert!(options(&["1@1"]).validate(3).is_ok());
+        assert!(options(&["1@1", "cm@2"]).validate(4).is_ok());
+        let e = options(&["1@1", "2@2.5"])
+            .validate(3)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--kill at 2.5 s") && e.contains("1 of 2 machines"),
+            "{e}"
+        );
+        // Two at once of four leave two: no majority of four.
+        let e = options(&["1@1", "2@1"])
+            .validate(4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("2 of 4 machines"), "{e}");
+        let e = options(&["0@1"]).validate(2).unwrap_err().to_string();
+        assert!(e.contains("1 of 2 machines"), "{e}");
+    }
 }
