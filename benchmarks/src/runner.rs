@@ -255,11 +255,18 @@ impl RunOptions {
         anyhow::ensure!(self.seconds > 0.0, "--seconds must be positive");
         anyhow::ensure!(self.clients >= 1, "--clients must be at least 1");
         anyhow::ensure!(self.in_flight != Some(0), "--in-flight must be at least 1");
-        for k in &self.kills {
+        for (i, k) in self.kills.iter().enumerate() {
             if let Some(m) = k.machine {
                 anyhow::ensure!(
                     m < machines,
                     "--kill {m}@{}: there are only {machines} machines",
+                    k.seconds
+                );
+                // A killed machine stays dead for the run.
+                let again = self.kills[..i].iter().find(|o| o.machine == Some(m));
+                anyhow::ensure!(
+                    again.is_none(),
+                    "--kill {m}@{}: machine {m} is killed once already",
                     k.seconds
                 );
             }
@@ -822,5 +829,14 @@ mod tests {
         assert!(e.contains("2 of 4 machines"), "{e}");
         let e = options(&["0@1"]).validate(2).unwrap_err().to_string();
         assert!(e.contains("1 of 2 machines"), "{e}");
+        // A dead machine cannot be killed again.
+        let e = options(&["1@1", "1@2"])
+            .validate(7)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--kill 1@2: machine 1 is killed once already"),
+            "{e}"
+        );
     }
 }
