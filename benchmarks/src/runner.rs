@@ -147,6 +147,10 @@ pub struct CommonArgs {
     /// backups' CPUs (Tailwind's baseline).
     #[arg(long, value_enum, default_value = "one-sided")]
     pub replication: ReplicationArg,
+    /// Microseconds between the 8 KB steps of data recovery that copy a region to a new
+    /// backup after a failure (§5.4's pacing; the cluster's default when not given).
+    #[arg(long)]
+    pub recovery_interval_us: Option<u64>,
 }
 
 /// `--replication`.
@@ -224,6 +228,9 @@ impl CommonArgs {
             .lease(Duration::from_millis(self.lease_ms).max(POPULATION_LEASE));
         if let Some(bytes) = region_bytes {
             b = b.region_bytes(bytes);
+        }
+        if let Some(us) = self.recovery_interval_us {
+            b = b.recovery_interval(Duration::from_micros(us));
         }
         Ok(Arc::new(b.build()?))
     }
