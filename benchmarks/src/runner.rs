@@ -151,6 +151,11 @@ pub struct CommonArgs {
     /// backup after a failure (§5.4's pacing; the cluster's default when not given).
     #[arg(long)]
     pub recovery_interval_us: Option<u64>,
+    /// Regions' memory each machine keeps ready (allocated and zeroed) for the replicas a
+    /// failure gives it (`ClusterBuilder::spare_regions`). Default: 1 where the workload sizes
+    /// its regions (TATP), none with the 2 GB default regions (TPC-C).
+    #[arg(long)]
+    pub spare_regions: Option<usize>,
 }
 
 /// `--replication`.
@@ -229,6 +234,11 @@ impl CommonArgs {
         if let Some(bytes) = region_bytes {
             b = b.region_bytes(bytes);
         }
+        b = b.spare_regions((self.spare_regions).unwrap_or(if region_bytes.is_some() {
+            1
+        } else {
+            0
+        }));
         if let Some(us) = self.recovery_interval_us {
             b = b.recovery_interval(Duration::from_micros(us));
         }

@@ -28,6 +28,7 @@ fn cluster(machines: u16) -> Cluster {
         .replicas(3)
         .region_bytes(4 << 20)
         .lease(Duration::from_millis(20))
+        .spare_regions(1)
         .build()
         .unwrap()
 }
@@ -174,6 +175,18 @@ fn bank_through_failures(machines: u16, victims: &[MachineId]) {
         .collect();
     let report = farm_sim::check_replicas(&live).unwrap();
     assert!(report.objects >= accounts.len());
+    // The new backups' memory was made ready before the failure (§5.4's free NVRAM), and each
+    // machine that used its spare made another once it had copied its regions.
+    let used: u64 = live.iter().map(|m| m.spare_regions_used()).sum();
+    assert!(used >= 1, "no new replica took a spare region");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while live.iter().any(|m| m.spare_regions_ready() < 1) {
+        assert!(
+            Instant::now() < deadline,
+            "spare regions were not made again"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // With two of three replicas gone, some region was down to one copy of its data and was
     // copied without pauses (§5.4); with one gone, none was.
     let aggressive = c.timeline().recovery.iter().any(|(_, e)| {
