@@ -272,18 +272,23 @@ impl RunOptions {
         anyhow::ensure!(self.seconds > 0.0, "--seconds must be positive");
         anyhow::ensure!(self.clients >= 1, "--clients must be at least 1");
         anyhow::ensure!(self.in_flight != Some(0), "--in-flight must be at least 1");
-        for (i, k) in self.kills.iter().enumerate() {
-            if let Some(m) = k.machine {
+        let mut kills = self.kills.clone();
+        kills.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+        // The first CM is machine 0; a later one is not known before the run.
+        let who = |k: &Kill, i: usize| k.machine.or((i == 0).then_some(0));
+        for (i, k) in kills.iter().enumerate() {
+            if let Some(m) = who(k, i) {
                 anyhow::ensure!(
                     m < machines,
                     "--kill {m}@{}: there are only {machines} machines",
                     k.seconds
                 );
                 // A killed machine stays dead for the run.
-                let again = self.kills[..i].iter().find(|o| o.machine == Some(m));
+                let again = (kills[..i].iter().enumerate()).any(|(j, o)| who(o, j) == Some(m));
                 anyhow::ensure!(
-                    again.is_none(),
-                    "--kill {m}@{}: machine {m} is killed once already",
+                    !again,
+                    "--kill {}@{}: machine {m} is killed once already",
+                    k.machine.map_or("cm".to_string(), |m| m.to_string()),
                     k.seconds
                 );
             }
@@ -295,24 +300,31 @@ impl RunOptions {
             );
         }
         // A configuration changes only while a majority of the one before it answers the
-        // probes (FaRM §5.2): each kill (those at one moment together) must leave a majority of
-        // the machines that lived before it, or the cluster stops for good.
-        let mut times: Vec<f64> = self.kills.iter().map(|k| k.seconds).collect();
-        times.sort_by(f64::total_cmp);
+        // probes (FaRM §5.2): each failure must leave a majority of the machines that lived
+        // before it, or the cluster stops for good. Kills less than `KILLS_APART_LEASES` leases
+        // apart are one failure of several machines: the configuration without the first may
+        // not have committed when the next comes.
+        let apart = self.lease.as_secs_f64() * KILLS_APART_LEASES;
         let mut alive = machines as usize;
-        for at_once in times.chunk_by(|a, b| a == b) {
-            let left = alive.saturating_sub(at_once.len());
+        for together in kills.chunk_by(|a, b| b.seconds - a.seconds < apart) {
+            let left = alive.saturating_sub(together.len());
             anyhow::ensure!(
                 2 * left > alive,
                 "--kill at {} s: {left} of {alive} machines would live on, no majority to \
-                 reconfigure with (FaRM §5.2), and the cluster would stop",
-                at_once[0]
+                 reconfigure with (FaRM §5.2), and the cluster would stop (kills less than {} \
+                 leases apart count as one failure)",
+                together[0].seconds,
+                KILLS_APART_LEASES
             );
             alive = left;
         }
         Ok(())
     }
 }
+
+/// Kills closer together than this many leases are checked as one failure of several machines
+/// (a suspicion takes a lease, the reconfiguration that removes the machine a few more).
+const KILLS_APART_LEASES: f64 = 10.0;
 
 /// Results of one transaction type.
 #[derive(Serialize, Debug)]
@@ -497,7 +509,21 @@ pub fn run<W: Workload>(
                     .map(MachineId)
                     .find(|m| !killed.iter().any(|(k, _)| k == m))
                     .expect("a machine is alive");
-                cluster.view(alive).config.cm
+                // The CM an earlier kill took down stays CM until the configuration without it
+                // commits: wait for the new one (never kill a dead machine again).
+                let wait_until = Instant::now() + CLIENTS_STOP_MAX;
+                loop {
+                    let cm = cluster.view(alive).config.cm;
+                    if !killed.iter().any(|(k, _)| *k == cm) {
+                        break cm;
+                    }
+                    anyhow::ensure!(
+                        Instant::now() < wait_until,
+                        "--kill cm@{}: no new CM since {cm} was killed",
+                        k.seconds
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
             }
         };
         eprintln!("killing {victim} at {:.3} s", t0.elapsed().as_secs_f64());
@@ -516,13 +542,17 @@ pub fn run<W: Workload>(
         if Instant::now() >= deadline {
             // A stuck cluster suspects the same machines every lease: their count and names.
             let suspicions = cluster.suspicions();
+            let survivor = (0..cluster.machines())
+                .map(MachineId)
+                .find(|m| !killed.iter().any(|(k, _)| k == m))
+                .expect("kills leave a machine");
             let suspects: std::collections::BTreeSet<u16> =
                 suspicions.iter().map(|s| s.suspect.0).collect();
             anyhow::bail!(
                 "clients still in transactions {} s after the run ended: the cluster cannot \
                  commit (configuration {:?}; {} suspicions, of machines {suspects:?})",
                 CLIENTS_STOP_MAX.as_secs(),
-                cluster.view(MachineId(0)).config,
+                cluster.view(survivor).config,
                 suspicions.len()
             );
         }
@@ -846,8 +876,8 @@ mod tests {
         assert!(e.contains("2 of 4 machines"), "{e}");
         let e = options(&["0@1"]).validate(2).unwrap_err().to_string();
         assert!(e.contains("1 of 2 machines"), "{e}");
-        // A dead machine cannot be killed again.
-        let e = options(&["1@1", "1@2"])
+        // A dead machine cannot be killed again, named by its number or as the first CM.
+        let e = options(&["1@2", "1@1"])
             .validate(7)
             .unwrap_err()
             .to_string();
@@ -855,5 +885,21 @@ mod tests {
             e.contains("--kill 1@2: machine 1 is killed once already"),
             "{e}"
         );
+        let e = options(&["cm@1", "0@2"])
+            .validate(7)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--kill 0@2: machine 0 is killed once already"),
+            "{e}"
+        );
+        assert!(options(&["cm@1", "cm@2"]).validate(7).is_ok());
+        // Kills a few milliseconds apart are one failure: two of four leave no majority.
+        let e = options(&["1@1", "2@1.001"])
+            .validate(4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("2 of 4 machines"), "{e}");
+        assert!(options(&["1@1", "2@2"]).validate(4).is_ok());
     }
 }
