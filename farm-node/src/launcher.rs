@@ -422,9 +422,6 @@ fn settings_flags(s: &Settings) -> Vec<String> {
     f
 }
 
-/// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [args]`, or
-/// `<program> --machine m <flags> <settings> [args]` with a `program` setting, with `netns` in the namespace `<netns><m>` (`ip netns exec` runs it in place: its pid is
-/// the machine's).
 /// Whether machine processes outlive the launcher that starts them.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Lifetime {
@@ -436,6 +433,9 @@ enum Lifetime {
     Launcher,
 }
 
+/// Starts machine `m`'s process: `farm-node run --machine m <flags> <settings> [args]`, or
+/// `<program> --machine m <flags> <settings> [args]` with a `program` setting, with `netns` in
+/// the namespace `<netns><m>` (`ip netns exec` runs it in place: its pid is the machine's).
 fn spawn(
     s: &Settings,
     m: u16,
@@ -468,7 +468,7 @@ fn spawn(
     if lifetime == Lifetime::Launcher {
         let launcher = std::process::id() as libc::pid_t;
         // SAFETY: between fork and exec the closure makes only async-signal-safe calls
-        // (prctl, getppid) and allocates nothing on its success path.
+        // (prctl, getppid) and allocates nothing.
         unsafe {
             command.pre_exec(move || {
                 // The kernel kills the process once the launcher's thread that forked it ends

@@ -3,8 +3,8 @@
 //! regions) and publishes their roots in ZooKeeper; every machine opens them, loads its own
 //! partition, waits for the others, then runs the mix from its client threads for the run's
 //! length, every transaction coordinated on this machine; once all are done, machine 0 checks
-//! the database (machine 1 when machine 0 was failed mid-run). Each machine publishes its result (`<workload>-result-m<id>`) for the
-//! launcher.
+//! the database (machine 1 when machine 0 was failed mid-run). Each machine publishes its
+//! result (`<workload>-result-m<id>`) for the launcher.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};

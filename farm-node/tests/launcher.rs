@@ -390,7 +390,7 @@ fn a_workload_run_s_machines_end_with_their_launcher() {
     let Some(zk) = zookeeper() else { return };
     let dir = tempfile::tempdir().unwrap();
     let local = Local::new(dir.path(), "orphans", zk, 4, 16);
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_farm-node"))
+    let launcher = Command::new(env!("CARGO_BIN_EXE_farm-node"))
         .arg("local")
         .args(["tatp", "--subscribers", "2000", "--seconds", "120"])
         .args(&local.args)
@@ -399,6 +399,11 @@ fn a_workload_run_s_machines_end_with_their_launcher() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    // Whatever the test finds, neither the launcher nor a machine of it outlives it.
+    let mut run = Run {
+        launcher,
+        pids: Vec::new(),
+    };
     let runs = dir
         .path()
         .join("farm-data")
@@ -419,7 +424,7 @@ fn a_workload_run_s_machines_end_with_their_launcher() {
             .collect()
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let pids = loop {
+    run.pids = loop {
         if let Some(pids) = running() {
             break pids;
         }
@@ -429,41 +434,50 @@ fn a_workload_run_s_machines_end_with_their_launcher() {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
-    // Whatever the test finds, no machine of it outlives it.
-    let _kill = KillOnDrop(pids.clone());
-    launcher.kill().unwrap();
-    launcher.wait().unwrap();
-    // A process that ended is gone, or a zombie until whoever adopted it reaps it.
-    let lives = |pid: &u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-            !stat
-                .rsplit(')')
-                .next()
-                .unwrap()
-                .trim_start()
-                .starts_with('Z')
-        })
-    };
+    run.launcher.kill().unwrap();
+    run.launcher.wait().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while pids.iter().any(lives) {
+    while run.pids.iter().any(|p| lives(*p)) {
         assert!(
             std::time::Instant::now() < deadline,
-            "machine processes {:?} of {pids:?} outlived their launcher by 10 s",
-            pids.iter().filter(|p| lives(p)).collect::<Vec<_>>()
+            "machine processes {:?} of {:?} outlived their launcher by 10 s",
+            run.pids.iter().filter(|p| lives(**p)).collect::<Vec<_>>(),
+            run.pids
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    // Gone: their pids may be another process's from now on.
+    run.pids.clear();
 }
 
-/// Kills processes, by pid, when dropped.
-struct KillOnDrop(Vec<u32>);
+/// Whether process `pid` runs: it exists and is no zombie (one that ended stays a zombie until
+/// whoever adopted it reaps it).
+fn lives(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        !stat
+            .rsplit(')')
+            .next()
+            .unwrap()
+            .trim_start()
+            .starts_with('Z')
+    })
+}
 
-impl Drop for KillOnDrop {
+/// A workload run's launcher and its machines' pids, killed when dropped (a failed test).
+struct Run {
+    launcher: std::process::Child,
+    pids: Vec<u32>,
+}
+
+impl Drop for Run {
     fn drop(&mut self) {
-        for pid in &self.0 {
-            let _ = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
+        let _ = self.launcher.kill();
+        let _ = self.launcher.wait();
+        for &pid in &self.pids {
+            if lives(pid) {
+                // SAFETY: kill only sends a signal to a pid.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
         }
     }
 }

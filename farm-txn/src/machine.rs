@@ -212,7 +212,8 @@ pub struct MachineState {
     nvram_dir: Option<PathBuf>,
     /// Regions prepared for allocation (§3) and not yet committed into a view.
     prepared: Mutex<std::collections::BTreeMap<RegionId, Arc<Nvram>>>,
-    /// Memory kept ready for replicas this machine newly takes ([`MachineState::keep_spare_regions`]).
+    /// Memory kept ready for replicas this machine newly takes
+    /// ([`MachineState::keep_spare_regions`]).
     spares: Arc<Mutex<SpareRegions>>,
     /// The newest configuration whose NEW-CONFIG-COMMIT this machine received (§5.2 step 7);
     /// transaction recovery for it starts then (§5.3 step 2).
