@@ -272,12 +272,15 @@ impl Host {
         &mut self.workers[i]
     }
 
-    /// Polls every worker once; whether any had work.
+    /// Polls every worker once, and sends what they and this thread posted (a batch open on
+    /// this thread holds it back until then, `fabric::Batch`: a loop that waits on the host
+    /// would otherwise hold its own answers to the peers it waits for); whether any had work.
     pub(crate) fn poll_all(&mut self, now: u64) -> bool {
         let mut busy = false;
         for w in &mut self.workers {
             busy |= w.poll(now);
         }
+        farm_core::fabric::flush();
         busy
     }
 
