@@ -206,6 +206,20 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
         LocalCommand::Tpcc { tpcc, keep, config } => {
             tpcc.run.check()?;
             let mut base = config.resolve()?;
+            // Warehouse w lives on machine (w - 1) mod machines, and its clients run there: a
+            // failed machine that holds every warehouse leaves nothing to measure after it.
+            if let Some(victim) = tpcc.run.victim(base.machines) {
+                let elsewhere = (1..=tpcc.warehouses)
+                    .any(|w| ((w - 1) % base.machines as u32) as u16 != victim.0);
+                if !elsewhere {
+                    bail!(
+                        "--kill-after: machine {victim} holds every one of the {} warehouses, \
+                         so no client would run after it fails; fail another machine or add \
+                         warehouses",
+                        tpcc.warehouses
+                    );
+                }
+            }
             // Regions are fixed at start (transactions do not allocate new ones yet): room for
             // the tables of the run, and a quarter more for the hash tables' overflow buckets
             // and the allocator's partly filled blocks, unless more was asked.

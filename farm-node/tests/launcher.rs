@@ -380,6 +380,22 @@ fn a_workload_run_that_cannot_work_is_refused_before_any_machine_starts() {
         e.contains("--kill-after") && e.contains("at least 3 machines"),
         "{e}"
     );
+    // TPC-C's clients run where their warehouse lives: with the one warehouse's machine
+    // failed, nothing would run after it (the report said "back to 80% of 0.0").
+    let e = local(
+        "tpcc",
+        &[
+            "--warehouses",
+            "1",
+            "--seconds",
+            "2",
+            "--kill-after",
+            "1",
+            "--victim",
+            "0",
+        ],
+    );
+    assert!(e.contains("holds every one of the 1 warehouses"), "{e}");
 }
 
 /// A workload run's machine processes end with the launcher that started them, however it
