@@ -1205,7 +1205,7 @@ impl MachineState {
 
     /// Keeps `n` regions' memory ready for replicas this machine newly takes (see `SpareRegions`),
     /// made now; after a recovery used some, more are made once this machine has copied every
-    /// region it was given (off recovery's path). Only for a machine without an NVRAM directory
+    /// region it was given (off recovery's path), and after a region allocation at once. Only for a machine without an NVRAM directory
     /// (in memory): a machine whose NVRAM is files keeps none yet.
     pub fn keep_spare_regions(&self, n: usize) -> io::Result<()> {
         if self.nvram_dir.is_some() {
@@ -1273,6 +1273,8 @@ impl MachineState {
     /// a view that places a replica here is installed.
     pub fn prepare_region(&self, region: RegionId) -> io::Result<()> {
         let mem = self.map_region(region)?;
+        // An allocation is no recovery: a spare it took is made again now.
+        self.refill_spares();
         self.prepared
             .lock()
             .expect("prepared poisoned")
