@@ -856,49 +856,39 @@ mod tests {
     /// are refused up front (FaRM §5.2: no reconfiguration without a majority answering its
     /// probes): two of three machines killed one after the other waited for good and then
     /// failed with every suspicion of the stuck run in the message.
+    /// Why `validate` refuses `kills` in a cluster of `machines`.
+    fn refused(kills: &[&str], machines: u16) -> String {
+        options(kills).validate(machines).unwrap_err().to_string()
+    }
+
     #[test]
     fn kills_that_leave_no_majority_are_refused() {
         assert!(options(&["1@1"]).validate(3).is_ok());
         assert!(options(&["1@1", "cm@2"]).validate(4).is_ok());
-        let e = options(&["1@1", "2@2.5"])
-            .validate(3)
-            .unwrap_err()
-            .to_string();
+        let e = refused(&["1@1", "2@2.5"], 3);
         assert!(
             e.contains("--kill at 2.5 s") && e.contains("1 of 2 machines"),
             "{e}"
         );
         // Two at once of four leave two: no majority of four.
-        let e = options(&["1@1", "2@1"])
-            .validate(4)
-            .unwrap_err()
-            .to_string();
+        let e = refused(&["1@1", "2@1"], 4);
         assert!(e.contains("2 of 4 machines"), "{e}");
-        let e = options(&["0@1"]).validate(2).unwrap_err().to_string();
+        let e = refused(&["0@1"], 2);
         assert!(e.contains("1 of 2 machines"), "{e}");
         // A dead machine cannot be killed again, named by its number or as the first CM.
-        let e = options(&["1@2", "1@1"])
-            .validate(7)
-            .unwrap_err()
-            .to_string();
+        let e = refused(&["1@2", "1@1"], 7);
         assert!(
             e.contains("--kill 1@2: machine 1 is killed once already"),
             "{e}"
         );
-        let e = options(&["cm@1", "0@2"])
-            .validate(7)
-            .unwrap_err()
-            .to_string();
+        let e = refused(&["cm@1", "0@2"], 7);
         assert!(
             e.contains("--kill 0@2: machine 0 is killed once already"),
             "{e}"
         );
         assert!(options(&["cm@1", "cm@2"]).validate(7).is_ok());
         // Kills a few milliseconds apart are one failure: two of four leave no majority.
-        let e = options(&["1@1", "2@1.001"])
-            .validate(4)
-            .unwrap_err()
-            .to_string();
+        let e = refused(&["1@1", "2@1.001"], 4);
         assert!(e.contains("2 of 4 machines"), "{e}");
         assert!(options(&["1@1", "2@2"]).validate(4).is_ok());
     }

@@ -17,10 +17,10 @@
 //! of work requests with one doorbell. Holding back changes no guarantee above: order per
 //! target is kept, and a thread about to wait for an answer flushes first, and again each
 //! round of a wait that polls its workers (what they post meanwhile may be what the peer it
-//! waits for needs). A batch's turn also
-//! polls each source of completions once: a fabric that found a connection's answers empty
-//! notes it ([`note_polled_empty`]) and does not look again before the turn's flush
-//! ([`polled_empty`]), however many of the turn's requests are checked on.
+//! waits for needs). A batch's turn also polls each source of completions once: a fabric that
+//! found a connection's answers empty notes it ([`note_polled_empty`]) and does not look again
+//! before the turn's flush ([`polled_empty`]), however many of the turn's requests are checked
+//! on.
 
 use std::cell::RefCell;
 use std::fmt;

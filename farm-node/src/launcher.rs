@@ -206,11 +206,13 @@ pub fn main(cmd: LocalCommand) -> anyhow::Result<()> {
         LocalCommand::Tpcc { tpcc, keep, config } => {
             tpcc.run.check()?;
             let mut base = config.resolve()?;
-            // Warehouse w lives on machine (w - 1) mod machines, and its clients run there: a
-            // failed machine that holds every warehouse leaves nothing to measure after it.
+            // A warehouse's clients run on its machine: a failed machine that holds every
+            // warehouse leaves nothing to measure after it.
             if let Some(victim) = tpcc.run.victim(base.machines) {
-                let elsewhere = (1..=tpcc.warehouses)
-                    .any(|w| ((w - 1) % base.machines as u32) as u16 != victim.0);
+                let elsewhere = (1..=tpcc.warehouses).any(|w| {
+                    farm_workloads::tpcc::warehouse_machine(w as u64, base.machines as usize)
+                        != victim.0 as usize
+                });
                 if !elsewhere {
                     bail!(
                         "--kill-after: machine {victim} holds every one of the {} warehouses, \

@@ -325,8 +325,9 @@ pub fn name_key(w: u32, d: u8, last: &[u8; 16], first: &[u8; 16], c: u32) -> [u8
     k
 }
 
-/// The machine of warehouse `w`.
-fn warehouse_machine(w: u64, machines: usize) -> usize {
+/// The machine of warehouse `w`, among `machines`: warehouse w lives on machine
+/// (w - 1) mod machines, and its clients run there.
+pub fn warehouse_machine(w: u64, machines: usize) -> usize {
     (w.saturating_sub(1)) as usize % machines
 }
 
