@@ -443,6 +443,11 @@ pub struct ControlPlane {
     reading: Reading,
     /// Joiners whose join failed: not before `.0`, then wait `.1` after the next failure.
     join_backoff: BTreeMap<MachineId, (u64, u64)>,
+    /// This CM's last compare-and-set failed with the store's outcome unknown (a timeout): it
+    /// may have stored a configuration that reached nobody, which no joiner asks for again
+    /// (the stored one holds it) and no other change makes due. The CM reads the store at its
+    /// next attempt time and drives such a configuration again (`start_attempt`).
+    cas_unknown: bool,
     /// When this member last told its CM of each member it cannot write to.
     reported: BTreeMap<MachineId, u64>,
     // Region allocation, at the CM.
@@ -481,6 +486,7 @@ impl ControlPlane {
             attempt: None,
             reading: Reading::default(),
             join_backoff: BTreeMap::new(),
+            cas_unknown: false,
             reported: BTreeMap::new(),
             allocations: VecDeque::new(),
             preparing: None,
@@ -1193,6 +1199,9 @@ impl ControlPlane {
         let renewed_until_install = lease + lease / 4;
         let mut hold = 0;
         let change = if c.cm == me {
+            // The store answered: a configuration an earlier compare-and-set stored is driven
+            // below like any stored one the CM is not in.
+            self.cas_unknown = false;
             let mut suspects: BTreeSet<MachineId> = self
                 .suspects
                 .iter()
@@ -1431,13 +1440,38 @@ impl ControlPlane {
                     }
                     Change::Remove(_) => {}
                 }
+                // An allocation whose compare-and-set answer was lost, and which stored its
+                // regions: this attempt drove that configuration again and committed them, so
+                // the requester hears of them as if its own attempt had.
+                let stored_regions = |p: &mut Preparing| {
+                    !p.regions.is_empty() && p.regions.iter().all(|r| new.map.get(*r).is_some())
+                };
+                if let Some(p) = self.preparing.take_if(stored_regions) {
+                    let (from, request) = (p.request.from, p.request.request);
+                    if new.config.contains(from) {
+                        self.answer(from, request, Ok(p.regions.clone()), now, local);
+                    }
+                }
                 self.suspects.retain(|m| new.config.contains(*m));
                 self.unacknowledged.retain(|m| self.suspects.contains(m));
                 self.cm_suspicion = None;
                 self.event(Event::Committed(new.config));
             }
+            // The compare-and-set's answer was lost: the request stays prepared, and the store
+            // says whether it took effect (then that configuration is driven again, and commits
+            // the regions) or not (then the allocation is attempted again).
+            (Err(ReconfigError::Store(e)), Change::Allocate(p)) => {
+                self.cas_unknown = true;
+                self.event(Event::Failed(format!(
+                    "allocating {} regions for {}: {e}",
+                    p.request.count, p.request.from
+                )));
+                self.preparing = Some(*p);
+            }
             (Err(e), Change::Allocate(p)) => self.refuse(*p, e.to_string(), now, local),
             (Err(e), Change::Join(j)) => {
+                // Stored, perhaps: the joiner, in the stored configuration, asks no more.
+                self.cas_unknown |= matches!(e, ReconfigError::Store(_));
                 let lease = self.params.lease_ticks;
                 let wait = self
                     .join_backoff
@@ -1489,6 +1523,7 @@ impl ControlPlane {
                 // it serve what the majority has overwritten; it keeps suspecting (its lease
                 // lapses, and it serves nothing) and tries again. Unless the configuration has
                 // two members (`pair`): then nobody can have removed either.
+                self.cas_unknown |= matches!(e, ReconfigError::Store(_));
                 let removal_impossible = pair || matches!(e, ReconfigError::Remap(_));
                 match self.cm_suspicion.as_mut() {
                     // The CM cannot be removed: a CM that came back from a pause would
@@ -1609,7 +1644,8 @@ impl ControlPlane {
             let uncommitted = local.committed < c.id;
             let due = (!self.suspects.is_empty()
                 || !self.cm.cut_off(me, &self.suspects).is_empty()
-                || uncommitted)
+                || uncommitted
+                || self.cas_unknown)
                 && now >= self.retry_at;
             let settled = local.all_active >= c.id && self.suspects.is_empty();
             self.allocation_tick(settled && !due, now, local);

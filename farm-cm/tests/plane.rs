@@ -500,6 +500,43 @@ fn a_machine_outside_the_configuration_joins() {
     assert_eq!(c.machines[3].config.id, ConfigId(3));
 }
 
+/// A join whose compare-and-set took effect but whose answer was lost (ZooKeeper timed out):
+/// the stored configuration holds the joiner, which therefore stops asking, while every member
+/// still runs the one before. Nothing else is due at the CM (no suspect, no allocation): it
+/// must drive the stored configuration itself, or the joiner waits for good and the cluster's
+/// stored configuration is one nobody installed.
+#[test]
+fn a_join_whose_compare_and_set_answer_was_lost_is_driven_again() {
+    let mut c = Cluster::new(4);
+    let mut config = Configuration::initial(4);
+    config.id = ConfigId(2);
+    config.members.retain(|m| m.0 != 3);
+    config.failure_domains.remove(&MachineId(3));
+    let (v, _) = c.store.read().unwrap().unwrap();
+    c.store
+        .compare_and_set(Some(v), &farm_cm::codec::encode(&config))
+        .unwrap();
+    let map = RegionMap::striped(3, 1, 2);
+    for m in &mut c.machines {
+        m.config = config.clone();
+        m.map = map.clone();
+        m.committed = config.id;
+        m.all_active = config.id;
+    }
+    c.cas_answers_lost = 1;
+    let ok = c.run_until(40 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3])));
+    assert!(ok, "{:#?}", c.events);
+    assert!(
+        !c.stored(ConfigId(3)),
+        "the compare-and-set of configuration 3 was answered"
+    );
+    assert_eq!(
+        c.machines[3].config.id,
+        ConfigId(4),
+        "configuration 3 stored, and driven again over it"
+    );
+}
+
 /// Datagrams get lost: every message is repeated until answered, and a reconfiguration still
 /// commits everywhere; an attempt whose acknowledgements did not come in time is followed by
 /// another from the configuration it installed, never left uncommitted.
@@ -680,6 +717,35 @@ fn a_member_allocates_regions_through_its_cm() {
             "{result:?}"
         );
     }
+}
+
+/// An allocation whose compare-and-set took effect but whose answer was lost: the regions are
+/// in the stored configuration. The CM drives that configuration again and the member gets
+/// those regions, once: not a refusal while the map holds them (regions lost to nobody's use),
+/// nor a second allocation of others.
+#[test]
+fn an_allocation_whose_compare_and_set_answer_was_lost_gets_the_stored_regions() {
+    let mut c = Cluster::new(4);
+    c.cas_answers_lost = 1;
+    c.allocate(MachineId(2), 7, 2);
+    let done = c.run_until(40 * LEASE, |c| !c.machines[2].allocated.is_empty());
+    assert!(done, "no answer: {:#?}", c.events);
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3]))));
+    assert_eq!(
+        c.machines[2].allocated,
+        vec![(7, Ok(vec![RegionId(4), RegionId(5)]))]
+    );
+    for m in &c.machines {
+        let mapped: Vec<RegionId> = m.map.iter().map(|(r, _)| r).collect();
+        assert_eq!(mapped, (0..6).map(RegionId).collect::<Vec<_>>());
+        assert!(m.prepared.is_empty(), "prepared left: {:?}", m.prepared);
+    }
+    assert!(
+        c.events
+            .iter()
+            .any(|(_, _, e)| matches!(e, Event::Failed(f) if f.contains("timed out"))),
+        "no answer was lost"
+    );
 }
 
 /// One replica refusing PREPARE fails the allocation: the member hears why, the others release

@@ -504,6 +504,66 @@ fn a_member_removed_for_a_failed_probe_serves_nothing_the_majority_overwrote() {
     assert_ne!(read, Ok(100), "after the majority wrote 101");
 }
 
+/// A store whose next compare-and-set, once armed, takes effect and then answers with a
+/// timeout (ZooKeeper wrote it, the answer was lost).
+#[derive(Debug, Default)]
+struct LostAnswerStore {
+    inner: farm::EmbeddedStore,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl farm::CoordinationStore for LostAnswerStore {
+    fn read(&self) -> Result<Option<(farm::StoreVersion, Vec<u8>)>, farm::StoreError> {
+        self.inner.read()
+    }
+
+    fn compare_and_set(
+        &self,
+        expected: Option<farm::StoreVersion>,
+        data: &[u8],
+    ) -> Result<farm::CasOutcome, farm::StoreError> {
+        let outcome = self.inner.compare_and_set(expected, data);
+        match self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            true => Err(farm::StoreError::Timeout(0)),
+            false => outcome,
+        }
+    }
+}
+
+/// A join whose compare-and-set took effect but whose answer was lost: the stored
+/// configuration holds the joiner, so it asks no more, and nothing else is due at the CM. The
+/// CM drives the stored configuration again, and the joiner becomes a member that serves
+/// transactions (before, configuration 2 stayed stored and installed nowhere, and the join
+/// was answered with the timeout after 30 s).
+#[test]
+fn a_join_whose_stored_configuration_lost_its_answer_completes() {
+    let store = std::sync::Arc::new(LostAnswerStore::default());
+    let c = Cluster::builder()
+        .machines(3)
+        .spare_machines(1)
+        .workers(2)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let a = c.txn(MachineId(0), |tx| tx.alloc(&7u64, None)).unwrap();
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The join is answered once a configuration with the joiner committed: the third, which
+    // drove the stored second again.
+    assert_eq!(c.join(MachineId(3)).unwrap(), ConfigId(3));
+    assert!(
+        c.reconfig_events().iter().any(
+            |e| matches!(e, ReconfigEvent::Failed { reason, .. } if reason.contains("timed out"))
+        ),
+        "no answer was lost: {:?}",
+        c.reconfig_events()
+    );
+    wait_for_config(&c, MachineId(3), 3);
+    assert!(c.view(MachineId(0)).config.contains(MachineId(3)));
+    assert_eq!(c.txn(MachineId(3), |tx| tx.read::<u64>(a)), Ok(7));
+}
+
 /// The timeline counts every committed transaction once, in the millisecond it committed, and
 /// carries the reconfiguration events in order; its JSON parses.
 #[test]
