@@ -221,6 +221,12 @@ impl Preparing {
         self.replicas.iter().map(|(m, r)| (*m, r.as_slice()))
     }
 
+    /// Whether `map` maps every new region: a configuration placed with them was installed
+    /// (its attempt may still fail to commit it; the CM then drives it again).
+    pub fn mapped_in(&self, map: &RegionMap) -> bool {
+        !self.regions.is_empty() && self.regions.iter().all(|r| map.get(*r).is_some())
+    }
+
     /// `m`'s answer to PREPARE of `regions` (answers to another PREPARE are ignored).
     pub fn on_prepared(&mut self, m: MachineId, regions: &[RegionId], ok: bool) {
         if self

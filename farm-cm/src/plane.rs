@@ -443,10 +443,11 @@ pub struct ControlPlane {
     reading: Reading,
     /// Joiners whose join failed: not before `.0`, then wait `.1` after the next failure.
     join_backoff: BTreeMap<MachineId, (u64, u64)>,
-    /// This CM's last compare-and-set failed with the store's outcome unknown (a timeout): it
+    /// A compare-and-set of this CM's failed with the store's outcome unknown (a timeout): it
     /// may have stored a configuration that reached nobody, which no joiner asks for again
     /// (the stored one holds it) and no other change makes due. The CM reads the store at its
-    /// next attempt time and drives such a configuration again (`start_attempt`).
+    /// next attempt time and drives such a configuration again (`start_attempt`), until a
+    /// configuration commits or the store shows nothing newer than the installed one.
     cas_unknown: bool,
     /// When this member last told its CM of each member it cannot write to.
     reported: BTreeMap<MachineId, u64>,
@@ -955,7 +956,11 @@ impl ControlPlane {
     fn allocation_tick(&mut self, settled: bool, now: u64, local: &Local<'_>) {
         let c = local.config;
         if let Some(p) = self.preparing.take() {
-            if p.config != c.id {
+            if p.config != c.id && p.mapped_in(local.map) {
+                // Installed with its regions by an attempt that failed to commit it: the
+                // commit of the CM's next attempt answers it (`finish`).
+                self.preparing = Some(p);
+            } else if p.config != c.id {
                 self.abort_regions(&p);
                 self.allocations.push_front(p.request);
             } else if let Some(Err(e)) = p.outcome(now) {
@@ -1200,8 +1205,11 @@ impl ControlPlane {
         let mut hold = 0;
         let change = if c.cm == me {
             // The store answered: a configuration an earlier compare-and-set stored is driven
-            // below like any stored one the CM is not in.
-            self.cas_unknown = false;
+            // below like any stored one newer than the CM's (and the flag stays until one
+            // commits: the drive may fail too).
+            if stored.id <= c.id {
+                self.cas_unknown = false;
+            }
             let mut suspects: BTreeSet<MachineId> = self
                 .suspects
                 .iter()
@@ -1404,8 +1412,16 @@ impl ControlPlane {
         now: u64,
         local: &Local<'_>,
     ) {
+        // A compare-and-set whose outcome is unknown (the store timed out, or failed) may have
+        // stored a configuration nobody installed: the CM reads the store and drives it again,
+        // a takeover period from now (a store that refuses writes at once is not hammered).
+        if matches!(outcome, Err(ReconfigError::Store(_))) && local.config.cm == self.me {
+            self.cas_unknown = true;
+            self.retry_at = self.retry_at.max(now + self.params.takeover_ticks());
+        }
         match (outcome, change) {
             (Ok(new), change) => {
+                self.cas_unknown = false;
                 assert!(
                     new.config.contains(self.me),
                     "the driver left its own configuration"
@@ -1440,13 +1456,10 @@ impl ControlPlane {
                     }
                     Change::Remove(_) => {}
                 }
-                // An allocation whose compare-and-set answer was lost, and which stored its
-                // regions: this attempt drove that configuration again and committed them, so
-                // the requester hears of them as if its own attempt had.
-                let stored_regions = |p: &mut Preparing| {
-                    !p.regions.is_empty() && p.regions.iter().all(|r| new.map.get(*r).is_some())
-                };
-                if let Some(p) = self.preparing.take_if(stored_regions) {
+                // An allocation whose configuration was installed but not committed (its
+                // attempt failed after storing it): this attempt drove it again and committed
+                // the regions, so the requester hears of them as if its own attempt had.
+                if let Some(p) = self.preparing.take_if(|p| p.mapped_in(&new.map)) {
                     let (from, request) = (p.request.from, p.request.request);
                     if new.config.contains(from) {
                         self.answer(from, request, Ok(p.regions.clone()), now, local);
@@ -1457,21 +1470,21 @@ impl ControlPlane {
                 self.cm_suspicion = None;
                 self.event(Event::Committed(new.config));
             }
-            // The compare-and-set's answer was lost: the request stays prepared, and the store
-            // says whether it took effect (then that configuration is driven again, and commits
-            // the regions) or not (then the allocation is attempted again).
-            (Err(ReconfigError::Store(e)), Change::Allocate(p)) => {
-                self.cas_unknown = true;
+            // Installed here with its regions, but not acknowledged by every member: the CM
+            // drives that configuration again (it is not committed), and the commit that maps
+            // the regions answers the requester (above). Refused, the regions would be
+            // committed all the same, for nobody.
+            (Err(e), Change::Allocate(p)) if p.mapped_in(local.map) => {
                 self.event(Event::Failed(format!(
                     "allocating {} regions for {}: {e}",
                     p.request.count, p.request.from
                 )));
                 self.preparing = Some(*p);
             }
+            // Nothing maps the regions anywhere (a configuration the store may hold has the
+            // members alone; the map travels in NEW-CONFIG): they are released.
             (Err(e), Change::Allocate(p)) => self.refuse(*p, e.to_string(), now, local),
             (Err(e), Change::Join(j)) => {
-                // Stored, perhaps: the joiner, in the stored configuration, asks no more.
-                self.cas_unknown |= matches!(e, ReconfigError::Store(_));
                 let lease = self.params.lease_ticks;
                 let wait = self
                     .join_backoff
@@ -1523,7 +1536,6 @@ impl ControlPlane {
                 // it serve what the majority has overwritten; it keeps suspecting (its lease
                 // lapses, and it serves nothing) and tries again. Unless the configuration has
                 // two members (`pair`): then nobody can have removed either.
-                self.cas_unknown |= matches!(e, ReconfigError::Store(_));
                 let removal_impossible = pair || matches!(e, ReconfigError::Remap(_));
                 match self.cm_suspicion.as_mut() {
                     // The CM cannot be removed: a CM that came back from a pause would

@@ -719,33 +719,65 @@ fn a_member_allocates_regions_through_its_cm() {
     }
 }
 
-/// An allocation whose compare-and-set took effect but whose answer was lost: the regions are
-/// in the stored configuration. The CM drives that configuration again and the member gets
-/// those regions, once: not a refusal while the map holds them (regions lost to nobody's use),
-/// nor a second allocation of others.
+/// An allocation whose compare-and-set took effect but whose answer was lost: the store holds
+/// a configuration of the same members that nobody installed (the map travels in NEW-CONFIG,
+/// so the stored one names no new region). The requester hears that the store failed and its
+/// prepared regions are released; the CM drives the stored configuration again, so that none
+/// stays stored that no member runs (a member that suspected the CM would first wait a
+/// takeover period for it). Before, nothing drove it: the store stayed one ahead of everyone.
 #[test]
-fn an_allocation_whose_compare_and_set_answer_was_lost_gets_the_stored_regions() {
+fn an_allocation_whose_compare_and_set_answer_was_lost_leaves_no_configuration_unrun() {
     let mut c = Cluster::new(4);
     c.cas_answers_lost = 1;
     c.allocate(MachineId(2), 7, 2);
     let done = c.run_until(40 * LEASE, |c| !c.machines[2].allocated.is_empty());
     assert!(done, "no answer: {:#?}", c.events);
-    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3]))));
+    let (request, result) = &c.machines[2].allocated[0];
+    assert_eq!(*request, 7);
+    assert!(
+        result.as_ref().is_err_and(|e| e.contains("timed out")),
+        "{result:?}"
+    );
+    let runs_the_stored = |c: &Cluster| {
+        let (_, stored) = c.store.read().unwrap().unwrap();
+        let stored = farm_cm::codec::decode(&stored).unwrap();
+        c.settled_without(&ids(&[0, 1, 2, 3])) && c.machines.iter().all(|m| m.config == stored)
+    };
+    assert!(c.run_until(20 * LEASE, runs_the_stored), "{:#?}", c.events);
+    for m in &c.machines {
+        assert_eq!(m.map.iter().count(), 4, "a released region is mapped");
+        assert!(m.prepared.is_empty(), "prepared left: {:?}", m.prepared);
+    }
+}
+
+/// An allocation whose configuration was installed but not acknowledged by every member (the
+/// acknowledgement of one is lost for good): the CM drives that configuration again, without
+/// the silent member, and the requester gets the regions it commits, once. Before, it was
+/// refused although the next configuration committed the regions, for nobody.
+#[test]
+fn an_allocation_installed_but_not_acknowledged_is_answered_with_its_regions() {
+    let mut c = Cluster::new(4);
+    c.allocate(MachineId(2), 7, 2);
+    assert!(c.run_until(40 * LEASE, |c| c.stored(ConfigId(2))));
+    c.muted.insert(MachineId(3));
+    let done = c.run_until(40 * LEASE, |c| !c.machines[2].allocated.is_empty());
+    assert!(done, "no answer: {:#?}", c.events);
+    assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2]))));
     assert_eq!(
         c.machines[2].allocated,
         vec![(7, Ok(vec![RegionId(4), RegionId(5)]))]
     );
-    for m in &c.machines {
-        let mapped: Vec<RegionId> = m.map.iter().map(|(r, _)| r).collect();
-        assert_eq!(mapped, (0..6).map(RegionId).collect::<Vec<_>>());
-        assert!(m.prepared.is_empty(), "prepared left: {:?}", m.prepared);
-    }
     assert!(
         c.events
             .iter()
-            .any(|(_, _, e)| matches!(e, Event::Failed(f) if f.contains("timed out"))),
-        "no answer was lost"
+            .any(|(_, _, e)| matches!(e, Event::Failed(f) if f.contains("allocating"))),
+        "the allocation's own attempt committed: {:#?}",
+        c.events
     );
+    for m in &c.machines[..3] {
+        let mapped: Vec<RegionId> = m.map.iter().map(|(r, _)| r).collect();
+        assert_eq!(mapped, (0..6).map(RegionId).collect::<Vec<_>>());
+    }
 }
 
 /// One replica refusing PREPARE fails the allocation: the member hears why, the others release
