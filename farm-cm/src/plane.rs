@@ -621,11 +621,14 @@ impl ControlPlane {
     fn follow(&mut self, local: &Local<'_>) {
         if self.cm.config != local.config.id {
             if local.config.cm != self.me {
-                // Requests go to the new CM (members ask again); what was prepared is released.
+                // Requests go to the new CM (members ask again); what was prepared is released,
+                // unless a configuration installed here maps it (the next commit keeps it).
                 self.allocations.clear();
                 self.answers.clear();
                 if let Some(p) = self.preparing.take() {
-                    self.abort_regions(&p);
+                    if !p.mapped_in(local.map) {
+                        self.abort_regions(&p);
+                    }
                 }
             }
             // A removed machine's answers go: a later incarnation numbers its requests anew.
