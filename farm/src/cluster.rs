@@ -401,21 +401,18 @@ impl ClusterBuilder {
             // CM (`Cluster::allocate_region`, §3).
             let map =
                 RegionMap::striped(self.machines, self.regions_per_machine, self.replicas - 1);
+            // A spare is a new incarnation waiting to join, as a machine process started with
+            // `--join` is: the replicas the configuration that adds it gives it are copied from
+            // their primaries (§5.4), not taken for new regions.
             let machines = (0..all)
                 .map(|m| {
-                    let spare = m >= self.machines;
-                    MachineState::new(
-                        MachineId(m),
-                        params,
-                        config.clone(),
-                        if spare {
-                            RegionMap::default()
-                        } else {
-                            map.clone()
-                        },
-                        fabric.clone() as Arc<dyn Fabric>,
-                        self.nvram_dir.as_deref(),
-                    )
+                    let (id, fabric) = (MachineId(m), fabric.clone() as Arc<dyn Fabric>);
+                    let dir = self.nvram_dir.as_deref();
+                    if m >= self.machines {
+                        MachineState::joiner(id, params, config.clone(), fabric, dir)
+                    } else {
+                        MachineState::new(id, params, config.clone(), map.clone(), fabric, dir)
+                    }
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             match farm_cm::ConfigurationStore::cas_config(&*store, None, &config) {

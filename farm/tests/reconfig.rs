@@ -564,6 +564,71 @@ fn a_join_whose_stored_configuration_lost_its_answer_completes() {
     assert_eq!(c.txn(MachineId(3), |tx| tx.read::<u64>(a)), Ok(7));
 }
 
+/// A spare joins while a member is dead: the configuration that adds it also removes the dead
+/// member (its probe fails) and gives its replicas to others, the spare among them. The spare
+/// must copy those replicas from their primaries (§5.4): it took them for new, empty regions
+/// (its first view with regions), so a backup it held stayed without what was written before,
+/// and a later failure of the primary would have promoted it (the simulator's joins campaign
+/// found it: seed 24, replicas differ after recovery).
+#[test]
+fn a_spare_given_replicas_by_the_configuration_that_adds_it_copies_them() {
+    let c = Cluster::builder()
+        .machines(4)
+        .spare_machines(1)
+        .workers(1)
+        .replicas(3)
+        .region_bytes(4 << 20)
+        .reconfigure(false)
+        .build()
+        .unwrap();
+    let view = c.view(MachineId(0));
+    let objects: Vec<Addr> = view
+        .map
+        .iter()
+        .map(|(region, p)| {
+            c.txn(p.primary, |tx| {
+                tx.alloc(&(1000 + region.0 as u64), Some(Addr::new(region, 0)))
+            })
+            .unwrap()
+        })
+        .collect();
+    c.kill(MachineId(3));
+    assert_eq!(c.join(MachineId(4)).unwrap(), ConfigId(2));
+    let view = c.view(MachineId(4));
+    assert!(!view.config.contains(MachineId(3)) && view.config.contains(MachineId(4)));
+    let given: Vec<Addr> = (objects.iter().copied())
+        .filter(|a| view.map.get(a.region).unwrap().holds(MachineId(4)))
+        .collect();
+    assert!(
+        !given.is_empty(),
+        "the spare got no replica: {:?}",
+        view.map
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.background_recovery_done() {
+        assert!(Instant::now() < deadline, "recovery did not finish");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    c.quiesce();
+    let bytes = |m: u16, a: Addr| {
+        let mut b = [0u8; 16];
+        let state = &c.machine_states()[m as usize];
+        let view = state.view();
+        view.region(a.region)
+            .unwrap()
+            .read(a.offset as usize, &mut b);
+        b
+    };
+    for a in given {
+        let primary = view.map.get(a.region).unwrap().primary;
+        assert_eq!(
+            bytes(4, a),
+            bytes(primary.0, a),
+            "{a:?}: the spare's replica differs from its primary's"
+        );
+    }
+}
+
 /// The timeline counts every committed transaction once, in the millisecond it committed, and
 /// carries the reconfiguration events in order; its JSON parses.
 #[test]
