@@ -137,6 +137,14 @@ struct Entry {
     /// from the headers (§5.5) and counts the slot free already.
     fresh: Option<(u32, ConfigId)>,
 }
+/// Why a primary gave no slot to an ALLOC.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Refused {
+    /// The region has no room for the size.
+    Full,
+    /// The primary is rebuilding the region's free lists (§5.5), or is not its primary.
+    Recovering,
+}
 
 /// The execution state of a transaction: its read set and buffered writes.
 #[derive(Debug, Default)]
@@ -392,15 +400,7 @@ impl<'w> Tx<'w> {
             },
             None => match self.alloc_local(len, near) {
                 // Primary of no region: any other machine's region will do.
-                Err(TxError::NoRegion(_)) if self.poller.is_some() => {
-                    let elsewhere = self.region_elsewhere();
-                    match elsewhere {
-                        Some(r) => self
-                            .alloc_remote(r, len)?
-                            .ok_or(TxError::Alloc(farm_alloc::AllocError::RegionFull(r)))?,
-                        None => return Err(TxError::NoRegion(self.worker.machine.id)),
-                    }
-                }
+                Err(TxError::NoRegion(_)) if self.poller.is_some() => self.alloc_elsewhere(len)?,
                 other => other?,
             },
         };
@@ -454,20 +454,41 @@ impl<'w> Tx<'w> {
         addr
     }
 
-    /// An unblocked region whose primary is another machine.
-    fn region_elsewhere(&mut self) -> Option<RegionId> {
+    /// A slot in another machine's region, for a machine that is primary of none (one that
+    /// joined holds no region of its own until it is given one): each region in turn until
+    /// one has room. A region that is blocked, or whose new primary is still rebuilding its
+    /// free lists (§5.5), gives none yet: when no region had room the allocation is retried
+    /// once it serves again ([`TxError::RegionBlocked`]), as a transaction reading a
+    /// recovering region is. Before, the first unblocked region alone was asked, and a
+    /// primary still recovering, or that region full, failed the transaction for good.
+    fn alloc_elsewhere(&mut self, len: usize) -> Result<(Addr, u32, Header), TxError> {
         let me = self.worker.machine.id;
-        let regions: Vec<RegionId> = self
-            .worker
-            .view
-            .map
-            .iter()
+        let regions: Vec<RegionId> = (self.worker.view.map.iter())
             .filter(|(_, p)| p.primary != me)
             .map(|(r, _)| r)
             .collect();
-        regions
-            .into_iter()
-            .find(|r| !self.worker.region_blocked(*r))
+        let (mut recovering, mut full) = (None, None);
+        for r in regions {
+            if self.worker.region_blocked(r) {
+                recovering.get_or_insert(r);
+                continue;
+            }
+            match self
+                .alloc_remote_batch(r, len, 1)?
+                .pop()
+                .expect("one asked")
+            {
+                Ok(slot) => return Ok(slot),
+                Err(Refused::Recovering) => _ = recovering.get_or_insert(r),
+                Err(Refused::Full) => full = Some(r),
+            }
+        }
+        Err(match (recovering, full) {
+            // Retried once that region serves again (`txn` pauses for recovery).
+            (Some(r), _) => TxError::RegionBlocked(r),
+            (None, Some(r)) => TxError::Alloc(farm_alloc::AllocError::RegionFull(r)),
+            (None, None) => TxError::NoRegion(me),
+        })
     }
 
     /// A slot in a region this machine is primary for, and its header.
@@ -521,38 +542,21 @@ impl<'w> Tx<'w> {
             if r != region && self.worker.region_blocked(r) {
                 continue;
             }
-            got.extend(
-                self.alloc_remote_batch(r, len, n - got.len())?
-                    .into_iter()
-                    .flatten(),
-            );
+            got.extend((self.alloc_remote_batch(r, len, n - got.len())?.into_iter()).flatten());
         }
         Ok(got)
     }
 
-    /// A slot from the primary of `region` over ALLOC / ALLOC-REPLY, polling this thread's
-    /// workers while waiting. `None` when that region is full (the hint is only a hint).
-    fn alloc_remote(
-        &mut self,
-        region: RegionId,
-        len: usize,
-    ) -> Result<Option<(Addr, u32, Header)>, TxError> {
-        Ok(self
-            .alloc_remote_batch(region, len, 1)?
-            .pop()
-            .expect("one asked"))
-    }
-
     /// `n` slots from the primary of `region`: every ALLOC sent, then every ALLOC-REPLY
-    /// awaited, polling this thread's workers meanwhile. `None` for each the region had no
-    /// room for.
+    /// awaited, polling this thread's workers meanwhile. [`Refused`] for each the primary
+    /// gave none.
     #[allow(clippy::type_complexity)]
     fn alloc_remote_batch(
         &mut self,
         region: RegionId,
         len: usize,
         n: usize,
-    ) -> Result<Vec<Option<(Addr, u32, Header)>>, TxError> {
+    ) -> Result<Vec<Result<(Addr, u32, Header), Refused>>, TxError> {
         class_for(len)?;
         let primary = self.worker.view.map.get(region).expect("checked").primary;
         let first = self.worker.coord.next_request + 1;
@@ -575,7 +579,7 @@ impl<'w> Tx<'w> {
             at += count;
         }
         let requests = first..first + n as u64;
-        let mut got: Vec<Option<Option<(Addr, u32, Header)>>> = vec![None; n];
+        let mut got: Vec<Option<Result<(Addr, u32, Header), Refused>>> = vec![None; n];
         let mut waiting = n;
         let generation = self.worker.machine.view_generation();
         let poller = self
@@ -609,8 +613,9 @@ impl<'w> Tx<'w> {
                             offset,
                             slot_bytes,
                             header,
-                        } => Some((Addr::new(region, offset), slot_bytes, header)),
-                        AllocOutcome::RegionFull | AllocOutcome::NotPrimary => None,
+                        } => Ok((Addr::new(region, offset), slot_bytes, header)),
+                        AllocOutcome::RegionFull => Err(Refused::Full),
+                        AllocOutcome::NotPrimary => Err(Refused::Recovering),
                         AllocOutcome::TooLarge => {
                             return Err(farm_alloc::AllocError::TooLarge(len).into())
                         }

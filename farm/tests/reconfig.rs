@@ -629,6 +629,49 @@ fn a_spare_given_replicas_by_the_configuration_that_adds_it_copies_them() {
     }
 }
 
+/// A machine that joined is primary of no region, so its allocations go to other machines'
+/// regions: when the first of them is full, the next one with room serves (before, the first
+/// region alone was asked, and the transaction failed with "region is full" while others had
+/// room; the simulator's joins campaign found the same with a region whose new primary was
+/// still rebuilding its free lists, seed 25, which now retries).
+#[test]
+fn a_machine_primary_of_no_region_allocates_in_any_region_with_room() {
+    let c = Cluster::builder()
+        .machines(3)
+        .spare_machines(1)
+        .workers(1)
+        .replicas(3)
+        .region_bytes(2 << 20)
+        .build()
+        .unwrap();
+    assert_eq!(c.join(MachineId(3)).unwrap(), ConfigId(2));
+    let view = c.view(MachineId(3));
+    assert_eq!(view.map.primary_of(MachineId(3)).count(), 0);
+    // The first region in the map, the one a machine primary of none asked first, filled up.
+    let (first, p) = view.map.iter().next().unwrap();
+    let big = vec![7u8; 16 << 9]; // 8 KB objects, 16 KB slots
+    let mut filled = 0;
+    loop {
+        match c.txn(p.primary, |tx| {
+            tx.alloc_bytes(&big, Some(Addr::new(first, 0)))
+        }) {
+            Ok(a) => {
+                assert_eq!(
+                    a.region, first,
+                    "the primary of one region placed it elsewhere"
+                );
+                filled += 1;
+            }
+            Err(e) if e.to_string().contains("full") => break,
+            Err(e) => panic!("filling {first:?}: {e}"),
+        }
+    }
+    assert!(filled > 0);
+    let a = c.txn(MachineId(3), |tx| tx.alloc(&42u64, None)).unwrap();
+    assert_ne!(a.region, first);
+    assert_eq!(c.txn(MachineId(0), |tx| tx.read::<u64>(a)), Ok(42));
+}
+
 /// The timeline counts every committed transaction once, in the millisecond it committed, and
 /// carries the reconfiguration events in order; its JSON parses.
 #[test]
