@@ -279,6 +279,9 @@ pub struct MachineState {
     /// A new incarnation waiting to join ([`MachineState::joiner`]): the view that adds it is
     /// its first with data, and every replica it gets there is copied (§5.4).
     joining: std::sync::atomic::AtomicBool,
+    /// The first configuration of this life with this machine a member (0: none yet): it
+    /// begins no transaction before that configuration commits ([`MachineState::may_begin`]).
+    member_since: AtomicU64,
     /// Persistent state: [`STATE_MAGIC`], which marks the directory as a farm-rs machine's.
     state: Arc<Nvram>,
     /// Inbound logs and message queues.
@@ -596,6 +599,7 @@ impl MachineState {
                 .collect(),
             joined_latest: AtomicU64::new(0),
             joining: std::sync::atomic::AtomicBool::new(false),
+            member_since: AtomicU64::new(0),
             state,
             rings,
             heads,
@@ -883,6 +887,14 @@ impl MachineState {
             old.config.id.0
         );
         let joining = view.config.contains(self.id) && self.joining.swap(false, Ordering::AcqRel);
+        if view.config.contains(self.id) {
+            let _ = (self.member_since).compare_exchange(
+                0,
+                view.config.id.0,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
         let first = old.map.iter().next().is_none() && new_pools && !joining;
         self.note_copies(&old, &view.map, joining, first);
         // Regions still to copy first: a view naming a replica whose copy is not listed would
@@ -1289,6 +1301,20 @@ impl MachineState {
     /// The newest configuration committed here.
     pub fn committed_config(&self) -> ConfigId {
         ConfigId(self.committed.load(Ordering::Acquire))
+    }
+
+    /// Whether this machine may begin transactions: the first configuration of its life in
+    /// which it is a member committed here. A machine that joins writes into its peers' rings
+    /// only from then on: every member acknowledged that configuration, each once its
+    /// workers started the rings this machine writes to afresh (`workers_ready`), so nothing
+    /// it writes can land before that restart and be wiped by it. A joiner's first ALLOC,
+    /// sent as soon as it installed the view that adds it, once landed in a peer's queue before
+    /// that peer's worker started it afresh: the message was lost, and every later one from
+    /// that thread waited behind the hole it left, recovery included (simulator seed 25 of the
+    /// joins campaign).
+    pub fn may_begin(&self) -> bool {
+        let since = self.member_since.load(Ordering::Acquire);
+        since != 0 && self.committed_config().0 >= since
     }
 
     /// REGIONS-ACTIVE (§5.4): whether every region this machine is primary of is active in the

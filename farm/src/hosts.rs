@@ -686,6 +686,10 @@ impl Hosts {
     pub(crate) fn begin(&self, host: &Host, machine: MachineId) -> Result<usize, TxError> {
         let i = host.index_of(machine);
         self.may_coordinate(&host.workers[i])?;
+        // A machine that joins begins once the configuration that adds it commits.
+        if !host.workers[i].machine().may_begin() {
+            return Err(TxError::ConfigurationChanged);
+        }
         // A machine whose lease may have run out starts nothing (FaRM §5.1): `txn()` waits
         // for the renewal (or for learning it was removed) before it runs the closure.
         if !host.workers[i].machine().serves_at(self.now()) {
@@ -779,6 +783,7 @@ impl Hosts {
         if worker.machine().is_evicted() {
             return Err(TxError::Evicted(machine));
         }
+
         if !self.fabric.is_up(machine) {
             return Err(TxError::CoordinatorFailed(machine));
         }
