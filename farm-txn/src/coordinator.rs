@@ -396,13 +396,9 @@ impl<'w> Tx<'w> {
         let (addr, slot, header) = match self.remote_hint(near) {
             Some(region) => match self.alloc_at_primary_of(region, len, 1)?.pop() {
                 Some(got) => got,
-                None => self.alloc_local(len, None)?,
+                None => self.alloc_here_or_elsewhere(len, None)?,
             },
-            None => match self.alloc_local(len, near) {
-                // Primary of no region: any other machine's region will do.
-                Err(TxError::NoRegion(_)) if self.poller.is_some() => self.alloc_elsewhere(len)?,
-                other => other?,
-            },
+            None => self.alloc_here_or_elsewhere(len, near)?,
         };
         Ok(self.allocated(addr, slot, header, len))
     }
@@ -425,7 +421,7 @@ impl<'w> Tx<'w> {
         }
         // Every region of that primary is full: here, as `alloc` places it.
         while out.len() < n {
-            let (addr, slot, header) = self.alloc_local(len, None)?;
+            let (addr, slot, header) = self.alloc_here_or_elsewhere(len, None)?;
             out.push(self.allocated(addr, slot, header, len));
         }
         Ok(out)
@@ -452,6 +448,20 @@ impl<'w> Tx<'w> {
             "slot {addr} allocated twice in one transaction"
         );
         addr
+    }
+
+    /// A slot in a region this machine is primary for ([`Tx::alloc`]'s `near` or the first
+    /// with space), or, when it is primary of none and may wait for an ALLOC-REPLY, in
+    /// another machine's ([`Tx::alloc_elsewhere`]).
+    fn alloc_here_or_elsewhere(
+        &mut self,
+        len: usize,
+        near: Option<Addr>,
+    ) -> Result<(Addr, u32, Header), TxError> {
+        match self.alloc_local(len, near) {
+            Err(TxError::NoRegion(_)) if self.poller.is_some() => self.alloc_elsewhere(len),
+            other => other,
+        }
     }
 
     /// A slot in another machine's region, for a machine that is primary of none (one that
