@@ -3,7 +3,7 @@
 //! when each one-sided write lands (docs/ARCHITECTURE.md, Determinism). It runs the same protocol code as
 //! the threaded runtime (`farm_txn::Worker`), prints its seed first, and a seed replays exactly.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use farm_cm::restart::{ExchangeParams, LeaveOut, Outcome, Persisted};
@@ -129,6 +129,13 @@ pub struct SimConfig {
     /// primary of (a read-only transaction of one object, in the history like a client's).
     /// A minority lease that outlived the removal shows as a stale read.
     pub minority_reads: bool,
+    /// Spare machines outside the first configuration (ids after `machines`), each asking to
+    /// join at a seeded step (§5.2, as `Cluster::join` and a restarted machine process do):
+    /// the CM probes it and adds it in a configuration of its own, amid whatever else the run
+    /// does, and its clients run once it is a member. A spare that asked and did not crash
+    /// must be a member when the run ends. Drawn from a stream of their own, so runs without
+    /// them replay as before; not with `power_losses` or `partitions`.
+    pub joins: u16,
 }
 
 impl Default for SimConfig {
@@ -155,6 +162,7 @@ impl Default for SimConfig {
             disk_losses: false,
             partitions: 0,
             minority_reads: false,
+            joins: 0,
         }
     }
 }
@@ -214,6 +222,10 @@ pub struct SimOutcome {
     /// With [`SimConfig::minority_reads`]: reads a minority machine ran, and of those, the
     /// ones that committed (served under a lease).
     pub minority_reads: (u64, u64),
+    /// With [`SimConfig::joins`]: spares that asked to join, those that became members, and
+    /// those members of the newest configuration at the end (one crashed, paused or cut off
+    /// after it joined may be out).
+    pub joins: (u64, u64, u64),
 }
 
 #[derive(Debug)]
@@ -353,13 +365,25 @@ pub struct Sim {
     disks_lost: (u64, u64),
     params: Params,
     step_no: u64,
+    /// Steps at which a spare asks to join, latest first ([`SimConfig::joins`]).
+    join_at: Vec<(u64, MachineId)>,
+    /// Spares not yet members of the configuration they installed: their clients wait.
+    unjoined: BTreeSet<MachineId>,
+    /// Spares that asked to join.
+    joining: Vec<MachineId>,
 }
 
 impl Sim {
     /// Builds the cluster and allocates the lists.
     pub fn new(config: SimConfig) -> Self {
+        assert!(
+            config.joins == 0 || (config.power_losses == 0 && config.partitions == 0),
+            "joins are not combined with power losses or partitions"
+        );
+        // Spares, outside the first configuration, come after its members.
+        let all = config.machines + config.joins;
         let layout = RingLayout {
-            machines_max: config.machines,
+            machines_max: all,
             threads: config.threads,
             log_bytes: 256 << 10,
             queue_bytes: 256 << 10,
@@ -379,11 +403,11 @@ impl Sim {
             lease_ticks: LEASE_TICKS,
         };
         let fabric = Arc::new(MemFabric::new(MemFabricConfig {
-            machines_max: config.machines,
+            machines_max: all,
             threads_max: config.threads,
             seed: config.seed,
             // A NIC's receive queue: enough for every machine's lease renewals at the CM.
-            datagrams_queued_max: 64 * config.machines as usize,
+            datagrams_queued_max: 64 * all as usize,
         }));
         let cfg = Configuration::initial(config.machines);
         let map = RegionMap::striped(
@@ -391,16 +415,15 @@ impl Sim {
             config.regions_per_machine,
             config.replicas - 1,
         );
-        let machines: Vec<_> = (0..config.machines)
+        let machines: Vec<_> = (0..all)
             .map(|m| {
-                MachineState::new(
-                    MachineId(m),
-                    params,
-                    cfg.clone(),
-                    map.clone(),
-                    fabric.clone() as Arc<dyn Fabric>,
-                    None,
-                )
+                let (id, fabric) = (MachineId(m), fabric.clone() as Arc<dyn Fabric>);
+                // A spare is a new incarnation waiting to join, as `Cluster::join`'s are.
+                if m >= config.machines {
+                    MachineState::joiner(id, params, cfg.clone(), fabric, None)
+                } else {
+                    MachineState::new(id, params, cfg.clone(), map.clone(), fabric, None)
+                }
                 .expect("anonymous NVRAM")
             })
             .collect();
@@ -467,13 +490,27 @@ impl Sim {
             .map(|_| config.steps / 5 + partition_rng.below(config.steps * 3 / 5))
             .collect();
         partition_at.sort_unstable_by(|a, b| b.cmp(a));
+        let mut join_rng = Rng::new(config.seed ^ 0x701e_5eed);
+        let mut join_at: Vec<(u64, MachineId)> = (config.machines..all)
+            .map(|m| {
+                (
+                    config.steps / 10 + join_rng.below(config.steps * 3 / 5),
+                    MachineId(m),
+                )
+            })
+            .collect();
+        join_at.sort_unstable_by(|a, b| b.cmp(a));
         let leases = SimLeases::new(&machines, LEASE_TICKS, 0);
-        let cm = SimCm::new(
+        let mut cm = SimCm::new(
             &machines,
             &fabric,
             config.replicas as usize,
             store_faults(&config, 0),
         );
+        // A spare's plane stays quiet (it would ask to join at once) until its step.
+        for m in config.machines..all {
+            cm.set_paused(MachineId(m), true);
+        }
         let mut sim = Sim {
             rng,
             now: 0,
@@ -521,9 +558,14 @@ impl Sim {
             disks_lost: (0, 0),
             params,
             step_no: 0,
+            join_at,
+            unjoined: (config.machines..all).map(MachineId).collect(),
+            joining: Vec::new(),
         };
+        // The lists live at the first configuration's members.
+        let member_workers = config.machines as usize * config.threads as usize;
         for k in 0..config.keys {
-            let w = (k as usize * config.threads as usize) % sim.workers.len();
+            let w = (k as usize * config.threads as usize) % member_workers;
             let addr = sim.setup_txn(w, |tx| {
                 let a = tx.alloc(LIST_BYTES, None)?;
                 tx.write(a, &[0u8; LIST_BYTES])?;
@@ -554,6 +596,19 @@ impl Sim {
     /// Whether machine `m` runs: alive and not paused.
     fn running(&self, m: MachineId) -> bool {
         running(&self.fabric, &self.paused, m)
+    }
+
+    /// A spare that asked to join, runs, and is no member of the newest committed
+    /// configuration.
+    fn spare_waiting(&self) -> Option<MachineId> {
+        let newest = self.newest_committed()?;
+        (self.joining.iter().copied()).find(|m| self.running(*m) && !newest.contains(*m))
+    }
+
+    /// Whether `m` is a spare not yet a member of the configuration it installed (noted at
+    /// every step: a spare added stays a machine of the cluster, removed later or not).
+    fn unjoined(&self, m: MachineId) -> bool {
+        self.unjoined.contains(&m)
     }
 
     /// The newest configuration committed at a running machine.
@@ -593,7 +648,7 @@ impl Sim {
     fn pause_one(&mut self) {
         let running: Vec<MachineId> = (0..self.machines.len() as u16)
             .map(MachineId)
-            .filter(|m| self.running(*m))
+            .filter(|m| self.running(*m) && !self.unjoined.contains(m))
             .collect();
         let m = running[self.rng.below(running.len() as u64) as usize];
         let until = self.now + LEASE_TICKS * (2 + self.rng.below(4));
@@ -848,7 +903,7 @@ impl Sim {
             .machines
             .iter()
             .map(|m| m.id)
-            .filter(|m| self.running(*m))
+            .filter(|m| self.running(*m) && !self.unjoined.contains(m))
             .collect();
         let victim = if self.config.cm_failover && self.crashed.is_empty() {
             // The CM and its first backup CM at once; the second crash is this one.
@@ -1135,6 +1190,8 @@ impl Sim {
     fn step(&mut self, start_new: bool) {
         self.now += 1;
         self.step_no += 1;
+        let machines = &self.machines;
+        (self.unjoined).retain(|m| !machines[m.0 as usize].view().config.contains(*m));
         if self.crash_at.last() == Some(&self.step_no) {
             self.crash_at.pop();
             self.crash_one();
@@ -1157,6 +1214,15 @@ impl Sim {
         if self.partition_at.last() == Some(&self.step_no) {
             self.partition_at.pop();
             self.partition_one();
+        }
+        while self
+            .join_at
+            .last()
+            .is_some_and(|(at, _)| *at == self.step_no)
+        {
+            let (_, m) = self.join_at.pop().expect("due");
+            self.cm.set_paused(m, false);
+            self.joining.push(m);
         }
         if self.config.minority_reads && self.minority.is_some() && self.reader_rng.below(4) == 0 {
             self.minority_read();
@@ -1182,7 +1248,7 @@ impl Sim {
         match self.rng.below(4) {
             0 => {
                 let w = self.rng.below(self.workers.len() as u64) as usize;
-                if self.alive_worker(w) {
+                if self.alive_worker(w) && !self.unjoined(self.workers[w].machine().id) {
                     self.workers[w].poll(self.now);
                 }
             }
@@ -1215,6 +1281,9 @@ impl Sim {
         // (`MachineState::serves_at`, below, as in the runtime).
         let w = self.worker_of(c);
         let machine = self.workers[w].machine().clone();
+        if self.unjoined(machine.id) {
+            return;
+        }
         let newest = newest_view(&self.fabric, &self.paused, &self.machines, false);
         let newest = newest.as_ref().map(|v| &v.config);
         if learns_it_is_out(&self.leases, &self.cm, &machine, newest, self.now) {
@@ -1252,6 +1321,10 @@ impl Sim {
     /// held, those may be performed in any order, before the transaction reads them (while an
     /// allocation polls, or while it is suspended) or when it waits for them.
     fn start_txn(&mut self, c: usize) {
+        // As `Hosts::begin`: a machine that joined begins once that configuration commits.
+        if !self.workers[self.worker_of(c)].machine().may_begin() {
+            return;
+        }
         let n_ops = 1 + self.rng.below(3);
         let prefetch = self.rng.below(2) == 0;
         let mut steps = Vec::new();
@@ -1448,7 +1521,30 @@ impl Sim {
                 );
             }
         }
+        // Every spare that asked to join and runs becomes a member: a join may fail (a probe
+        // lost, the store timed out) and is tried again, but is never dropped for good.
+        let mut rounds = 0u64;
+        while let Some(m) = self.spare_waiting() {
+            self.step(false);
+            rounds += 1;
+            assert!(
+                rounds < JOIN_WAIT_STEPS,
+                "seed {}: spare {m} asked to join and is no member of {:?} {JOIN_WAIT_STEPS} \
+                 steps after the run",
+                self.config.seed,
+                self.newest_committed()
+            );
+        }
         self.quiesce();
+        let newest = self.newest_committed();
+        let members = |m: &MachineId| newest.as_ref().is_some_and(|c| c.contains(*m));
+        let joins = (
+            self.joining.len() as u64,
+            (self.joining.iter())
+                .filter(|m| !self.unjoined.contains(m))
+                .count() as u64,
+            self.joining.iter().filter(|m| members(m)).count() as u64,
+        );
         // A final read of every list, so that every committed append is ordered.
         let keys = self.keys.clone();
         let invoke = self.now;
@@ -1549,6 +1645,7 @@ impl Sim {
             allocated: self.cm.allocated,
             partitions: self.partitions_done,
             minority_reads: self.minority_reads,
+            joins,
         }
     }
 
@@ -1691,6 +1788,10 @@ impl Sim {
         );
     }
 }
+
+/// Steps after the run within which every spare that asked to join must be a member: a
+/// failed join waits at most `JOIN_BACKOFF_LEASES_MAX` (300) leases before it is tried again.
+const JOIN_WAIT_STEPS: u64 = 200_000;
 
 /// A list object's words: its length, then its values and unused room.
 fn list_words(bytes: &[u8]) -> Vec<u64> {
