@@ -819,15 +819,15 @@ fn spares_join_amid_failures_and_store_timeouts() {
     );
 }
 
-/// Seed 1007 of the joins campaign (found 2026-11-29, open): machines 2 and then 0, the CM,
-/// crash (configurations 3 and 4), then spares 6 and 5 join (configurations 5 and 6); a
-/// machine then receives the decision Abort for transaction <1,2,1,2>, coordinated by the
-/// crashed machine 2, which it had decided Commit and forgotten: two recoveries of one
-/// transaction decided differently (the assertion in `Worker::on_decision`, farm-txn
-/// recovery.rs). Ignored until fixed: `cargo test --release -p farm-sim --test sim_faults --
-/// --ignored decided_as_before`.
+/// Seed 1007 of the joins campaign (found 2026-11-29): machines 2 and then 0, the CM, crash
+/// (configurations 3 and 4), then spares 6 and 5 join (configurations 5 and 6). Machine 1
+/// coordinated the recovery of transaction <1,2,1,2> (its coordinator, machine 2, crashed)
+/// from configuration 4; in configuration 6 consistent hashing gave it to machine 6, which
+/// decided Commit, and machine 1, the primary of region 0, applied it and forgot the
+/// transaction. Machine 1's own round then asked for votes again, and its region 0, without
+/// records, voted "unknown": it decided Abort (the assertion in `Worker::on_decision`). A
+/// replica that forgot a transaction now votes its decision.
 #[test]
-#[ignore = "open: seed 1007 of the joins campaign decides one transaction twice, differently"]
 fn a_transaction_recovered_again_after_joins_is_decided_as_before() {
     check(1007, join_config(1007));
 }

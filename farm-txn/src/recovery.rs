@@ -1194,6 +1194,20 @@ impl Worker {
             Some(tx) if !tx.writes_in(region).is_empty() || tx.decision.is_some() => {
                 (tx.regions.clone(), vote(tx.evidence(region)))
             }
+            // No records, because this replica carried out a recovery's decision and forgot
+            // the transaction: it votes what that decision left here (COMMIT-RECOVERY is a
+            // commit-primary, ABORT-RECOVERY an abort). Voting "unknown" instead let another
+            // recovery of the same transaction abort what the first committed: a coordinator
+            // whose round outlived a membership change (consistent hashing moved the
+            // transaction to a machine that joined) asked again after the new coordinator's
+            // decision was applied here (simulator seed 1007 of the joins campaign).
+            _ if self.recovery.forgotten.contains_key(&t) => {
+                let v = match self.recovery.forgotten[&t] {
+                    Decision::Commit => Vote::CommitPrimary,
+                    Decision::Abort => Vote::Abort,
+                };
+                (Vec::new(), v)
+            }
             _ => {
                 // No records: truncated if this thread's truncation bound from the
                 // coordinator's thread passed it. After a whole-cluster restart, also if the
