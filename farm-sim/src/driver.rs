@@ -611,6 +611,12 @@ impl Sim {
         self.unjoined.contains(&m)
     }
 
+    /// Notes the spares that installed a configuration with them in it.
+    fn note_joined(&mut self) {
+        let machines = &self.machines;
+        (self.unjoined).retain(|m| !machines[m.0 as usize].view().config.contains(*m));
+    }
+
     /// The newest configuration committed at a running machine.
     fn newest_committed(&self) -> Option<Configuration> {
         newest_view(&self.fabric, &self.paused, &self.machines, true).map(|v| v.config.clone())
@@ -1190,8 +1196,7 @@ impl Sim {
     fn step(&mut self, start_new: bool) {
         self.now += 1;
         self.step_no += 1;
-        let machines = &self.machines;
-        (self.unjoined).retain(|m| !machines[m.0 as usize].view().config.contains(*m));
+        self.note_joined();
         if self.crash_at.last() == Some(&self.step_no) {
             self.crash_at.pop();
             self.crash_one();
@@ -1536,6 +1541,7 @@ impl Sim {
             );
         }
         self.quiesce();
+        self.note_joined();
         let newest = self.newest_committed();
         let members = |m: &MachineId| newest.as_ref().is_some_and(|c| c.contains(*m));
         let joins = (
