@@ -175,6 +175,20 @@ fn join_config(seed: u64) -> SimConfig {
     }
 }
 
+/// The varied shapes (4 to 7 machines, 1 to 3 threads, 2 or 3 replicas, pauses, stalls, lossy
+/// datagrams, RPC replication, allocations) with one or two spares joining, without the power
+/// losses and partitions joins are not combined with yet.
+fn varied_join_config(seed: u64) -> SimConfig {
+    SimConfig {
+        joins: 1 + (seed % 2) as u16,
+        store_timeouts: seed % 4 < 2,
+        power_losses: 0,
+        disk_losses: false,
+        partitions: 0,
+        ..varied_config(seed)
+    }
+}
+
 /// Power losses: one or two, a third of the seeds with a machine crashed (and recovered) before,
 /// and a third with a disk that dies with the power (the cluster restarts without it).
 fn power_config(seed: u64) -> SimConfig {
@@ -813,6 +827,32 @@ fn spares_join_amid_failures_and_store_timeouts() {
         "{seeds} seeds: {asked} spares asked to join, {joined} joined, {members} members at the \
          end (the others crashed or paused after)"
     );
+    assert!(
+        asked >= seeds,
+        "{asked} spares asked to join in {seeds} seeds"
+    );
+}
+
+/// Spares join clusters of the varied shapes: as the joins campaign above.
+#[test]
+fn spares_join_clusters_of_varied_shapes() {
+    let (mut asked, mut joined) = (0, 0);
+    let Some(seeds) = campaign(
+        "FARM_SIM_FAULT_SEEDS",
+        100,
+        varied_join_config,
+        |seed, out| {
+            assert_eq!(
+                out.joins.0, out.joins.1,
+                "seed {seed}: a spare never joined"
+            );
+            asked += out.joins.0;
+            joined += out.joins.1;
+        },
+    ) else {
+        return;
+    };
+    println!("{seeds} seeds: {asked} spares asked to join, {joined} joined");
     assert!(
         asked >= seeds,
         "{asked} spares asked to join in {seeds} seeds"
