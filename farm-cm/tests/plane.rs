@@ -101,6 +101,28 @@ impl Cluster {
         Self::with_map(n, RegionMap::striped(n, 1, 2))
     }
 
+    /// Four machines, machine 3 removed in configuration 2 (committed and settled at the
+    /// others, stored) and back as a new incarnation outside it: a joiner.
+    fn with_machine_3_back() -> Self {
+        let mut c = Self::new(4);
+        let mut config = Configuration::initial(4);
+        config.id = ConfigId(2);
+        config.members.retain(|m| m.0 != 3);
+        config.failure_domains.remove(&MachineId(3));
+        let (v, _) = c.store.read().unwrap().unwrap();
+        c.store
+            .compare_and_set(Some(v), &farm_cm::codec::encode(&config))
+            .unwrap();
+        let map = RegionMap::striped(3, 1, 2);
+        for m in &mut c.machines {
+            m.config = config.clone();
+            m.map = map.clone();
+            m.committed = config.id;
+            m.all_active = config.id;
+        }
+        c
+    }
+
     fn with_map(n: u16, map: RegionMap) -> Self {
         let config = Configuration::initial(n);
         let store = EmbeddedStore::new();
@@ -479,23 +501,7 @@ fn a_member_cut_off_learns_from_the_store_that_it_was_removed() {
 /// CM adds it once its configuration is settled (§5.2, a join).
 #[test]
 fn a_machine_outside_the_configuration_joins() {
-    let mut c = Cluster::new(4);
-    // Machine 3 was removed in configuration 2 and came back as a new incarnation.
-    let mut config = Configuration::initial(4);
-    config.id = ConfigId(2);
-    config.members.retain(|m| m.0 != 3);
-    config.failure_domains.remove(&MachineId(3));
-    let (v, _) = c.store.read().unwrap().unwrap();
-    c.store
-        .compare_and_set(Some(v), &farm_cm::codec::encode(&config))
-        .unwrap();
-    let map = RegionMap::striped(3, 1, 2);
-    for m in &mut c.machines {
-        m.config = config.clone();
-        m.map = map.clone();
-        m.committed = config.id;
-        m.all_active = config.id;
-    }
+    let mut c = Cluster::with_machine_3_back();
     assert!(c.run_until(20 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3]))));
     assert_eq!(c.machines[3].config.id, ConfigId(3));
 }
@@ -507,22 +513,7 @@ fn a_machine_outside_the_configuration_joins() {
 /// stored configuration is one nobody installed.
 #[test]
 fn a_join_whose_compare_and_set_answer_was_lost_is_driven_again() {
-    let mut c = Cluster::new(4);
-    let mut config = Configuration::initial(4);
-    config.id = ConfigId(2);
-    config.members.retain(|m| m.0 != 3);
-    config.failure_domains.remove(&MachineId(3));
-    let (v, _) = c.store.read().unwrap().unwrap();
-    c.store
-        .compare_and_set(Some(v), &farm_cm::codec::encode(&config))
-        .unwrap();
-    let map = RegionMap::striped(3, 1, 2);
-    for m in &mut c.machines {
-        m.config = config.clone();
-        m.map = map.clone();
-        m.committed = config.id;
-        m.all_active = config.id;
-    }
+    let mut c = Cluster::with_machine_3_back();
     c.cas_answers_lost = 1;
     let ok = c.run_until(40 * LEASE, |c| c.settled_without(&ids(&[0, 1, 2, 3])));
     assert!(ok, "{:#?}", c.events);

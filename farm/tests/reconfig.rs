@@ -426,11 +426,14 @@ fn a_member_cut_off_with_a_cm_removed_over_a_broken_link_serves_nothing_stale() 
     assert_ne!(read, Ok(100), "after the majority wrote 101");
 }
 
-/// A store whose compare-and-set takes `delay` once armed (ZooKeeper slow to answer).
+/// A store whose compare-and-set takes `delay` once armed (ZooKeeper slow to answer), and whose
+/// next one, with `lose_answer` set, takes effect and then answers with a timeout (ZooKeeper
+/// wrote it, the answer was lost).
 #[derive(Debug, Default)]
 struct SlowStore {
     inner: farm::EmbeddedStore,
     delay: std::sync::Mutex<Duration>,
+    lose_answer: std::sync::atomic::AtomicBool,
 }
 
 impl farm::CoordinationStore for SlowStore {
@@ -445,7 +448,14 @@ impl farm::CoordinationStore for SlowStore {
     ) -> Result<farm::CasOutcome, farm::StoreError> {
         let delay = *self.delay.lock().unwrap();
         std::thread::sleep(delay);
-        self.inner.compare_and_set(expected, data)
+        let outcome = self.inner.compare_and_set(expected, data);
+        match self
+            .lose_answer
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            true => Err(farm::StoreError::Timeout(0)),
+            false => outcome,
+        }
     }
 }
 
@@ -504,32 +514,6 @@ fn a_member_removed_for_a_failed_probe_serves_nothing_the_majority_overwrote() {
     assert_ne!(read, Ok(100), "after the majority wrote 101");
 }
 
-/// A store whose next compare-and-set, once armed, takes effect and then answers with a
-/// timeout (ZooKeeper wrote it, the answer was lost).
-#[derive(Debug, Default)]
-struct LostAnswerStore {
-    inner: farm::EmbeddedStore,
-    armed: std::sync::atomic::AtomicBool,
-}
-
-impl farm::CoordinationStore for LostAnswerStore {
-    fn read(&self) -> Result<Option<(farm::StoreVersion, Vec<u8>)>, farm::StoreError> {
-        self.inner.read()
-    }
-
-    fn compare_and_set(
-        &self,
-        expected: Option<farm::StoreVersion>,
-        data: &[u8],
-    ) -> Result<farm::CasOutcome, farm::StoreError> {
-        let outcome = self.inner.compare_and_set(expected, data);
-        match self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            true => Err(farm::StoreError::Timeout(0)),
-            false => outcome,
-        }
-    }
-}
-
 /// A join whose compare-and-set took effect but whose answer was lost: the stored
 /// configuration holds the joiner, so it asks no more, and nothing else is due at the CM. The
 /// CM drives the stored configuration again, and the joiner becomes a member that serves
@@ -537,7 +521,7 @@ impl farm::CoordinationStore for LostAnswerStore {
 /// was answered with the timeout after 30 s).
 #[test]
 fn a_join_whose_stored_configuration_lost_its_answer_completes() {
-    let store = std::sync::Arc::new(LostAnswerStore::default());
+    let store = std::sync::Arc::new(SlowStore::default());
     let c = Cluster::builder()
         .machines(3)
         .spare_machines(1)
@@ -548,7 +532,9 @@ fn a_join_whose_stored_configuration_lost_its_answer_completes() {
         .build()
         .unwrap();
     let a = c.txn(MachineId(0), |tx| tx.alloc(&7u64, None)).unwrap();
-    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    store
+        .lose_answer
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     // The join is answered once a configuration with the joiner committed: the third, which
     // drove the stored second again.
     assert_eq!(c.join(MachineId(3)).unwrap(), ConfigId(3));
