@@ -137,6 +137,7 @@ struct Entry {
     /// from the headers (§5.5) and counts the slot free already.
     fresh: Option<(u32, ConfigId)>,
 }
+
 /// Why a primary gave no slot to an ALLOC.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Refused {
