@@ -127,6 +127,17 @@ impl RecoveryState {
                 round.decision.is_some() || (round.to_send.is_empty() && round.tickets.is_empty()),
                 "{t}: a decision sent before it was made"
             );
+            // Only the transaction's recovery coordinator in the drained configuration collects
+            // votes to decide it (step 6); a machine that coordinated it in an earlier one
+            // (consistent hashing moved it since) keeps only a decision it made.
+            if let (None, Some(view)) = (round.decision, &self.drained_view) {
+                let c = recovery_coordinator(*t, &view.config);
+                assert!(
+                    c == me,
+                    "{t} undecided at {me} in configuration {}, whose recovery coordinator is {c}",
+                    view.config.id.0
+                );
+            }
         }
         for (from, config, region, _) in &self.early {
             assert!(
@@ -600,9 +611,16 @@ impl Worker {
         for t in pending {
             self.apply_decision(t);
         }
-        // A new round re-collects votes for what is still undecided.
+        // A new round re-collects votes for what is still undecided, at the transaction's
+        // recovery coordinator in this configuration only: one that a join moved elsewhere by
+        // consistent hashing is left to its new coordinator, which would otherwise share it
+        // with this machine, both asking for votes and sending decisions (simulator seed 1007
+        // of the joins campaign). A decision made here still goes out from here.
         self.recovery.regions.clear();
         let now = self.now;
+        self.recovery.coord.retain(|t, round| {
+            round.decision.is_some() || recovery_coordinator(*t, &view.config) == me
+        });
         for round in self.recovery.coord.values_mut() {
             // Votes are collected again (truncation waits for every region's, after its
             // replication, at its current primary); a decision already made also goes to the
