@@ -133,9 +133,18 @@ pub struct SimConfig {
     /// join at a seeded step (§5.2, as `Cluster::join` and a restarted machine process do):
     /// the CM probes it and adds it in a configuration of its own, amid whatever else the run
     /// does, and its clients run once it is a member. A spare that asked and did not crash
-    /// must be a member when the run ends. Drawn from a stream of their own, so runs without
-    /// them replay as before; not with `power_losses` or `partitions`.
+    /// must be a member when the run ends. A power loss before a spare joined (before it
+    /// installed a configuration holding it) restarts it as a new spare, which asks again if
+    /// it had asked; one that joined takes part in the restart as any member. Drawn from a
+    /// stream of their own, so runs without them replay as before.
     pub joins: u16,
+}
+
+impl SimConfig {
+    /// Machines of the run: the first configuration's members, then the spares.
+    pub fn all_machines(&self) -> u16 {
+        self.machines + self.joins
+    }
 }
 
 impl Default for SimConfig {
@@ -226,6 +235,9 @@ pub struct SimOutcome {
     /// those members of the newest configuration at the end (one crashed, paused or cut off
     /// after it joined may be out).
     pub joins: (u64, u64, u64),
+    /// Spares a whole-cluster restart brought back: as members (they had joined), and as
+    /// spares again (they had not).
+    pub spares_restarted: (u64, u64),
 }
 
 #[derive(Debug)]
@@ -363,6 +375,7 @@ pub struct Sim {
     restarts_mid: (u64, u64, u64),
     restarts_cut: (u64, u64),
     disks_lost: (u64, u64),
+    spares_restarted: (u64, u64),
     params: Params,
     step_no: u64,
     /// Steps at which a spare asks to join, latest first ([`SimConfig::joins`]).
@@ -376,12 +389,8 @@ pub struct Sim {
 impl Sim {
     /// Builds the cluster and allocates the lists.
     pub fn new(config: SimConfig) -> Self {
-        assert!(
-            config.joins == 0 || (config.power_losses == 0 && config.partitions == 0),
-            "joins are not combined with power losses or partitions"
-        );
         // Spares, outside the first configuration, come after its members.
-        let all = config.machines + config.joins;
+        let all = config.all_machines();
         let layout = RingLayout {
             machines_max: all,
             threads: config.threads,
@@ -556,6 +565,7 @@ impl Sim {
             restarts_mid: (0, 0, 0),
             restarts_cut: (0, 0),
             disks_lost: (0, 0),
+            spares_restarted: (0, 0),
             params,
             step_no: 0,
             join_at,
@@ -1051,7 +1061,7 @@ impl Sim {
                     .filter(|m| {
                         let mut without = persisted.clone();
                         without[m.0 as usize] = None;
-                        let machines = self.config.machines;
+                        let machines = self.config.all_machines();
                         farm_cm::restart::decide(stored, &without, machines, leave_out).is_ok()
                     })
                     .collect();
@@ -1067,10 +1077,10 @@ impl Sim {
         let mut stopped = std::mem::take(&mut self.machines);
         let (fabric, restarts) = loop {
             let fabric = Arc::new(MemFabric::new(MemFabricConfig {
-                machines_max: self.config.machines,
+                machines_max: self.config.all_machines(),
                 threads_max: self.config.threads,
                 seed: self.rng.below(u64::MAX),
-                datagrams_queued_max: 64 * self.config.machines as usize,
+                datagrams_queued_max: 64 * self.config.all_machines() as usize,
             }));
             // The restart's datagrams are as lossy as any.
             fabric.set_datagram_policy(self.datagram_policy());
@@ -1144,12 +1154,24 @@ impl Sim {
         for r in restarts {
             match r {
                 Some(Finished::Restarted(r)) => {
+                    self.spares_restarted.0 += (r.machine.id.0 >= self.config.machines) as u64;
                     machines.push(r.machine);
                     workers.extend(r.workers.into_iter().map(|mut w| {
                         w.set_check_invariants(true);
                         w
                     }));
                     exchanges.push(r.exchange);
+                }
+                // A spare that had not joined: outside the restart, its process starts again
+                // as a new spare (it asks to join again if it had asked).
+                Some(Finished::Removed(_)) if self.unjoined(MachineId(machines.len() as u16)) => {
+                    let id = MachineId(machines.len() as u16);
+                    let f = fabric.clone() as Arc<dyn Fabric>;
+                    let m = MachineState::joiner(id, self.params, plan.clone(), f, None)
+                        .expect("anonymous NVRAM");
+                    self.spares_restarted.1 += 1;
+                    workers.extend((0..threads).map(|t| sim_worker(&m, ThreadId(t))));
+                    machines.push(m);
                 }
                 // Removed before the power went, or its NVRAM is gone: it stays down.
                 Some(Finished::Removed(_)) | None => {
@@ -1182,6 +1204,10 @@ impl Sim {
         let faults = store_faults(&self.config, self.restarts);
         self.cm = SimCm::new(&machines, &fabric, self.config.replicas as usize, faults);
         self.cm.committed = committed;
+        // A spare's plane stays quiet until its step, as at the start.
+        for m in self.unjoined.iter().filter(|m| !self.joining.contains(m)) {
+            self.cm.set_paused(*m, true);
+        }
         self.cm.keep_restarts(exchanges);
         self.fabric = fabric;
         self.machines = machines;
@@ -1253,7 +1279,9 @@ impl Sim {
         match self.rng.below(4) {
             0 => {
                 let w = self.rng.below(self.workers.len() as u64) as usize;
-                if self.alive_worker(w) && !self.unjoined(self.workers[w].machine().id) {
+                // A spare's workers are polled before it joins too, as the runtime's
+                // background pollers do.
+                if self.alive_worker(w) {
                     self.workers[w].poll(self.now);
                 }
             }
@@ -1652,6 +1680,7 @@ impl Sim {
             partitions: self.partitions_done,
             minority_reads: self.minority_reads,
             joins,
+            spares_restarted: self.spares_restarted,
         }
     }
 
@@ -1975,7 +2004,7 @@ fn restarts_of<'a>(
 ) -> Vec<MachineRestart<'a>> {
     let mut lives = Rng::new(config.seed ^ round.rotate_left(17) ^ 0x11fe);
     let exchange = ExchangeParams {
-        machines: config.machines,
+        machines: config.all_machines(),
         repeat: REPEAT_TICKS,
         leave_out: leave_out_of(config),
     };

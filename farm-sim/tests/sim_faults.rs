@@ -23,8 +23,9 @@
 //! of clusters of 20 to 90 machines with over a thousand regions, and have members allocate
 //! regions (§3) while machines crash, pause and lose power. The last draws the shape itself
 //! from the seed (machines, threads, replicas, keys, length, allocations and every fault kind).
-//! Another has spare machines join (§5.2) while machines crash and pause and the store times
-//! out: each must end up a member (unless it failed after joining).
+//! Others have spare machines join (§5.2) while machines crash and pause and the store times
+//! out, and amid power losses and partitions: each must end up a member (unless it failed
+//! after joining).
 //! A fifth of the seeds replicate with RPCs (backups' CPUs acknowledge COMMIT-BACKUP) instead of
 //! one-sided writes, and a quarter of the crash campaign's have a coordination store whose
 //! operations time out now and then (a compare-and-set before or after it took effect).
@@ -176,8 +177,8 @@ fn join_config(seed: u64) -> SimConfig {
 }
 
 /// The varied shapes (4 to 7 machines, 1 to 3 threads, 2 or 3 replicas, pauses, stalls, lossy
-/// datagrams, RPC replication, allocations) with one or two spares joining, without the power
-/// losses and partitions joins are not combined with yet.
+/// datagrams, RPC replication, allocations) with one or two spares joining, without power
+/// losses (the campaign below joins amid those).
 fn varied_join_config(seed: u64) -> SimConfig {
     SimConfig {
         joins: 1 + (seed % 2) as u16,
@@ -186,6 +187,27 @@ fn varied_join_config(seed: u64) -> SimConfig {
         disk_losses: false,
         partitions: 0,
         ..varied_config(seed)
+    }
+}
+
+/// One or two spares join amid power losses (a third of the seeds) or partitions (the others,
+/// half of them with the minority cut off from the store too): the power may go before a
+/// spare asked, while it joins, or after, and a partition may cut off the CM a spare asks;
+/// a quarter time the store out. The shapes of the power and partition campaigns, drawn from
+/// the seed.
+fn join_power_partition_config(seed: u64) -> SimConfig {
+    let mut r = farm_core::rng::Rng::new(seed ^ 0x701e_fa17);
+    let shape = r.next_u64() % 1_000_000;
+    let base = match r.below(6) {
+        0 | 1 => power_config(shape),
+        2 | 3 => partition_config(shape),
+        _ => minority_read_config(shape),
+    };
+    SimConfig {
+        seed,
+        joins: 1 + r.below(2) as u16,
+        store_timeouts: r.below(4) == 0,
+        ..base
     }
 }
 
@@ -856,6 +878,47 @@ fn spares_join_clusters_of_varied_shapes() {
     assert!(
         asked >= seeds,
         "{asked} spares asked to join in {seeds} seeds"
+    );
+}
+
+/// Spares join amid power losses and partitions: as the joins campaign above. A spare that had
+/// not joined when the power went starts again as a spare and asks again if it had asked.
+#[test]
+fn spares_join_amid_power_losses_and_partitions() {
+    let (mut asked, mut joined, mut restarts, mut partitions) = (0, 0, 0, 0);
+    let (mut restarted_members, mut restarted_spares) = (0, 0);
+    let Some(seeds) = campaign(
+        "FARM_SIM_FAULT_SEEDS",
+        100,
+        join_power_partition_config,
+        |seed, out| {
+            assert_eq!(
+                out.joins.0, out.joins.1,
+                "seed {seed}: a spare never joined"
+            );
+            asked += out.joins.0;
+            joined += out.joins.1;
+            restarts += out.restarts;
+            partitions += out.partitions.0;
+            restarted_members += out.spares_restarted.0;
+            restarted_spares += out.spares_restarted.1;
+        },
+    ) else {
+        return;
+    };
+    println!(
+        "{seeds} seeds: {asked} spares asked to join, {joined} joined; {restarts} restarts \
+         from NVRAM, which brought spares back {restarted_members} times as members and \
+         {restarted_spares} as spares; {partitions} partitions"
+    );
+    assert!(
+        asked >= seeds,
+        "{asked} spares asked to join in {seeds} seeds"
+    );
+    assert!(
+        restarted_members > 0 && restarted_spares > 0 && partitions > 0,
+        "{restarted_members} and {restarted_spares} spares restarted, {partitions} partitions \
+         in {seeds} seeds"
     );
 }
 
