@@ -226,6 +226,9 @@ pub struct SimOutcome {
     pub cm_failover: Option<(MachineId, MachineId)>,
     /// Regions allocated, and allocation requests refused (§3).
     pub allocated: (u64, u64),
+    /// Regions machines whose regions were full got from the CM ([`farm_txn::growth`]): the
+    /// regions of the newest view beyond the first view's and those allocated on request.
+    pub regions_grown: u64,
     /// Partitions, machines they cut off, and partitions whose minority held the CM.
     pub partitions: (u64, u64, u64),
     /// With [`SimConfig::minority_reads`]: reads a minority machine ran, and of those, the
@@ -1491,10 +1494,16 @@ impl Sim {
                 self.clients[c] = Client::Committing(rec, effects, txn);
             }
             Err(e) => {
-                let me = self.workers[w].machine().id;
-                // A coordinator that crashed or stopped under its execution fails as it may.
+                let machine = self.workers[w].machine();
+                let me = machine.id;
+                // A coordinator that crashed or stopped under its execution fails as it may,
+                // and an allocation fails once the CM refused the machine another region
+                // (no capacity in enough failure domains).
+                let full = matches!(e, TxError::Alloc(farm_alloc::AllocError::RegionFull(_)));
                 assert!(
-                    e.is_retryable() || !self.fabric.is_alive(me),
+                    e.is_retryable()
+                        || !self.fabric.is_alive(me)
+                        || (full && machine.growth.refused()),
                     "seed {}: unexpected execution error {e} at {me} (view {:?}, newest {:?})",
                     self.config.seed,
                     self.workers[w].view().config,
@@ -1572,6 +1581,10 @@ impl Sim {
         self.note_joined();
         let newest = self.newest_committed();
         let members = |m: &MachineId| newest.as_ref().is_some_and(|c| c.contains(*m));
+        let regions = newest_view(&self.fabric, &self.paused, &self.machines, true)
+            .map_or(0, |v| v.map.iter().count() as u64);
+        let first = self.config.machines as u64 * self.config.regions_per_machine as u64;
+        let regions_grown = regions.saturating_sub(first + self.cm.allocated.0);
         let joins = (
             self.joining.len() as u64,
             (self.joining.iter())
@@ -1677,6 +1690,7 @@ impl Sim {
             stalls: self.stalls_done,
             cm_failover: self.cm_failover,
             allocated: self.cm.allocated,
+            regions_grown,
             partitions: self.partitions_done,
             minority_reads: self.minority_reads,
             joins,

@@ -176,16 +176,13 @@ fn join_config(seed: u64) -> SimConfig {
     }
 }
 
-/// The varied shapes (4 to 7 machines, 1 to 3 threads, 2 or 3 replicas, pauses, stalls, lossy
-/// datagrams, RPC replication, allocations) with one or two spares joining, without power
-/// losses (the campaign below joins amid those).
+/// The varied shapes (4 to 7 machines, 1 to 3 threads, 2 or 3 replicas, crashes, pauses, power
+/// losses, stalls, lossy datagrams, RPC replication, allocations) with one or two spares
+/// joining.
 fn varied_join_config(seed: u64) -> SimConfig {
     SimConfig {
         joins: 1 + (seed % 2) as u16,
         store_timeouts: seed % 4 < 2,
-        power_losses: 0,
-        disk_losses: false,
-        partitions: 0,
         ..varied_config(seed)
     }
 }
@@ -208,6 +205,17 @@ fn join_power_partition_config(seed: u64) -> SimConfig {
         joins: 1 + r.below(2) as u16,
         store_timeouts: r.below(4) == 0,
         ..base
+    }
+}
+
+/// Regions of one block each (two per machine make them 2 MiB, of which a block is the
+/// region's own), so that a machine's regions fill up and it asks the CM for more: the
+/// varied shapes, with one spare joining in half the seeds.
+fn full_regions_config(seed: u64) -> SimConfig {
+    SimConfig {
+        regions_per_machine: 2,
+        joins: (seed % 2) as u16,
+        ..varied_config(seed)
     }
 }
 
@@ -821,6 +829,31 @@ fn regions_are_allocated_amid_failures() {
     assert!(
         allocated >= seeds,
         "{allocated} regions allocated in {seeds} seeds of three requests"
+    );
+}
+
+/// Machines whose regions fill up get more from the CM (§3) while machines crash, pause, lose
+/// power and join: every allocation succeeds unless the CM refused the machine a region (too
+/// few machines left in distinct failure domains), and the new regions' objects are checked
+/// as any.
+#[test]
+fn machines_whose_regions_fill_up_get_more() {
+    let (mut grown, mut allocated) = (0, 0);
+    let Some(seeds) = campaign(
+        "FARM_SIM_FAULT_SEEDS",
+        100,
+        full_regions_config,
+        |_, out| {
+            grown += out.regions_grown;
+            allocated += out.stats.allocs + out.stats.allocs_remote;
+        },
+    ) else {
+        return;
+    };
+    println!("{seeds} seeds: {allocated} objects allocated, {grown} regions grown");
+    assert!(
+        grown >= seeds,
+        "{grown} regions grown in {seeds} seeds with regions of one block"
     );
 }
 

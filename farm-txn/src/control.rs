@@ -23,6 +23,10 @@ use farm_core::{MachineId, RegionId};
 /// Region replicas one machine may hold (the plane's `regions_max` in every deployment).
 pub const REGIONS_PER_MACHINE_MAX: usize = 4096;
 
+/// Times a machine whose regions are full asks its CM for another before it takes the refusal
+/// as final ([`crate::growth`]): a refusal may be a timeout of the coordination store.
+pub const GROWTH_ATTEMPTS: u32 = 4;
+
 /// One machine's control plane and what it acts on.
 pub struct MachineControl {
     machine: Arc<MachineState>,
@@ -43,6 +47,12 @@ pub struct MachineControl {
     allocated: Vec<(u64, Result<Vec<RegionId>, String>)>,
     /// The id of this machine's next allocation request.
     next_request: u64,
+    /// The allocation request asking for a region of this machine's own, its regions being
+    /// full ([`crate::growth`]); answered here, not to the caller.
+    growth: Option<u64>,
+    /// Refusals of the region asked for in a row: asked again at the next tick until
+    /// [`GROWTH_ATTEMPTS`] (the store may have timed out, or the CM changed).
+    growth_refused: u32,
     /// A NEW-CONFIG persisted and not yet installed (`Effect::Persist`, then `Install`).
     persisted: Option<PersistedView>,
     /// The whole-cluster restart this machine took part in, which answers peers that ask late.
@@ -107,6 +117,8 @@ impl MachineControl {
             check_invariants: cfg!(debug_assertions),
             allocated: Vec::new(),
             next_request: 0,
+            growth: None,
+            growth_refused: 0,
             persisted: None,
             restart: None,
         }
@@ -217,6 +229,22 @@ impl MachineControl {
             self.on_unreachable(m, now);
         }
         self.with_plane(now, |p, l| p.tick(now, l));
+        self.grow(now);
+    }
+
+    /// Asks the CM for a region when a worker found every region this machine is primary of
+    /// full ([`crate::growth`]): one region, with the replicas of one of those regions, so that
+    /// this machine is its primary (§3 locality; the CM places it elsewhere only when those
+    /// replicas have no room). A machine primary of none (one that joined) found every region
+    /// full: one placed as the CM balances them.
+    fn grow(&mut self, now: u64) {
+        let again = self.growth_refused > 0;
+        if self.growth.is_some() || !(again || self.machine.growth.take_wanted()) {
+            return;
+        }
+        let near = self.machine.view().map.primary_of(self.machine.id).next();
+        self.growth = Some(self.next_request);
+        self.allocate(1, near, now);
     }
 
     /// Asks the CM for `count` regions (§3), sharing region `near`'s replicas if given and
@@ -404,8 +432,8 @@ impl MachineControl {
                     Effect::Allocated { request, result } => {
                         // §3: the CM answers after the commit, which every member acknowledged
                         // once installed: the regions are in this machine's view.
+                        let view = self.machine.view();
                         if let Ok(regions) = &result {
-                            let view = self.machine.view();
                             assert!(
                                 !regions.is_empty()
                                     && regions.iter().all(|r| view.map.get(*r).is_some()),
@@ -413,6 +441,30 @@ impl MachineControl {
                                  configuration {}",
                                 view.config.id.0
                             );
+                        }
+                        if self.growth == Some(request) {
+                            self.growth = None;
+                            if let Err(why) = &result {
+                                self.growth_refused += 1;
+                                tracing::warn!(machine = me.0, %why, "no region for full regions");
+                                if self.growth_refused < GROWTH_ATTEMPTS {
+                                    continue; // Asked again at the next tick.
+                                }
+                            }
+                            self.growth_refused = 0;
+                            // A region of its own, or any for a machine primary of none (which
+                            // allocates in other machines' regions).
+                            let primaries = view.map.primary_of(me).count();
+                            let usable = result.as_ref().is_ok_and(|regions| {
+                                primaries == 0
+                                    || (regions.iter())
+                                        .any(|r| view.map.get(*r).is_some_and(|p| p.primary == me))
+                            });
+                            let generation = self.machine.view_generation();
+                            self.machine
+                                .growth
+                                .answered(usable.then_some(generation), primaries);
+                            continue;
                         }
                         self.allocated.push((request, result));
                     }

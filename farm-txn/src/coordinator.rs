@@ -494,9 +494,14 @@ impl<'w> Tx<'w> {
                 Err(Refused::Full) => full = Some(r),
             }
         }
+        let generation = self.worker.view_generation;
         Err(match (recovering, full) {
             // Retried once that region serves again (`txn` pauses for recovery).
             (Some(r), _) => TxError::RegionBlocked(r),
+            // Every region is full: this machine asks its CM for one (§3).
+            (None, Some(_)) if self.worker.machine.growth.on_full(0, generation) => {
+                TxError::AwaitingRegion(me)
+            }
             (None, Some(r)) => TxError::Alloc(farm_alloc::AllocError::RegionFull(r)),
             (None, None) => TxError::NoRegion(me),
         })
@@ -1166,6 +1171,15 @@ impl Worker {
             }
         }
         if let Some(e) = last_err {
+            // Every region it allocates in is full: the machine asks its CM for another
+            // (§3), and the transaction waits for it, unless the CM refused one.
+            let me = self.machine.id;
+            let primaries = self.view.map.primary_of(me).count();
+            if matches!(e, farm_alloc::AllocError::RegionFull(_))
+                && self.machine.growth.on_full(primaries, self.view_generation)
+            {
+                return Err(TxError::AwaitingRegion(me));
+            }
             return Err(TxError::Alloc(e));
         }
         // No region to allocate in here: one being recovered (blocked, or its free lists not

@@ -47,6 +47,12 @@ pub enum TxError {
     /// Allocation failed.
     #[error("allocation failed: {0}")]
     Alloc(#[from] farm_alloc::AllocError),
+    /// Every region this machine is primary of is full, and its CM is allocating it another
+    /// (§3: machines contact the CM to allocate a new region, [`crate::growth`]); `txn()`
+    /// waits and retries. Once the CM refuses, allocations fail with
+    /// [`farm_alloc::AllocError::RegionFull`] instead.
+    #[error("every region machine {0} is primary of is full; it waits for another from its CM")]
+    AwaitingRegion(MachineId),
     /// The machine is primary of no region to allocate in, and the transaction has no way to
     /// ask another machine (no poller).
     #[error("machine {0} is primary of no region to allocate in; allocate a region or allocate near an object elsewhere")]
@@ -90,6 +96,7 @@ impl TxError {
             self,
             TxError::Conflict(_)
                 | TxError::RegionBlocked(_)
+                | TxError::AwaitingRegion(_)
                 | TxError::ConfigurationChanged
                 | TxError::Unavailable(_)
                 | TxError::LeaseLapsed(_)

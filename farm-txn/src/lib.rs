@@ -16,6 +16,7 @@
 pub mod control;
 pub mod coordinator;
 pub mod error;
+pub mod growth;
 pub mod lease;
 pub mod machine;
 pub mod recovery;

@@ -282,6 +282,8 @@ pub struct MachineState {
     /// The first configuration of this life with this machine a member (0: none yet): it
     /// begins no transaction before that configuration commits ([`MachineState::may_begin`]).
     member_since: AtomicU64,
+    /// This machine's request for another region when its own are full (§3).
+    pub growth: crate::growth::RegionGrowth,
     /// Persistent state: [`STATE_MAGIC`], which marks the directory as a farm-rs machine's.
     state: Arc<Nvram>,
     /// Inbound logs and message queues.
@@ -600,6 +602,7 @@ impl MachineState {
             joined_latest: AtomicU64::new(0),
             joining: std::sync::atomic::AtomicBool::new(false),
             member_since: AtomicU64::new(0),
+            growth: Default::default(),
             state,
             rings,
             heads,

@@ -68,6 +68,7 @@ fn waits_for_recovery(e: &TxError) -> bool {
         e,
         TxError::Unavailable(_)
             | TxError::RegionBlocked(_)
+            | TxError::AwaitingRegion(_)
             | TxError::ConfigurationChanged
             | TxError::LeaseLapsed(_)
     )

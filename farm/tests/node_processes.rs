@@ -124,6 +124,37 @@ fn a_member_allocates_a_region_through_its_cm_across_processes() {
     assert_eq!(object, Some((r, "4242".to_string())));
 }
 
+/// A machine process whose regions are full gets another from its CM (§3), with the
+/// configuration in ZooKeeper, over `shm` and over `tcp`: its transactions wait for the region
+/// and go on in it (they failed with "region is full").
+#[test]
+fn a_machine_process_whose_regions_are_full_gets_another() {
+    for (net, test, znode) in [
+        (Net::Shm, 6, "node-grow"),
+        (Net::Loopback, 7, "node-grow-tcp"),
+    ] {
+        let Some(zookeeper) = common::zookeeper(znode) else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let machines = Machines::start_on(&net, "grow", test, dir.path(), Some(zookeeper));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (m, line) = (machines.lines.recv_timeout(left))
+                .unwrap_or_else(|e| panic!("{net:?}: machine 2 did not grow: {e}"));
+            assert!(!line.starts_with("suspect"), "machine {m}: {line}");
+            if let ["grown", regions, objects] = line.split(' ').collect::<Vec<_>>()[..] {
+                assert_eq!(m, 2);
+                assert!(regions.parse::<usize>().unwrap() > 1, "{line}");
+                // At least a block of them (1 MiB) before its region was full.
+                assert!(objects.parse::<usize>().unwrap() >= 900, "{line}");
+                break;
+            }
+        }
+    }
+}
+
 /// A transaction among others in flight on a pipeline allocates at a remote primary: its
 /// ALLOC goes out although the pipeline holds back what its turn posts until the turn ends
 /// (the step waits for the reply inside the turn), over `shm` and over `tcp`.

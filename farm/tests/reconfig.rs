@@ -635,22 +635,18 @@ fn a_machine_primary_of_no_region_allocates_in_any_region_with_room() {
     assert_eq!(view.map.primary_of(MachineId(3)).count(), 0);
     // The first region in the map, the one a machine primary of none asked first, filled up.
     let (first, p) = view.map.iter().next().unwrap();
+    // Its primary allocates there until it is full, and then in a region the CM gives it.
     let big = vec![7u8; 16 << 9]; // 8 KB objects, 16 KB slots
     let mut filled = 0;
-    loop {
-        match c.txn(p.primary, |tx| {
+    while c
+        .txn(p.primary, |tx| {
             tx.alloc_bytes(&big, Some(Addr::new(first, 0)))
-        }) {
-            Ok(a) => {
-                assert_eq!(
-                    a.region, first,
-                    "the primary of one region placed it elsewhere"
-                );
-                filled += 1;
-            }
-            Err(e) if e.to_string().contains("full") => break,
-            Err(e) => panic!("filling {first:?}: {e}"),
-        }
+        })
+        .unwrap()
+        .region
+        == first
+    {
+        filled += 1;
     }
     assert!(filled > 0);
     let a = c.txn(MachineId(3), |tx| tx.alloc(&42u64, None)).unwrap();
@@ -1083,4 +1079,72 @@ fn an_allocated_region_takes_spare_memory_that_is_made_again() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Allocates `n` objects of 1 KiB at `m`, forty to a transaction, each holding its number.
+fn fill(c: &Cluster, m: MachineId, n: u64) -> Result<Vec<Addr>, farm::TxError> {
+    let mut addrs = Vec::new();
+    for batch in (0..n).collect::<Vec<_>>().chunks(40) {
+        addrs.extend(c.txn(m, |tx| {
+            batch
+                .iter()
+                .map(|i| tx.alloc(&[*i; 128], None))
+                .collect::<Result<Vec<_>, _>>()
+        })?);
+    }
+    Ok(addrs)
+}
+
+/// A machine whose regions are full gets another from its CM (§3: "machines contact the CM to
+/// allocate a new region") with the replicas of its own, and its transactions allocate on
+/// there: two regions' worth of objects from machine 1, whose one region holds three blocks,
+/// all committed, readable elsewhere and replicated. (They failed with "region is full".)
+#[test]
+fn a_machine_whose_regions_are_full_gets_more_from_its_cm() {
+    let c = cluster_of(3);
+    let m = MachineId(1);
+    let first: Vec<RegionId> = c.view(m).map.primary_of(m).collect();
+    assert_eq!(first.len(), 1);
+    // Six blocks of 1 MiB objects of 1 KiB (slots of 1,032 bytes with the header).
+    let addrs = fill(&c, m, 6 * 1000).unwrap();
+    let view = c.view(m);
+    let now: Vec<RegionId> = view.map.primary_of(m).collect();
+    assert!(now.len() >= 2, "machine 1 is primary of {now:?}");
+    let own = |r: RegionId| view.map.get(r).map(|p| p.replicas().collect::<Vec<_>>());
+    for r in &now {
+        assert_eq!(
+            own(*r),
+            own(first[0]),
+            "{r:?} has the replicas of {:?}",
+            first[0]
+        );
+    }
+    assert!(addrs.iter().any(|a| !first.contains(&a.region)));
+    for (i, a) in addrs.iter().enumerate().step_by(97) {
+        assert_eq!(
+            c.read::<[u64; 128]>(MachineId(0), *a).unwrap(),
+            [i as u64; 128]
+        );
+    }
+    c.quiesce();
+    farm_sim::check_replicas(c.machine_states()).unwrap();
+}
+
+/// With too few machines left for a region's three replicas, the CM refuses a machine whose
+/// regions are full another one, and its allocation fails with "region is full", as before
+/// machines asked: it does not wait for a region that cannot come.
+#[test]
+fn a_machine_refused_a_region_fails_its_allocation() {
+    let c = cluster_of(3);
+    c.kill(MachineId(2));
+    wait_for_config(&c, MachineId(0), 2);
+    // Waiting for a region until `txn` gave up would end with `AwaitingRegion`.
+    let e = fill(&c, MachineId(1), 6 * 1000).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            farm::TxError::Alloc(farm_alloc::AllocError::RegionFull(_))
+        ),
+        "{e}"
+    );
 }

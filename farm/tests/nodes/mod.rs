@@ -88,7 +88,7 @@ pub fn node_config(mode: &str, machine: u16, port: u16, dir: &Path) -> NodeConfi
         workers: 2,
         base_port: port,
         lease: match mode {
-            "bank" | "allocate" => BANK_LEASE,
+            "bank" | "allocate" | "grow" => BANK_LEASE,
             "kill" | "append" | "stale" | "run" | "restarted" | "rejoin" | "failover" => KILL_LEASE,
             _ => LEASE,
         },
@@ -166,6 +166,7 @@ pub fn child_main() {
         "run" => run_until_killed(&node, dir),
         "restarted" => restarted(&node, dir),
         "allocate" => allocate(&node),
+        "grow" => grow(&node),
         "pipeline-alloc" => allocate_in_pipeline(&node, dir),
         "pipeline-local" => local_in_pipeline(&node, dir),
         _ => {}
@@ -251,6 +252,37 @@ fn allocate(node: &Node) {
         let v: u64 = node.txn(|tx| tx.read(a)).unwrap();
         println!("object {} {v}", a.region.0);
     }
+}
+
+/// A machine whose regions are full gets another from its CM (§3), across processes: machine
+/// 2 allocates 1 KiB objects, forty to a transaction, each holding its number, until it is
+/// primary of more regions than it started with (a region of 4 MiB holds three blocks of 1
+/// MiB, shared out among the threads), reads every hundredth back and prints `grown <regions>
+/// <objects>`.
+fn grow(node: &Node) {
+    let me = node.id();
+    if me.0 != 2 {
+        return;
+    }
+    let regions = || node.view().map.primary_of(me).count();
+    let first = regions();
+    let mut addrs = Vec::new();
+    while regions() == first {
+        let from = addrs.len() as u64;
+        addrs.extend(
+            node.txn(|tx| {
+                (from..from + 40)
+                    .map(|i| tx.alloc(&[i; 128], None))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .unwrap(),
+        );
+    }
+    for (i, a) in addrs.iter().enumerate().step_by(100) {
+        let v: [u64; 128] = node.txn(|tx| tx.read(*a)).unwrap();
+        assert_eq!(v, [i as u64; 128], "object {i} at {a:?}");
+    }
+    println!("grown {} {}", regions(), addrs.len());
 }
 
 /// Objects each machine's pipeline allocates in `pipeline-alloc` mode.
