@@ -115,6 +115,8 @@ pub(crate) struct Sample {
     pub(crate) suspicions: u64,
     /// Regions of which this machine is a replica being copied (§5.4).
     pub(crate) regions_copying: usize,
+    /// Regions this machine is primary of.
+    pub(crate) primary_regions: usize,
     /// Datagrams refused (forged, replayed, stale), where the fabric counts them.
     pub(crate) datagrams_refused: u64,
     /// One-sided operations posted to each peer, where the fabric counts them.
@@ -130,7 +132,8 @@ impl Sample {
         suspicions: &[Suspicion],
         (datagrams_refused, traffic): (u64, Vec<(MachineId, Traffic)>),
     ) -> Self {
-        let config = machine.view().config.clone();
+        let view = machine.view();
+        let config = view.config.clone();
         Self {
             machine: machine.id,
             counters,
@@ -144,6 +147,7 @@ impl Sample {
                 .filter(|s| s.observer == machine.id)
                 .count() as u64,
             regions_copying: machine.copying_regions().len(),
+            primary_regions: view.map.primary_of(machine.id).count(),
             datagrams_refused,
             traffic,
         }
@@ -434,6 +438,14 @@ impl Collector for Samples {
             "Regions of which this machine holds a replica still being copied (FaRM §5.4)",
             None,
             |s| s.regions_copying as i64,
+        )?;
+        self.gauge(
+            e,
+            "farm_primary_regions",
+            "Regions this machine is primary of; it gets another from the CM when they are full \
+             (FaRM §3)",
+            None,
+            |s| s.primary_regions as i64,
         )?;
         for (name, help, value) in [
             (

@@ -1120,6 +1120,8 @@ fn a_machine_whose_regions_are_full_gets_more_from_its_cm() {
         );
     }
     assert!(addrs.iter().any(|a| !first.contains(&a.region)));
+    let metric = sample(&c.metrics(), "farm_primary_regions", "machine=\"1\"");
+    assert_eq!(metric, now.len() as f64, "the metric counts them");
     for (i, a) in addrs.iter().enumerate().step_by(97) {
         assert_eq!(
             c.read::<[u64; 128]>(MachineId(0), *a).unwrap(),
