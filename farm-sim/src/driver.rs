@@ -618,6 +618,14 @@ impl Sim {
         (self.joining.iter().copied()).find(|m| self.running(*m) && !newest.contains(*m))
     }
 
+    /// A running member of the newest committed configuration whose request for a region (its
+    /// regions being full) is not answered.
+    fn growth_waiting(&self) -> Option<MachineId> {
+        let newest = self.newest_committed()?;
+        (newest.members.iter().copied())
+            .find(|m| self.running(*m) && self.machines[m.0 as usize].growth.pending())
+    }
+
     /// Whether `m` is a spare not yet a member of the configuration it installed (noted at
     /// every step: a spare added stays a machine of the cluster, removed later or not).
     fn unjoined(&self, m: MachineId) -> bool {
@@ -1203,10 +1211,10 @@ impl Sim {
         self.grace.clear();
         self.minority = None;
         self.leases = SimLeases::new(&machines, LEASE_TICKS, self.now);
-        let committed = self.cm.committed;
+        let (committed, allocated) = (self.cm.committed, self.cm.allocated);
         let faults = store_faults(&self.config, self.restarts);
         self.cm = SimCm::new(&machines, &fabric, self.config.replicas as usize, faults);
-        self.cm.committed = committed;
+        (self.cm.committed, self.cm.allocated) = (committed, allocated);
         // A spare's plane stays quiet until its step, as at the start.
         for m in self.unjoined.iter().filter(|m| !self.joining.contains(m)) {
             self.cm.set_paused(*m, true);
@@ -1496,14 +1504,19 @@ impl Sim {
             Err(e) => {
                 let machine = self.workers[w].machine();
                 let me = machine.id;
-                // A coordinator that crashed or stopped under its execution fails as it may,
-                // and an allocation fails once the CM refused the machine another region
-                // (no capacity in enough failure domains).
+                // An allocation fails once no region can be placed for the machine: too few
+                // members for a region's replicas (each machine is a failure domain of its own
+                // here, and none holds near the most regions a machine may).
+                let replicas = self.config.replicas as usize;
+                let too_few = [machine.view(), self.workers[w].view().clone()]
+                    .iter()
+                    .any(|v| v.config.members.len() < replicas);
                 let full = matches!(e, TxError::Alloc(farm_alloc::AllocError::RegionFull(_)));
+                // A coordinator that crashed or stopped under its execution fails as it may.
                 assert!(
                     e.is_retryable()
                         || !self.fabric.is_alive(me)
-                        || (full && machine.growth.refused()),
+                        || (full && machine.growth.refused() && too_few),
                     "seed {}: unexpected execution error {e} at {me} (view {:?}, newest {:?})",
                     self.config.seed,
                     self.workers[w].view().config,
@@ -1575,6 +1588,18 @@ impl Sim {
                  steps after the run",
                 self.config.seed,
                 self.newest_committed()
+            );
+        }
+        // Every request of a running member for a region (its regions full) is answered.
+        let mut rounds = 0u64;
+        while let Some(m) = self.growth_waiting() {
+            self.step(false);
+            rounds += 1;
+            assert!(
+                rounds < JOIN_WAIT_STEPS,
+                "seed {}: {m}'s request for a region is unanswered {JOIN_WAIT_STEPS} steps after \
+                 the run",
+                self.config.seed,
             );
         }
         self.quiesce();
@@ -1838,8 +1863,9 @@ impl Sim {
     }
 }
 
-/// Steps after the run within which every spare that asked to join must be a member: a
-/// failed join waits at most `JOIN_BACKOFF_LEASES_MAX` (300) leases before it is tried again.
+/// Steps after the run within which every spare that asked to join must be a member (a
+/// failed join waits at most `JOIN_BACKOFF_LEASES_MAX` (300) leases before it is tried again),
+/// and every machine's request for a region answered.
 const JOIN_WAIT_STEPS: u64 = 200_000;
 
 /// A list object's words: its length, then its values and unused room.

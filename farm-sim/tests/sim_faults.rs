@@ -833,9 +833,9 @@ fn regions_are_allocated_amid_failures() {
 }
 
 /// Machines whose regions fill up get more from the CM (§3) while machines crash, pause, lose
-/// power and join: every allocation succeeds unless the CM refused the machine a region (too
-/// few machines left in distinct failure domains), and the new regions' objects are checked
-/// as any.
+/// power and join: every allocation succeeds unless no region could be placed (fewer members
+/// than replicas), every request for a region is answered, and the new regions' objects are
+/// checked as any.
 #[test]
 fn machines_whose_regions_fill_up_get_more() {
     let (mut grown, mut allocated) = (0, 0);

@@ -10,6 +10,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use crate::growth::Answer;
 use crate::machine::{PersistedView, View};
 use crate::MachineState;
 use farm_cm::control::{ControlMsg, Reassembly};
@@ -22,10 +23,6 @@ use farm_core::{MachineId, RegionId};
 
 /// Region replicas one machine may hold (the plane's `regions_max` in every deployment).
 pub const REGIONS_PER_MACHINE_MAX: usize = 4096;
-
-/// Times a machine whose regions are full asks its CM for another before it takes the refusal
-/// as final ([`crate::growth`]): a refusal may be a timeout of the coordination store.
-pub const GROWTH_ATTEMPTS: u32 = 4;
 
 /// One machine's control plane and what it acts on.
 pub struct MachineControl {
@@ -50,9 +47,13 @@ pub struct MachineControl {
     /// The allocation request asking for a region of this machine's own, its regions being
     /// full ([`crate::growth`]); answered here, not to the caller.
     growth: Option<u64>,
-    /// Refusals of the region asked for in a row: asked again at the next tick until
-    /// [`GROWTH_ATTEMPTS`] (the store may have timed out, or the CM changed).
-    growth_refused: u32,
+    /// When a refused request for a region is asked again (a lease later: the store may have
+    /// timed out, a replica may not have answered).
+    growth_again_at: Option<u64>,
+    /// Replicas per region and the most a machine holds, as the CM places regions.
+    replicas: usize,
+    /// A lease, in ticks.
+    lease_ticks: u64,
     /// A NEW-CONFIG persisted and not yet installed (`Effect::Persist`, then `Install`).
     persisted: Option<PersistedView>,
     /// The whole-cluster restart this machine took part in, which answers peers that ask late.
@@ -105,6 +106,7 @@ impl MachineControl {
         fabric: Arc<dyn Fabric>,
         store: Arc<dyn CoordinationStore>,
     ) -> Self {
+        machine.growth.enable();
         Self {
             plane: ControlPlane::new(machine.id, params),
             machine,
@@ -118,7 +120,9 @@ impl MachineControl {
             allocated: Vec::new(),
             next_request: 0,
             growth: None,
-            growth_refused: 0,
+            growth_again_at: None,
+            replicas: params.replicas,
+            lease_ticks: params.lease_ticks,
             persisted: None,
             restart: None,
         }
@@ -233,18 +237,49 @@ impl MachineControl {
     }
 
     /// Asks the CM for a region when a worker found every region this machine is primary of
-    /// full ([`crate::growth`]): one region, with the replicas of one of those regions, so that
-    /// this machine is its primary (§3 locality; the CM places it elsewhere only when those
-    /// replicas have no room). A machine primary of none (one that joined) found every region
-    /// full: one placed as the CM balances them.
+    /// full ([`crate::growth`]): one region, near the one of its own with the most replicas,
+    /// so that it has those replicas and this machine as primary (§3 locality), once the
+    /// placement the CM runs says so in this machine's view; a machine primary of none (one
+    /// that joined) takes one wherever it goes.
     fn grow(&mut self, now: u64) {
-        let again = self.growth_refused > 0;
-        if self.growth.is_some() || !(again || self.machine.growth.take_wanted()) {
+        if self.growth.is_some() {
             return;
         }
-        let near = self.machine.view().map.primary_of(self.machine.id).next();
-        self.growth = Some(self.next_request);
-        self.allocate(1, near, now);
+        match self.growth_again_at {
+            Some(at) if now < at => return,
+            Some(_) => self.growth_again_at = None,
+            None if !self.machine.growth.take_wanted() => return,
+            None => {}
+        }
+        let me = self.machine.id;
+        let view = self.machine.view();
+        let generation = self.machine.view_generation();
+        let own: Vec<RegionId> = view.map.primary_of(me).collect();
+        let near =
+            (own.iter().copied()).max_by_key(|r| view.map.get(*r).map_or(0, |p| p.backups.len()));
+        let placed = farm_cm::placement::choose_replicas(
+            &view.config,
+            &view.map,
+            self.replicas,
+            REGIONS_PER_MACHINE_MAX,
+            near,
+        );
+        let answer = match placed {
+            Err(why) => {
+                tracing::warn!(machine = me.0, %why, "no region can be placed for full regions");
+                Answer::Refused(generation)
+            }
+            // Another primary: re-replication or a join will change the view.
+            Ok(chosen) if !own.is_empty() && chosen.first() != Some(&me) => {
+                Answer::Deferred(generation)
+            }
+            Ok(_) => {
+                self.growth = Some(self.next_request);
+                self.allocate(1, near, now);
+                return;
+            }
+        };
+        self.machine.growth.answered(answer);
     }
 
     /// Asks the CM for `count` regions (§3), sharing region `near`'s replicas if given and
@@ -444,26 +479,27 @@ impl MachineControl {
                         }
                         if self.growth == Some(request) {
                             self.growth = None;
-                            if let Err(why) = &result {
-                                self.growth_refused += 1;
-                                tracing::warn!(machine = me.0, %why, "no region for full regions");
-                                if self.growth_refused < GROWTH_ATTEMPTS {
-                                    continue; // Asked again at the next tick.
+                            let regions = match &result {
+                                Ok(regions) => regions,
+                                // Asked again a lease later: the store may have timed out, a
+                                // replica not answered (or had no memory), the CM changed.
+                                Err(why) => {
+                                    tracing::warn!(machine = me.0, %why, "no region for full regions yet");
+                                    self.growth_again_at = Some(now + self.lease_ticks);
+                                    continue;
                                 }
-                            }
-                            self.growth_refused = 0;
+                            };
                             // A region of its own, or any for a machine primary of none (which
                             // allocates in other machines' regions).
-                            let primaries = view.map.primary_of(me).count();
-                            let usable = result.as_ref().is_ok_and(|regions| {
-                                primaries == 0
-                                    || (regions.iter())
-                                        .any(|r| view.map.get(*r).is_some_and(|p| p.primary == me))
-                            });
+                            let usable = view.map.primary_of(me).next().is_none()
+                                || (regions.iter())
+                                    .any(|r| view.map.get(*r).is_some_and(|p| p.primary == me));
                             let generation = self.machine.view_generation();
-                            self.machine
-                                .growth
-                                .answered(usable.then_some(generation), primaries);
+                            self.machine.growth.answered(if usable {
+                                Answer::Grown(generation)
+                            } else {
+                                Answer::Deferred(generation)
+                            });
                             continue;
                         }
                         self.allocated.push((request, result));

@@ -499,7 +499,7 @@ impl<'w> Tx<'w> {
             // Retried once that region serves again (`txn` pauses for recovery).
             (Some(r), _) => TxError::RegionBlocked(r),
             // Every region is full: this machine asks its CM for one (§3).
-            (None, Some(_)) if self.worker.machine.growth.on_full(0, generation) => {
+            (None, Some(_)) if self.worker.machine.growth.on_full(generation) => {
                 TxError::AwaitingRegion(me)
             }
             (None, Some(r)) => TxError::Alloc(farm_alloc::AllocError::RegionFull(r)),
@@ -1170,23 +1170,24 @@ impl Worker {
                 Err(e) => last_err = Some(e),
             }
         }
-        if let Some(e) = last_err {
-            // Every region it allocates in is full: the machine asks its CM for another
-            // (§3), and the transaction waits for it, unless the CM refused one.
-            let me = self.machine.id;
-            let primaries = self.view.map.primary_of(me).count();
-            if matches!(e, farm_alloc::AllocError::RegionFull(_))
-                && self.machine.growth.on_full(primaries, self.view_generation)
-            {
-                return Err(TxError::AwaitingRegion(me));
-            }
-            return Err(TxError::Alloc(e));
-        }
-        // No region to allocate in here: one being recovered (blocked, or its free lists not
-        // rebuilt yet, §5.5) will be back; otherwise this machine is primary of none.
+        // No region to allocate in here, or every one full: one being recovered (blocked, or
+        // its free lists not rebuilt yet, §5.5) will be back.
         let me = self.machine.id;
-        match self.view.map.primary_of(me).next() {
-            Some(r) => Err(TxError::RegionBlocked(r)),
+        let view = self.view.clone();
+        let recovering = (view.map.primary_of(me))
+            .find(|r| !self.slabs.contains_key(r) || self.region_blocked(*r));
+        if let Some(r) = recovering {
+            return Err(TxError::RegionBlocked(r));
+        }
+        match last_err {
+            // Every region is full: the machine asks its CM for another (§3), and the
+            // transaction waits for it, unless no region can be placed.
+            Some(farm_alloc::AllocError::RegionFull(_))
+                if self.machine.growth.on_full(self.view_generation) =>
+            {
+                Err(TxError::AwaitingRegion(me))
+            }
+            Some(e) => Err(TxError::Alloc(e)),
             None => Err(TxError::NoRegion(me)),
         }
     }

@@ -49,8 +49,8 @@ pub enum TxError {
     Alloc(#[from] farm_alloc::AllocError),
     /// Every region this machine is primary of is full, and its CM is allocating it another
     /// (§3: machines contact the CM to allocate a new region, [`crate::growth`]); `txn()`
-    /// waits and retries. Once the CM refuses, allocations fail with
-    /// [`farm_alloc::AllocError::RegionFull`] instead.
+    /// waits and retries. Where no region can be placed (too few machines), allocations fail
+    /// with [`farm_alloc::AllocError::RegionFull`] instead.
     #[error("every region machine {0} is primary of is full; it waits for another from its CM")]
     AwaitingRegion(MachineId),
     /// The machine is primary of no region to allocate in, and the transaction has no way to

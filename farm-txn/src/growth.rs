@@ -1,21 +1,33 @@
 //! A machine whose regions are full gets another from its CM (FaRM §3: "machines contact the
 //! CM to allocate a new region"). A worker whose allocation finds every region this machine is
 //! primary of full reports it here ([`RegionGrowth::on_full`]) and its transaction waits and
-//! retries ([`crate::TxError::AwaitingRegion`]); the machine's control plane asks the CM for
-//! one region placed with the replicas of one of its own ([`RegionGrowth::take_wanted`],
-//! `control::MachineControl::tick`), so that this machine is its primary, and reports the
-//! answer ([`RegionGrowth::answered`]). One request is outstanding per machine however many
-//! workers find their regions full. A machine primary of no region (one that joined), which
-//! allocates in other machines' regions, asks when every region is full and takes a region
-//! wherever the CM puts it. Four refusals in a row (no capacity in enough failure domains, a
-//! replica out of memory; a timeout of the coordination store is asked again), or a region
-//! whose primary the CM put elsewhere, make allocations fail as before
-//! ([`farm_alloc::AllocError::RegionFull`]) until the regions this machine is primary of
-//! change.
+//! retries ([`crate::TxError::AwaitingRegion`]); the machine's control plane
+//! (`control::MachineControl`, which [`RegionGrowth::enable`]s this) asks the CM for one
+//! region placed with the replicas of one of its own ([`RegionGrowth::take_wanted`]), so
+//! that this machine is its primary, and reports the answer ([`RegionGrowth::answered`]). One
+//! request is outstanding per machine however many workers find their regions full.
+//!
+//! What the control plane does with the view it has:
+//! - the CM cannot place a region there (too few members with room in distinct failure
+//!   domains: the same `farm_cm::placement::choose_replicas` the CM runs): refused, and
+//!   allocations fail with [`farm_alloc::AllocError::RegionFull`] as before machines asked,
+//!   until a newer view;
+//! - the CM would make another machine its primary (none of this machine's regions has all
+//!   its replicas, after a failure): the transactions wait for a newer view (re-replication,
+//!   a join) and then ask;
+//! - otherwise it asks, and asks again a lease after each refusal (the store timed out, a
+//!   replica did not answer or had no memory): the transactions wait, `txn()` up to its
+//!   recovery wait.
+//!
+//! A machine primary of no region (one that joined), which allocates in other machines'
+//! regions, asks when every region is full and takes a region wherever the CM puts it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-/// Where a machine's request for another region stands.
+/// Where a machine's request for another region stands. A `generation` is that of the
+/// machine's view ([`crate::MachineState::view_generation`]) when the state was reached: a
+/// worker on that view or an older one has seen nothing newer.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum State {
     /// Nothing asked.
@@ -24,39 +36,67 @@ enum State {
     Wanted,
     /// Asked; no answer yet.
     Asked,
-    /// The CM committed a region of this machine's, in the view of this generation (or an
-    /// earlier one): a worker on an older view has not seen it yet.
+    /// The CM committed a region of this machine's by this view: an older view lacks it.
     Grown { generation: u64 },
-    /// The CM gave this machine no region of its own while it was primary of this many.
-    Refused { primaries: usize },
+    /// The CM would give this machine no region of its own in this view: wait for a newer.
+    Deferred { generation: u64 },
+    /// No region can be placed in this view: allocations fail until a newer one.
+    Refused { generation: u64 },
+}
+
+/// The control plane's answer to a request ([`RegionGrowth::answered`]), each with the view
+/// generation it holds for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Answer {
+    /// A region this machine allocates in is in the view.
+    Grown(u64),
+    /// No region of its own in this view; a newer one may give one.
+    Deferred(u64),
+    /// No region can be placed in this view.
+    Refused(u64),
 }
 
 /// One machine's request for another region ([`crate::MachineState::growth`]).
 #[derive(Debug)]
 pub struct RegionGrowth {
     state: Mutex<State>,
+    /// Whether a control plane serves requests (a node without a coordination store runs
+    /// none: its allocations fail when full, as before).
+    enabled: AtomicBool,
 }
 
 impl Default for RegionGrowth {
     fn default() -> Self {
         Self {
             state: Mutex::new(State::Idle),
+            enabled: AtomicBool::new(false),
         }
     }
 }
 
 impl RegionGrowth {
+    /// A control plane serves this machine's requests from now on.
+    pub fn enable(&self) {
+        self.enabled.store(true, Ordering::Release);
+    }
+
     /// A worker on the view of `generation` found every region this machine is primary of
-    /// (`primaries` of them) full. Whether its transaction should wait for another region
-    /// (asked for, or just committed and not in that view yet); `false` once the CM refused
-    /// one and the machine is still primary of as many.
-    pub fn on_full(&self, primaries: usize, generation: u64) -> bool {
+    /// full (or, primary of none, every region). Whether its transaction should wait for
+    /// another region; `false` when no region can be placed in that view, or no control
+    /// plane would ask.
+    pub fn on_full(&self, generation: u64) -> bool {
+        if !self.enabled.load(Ordering::Acquire) {
+            return false;
+        }
         let mut s = self.state.lock().expect("growth poisoned");
         match *s {
             State::Wanted | State::Asked => true,
+            // A newer view holds the region.
             State::Grown { generation: g } if generation < g => true,
-            State::Refused { primaries: p } if p == primaries => false,
-            State::Idle | State::Grown { .. } | State::Refused { .. } => {
+            // Nothing newer yet.
+            State::Deferred { generation: g } if generation <= g => true,
+            State::Refused { generation: g } if generation <= g => false,
+            State::Idle | State::Grown { .. } | State::Deferred { .. } | State::Refused { .. } => {
                 *s = State::Wanted;
                 true
             }
@@ -73,23 +113,30 @@ impl RegionGrowth {
         wanted
     }
 
-    /// Whether the CM refused this machine a region (its allocations fail while its regions
-    /// stay as they were).
+    /// The control plane's answer to the request asked for.
+    pub fn answered(&self, answer: Answer) {
+        *self.state.lock().expect("growth poisoned") = match answer {
+            Answer::Grown(generation) => State::Grown { generation },
+            Answer::Deferred(generation) => State::Deferred { generation },
+            Answer::Refused(generation) => State::Refused { generation },
+        };
+    }
+
+    /// Whether a region is wanted or asked for and not answered yet.
+    pub fn pending(&self) -> bool {
+        matches!(
+            *self.state.lock().expect("growth poisoned"),
+            State::Wanted | State::Asked
+        )
+    }
+
+    /// Whether no region can be placed for this machine in the view it last asked in (its
+    /// allocations fail when full).
     pub fn refused(&self) -> bool {
         matches!(
             *self.state.lock().expect("growth poisoned"),
             State::Refused { .. }
         )
-    }
-
-    /// The CM's answer: a region of this machine's in the view of `generation` (`Some`), or
-    /// none while it is primary of `primaries` regions.
-    pub fn answered(&self, grown: Option<u64>, primaries: usize) {
-        let mut s = self.state.lock().expect("growth poisoned");
-        *s = match grown {
-            Some(generation) => State::Grown { generation },
-            None => State::Refused { primaries },
-        };
     }
 }
 
@@ -97,38 +144,60 @@ impl RegionGrowth {
 mod tests {
     use super::*;
 
+    fn enabled() -> RegionGrowth {
+        let g = RegionGrowth::default();
+        g.enable();
+        g
+    }
+
     #[test]
     fn one_request_for_many_full_workers_and_its_answer_for_older_views() {
-        let g = RegionGrowth::default();
+        let g = enabled();
         assert!(!g.take_wanted(), "nothing wanted yet");
-        assert!(g.on_full(2, 5));
-        assert!(g.on_full(2, 5), "a second worker waits for the same region");
+        assert!(g.on_full(5));
+        assert!(g.on_full(5), "a second worker waits for the same region");
         assert!(g.take_wanted());
         assert!(!g.take_wanted(), "asked once");
-        assert!(g.on_full(2, 5), "asked: wait");
+        assert!(g.on_full(5), "asked: wait");
         assert!(!g.take_wanted());
-        g.answered(Some(7), 3);
-        assert!(
-            g.on_full(2, 6),
-            "a view older than the region's waits for it"
-        );
+        g.answered(Answer::Grown(7));
+        assert!(g.on_full(6), "a view older than the region's waits for it");
         assert!(!g.take_wanted(), "and asks for nothing");
-        assert!(g.on_full(3, 7), "full again with the new region: another");
+        assert!(g.on_full(7), "full again with the new region: another");
         assert!(g.take_wanted());
     }
 
     #[test]
-    fn a_refusal_fails_allocations_until_the_machine_s_regions_change() {
-        let g = RegionGrowth::default();
-        assert!(g.on_full(2, 5));
+    fn a_refusal_fails_allocations_until_a_newer_view() {
+        let g = enabled();
+        assert!(g.on_full(5));
         assert!(g.take_wanted());
-        g.answered(None, 2);
-        assert!(!g.on_full(2, 6), "refused: fail");
+        g.answered(Answer::Refused(6));
+        assert!(!g.on_full(6), "refused: fail");
+        assert!(!g.on_full(5), "an older view too");
         assert!(!g.take_wanted());
-        assert!(
-            g.on_full(3, 8),
-            "primary of another region since: ask again"
-        );
+        assert!(g.refused());
+        assert!(g.on_full(7), "a newer view (a machine joined): ask again");
         assert!(g.take_wanted());
+        assert!(!g.refused());
+    }
+
+    #[test]
+    fn a_deferred_request_waits_for_a_newer_view_and_then_asks() {
+        let g = enabled();
+        assert!(g.on_full(5));
+        assert!(g.take_wanted());
+        g.answered(Answer::Deferred(5));
+        assert!(g.on_full(5), "wait");
+        assert!(!g.take_wanted(), "without asking");
+        assert!(g.on_full(6), "a newer view: wait");
+        assert!(g.take_wanted(), "and ask");
+    }
+
+    #[test]
+    fn without_a_control_plane_allocations_fail_when_full() {
+        let g = RegionGrowth::default();
+        assert!(!g.on_full(5));
+        assert!(!g.take_wanted());
     }
 }
