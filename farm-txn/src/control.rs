@@ -47,11 +47,13 @@ pub struct MachineControl {
     /// The allocation request asking for a region of this machine's own, its regions being
     /// full ([`crate::growth`]); answered here, not to the caller.
     growth: Option<u64>,
-    /// When a refused request for a region is asked again (a lease later: the store may have
-    /// timed out, a replica may not have answered).
+    /// When a refused request for a region is asked again, if still wanted.
     growth_again_at: Option<u64>,
+    /// Refusals of requests for a region in a row.
+    growth_refusals: u32,
     /// Replicas per region and the most a machine holds, as the CM places regions.
     replicas: usize,
+    regions_max: usize,
     /// A lease, in ticks.
     lease_ticks: u64,
     /// A NEW-CONFIG persisted and not yet installed (`Effect::Persist`, then `Install`).
@@ -121,7 +123,9 @@ impl MachineControl {
             next_request: 0,
             growth: None,
             growth_again_at: None,
+            growth_refusals: 0,
             replicas: params.replicas,
+            regions_max: params.regions_max,
             lease_ticks: params.lease_ticks,
             persisted: None,
             restart: None,
@@ -238,16 +242,22 @@ impl MachineControl {
 
     /// Asks the CM for a region when a worker found every region this machine is primary of
     /// full ([`crate::growth`]): one region, near the one of its own with the most replicas,
-    /// so that it has those replicas and this machine as primary (§3 locality), once the
-    /// placement the CM runs says so in this machine's view; a machine primary of none (one
-    /// that joined) takes one wherever it goes.
+    /// so that it has those replicas and this machine as primary (§3 locality), if the
+    /// placement the CM runs says so in this machine's view (else it is refused until a newer
+    /// view); a machine primary of none (one that joined) takes one wherever it goes.
     fn grow(&mut self, now: u64) {
         if self.growth.is_some() {
             return;
         }
         match self.growth_again_at {
             Some(at) if now < at => return,
-            Some(_) => self.growth_again_at = None,
+            Some(_) => {
+                self.growth_again_at = None;
+                if !self.machine.growth.take_still_wanted() {
+                    self.growth_refusals = 0;
+                    return;
+                }
+            }
             None if !self.machine.growth.take_wanted() => return,
             None => {}
         }
@@ -261,25 +271,23 @@ impl MachineControl {
             &view.config,
             &view.map,
             self.replicas,
-            REGIONS_PER_MACHINE_MAX,
+            self.regions_max,
             near,
         );
-        let answer = match placed {
-            Err(why) => {
-                tracing::warn!(machine = me.0, %why, "no region can be placed for full regions");
-                Answer::Refused(generation)
-            }
-            // Another primary: re-replication or a join will change the view.
-            Ok(chosen) if !own.is_empty() && chosen.first() != Some(&me) => {
-                Answer::Deferred(generation)
-            }
-            Ok(_) => {
+        match placed {
+            // A machine that has regions needs one it is primary of (it holds the most a
+            // machine may, or none of its regions has all its replicas, after a failure).
+            Ok(chosen) if own.is_empty() || chosen.first() == Some(&me) => {
                 self.growth = Some(self.next_request);
                 self.allocate(1, near, now);
-                return;
             }
-        };
-        self.machine.growth.answered(answer);
+            placed => {
+                let why = placed.map_or_else(|e| e.to_string(), |_| "another primary".into());
+                tracing::warn!(machine = me.0, %why, "no region can be placed for full regions");
+                self.growth_refusals = 0;
+                self.machine.growth.answered(Answer::Refused(generation));
+            }
+        }
     }
 
     /// Asks the CM for `count` regions (§3), sharing region `near`'s replicas if given and
@@ -479,27 +487,22 @@ impl MachineControl {
                         }
                         if self.growth == Some(request) {
                             self.growth = None;
-                            let regions = match &result {
-                                Ok(regions) => regions,
-                                // Asked again a lease later: the store may have timed out, a
-                                // replica not answered (or had no memory), the CM changed.
-                                Err(why) => {
-                                    tracing::warn!(machine = me.0, %why, "no region for full regions yet");
-                                    self.growth_again_at = Some(now + self.lease_ticks);
-                                    continue;
-                                }
-                            };
-                            // A region of its own, or any for a machine primary of none (which
-                            // allocates in other machines' regions).
-                            let usable = view.map.primary_of(me).next().is_none()
-                                || (regions.iter())
-                                    .any(|r| view.map.get(*r).is_some_and(|p| p.primary == me));
+                            if let Err(why) = &result {
+                                // Asked again after a wait, doubled with each refusal in a row
+                                // up to 16 leases, if a worker still wants a region: the store
+                                // may have timed out, a replica not answered or had no memory.
+                                tracing::warn!(machine = me.0, %why, "no region for full regions yet");
+                                let wait = self.lease_ticks << self.growth_refusals.min(4);
+                                self.growth_refusals += 1;
+                                self.growth_again_at = Some(now + wait);
+                                self.machine.growth.answered(Answer::Refusing);
+                                continue;
+                            }
+                            // Should the region not be one this machine allocates in, the next
+                            // full allocation finds it so and runs the placement again.
+                            self.growth_refusals = 0;
                             let generation = self.machine.view_generation();
-                            self.machine.growth.answered(if usable {
-                                Answer::Grown(generation)
-                            } else {
-                                Answer::Deferred(generation)
-                            });
+                            self.machine.growth.answered(Answer::Grown(generation));
                             continue;
                         }
                         self.allocated.push((request, result));

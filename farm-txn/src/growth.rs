@@ -7,17 +7,15 @@
 //! that this machine is its primary, and reports the answer ([`RegionGrowth::answered`]). One
 //! request is outstanding per machine however many workers find their regions full.
 //!
-//! What the control plane does with the view it has:
-//! - the CM cannot place a region there (too few members with room in distinct failure
-//!   domains: the same `farm_cm::placement::choose_replicas` the CM runs): refused, and
-//!   allocations fail with [`farm_alloc::AllocError::RegionFull`] as before machines asked,
-//!   until a newer view;
-//! - the CM would make another machine its primary (none of this machine's regions has all
-//!   its replicas, after a failure): the transactions wait for a newer view (re-replication,
-//!   a join) and then ask;
-//! - otherwise it asks, and asks again a lease after each refusal (the store timed out, a
-//!   replica did not answer or had no memory): the transactions wait, `txn()` up to its
-//!   recovery wait.
+//! What the control plane does with the view it has: it runs the placement the CM runs
+//! (`farm_cm::placement::choose_replicas`). Where no region can be placed (too few members
+//! with room in distinct failure domains), or none with this machine as primary (it holds the
+//! most regions a machine may, or none of its regions has all its replicas), the machine is
+//! refused and its allocations fail with [`farm_alloc::AllocError::RegionFull`], as before
+//! machines asked, until a newer view. Otherwise it asks the CM; after a refusal (the store
+//! timed out, a replica did not answer or had no memory) it waits, longer after each one in a
+//! row, and asks again only if a worker still found its regions full meanwhile; the
+//! transactions wait, `txn()` up to its recovery wait.
 //!
 //! A machine primary of no region (one that joined), which allocates in other machines'
 //! regions, asks when every region is full and takes a region wherever the CM puts it.
@@ -36,23 +34,22 @@ enum State {
     Wanted,
     /// Asked; no answer yet.
     Asked,
-    /// The CM committed a region of this machine's by this view: an older view lacks it.
+    /// The CM refused; asked again after a while if a worker still `wants` a region.
+    Refusing { wants: bool },
+    /// The CM committed a region for this machine by this view: an older view lacks it.
     Grown { generation: u64 },
-    /// The CM would give this machine no region of its own in this view: wait for a newer.
-    Deferred { generation: u64 },
-    /// No region can be placed in this view: allocations fail until a newer one.
+    /// No region can be placed for this machine in this view: allocations fail until a newer.
     Refused { generation: u64 },
 }
 
-/// The control plane's answer to a request ([`RegionGrowth::answered`]), each with the view
-/// generation it holds for.
+/// The control plane's answer to a request ([`RegionGrowth::answered`]).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Answer {
-    /// A region this machine allocates in is in the view.
+    /// A region this machine allocates in is in the view of this generation.
     Grown(u64),
-    /// No region of its own in this view; a newer one may give one.
-    Deferred(u64),
-    /// No region can be placed in this view.
+    /// The CM refused this time (it may not next time).
+    Refusing,
+    /// No region can be placed for this machine in the view of this generation.
     Refused(u64),
 }
 
@@ -91,12 +88,14 @@ impl RegionGrowth {
         let mut s = self.state.lock().expect("growth poisoned");
         match *s {
             State::Wanted | State::Asked => true,
+            State::Refusing { .. } => {
+                *s = State::Refusing { wants: true };
+                true
+            }
             // A newer view holds the region.
             State::Grown { generation: g } if generation < g => true,
-            // Nothing newer yet.
-            State::Deferred { generation: g } if generation <= g => true,
             State::Refused { generation: g } if generation <= g => false,
-            State::Idle | State::Grown { .. } | State::Deferred { .. } | State::Refused { .. } => {
+            State::Idle | State::Grown { .. } | State::Refused { .. } => {
                 *s = State::Wanted;
                 true
             }
@@ -113,20 +112,38 @@ impl RegionGrowth {
         wanted
     }
 
+    /// After a refusal's wait: whether a worker still wants a region (it counts as asked from
+    /// now); if none does, nothing is asked any more.
+    pub fn take_still_wanted(&self) -> bool {
+        let mut s = self.state.lock().expect("growth poisoned");
+        match *s {
+            State::Refusing { wants: true } | State::Wanted => {
+                *s = State::Asked;
+                true
+            }
+            State::Refusing { wants: false } => {
+                *s = State::Idle;
+                false
+            }
+            _ => false,
+        }
+    }
+
     /// The control plane's answer to the request asked for.
     pub fn answered(&self, answer: Answer) {
         *self.state.lock().expect("growth poisoned") = match answer {
             Answer::Grown(generation) => State::Grown { generation },
-            Answer::Deferred(generation) => State::Deferred { generation },
+            Answer::Refusing => State::Refusing { wants: false },
             Answer::Refused(generation) => State::Refused { generation },
         };
     }
 
-    /// Whether a region is wanted or asked for and not answered yet.
+    /// Whether a region is wanted or asked for and not answered yet (or refused, and a worker
+    /// still wants one).
     pub fn pending(&self) -> bool {
         matches!(
             *self.state.lock().expect("growth poisoned"),
-            State::Wanted | State::Asked
+            State::Wanted | State::Asked | State::Refusing { wants: true }
         )
     }
 
@@ -183,15 +200,21 @@ mod tests {
     }
 
     #[test]
-    fn a_deferred_request_waits_for_a_newer_view_and_then_asks() {
+    fn a_refused_request_is_asked_again_only_if_still_wanted() {
         let g = enabled();
         assert!(g.on_full(5));
         assert!(g.take_wanted());
-        g.answered(Answer::Deferred(5));
-        assert!(g.on_full(5), "wait");
-        assert!(!g.take_wanted(), "without asking");
-        assert!(g.on_full(6), "a newer view: wait");
-        assert!(g.take_wanted(), "and ask");
+        g.answered(Answer::Refusing);
+        assert!(!g.pending(), "nobody waits yet");
+        assert!(g.on_full(5), "a worker waits");
+        assert!(!g.take_wanted(), "not asked at once");
+        assert!(g.pending());
+        assert!(g.take_still_wanted(), "asked after the wait");
+        g.answered(Answer::Refusing);
+        assert!(!g.take_still_wanted(), "nobody wanted it since: not asked");
+        assert!(!g.pending());
+        assert!(g.on_full(5), "full again later: asked again");
+        assert!(g.take_wanted());
     }
 
     #[test]

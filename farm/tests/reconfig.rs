@@ -1132,9 +1132,10 @@ fn a_machine_whose_regions_are_full_gets_more_from_its_cm() {
     farm_sim::check_replicas(c.machine_states()).unwrap();
 }
 
-/// With too few machines left for a region's three replicas, the CM refuses a machine whose
-/// regions are full another one, and its allocation fails with "region is full", as before
-/// machines asked: it does not wait for a region that cannot come.
+/// With too few machines left for a region's three replicas, no region can be placed for a
+/// machine whose regions are full (its control plane runs the CM's placement), and its
+/// allocation fails with "region is full", as before machines asked: it does not wait for a
+/// region that cannot come.
 #[test]
 fn a_machine_refused_a_region_fails_its_allocation() {
     let c = cluster_of(3);
