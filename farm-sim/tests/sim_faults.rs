@@ -690,6 +690,20 @@ fn a_restart_that_promotes_a_complete_backup_finishes() {
     check(4553, as_found(varied_config(4553)));
 }
 
+/// Seed 470301 of the varied shapes (found 2026-11-29): machine 1's transaction 20, which
+/// wrote regions 1 and 2, committed and was truncated by explicit id at machines 2 and 3
+/// while its older transaction 18 still waited for COMMIT-PRIMARY acks (the truncation bound
+/// stayed at 18); machine 0, a backup of region 2, still held its COMMIT-BACKUP. Machine 1
+/// crashed, the power went in the middle of the recovery, and after the restart machine 2,
+/// primary of region 1 since the crash, had no record of it and voted unknown (the ids of a
+/// previous life are not kept): recovery aborted a committed transaction, and machine 0's
+/// replica of region 2 differed from its primary's. Nothing is truncated by id above the
+/// bound any more.
+#[test]
+fn a_transaction_truncated_past_an_unacked_commit_survives_a_power_loss() {
+    check(470301, varied_config(470301));
+}
+
 /// Two commits in flight on one worker: the newer committed, and was truncated by explicit id
 /// at some replicas while the older was still open (the truncation bound stays below it). The
 /// power went; after the restart a replica promoted since had no record of the newer

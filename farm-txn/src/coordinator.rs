@@ -23,7 +23,7 @@ use farm_core::object::{self, Header, ReadOutcome, HEADER_BYTES};
 use farm_core::ring::{framed_len, RingKind, RingWriter};
 use farm_core::wire::{
     log_header_bytes, write_set_bytes, AllocOutcome, LogBody, LogRecord, Message, WriteEntry,
-    WriteSet, ALLOC_BATCH_MAX, RECORD_BYTES_MAX, TRUNCATED_IDS_MAX,
+    WriteSet, ALLOC_BATCH_MAX, RECORD_BYTES_MAX,
 };
 use farm_core::{Addr, ConfigId, MachineId, RegionId, TxnId};
 
@@ -31,9 +31,6 @@ use crate::error::{Conflict, TxError};
 use crate::machine::Replication;
 use crate::worker::Worker;
 
-/// Piggybacked truncation ids per record (bounded so reservations stay small).
-const PIGGYBACK_IDS_MAX: usize = 16;
-const _: () = assert!(PIGGYBACK_IDS_MAX <= TRUNCATED_IDS_MAX);
 /// Retries of a read that keeps being torn before the transaction gives up with a conflict.
 const TORN_RETRIES_MAX: usize = 64;
 /// Committed transactions whose truncation is pending before explicit TRUNCATEs are forced.
@@ -54,9 +51,10 @@ impl std::fmt::Display for CommitHandle {
     }
 }
 
-/// Size of a record header with the most piggybacked ids.
+/// Size of a record header (its truncation is a bound, with no explicit ids: see
+/// `Worker::piggyback`).
 const fn header_bytes() -> usize {
-    log_header_bytes(PIGGYBACK_IDS_MAX)
+    log_header_bytes(0)
 }
 
 /// Coordinator state of one worker that outlives single transactions.
@@ -1865,11 +1863,10 @@ impl Worker {
         self.outbound[m.0 as usize].log.unreserve(bytes);
     }
 
-    /// The thread's truncation bounds: `below`, the low bound of its non-truncated
-    /// transactions (at or below every unacked one and every `open` one), and `open`, the
-    /// oldest transaction that may have sent records and is not decided (a commit in flight,
-    /// `active`, or one recovery decides). Explicit ids go only between the two.
-    fn truncation_bounds(&self, active: Option<u64>) -> (u64, Option<u64>) {
+    /// The thread's truncation bound: the low bound of its non-truncated transactions, at or
+    /// below every unacked one and the oldest that may have sent records and is not decided
+    /// (a commit in flight, `active`, or one recovery decides).
+    fn truncation_bound(&self, active: Option<u64>) -> u64 {
         let open = self
             .coord
             .holding
@@ -1879,8 +1876,7 @@ impl Worker {
             .chain(active)
             .chain(self.coord.recovering.first().copied())
             .min();
-        let below = self
-            .coord
+        self.coord
             .unacked
             .keys()
             .next()
@@ -1888,54 +1884,40 @@ impl Worker {
             .into_iter()
             .chain(open)
             .min()
-            .unwrap_or(self.coord.next_local + 1);
-        (below, open)
+            .unwrap_or(self.coord.next_local + 1)
     }
 
     /// Whether a TRUNCATE to participant `p` now would truncate anything, the thread's
-    /// truncation bounds being `(below, open)`: an outstanding id below the bound, or an acked
-    /// one between the bound and the oldest open transaction.
-    /// Only then is one of the participant's TRUNCATE reservations spent on it: one that
-    /// freed nothing would leave transactions to truncate without room for the record that
-    /// truncates them (invariant 6).
-    fn truncation_frees(&self, p: usize, (below, open): (u64, Option<u64>)) -> bool {
-        let out = &self.coord.outstanding[p];
-        out.range(..below).next().is_some()
-            || out
-                .range(below..open.unwrap_or(u64::MAX))
-                .any(|l| !self.coord.unacked.contains_key(l))
+    /// truncation bound being `below`: an outstanding id below it. Only then is one of the
+    /// participant's TRUNCATE reservations spent on it: one that freed nothing would leave
+    /// transactions to truncate without room for the record that truncates them (invariant
+    /// 6).
+    fn truncation_frees(&self, p: usize, below: u64) -> bool {
+        self.coord.outstanding[p].range(..below).next().is_some()
     }
 
     /// The piggybacked truncation state for a record to `dst`: the low bound of this thread's
-    /// non-truncated transactions and the truncatable ids above it. `active` is the commit
-    /// being advanced (taken out of the map), if it may have sent records.
+    /// non-truncated transactions. `active` is the commit being advanced (taken out of the
+    /// map), if it may have sent records.
     ///
     /// The bound stays at or below every commit in flight that may have sent records
-    /// (`Commit::holds_truncation`) and every transaction recovery decides. Explicit ids are
-    /// only of transactions older than all of those: a participant keeps only the bound across
-    /// a restart (in NVRAM), so a transaction truncated by id alone while an older one is still
-    /// open would be voted unknown after a power loss at a replica that dropped its records,
-    /// and aborted by a recovery that another replica's COMMIT-BACKUP started (§5.3), though
-    /// it committed (power-loss seed 1719 with two commits per worker). Only a committed
-    /// transaction still waiting for COMMIT-PRIMARY acks is passed by id.
-    fn piggyback(&mut self, dst: MachineId, active: Option<u64>) -> (u64, Vec<u64>) {
-        let (below, open) = self.truncation_bounds(active);
+    /// (`Commit::holds_truncation`), every committed one still waiting for COMMIT-PRIMARY
+    /// acks, and every transaction recovery decides; nothing above it is truncated by explicit
+    /// id. A participant keeps only the bound across a restart (in NVRAM), so a transaction
+    /// truncated by id above it was voted unknown after a power loss at a replica promoted
+    /// since, which had dropped its records, and aborted by a recovery that another replica's
+    /// COMMIT-BACKUP started (§5.3), though it committed: replicas then differed (power-loss
+    /// seed 1719 with an open commit below it; varied-shapes seed 470301 with a commit waiting
+    /// for its COMMIT-PRIMARY acks below it, the last case ids were passed in).
+    fn piggyback(&mut self, dst: MachineId, active: Option<u64>) -> u64 {
+        let below = self.truncation_bound(active);
         let out = &mut self.coord.outstanding[dst.0 as usize];
-        let ids: Vec<u64> = out
-            .range(below..open.unwrap_or(u64::MAX))
-            .filter(|l| !self.coord.unacked.contains_key(l))
-            .take(PIGGYBACK_IDS_MAX)
-            .copied()
-            .collect();
         *out = out.split_off(&below);
-        for id in &ids {
-            out.remove(id);
-        }
         if out.is_empty() {
             let units = std::mem::take(&mut self.coord.trunc_reserved[dst.0 as usize]);
             self.outbound[dst.0 as usize].log.unreserve(units);
         }
-        (below, ids)
+        below
     }
 
     /// Encodes and appends a log record for `c` to `dst`, using its reservation.
@@ -1946,7 +1928,7 @@ impl Worker {
         body: &LogBody,
     ) -> Result<Option<WriteTicket>, TxError> {
         // The active commit is `c`, held outside `coord` while it advances: count it.
-        let (below, ids) = self.piggyback(dst, Some(c.txn.local));
+        let below = self.piggyback(dst, Some(c.txn.local));
         let reservation = RingWriter::reservation(framed_len(match body {
             LogBody::Lock(ws) | LogBody::CommitBackup(ws) => {
                 header_bytes()
@@ -1958,7 +1940,7 @@ impl Worker {
         let txn = c.txn;
         let encode = |out: &mut Vec<u8>| {
             let at = out.len();
-            LogRecord::encode_parts(txn, below, &ids, body, out);
+            LogRecord::encode_parts(txn, below, &[], body, out);
             assert!(out.len() - at <= RECORD_BYTES_MAX);
         };
         match self.append_record(dst, RingKind::Log, reservation, encode)? {
@@ -2121,9 +2103,9 @@ impl Worker {
         if !self.coord.active.is_empty() {
             return busy;
         }
-        let bounds = self.truncation_bounds(None);
+        let bound = self.truncation_bound(None);
         let truncatable =
-            (0..self.coord.outstanding.len()).any(|p| self.truncation_frees(p, bounds));
+            (0..self.coord.outstanding.len()).any(|p| self.truncation_frees(p, bound));
         if !truncatable {
             self.coord.truncatable_since = None;
             return busy;
@@ -2153,7 +2135,7 @@ impl Worker {
             let dst = MachineId(p as u16);
             // The bounds again for each participant: sending to this machine itself polls
             // its log.
-            if !self.truncation_frees(p, self.truncation_bounds(active)) {
+            if !self.truncation_frees(p, self.truncation_bound(active)) {
                 continue;
             }
             let small = RingWriter::reservation(framed_len(header_bytes()));
@@ -2162,7 +2144,7 @@ impl Worker {
                 "no TRUNCATE reservation at {dst}"
             );
             self.coord.trunc_reserved[p] -= small;
-            let (below, ids) = self.piggyback(dst, active);
+            let below = self.piggyback(dst, active);
             let txn = TxnId {
                 local: self.coord.next_local,
                 ..self.txn_template()
@@ -2170,7 +2152,7 @@ impl Worker {
             let rec = LogRecord {
                 txn,
                 truncate_below: below,
-                truncated: ids,
+                truncated: Vec::new(),
                 body: LogBody::Truncate,
             };
             match self.append_record(dst, RingKind::Log, small, |out| rec.encode(out)) {
