@@ -234,7 +234,8 @@ pub struct SimOutcome {
     /// With [`SimConfig::minority_reads`]: reads a minority machine ran, and of those, the
     /// ones that committed (served under a lease).
     pub minority_reads: (u64, u64),
-    /// With [`SimConfig::joins`]: spares that asked to join, those that became members, and
+    /// With [`SimConfig::joins`]: spares that asked to join (and did not lose their disk with
+    /// the power before they joined), those that became members, and
     /// those members of the newest configuration at the end (one crashed, paused or cut off
     /// after it joined may be out).
     pub joins: (u64, u64, u64),
@@ -1610,8 +1611,11 @@ impl Sim {
             .map_or(0, |v| v.map.iter().count() as u64);
         let first = self.config.machines as u64 * self.config.regions_per_machine as u64;
         let regions_grown = regions.saturating_sub(first + self.cm.allocated.0);
+        // A spare whose disk died with the power while it joined (a member of a view some
+        // machine installed, not yet its own) failed before joining, as a crash would.
+        let failed_joining = |m: &&MachineId| self.crashed.contains(m) && self.unjoined.contains(m);
         let joins = (
-            self.joining.len() as u64,
+            (self.joining.iter()).filter(|m| !failed_joining(m)).count() as u64,
             (self.joining.iter())
                 .filter(|m| !self.unjoined.contains(m))
                 .count() as u64,
