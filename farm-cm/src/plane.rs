@@ -502,6 +502,11 @@ impl ControlPlane {
         self.me
     }
 
+    /// The parameters in force (the lease as last set).
+    pub fn params(&self) -> &PlaneParams {
+        &self.params
+    }
+
     /// Changes the lease length in force (expiries already computed elsewhere stay).
     pub fn set_lease(&mut self, lease_ticks: u64, lease_longest_ticks: u64) {
         assert!(lease_ticks > 0 && lease_longest_ticks >= lease_ticks);

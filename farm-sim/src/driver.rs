@@ -619,6 +619,21 @@ impl Sim {
         (self.joining.iter().copied()).find(|m| self.running(*m) && !newest.contains(*m))
     }
 
+    /// Steps until `waiting` names no machine, at most [`JOIN_WAIT_STEPS`] steps after the run.
+    fn settle(&mut self, waiting: fn(&Self) -> Option<MachineId>, what: &str) {
+        let mut rounds = 0u64;
+        while let Some(m) = waiting(self) {
+            self.step(false);
+            rounds += 1;
+            assert!(
+                rounds < JOIN_WAIT_STEPS,
+                "seed {}: {m} {what} {JOIN_WAIT_STEPS} steps after the run (newest {:?})",
+                self.config.seed,
+                self.newest_committed()
+            );
+        }
+    }
+
     /// A running member of the newest committed configuration whose request for a region (its
     /// regions being full) is not answered.
     fn growth_waiting(&self) -> Option<MachineId> {
@@ -1579,30 +1594,9 @@ impl Sim {
         }
         // Every spare that asked to join and runs becomes a member: a join may fail (a probe
         // lost, the store timed out) and is tried again, but is never dropped for good.
-        let mut rounds = 0u64;
-        while let Some(m) = self.spare_waiting() {
-            self.step(false);
-            rounds += 1;
-            assert!(
-                rounds < JOIN_WAIT_STEPS,
-                "seed {}: spare {m} asked to join and is no member of {:?} {JOIN_WAIT_STEPS} \
-                 steps after the run",
-                self.config.seed,
-                self.newest_committed()
-            );
-        }
+        self.settle(Self::spare_waiting, "asked to join and is no member");
         // Every request of a running member for a region (its regions full) is answered.
-        let mut rounds = 0u64;
-        while let Some(m) = self.growth_waiting() {
-            self.step(false);
-            rounds += 1;
-            assert!(
-                rounds < JOIN_WAIT_STEPS,
-                "seed {}: {m}'s request for a region is unanswered {JOIN_WAIT_STEPS} steps after \
-                 the run",
-                self.config.seed,
-            );
-        }
+        self.settle(Self::growth_waiting, "asked for a region and is unanswered");
         self.quiesce();
         self.note_joined();
         let newest = self.newest_committed();

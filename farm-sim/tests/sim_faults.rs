@@ -871,6 +871,32 @@ fn machines_whose_regions_fill_up_get_more() {
     );
 }
 
+/// A campaign whose spares join ([`SimConfig::joins`]): every spare that asked and did not
+/// fail before joining joined, in each seed, and at least one spare per seed asked overall;
+/// `each` sees every outcome too. Returns the seeds, the spares that asked and those that
+/// joined.
+fn join_campaign(
+    default: u64,
+    config: impl Fn(u64) -> SimConfig,
+    mut each: impl FnMut(&SimOutcome),
+) -> Option<(u64, u64, u64)> {
+    let (mut asked, mut joined) = (0, 0);
+    let seeds = campaign("FARM_SIM_FAULT_SEEDS", default, config, |seed, out| {
+        assert_eq!(
+            out.joins.0, out.joins.1,
+            "seed {seed}: a spare never joined"
+        );
+        asked += out.joins.0;
+        joined += out.joins.1;
+        each(out);
+    })?;
+    assert!(
+        asked >= seeds,
+        "{asked} spares asked to join in {seeds} seeds"
+    );
+    Some((seeds, asked, joined))
+}
+
 /// Spare machines ask to join (§5.2) while machines crash and pause, datagrams get lost, the
 /// coordination store times out (a compare-and-set before or after it took effect) and
 /// members allocate regions: each is added, runs clients, and every one that runs is a member
@@ -879,15 +905,8 @@ fn machines_whose_regions_fill_up_get_more() {
 /// and replicas equal.
 #[test]
 fn spares_join_amid_failures_and_store_timeouts() {
-    let (mut asked, mut joined, mut members) = (0, 0, 0);
-    let Some(seeds) = campaign("FARM_SIM_FAULT_SEEDS", 200, join_config, |seed, out| {
-        // A spare is neither crashed nor paused before it joined.
-        assert_eq!(
-            out.joins.0, out.joins.1,
-            "seed {seed}: a spare never joined"
-        );
-        asked += out.joins.0;
-        joined += out.joins.1;
+    let mut members = 0;
+    let Some((seeds, asked, joined)) = join_campaign(200, join_config, |out| {
         members += out.joins.2;
     }) else {
         return;
@@ -896,71 +915,35 @@ fn spares_join_amid_failures_and_store_timeouts() {
         "{seeds} seeds: {asked} spares asked to join, {joined} joined, {members} members at the \
          end (the others crashed or paused after)"
     );
-    assert!(
-        asked >= seeds,
-        "{asked} spares asked to join in {seeds} seeds"
-    );
 }
 
 /// Spares join clusters of the varied shapes: as the joins campaign above.
 #[test]
 fn spares_join_clusters_of_varied_shapes() {
-    let (mut asked, mut joined) = (0, 0);
-    let Some(seeds) = campaign(
-        "FARM_SIM_FAULT_SEEDS",
-        100,
-        varied_join_config,
-        |seed, out| {
-            assert_eq!(
-                out.joins.0, out.joins.1,
-                "seed {seed}: a spare never joined"
-            );
-            asked += out.joins.0;
-            joined += out.joins.1;
-        },
-    ) else {
+    let Some((seeds, asked, joined)) = join_campaign(100, varied_join_config, |_| {}) else {
         return;
     };
     println!("{seeds} seeds: {asked} spares asked to join, {joined} joined");
-    assert!(
-        asked >= seeds,
-        "{asked} spares asked to join in {seeds} seeds"
-    );
 }
 
 /// Spares join amid power losses and partitions: as the joins campaign above. A spare that had
 /// not joined when the power went starts again as a spare and asks again if it had asked.
 #[test]
 fn spares_join_amid_power_losses_and_partitions() {
-    let (mut asked, mut joined, mut restarts, mut partitions) = (0, 0, 0, 0);
+    let (mut restarts, mut partitions) = (0, 0);
     let (mut restarted_members, mut restarted_spares) = (0, 0);
-    let Some(seeds) = campaign(
-        "FARM_SIM_FAULT_SEEDS",
-        100,
-        join_power_partition_config,
-        |seed, out| {
-            assert_eq!(
-                out.joins.0, out.joins.1,
-                "seed {seed}: a spare never joined"
-            );
-            asked += out.joins.0;
-            joined += out.joins.1;
-            restarts += out.restarts;
-            partitions += out.partitions.0;
-            restarted_members += out.spares_restarted.0;
-            restarted_spares += out.spares_restarted.1;
-        },
-    ) else {
+    let Some((seeds, asked, joined)) = join_campaign(100, join_power_partition_config, |out| {
+        restarts += out.restarts;
+        partitions += out.partitions.0;
+        restarted_members += out.spares_restarted.0;
+        restarted_spares += out.spares_restarted.1;
+    }) else {
         return;
     };
     println!(
         "{seeds} seeds: {asked} spares asked to join, {joined} joined; {restarts} restarts \
          from NVRAM, which brought spares back {restarted_members} times as members and \
          {restarted_spares} as spares; {partitions} partitions"
-    );
-    assert!(
-        asked >= seeds,
-        "{asked} spares asked to join in {seeds} seeds"
     );
     assert!(
         restarted_members > 0 && restarted_spares > 0 && partitions > 0,

@@ -51,11 +51,6 @@ pub struct MachineControl {
     growth_again_at: Option<u64>,
     /// Refusals of requests for a region in a row.
     growth_refusals: u32,
-    /// Replicas per region and the most a machine holds, as the CM places regions.
-    replicas: usize,
-    regions_max: usize,
-    /// A lease, in ticks.
-    lease_ticks: u64,
     /// A NEW-CONFIG persisted and not yet installed (`Effect::Persist`, then `Install`).
     persisted: Option<PersistedView>,
     /// The whole-cluster restart this machine took part in, which answers peers that ask late.
@@ -124,9 +119,6 @@ impl MachineControl {
             growth: None,
             growth_again_at: None,
             growth_refusals: 0,
-            replicas: params.replicas,
-            regions_max: params.regions_max,
-            lease_ticks: params.lease_ticks,
             persisted: None,
             restart: None,
         }
@@ -270,8 +262,8 @@ impl MachineControl {
         let placed = farm_cm::placement::choose_replicas(
             &view.config,
             &view.map,
-            self.replicas,
-            self.regions_max,
+            self.plane.params().replicas,
+            self.plane.params().regions_max,
             near,
         );
         match placed {
@@ -492,7 +484,8 @@ impl MachineControl {
                                 // up to 16 leases, if a worker still wants a region: the store
                                 // may have timed out, a replica not answered or had no memory.
                                 tracing::warn!(machine = me.0, %why, "no region for full regions yet");
-                                let wait = self.lease_ticks << self.growth_refusals.min(4);
+                                let wait =
+                                    self.plane.params().lease_ticks << self.growth_refusals.min(4);
                                 self.growth_refusals += 1;
                                 self.growth_again_at = Some(now + wait);
                                 self.machine.growth.answered(Answer::Refusing);
